@@ -1,0 +1,129 @@
+"""The one interface the server depends on: an engine that streams token deltas.
+
+`server/` imports this module and never an engine library. Each adapter (vLLM, the
+continuous-batching model `sim`, the fixed-batch model `sim-batch`) implements `EngineClient`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+class EngineError(Exception):
+    """The engine failed while serving a request (or as a whole)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine is gone: every in-flight and future request fails until a restart."""
+
+
+class EngineRequestError(EngineError):
+    """The engine refused one request (bad parameters it alone could check)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """Engine-neutral sampling parameters; adapters convert them to their engine's form."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation, prompt already tokenized by the engine's own tokenizer."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingOptions
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New output since the previous delta of the same request.
+
+    `token_ids` may hold several tokens when the consumer fell behind the engine; `text` is
+    their detokenized text (possibly empty while a multi-byte character is incomplete).
+    `finish_reason` is set on the last delta only: "stop", "length" or "abort".
+    """
+
+    text: str
+    token_ids: Sequence[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheInfo:
+    """The engine's real KV cache, known once it has started."""
+
+    block_size: int
+    num_blocks: int
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the server needs from an engine, and nothing more."""
+
+    @property
+    def model(self) -> ModelInfo: ...
+
+    @property
+    def kv_cache(self) -> KVCacheInfo | None:
+        """Block size and count of the KV cache; None before start()."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def check_health(self) -> None:
+        """Return if healthy; raise EngineDeadError if the engine is gone."""
+        ...
+
+    @property
+    def is_healthy(self) -> bool: ...
+
+    def tokenize(self, text: str) -> list[int]:
+        """Prompt token ids for raw text, with the engine's own tokenizer."""
+        ...
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Prompt token ids for chat messages, through the model's chat template."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Stream deltas. Closing or cancelling the iterator aborts the engine request."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def num_unfinished_requests(self) -> int:
+        """Requests the engine still holds (running or waiting inside it)."""
+        ...

@@ -1,0 +1,141 @@
+"""Every Prometheus metric Sluice exports, in one place.
+
+Naming follows Prometheus conventions: `sluice_` prefix, base units with `_seconds`, counters
+end in `_total`. Label sets are bounded: model (served names), traffic_class (two values),
+outcome/reason/budget (fixed vocabularies), tenant (configured tenants only, counters only).
+The README's "Metrics" section defines each one precisely.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0,
+)
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0,
+)
+_DURATION_BUCKETS = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+)
+
+# Outcomes of a request, the vocabulary of sluice_requests_total{outcome}.
+OUTCOMES = ("completed", "cancelled", "rejected", "expired", "failed", "invalid")
+
+# --- Per-request timings (recorded by the server as bytes reach the client) ---
+TIME_TO_FIRST_TOKEN = Histogram(
+    "sluice_time_to_first_token_seconds",
+    "Arrival at the server to the first generated token written to the client.",
+    ["model", "traffic_class"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "sluice_inter_token_latency_seconds",
+    "Gap between consecutive writes of generated tokens to the client, divided evenly "
+    "among the tokens of the later write.",
+    ["model", "traffic_class"], buckets=_ITL_BUCKETS, registry=REGISTRY,
+)
+REQUEST_DURATION = Histogram(
+    "sluice_request_duration_seconds",
+    "Arrival at the server to the last byte of the response written.",
+    ["model", "traffic_class"], buckets=_DURATION_BUCKETS, registry=REGISTRY,
+)
+QUEUE_WAIT = Histogram(
+    "sluice_queue_wait_seconds",
+    "Arrival at the server to dispatch into the engine.",
+    ["model", "traffic_class"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+REQUESTS = Counter(
+    "sluice_requests",
+    "Requests that ended, by outcome.",
+    ["model", "traffic_class", "outcome"], registry=REGISTRY,
+)
+GENERATED_TOKENS = Counter(
+    "sluice_generated_tokens",
+    "Tokens the engine generated and Sluice received.",
+    ["model", "traffic_class"], registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter(
+    "sluice_prompt_tokens",
+    "Prompt tokens of requests dispatched to the engine.",
+    ["model", "traffic_class"], registry=REGISTRY,
+)
+
+# --- Engine state ---
+ENGINE_UNFINISHED_REQUESTS = Gauge(
+    "sluice_engine_unfinished_requests",
+    "Requests the engine holds (running or waiting inside the engine), read at scrape time.",
+    ["model"], registry=REGISTRY,
+)
+ENGINE_HEALTHY = Gauge(
+    "sluice_engine_healthy", "1 while the engine is loaded and healthy, else 0.",
+    ["model"], registry=REGISTRY,
+)
+ENGINE_ABORTS = Counter(
+    "sluice_engine_aborts",
+    "Engine requests aborted by Sluice before they finished, by reason.",
+    ["model", "reason"], registry=REGISTRY,
+)
+CANCELLATIONS = Counter(
+    "sluice_cancellations",
+    "Requests whose client left or cancelled, by where they were (queued or running).",
+    ["model", "traffic_class", "stage"], registry=REGISTRY,
+)
+
+# --- Scheduler state (recorded at state changes by the scheduler shell) ---
+QUEUE_DEPTH = Gauge(
+    "sluice_queue_depth", "Requests waiting in Sluice's queue.",
+    ["model", "traffic_class"], registry=REGISTRY,
+)
+QUEUE_OLDEST_AGE = Gauge(
+    "sluice_queue_oldest_age_seconds", "Age of the oldest queued request.",
+    ["model", "traffic_class"], registry=REGISTRY,
+)
+RUNNING_REQUESTS = Gauge(
+    "sluice_running_requests", "Requests dispatched to the engine and not yet ended.",
+    ["model", "traffic_class"], registry=REGISTRY,
+)
+BUDGET_IN_USE = Gauge(
+    "sluice_budget_in_use", "Units of each budget held by running requests.",
+    ["budget"], registry=REGISTRY,
+)
+BUDGET_LIMIT = Gauge(
+    "sluice_budget_limit", "Limit of each budget.", ["budget"], registry=REGISTRY,
+)
+REJECTIONS = Counter(
+    "sluice_rejections",
+    "Requests refused before or instead of dispatch, by reason.",
+    ["model", "traffic_class", "reason", "tenant"], registry=REGISTRY,
+)
+DEADLINE_MISSES = Counter(
+    "sluice_deadline_misses",
+    "Requests whose deadline passed before they completed (expired queued or aborted running).",
+    ["model", "traffic_class"], registry=REGISTRY,
+)
+TENANT_REQUESTS = Counter(
+    "sluice_tenant_requests",
+    "Requests that ended, by configured tenant and outcome.",
+    ["tenant", "outcome"], registry=REGISTRY,
+)
+AUTOSCALE_PRESSURE = Gauge(
+    "sluice_autoscale_pressure",
+    "Predicted queue wait over the class's deadline budget; above 1 means add capacity.",
+    ["model", "traffic_class"], registry=REGISTRY,
+)
+
+# --- Batch dispatch mode ---
+BATCH_SIZE = Histogram(
+    "sluice_batch_size", "Requests per dispatched batch.",
+    ["model"], buckets=(1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 128), registry=REGISTRY,
+)
+WORKER_FAILURES = Counter(
+    "sluice_worker_failures", "Batches lost to a worker failure.", ["model"], registry=REGISTRY,
+)
+BATCH_RETRIES = Counter(
+    "sluice_batch_retries", "Requests re-queued after their batch failed.",
+    ["model"], registry=REGISTRY,
+)

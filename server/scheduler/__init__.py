@@ -1,0 +1,1 @@
+"""The scheduler layer: a functional core (no asyncio, no wall clock) and its shells."""

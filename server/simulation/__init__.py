@@ -1,0 +1,1 @@
+"""Discrete-event shells that drive the scheduler core in virtual time."""

@@ -1,0 +1,98 @@
+"""Structured access log: one JSON object per finished request, on the `sluice.access` logger.
+
+The route builds an `AccessRecord` when a request ends, by any path, and calls `log_request`.
+Field names and units are documented in docs/observability.md ("Access log").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import IO, Any, Literal
+
+ACCESS_LOGGER_NAME = "sluice.access"
+
+logger = logging.getLogger(ACCESS_LOGGER_NAME)
+
+Api = Literal["chat", "completions", "ws"]
+
+
+@dataclass(frozen=True, slots=True)
+class AccessRecord:
+    """What one request did. Times are seconds; a time the request never reached is None."""
+
+    request_id: str
+    tenant: str
+    traffic_class: str
+    model: str
+    outcome: str
+    status: int
+    ttft_s: float | None
+    median_itl_s: float | None
+    duration_s: float
+    prompt_tokens: int
+    generated_tokens: int
+    api: Api
+
+    def to_json(self, now: datetime | None = None) -> str:
+        when = now if now is not None else datetime.now(UTC)
+        fields: dict[str, Any] = {
+            "ts": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "class": self.traffic_class,
+            "model": self.model,
+            "api": self.api,
+            "outcome": self.outcome,
+            "status": self.status,
+            "ttft_s": _seconds(self.ttft_s),
+            "median_itl_s": _seconds(self.median_itl_s),
+            "duration_s": _seconds(self.duration_s),
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+        }
+        return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _seconds(value: float | None) -> float | None:
+    # Microsecond resolution is finer than any clock Sluice reads; NaN/inf are not JSON.
+    if value is None or value != value or value in (float("inf"), float("-inf")):
+        return None
+    return round(value, 6)
+
+
+def median(values: Iterable[float]) -> float | None:
+    """The median of `values`, or None when there are none (a request with < 2 tokens)."""
+    collected = list(values)
+    if not collected:
+        return None
+    return float(statistics.median(collected))
+
+
+def log_request(record: AccessRecord) -> None:
+    """Write `record` as one JSON line at INFO on the `sluice.access` logger."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(record.to_json())
+
+
+def install_handler(stream: IO[str] | None = None) -> logging.Handler:
+    """Send access lines, bare (no level or logger prefix), to `stream` (default stdout).
+
+    Idempotent: a second call replaces the handler the first installed. The access logger
+    stops propagating so the lines are not repeated by the root logger's handlers.
+    """
+    for existing in list(logger.handlers):
+        if getattr(existing, "_sluice_access", False):
+            logger.removeHandler(existing)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler._sluice_access = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return handler

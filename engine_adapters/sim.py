@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import logging
 import random
 import re
 from collections import deque
@@ -58,6 +59,8 @@ from engine_adapters.protocol import (
     ModelInfo,
     TokenDelta,
 )
+
+_log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- vocabulary
 
@@ -332,10 +335,7 @@ class SimTimingModel:
                 i += 1
 
         while (
-            not preempted
-            and self._waiting
-            and budget > 0
-            and len(self._running) < cfg.max_num_seqs
+            not preempted and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs
         ):
             seq = self._waiting[0]
             n = min(len(seq.tokens), budget)
@@ -576,11 +576,9 @@ class SimEngine:
                 self._finishing.update(o.request_id for o in result.outputs if o.finish_reason)
                 await asyncio.sleep(max(0.0, started + result.duration_s - loop.time()))
                 self._deliver(result)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # a bug in the model: the engine is dead, as a crash would be
+            _log.exception("sim engine step failed")
             self._die(EngineDeadError(f"the sim engine failed: {exc!r}"))
-            raise
 
     def _deliver(self, result: StepResult) -> None:
         for output in result.outputs:

@@ -1,0 +1,415 @@
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from engine_adapters.protocol import (
+    EngineClient,
+    EngineDeadError,
+    EngineRequestError,
+    GenerationRequest,
+    SamplingOptions,
+    TokenDelta,
+)
+from engine_adapters.sim import (
+    SPECIAL_TOKENS,
+    WORDS,
+    SimConfig,
+    SimEngine,
+    SimTimingModel,
+    StepResult,
+    add_sim_arguments,
+    detokenize,
+)
+
+# Round numbers so durations can be checked exactly: base 1 ms, decode 0.1, prefill 0.01.
+EXACT = SimConfig(step_base_ms=1.0, decode_ms_per_token=0.1, prefill_ms_per_token=0.01)
+PROMPT = list(range(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + 8))
+
+
+def run_to_completion(model: SimTimingModel, max_steps: int = 10_000) -> list[StepResult]:
+    results = []
+    while model.has_work:
+        results.append(model.step())
+        assert len(results) < max_steps, "the model made no progress"
+    return results
+
+
+def tokens_by_request(results: list[StepResult]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for result in results:
+        for out in result.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return tokens
+
+
+def finish_reasons(results: list[StepResult]) -> dict[str, str]:
+    return {
+        out.request_id: out.finish_reason
+        for result in results
+        for out in result.outputs
+        if out.finish_reason is not None
+    }
+
+
+# --------------------------------------------------------------------------- timing model
+
+
+def test_step_time_grows_with_decode_tokens_in_the_step() -> None:
+    for batch in (1, 8, 32):
+        model = SimTimingModel(EXACT)
+        for i in range(batch):
+            model.add(f"r{i}", PROMPT, max_tokens=4)
+        prefill = model.step()
+        assert prefill.prefill_tokens == 8 * batch and prefill.decode_tokens == 0
+        assert prefill.duration_s == pytest.approx((1.0 + 0.01 * 8 * batch) / 1000)
+        decode = model.step()
+        assert decode.decode_tokens == batch and decode.prefill_tokens == 0
+        assert decode.duration_s == pytest.approx((1.0 + 0.1 * batch) / 1000)
+
+
+def test_default_step_of_32_sequences_takes_about_5_ms() -> None:
+    model = SimTimingModel()
+    for i in range(32):
+        model.add(f"r{i}", PROMPT, max_tokens=4)
+    model.step()
+    assert model.step().duration_s == pytest.approx(0.005)
+
+
+def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget() -> None:
+    model = SimTimingModel(
+        SimConfig(
+            step_base_ms=1.0,
+            decode_ms_per_token=0.1,
+            prefill_ms_per_token=0.01,
+            max_num_seqs=4,
+            max_batched_tokens=64,
+        )
+    )
+    model.add("long", [7] * 150, max_tokens=2)
+    steps = [model.step() for _ in range(3)]
+    assert [s.prefill_tokens for s in steps] == [64, 64, 22]
+    assert [s.duration_s * 1000 for s in steps] == pytest.approx([1.64, 1.64, 1.22])
+    assert [len(s.outputs) for s in steps] == [0, 0, 1]  # first token when the prompt is done
+    assert model.step().decode_tokens == 1
+
+
+def test_decodes_and_a_prefill_chunk_share_the_step_budget() -> None:
+    model = SimTimingModel(
+        SimConfig(step_base_ms=1.0, max_num_seqs=4, max_batched_tokens=16, kv_blocks=512)
+    )
+    model.add("a", PROMPT, max_tokens=10)
+    model.add("b", PROMPT, max_tokens=10)
+    model.step()  # both prompts (16 tokens)
+    model.add("long", [7] * 40, max_tokens=1)
+    step = model.step()
+    assert (step.decode_tokens, step.prefill_tokens) == (2, 14)
+
+
+def test_kv_exhaustion_preempts_the_newest_and_everything_still_completes() -> None:
+    tight = SimConfig(block_size=4, kv_blocks=8, max_model_len=32, max_batched_tokens=256)
+    model = SimTimingModel(tight)
+    for name in "abc":
+        model.add(name, PROMPT, max_tokens=12)  # 8 prompt tokens = 2 blocks, 20 in the end = 5
+    results = []
+    while model.has_work:
+        results.append(model.step())
+        assert model.kv_blocks_in_use <= tight.kv_blocks
+    preempted = [rid for r in results for rid in r.preempted]
+    assert preempted and preempted[0] == "c"  # the most recently started goes first
+    assert finish_reasons(results) == {"a": "length", "b": "length", "c": "length"}
+    assert {k: len(v) for k, v in tokens_by_request(results).items()} == {"a": 12, "b": 12, "c": 12}
+    assert model.kv_blocks_in_use == 0
+    # Recompute is paid as prefill, and preemption never changes what a request generates.
+    assert sum(r.prefill_tokens for r in results) > 3 * len(PROMPT)
+    roomy = SimTimingModel(SimConfig(max_model_len=32))
+    for name in "abc":
+        roomy.add(name, PROMPT, max_tokens=12)
+    assert tokens_by_request(run_to_completion(roomy)) == tokens_by_request(results)
+
+
+def test_a_new_sequence_waits_until_its_blocks_fit() -> None:
+    model = SimTimingModel(SimConfig(block_size=4, kv_blocks=8, max_model_len=32))
+    model.add("big", [7] * 28, max_tokens=2)  # 7 blocks
+    model.add("small", PROMPT, max_tokens=2)  # 2 blocks: does not fit beside "big"
+    model.step()
+    assert (model.num_running, model.num_waiting, model.kv_blocks_in_use) == (1, 1, 7)
+    results = run_to_completion(model)
+    assert finish_reasons(results) == {"big": "length", "small": "length"}
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    model = SimTimingModel(SimConfig(max_num_seqs=2))
+    for i in range(3):
+        model.add(f"r{i}", PROMPT, max_tokens=3)
+    model.step()
+    assert (model.num_running, model.num_waiting) == (2, 1)
+    assert len(finish_reasons(run_to_completion(model))) == 3
+
+
+def test_abort_frees_blocks_immediately() -> None:
+    model = SimTimingModel(SimConfig(block_size=4))
+    model.add("a", PROMPT, max_tokens=100)
+    model.add("b", PROMPT, max_tokens=100)
+    model.step()
+    assert model.kv_blocks_in_use == 4
+    assert model.abort("a") is True
+    assert (model.kv_blocks_in_use, model.num_unfinished) == (2, 1)
+    assert model.abort("a") is False
+    assert model.abort("b") is True
+    assert (model.kv_blocks_in_use, model.has_work) == (0, False)
+    model.add("waiting", PROMPT, max_tokens=1)
+    assert model.abort("waiting") is True and not model.has_work
+
+
+def test_same_inputs_give_the_same_tokens_and_durations() -> None:
+    def run() -> list[StepResult]:
+        tight = SimConfig(block_size=4, kv_blocks=16, max_model_len=64, eos_probability=0.05)
+        model = SimTimingModel(tight)  # tight enough to preempt: the schedule is deterministic too
+        for i in range(10):
+            model.add(f"req-{i}", PROMPT[: 1 + i % 8], max_tokens=40)
+        return run_to_completion(model)
+
+    assert run() == run()
+
+
+def test_seed_decides_the_tokens_else_the_request_id() -> None:
+    model = SimTimingModel()
+    model.add("x", PROMPT, max_tokens=20, seed=42)
+    model.add("y", PROMPT, max_tokens=20, seed=42)
+    model.add("z", PROMPT, max_tokens=20)
+    tokens = tokens_by_request(run_to_completion(model))
+    assert tokens["x"] == tokens["y"] != tokens["z"]
+    assert all(len(SPECIAL_TOKENS) <= t < SimConfig().vocab_size for t in tokens["z"])
+
+
+def test_finishes_with_length_at_max_tokens_or_max_model_len() -> None:
+    model = SimTimingModel(SimConfig(max_model_len=32))
+    model.add("tokens", PROMPT, max_tokens=5)
+    model.add("model_len", [7] * 30, max_tokens=100)
+    results = run_to_completion(model)
+    assert finish_reasons(results) == {"tokens": "length", "model_len": "length"}
+    assert {k: len(v) for k, v in tokens_by_request(results).items()} == {
+        "tokens": 5,
+        "model_len": 2,
+    }
+
+
+def test_eos_stops_but_not_before_min_tokens_nor_with_ignore_eos() -> None:
+    model = SimTimingModel(SimConfig(eos_probability=1.0))
+    model.add("eos", PROMPT, max_tokens=10)
+    model.add("min", PROMPT, max_tokens=10, min_tokens=4)
+    model.add("ignore", PROMPT, max_tokens=10, ignore_eos=True)
+    results = run_to_completion(model)
+    assert finish_reasons(results) == {"eos": "stop", "min": "stop", "ignore": "length"}
+    assert {k: len(v) for k, v in tokens_by_request(results).items()} == {
+        "eos": 1,
+        "min": 4,
+        "ignore": 10,
+    }
+
+
+def test_eos_probability_zero_never_stops() -> None:
+    model = SimTimingModel()
+    model.add("a", PROMPT, max_tokens=300)
+    assert finish_reasons(run_to_completion(model)) == {"a": "length"}
+
+
+def test_requests_that_can_never_run_are_refused() -> None:
+    model = SimTimingModel(SimConfig(max_model_len=32, block_size=4, kv_blocks=8))
+    with pytest.raises(ValueError, match="max_model_len"):
+        model.add("long", [7] * 33, max_tokens=1)
+    with pytest.raises(ValueError, match="empty"):
+        model.add("empty", [], max_tokens=1)
+    model.add("a", PROMPT, max_tokens=1)
+    with pytest.raises(ValueError, match="already"):
+        model.add("a", PROMPT, max_tokens=1)
+    with pytest.raises(ValueError, match="KV pool"):
+        SimConfig(block_size=4, kv_blocks=2, max_model_len=32)
+
+
+def test_cli_arguments_round_trip_to_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    assert SimConfig.from_args(parser.parse_args([])) == SimConfig()
+    args = parser.parse_args(
+        ["--sim-step-base-ms", "3", "--sim-kv-blocks", "64", "--sim-eos-probability", "0.1"]
+    )
+    assert SimConfig.from_args(args) == SimConfig(
+        step_base_ms=3.0, kv_blocks=64, eos_probability=0.1
+    )
+
+
+# --------------------------------------------------------------------------- engine client
+
+FAST = SimConfig(step_base_ms=0.5, decode_ms_per_token=0.05, prefill_ms_per_token=0.001)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[SimEngine]:
+    sim = SimEngine(FAST, model_name="sim-test")
+    assert sim.kv_cache is None
+    await sim.start()
+    yield sim
+    await sim.stop()
+
+
+def request(request_id: str, max_tokens: int = 16, **sampling: object) -> GenerationRequest:
+    return GenerationRequest(
+        request_id,
+        PROMPT,
+        SamplingOptions(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
+    )
+
+
+async def collect(engine: SimEngine, req: GenerationRequest) -> list[TokenDelta]:
+    return [delta async for delta in engine.generate(req)]
+
+
+async def test_engine_satisfies_the_protocol_and_reports_its_config(engine: SimEngine) -> None:
+    assert isinstance(engine, EngineClient)
+    assert engine.model.name == "sim-test" and engine.model.max_model_len == FAST.max_model_len
+    assert engine.kv_cache is not None and engine.kv_cache.num_blocks == FAST.kv_blocks
+    assert engine.is_healthy
+    await engine.check_health()
+
+
+async def test_streams_a_request_to_completion(engine: SimEngine) -> None:
+    deltas = await asyncio.wait_for(collect(engine, request("a", max_tokens=16)), 5)
+    token_ids = [t for d in deltas for t in d.token_ids]
+    assert len(token_ids) == 16
+    assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + ["length"]
+    assert "".join(d.text for d in deltas) == detokenize(token_ids)
+    assert all(word in WORDS for word in detokenize(token_ids).split())
+    assert engine.num_unfinished_requests() == 0
+    # The loop went idle; a later request wakes it again, with the same seeded tokens.
+    again = await asyncio.wait_for(collect(engine, request("b", max_tokens=16, seed=1)), 5)
+    same = await asyncio.wait_for(collect(engine, request("c", max_tokens=16, seed=1)), 5)
+    assert [d.token_ids for d in again] == [d.token_ids for d in same]
+
+
+async def test_step_durations_pass_on_the_wall_clock() -> None:
+    sim = SimEngine(SimConfig(step_base_ms=10.0, decode_ms_per_token=0.0))
+    await sim.start()
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.wait_for(collect(sim, request("a", max_tokens=5)), 5)
+        assert loop.time() - started >= 0.9 * 5 * 0.010  # 5 steps: prefill+first token, 4 decodes
+    finally:
+        await sim.stop()
+
+
+async def test_two_concurrent_requests_interleave(engine: SimEngine) -> None:
+    arrivals: list[str] = []
+
+    async def consume(name: str) -> None:
+        async for _ in engine.generate(request(name, max_tokens=20)):
+            arrivals.append(name)
+
+    await asyncio.wait_for(asyncio.gather(consume("a"), consume("b")), 5)
+    last_a = len(arrivals) - 1 - arrivals[::-1].index("a")
+    last_b = len(arrivals) - 1 - arrivals[::-1].index("b")
+    assert arrivals.index("b") < last_a and arrivals.index("a") < last_b
+    assert engine.num_unfinished_requests() == 0
+
+
+async def test_closing_the_stream_early_aborts_the_request(engine: SimEngine) -> None:
+    stream = engine.generate(request("a", max_tokens=10_000, ignore_eos=True))
+    first = await asyncio.wait_for(anext(stream), 5)
+    assert first.token_ids and engine.num_unfinished_requests() == 1
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert engine.num_unfinished_requests() == 0
+    assert engine.timing_model.kv_blocks_in_use == 0
+
+
+async def test_cancelling_the_consumer_aborts_the_request(engine: SimEngine) -> None:
+    got_first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(request("a", max_tokens=10_000)):
+            got_first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(got_first.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert engine.num_unfinished_requests() == 0
+
+
+async def test_abort_ends_the_stream_with_finish_reason_abort(engine: SimEngine) -> None:
+    stream = engine.generate(request("a", max_tokens=10_000))
+    await asyncio.wait_for(anext(stream), 5)
+    await engine.abort("a")
+    assert engine.num_unfinished_requests() == 0
+    rest = await asyncio.wait_for(collect_rest(stream), 5)
+    assert rest[-1].finish_reason == "abort"
+
+
+async def collect_rest(stream: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
+    return [delta async for delta in stream]
+
+
+async def test_kill_fails_in_flight_streams_and_health(engine: SimEngine) -> None:
+    stream = engine.generate(request("a", max_tokens=10_000))
+    await asyncio.wait_for(anext(stream), 5)
+    engine.kill()
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(collect_rest(stream), 5)
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+    assert not engine.is_healthy
+    assert engine.num_unfinished_requests() == 0
+    with pytest.raises(EngineDeadError):
+        await collect(engine, request("b"))
+
+
+async def test_stop_fails_outstanding_generations() -> None:
+    sim = SimEngine(FAST)
+    await sim.start()
+    stream = sim.generate(request("a", max_tokens=10_000))
+    await asyncio.wait_for(anext(stream), 5)
+    await asyncio.wait_for(sim.stop(), 5)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(collect_rest(stream), 5)
+
+
+async def test_invalid_request_is_refused(engine: SimEngine) -> None:
+    too_long = GenerationRequest("a", [7] * (FAST.max_model_len + 1), SamplingOptions(max_tokens=1))
+    with pytest.raises(EngineRequestError):
+        await collect(engine, too_long)
+    assert engine.is_healthy and engine.num_unfinished_requests() == 0
+
+
+def test_tokenize_and_chat_template_are_deterministic_and_in_vocab() -> None:
+    sim = SimEngine(SimConfig(vocab_size=2048))
+    ids = sim.tokenize("The quick brown fox, naturally!")
+    assert ids == sim.tokenize("The quick brown fox, naturally!")
+    assert all(len(SPECIAL_TOKENS) <= t < 2048 for t in ids)
+    assert detokenize(sim.tokenize("The quick dog")) == " the quick dog"
+    chat = sim.render_chat(
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hello world"}]},
+        ]
+    )
+    bos, eos, system, user, assistant = (
+        SPECIAL_TOKENS.index(t)
+        for t in ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>")
+    )
+    body = sim.tokenize("be brief")
+    assert chat == [bos, system, *body, eos, user, *sim.tokenize("hello world"), eos, assistant]
+
+
+async def test_a_failing_step_makes_the_engine_dead(engine: SimEngine) -> None:
+    def broken_step() -> StepResult:
+        raise RuntimeError("model bug")
+
+    engine.timing_model.step = broken_step  # type: ignore[method-assign]
+    with pytest.raises(EngineDeadError, match="model bug"):
+        await asyncio.wait_for(collect(engine, request("a")), 5)
+    assert not engine.is_healthy

@@ -1,0 +1,444 @@
+"""Builds dashboards/grafana/sluice.json, the Grafana dashboard for Sluice.
+
+The JSON is committed and importable as is; this script is how it is edited, so that every
+panel uses the same datasource variable and label filters. After a change run
+
+    python dashboards/grafana/build_dashboard.py
+
+and commit both files (tests/observability/test_dashboard_json.py checks they agree).
+Every metric named here is defined in server/metrics.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OUTPUT = Path(__file__).with_name("sluice.json")
+
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+CLASS_FILTER = 'model=~"$model", traffic_class=~"$traffic_class"'
+MODEL_FILTER = 'model=~"$model"'
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    targets: tuple[Target, ...]
+    unit: str = "short"
+    width: int = 8
+    kind: str = "timeseries"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[Panel, ...]
+
+
+def _quantiles(metric: str, filters: str, by: str, legend: str) -> tuple[Target, ...]:
+    return tuple(
+        Target(
+            f"histogram_quantile({q}, sum by (le, {by}) "
+            f"(rate({metric}_bucket{{{filters}}}[$__rate_interval])))",
+            f"p{round(q * 100)} {legend}",
+        )
+        for q in QUANTILES
+    )
+
+
+def _latency_panel(title: str, metric: str, description: str) -> Panel:
+    return Panel(
+        title,
+        description,
+        _quantiles(metric, CLASS_FILTER, "model, traffic_class", "{{traffic_class}} {{model}}"),
+        unit="s",
+    )
+
+
+ROWS: tuple[Row, ...] = (
+    Row(
+        "Latency (p50 / p90 / p99 per traffic class and model)",
+        (
+            _latency_panel(
+                "Time to first token",
+                "sluice_time_to_first_token_seconds",
+                "Arrival at the server to the first generated token written to the client.",
+            ),
+            _latency_panel(
+                "Inter-token latency",
+                "sluice_inter_token_latency_seconds",
+                "Gap between consecutive token writes to the client, per token.",
+            ),
+            _latency_panel(
+                "Completion time",
+                "sluice_request_duration_seconds",
+                "Arrival at the server to the last byte of the response.",
+            ),
+            _latency_panel(
+                "Queue wait",
+                "sluice_queue_wait_seconds",
+                "Arrival at the server to dispatch into the engine.",
+            ),
+        ),
+    ),
+    Row(
+        "Throughput and outcomes",
+        (
+            Panel(
+                "Output tokens/s",
+                "Tokens the engine generated and Sluice received, per second.",
+                (
+                    Target(
+                        "sum by (model, traffic_class) "
+                        f"(rate(sluice_generated_tokens_total{{{CLASS_FILTER}}}[$__rate_interval]))",
+                        "{{traffic_class}} {{model}}",
+                    ),
+                ),
+                unit="short",
+            ),
+            Panel(
+                "Prompt tokens/s",
+                "Prompt tokens of requests dispatched to the engine, per second.",
+                (
+                    Target(
+                        "sum by (model, traffic_class) "
+                        f"(rate(sluice_prompt_tokens_total{{{CLASS_FILTER}}}[$__rate_interval]))",
+                        "{{traffic_class}} {{model}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Request rate by outcome",
+                "Requests that ended per second: completed, cancelled, rejected, expired, failed, "
+                "invalid.",
+                (
+                    Target(
+                        "sum by (outcome) "
+                        f"(rate(sluice_requests_total{{{CLASS_FILTER}}}[$__rate_interval]))",
+                        "{{outcome}}",
+                    ),
+                ),
+                unit="reqps",
+            ),
+            Panel(
+                "Rejections by reason",
+                "Requests refused before or instead of dispatch, per second.",
+                (
+                    Target(
+                        "sum by (reason, traffic_class) "
+                        f"(rate(sluice_rejections_total{{{CLASS_FILTER}}}[$__rate_interval]))",
+                        "{{reason}} ({{traffic_class}})",
+                    ),
+                ),
+                unit="reqps",
+            ),
+            Panel(
+                "Requests by tenant and outcome",
+                "Requests that ended per second, by configured tenant.",
+                (
+                    Target(
+                        "sum by (tenant, outcome) "
+                        "(rate(sluice_tenant_requests_total[$__rate_interval]))",
+                        "{{tenant}} {{outcome}}",
+                    ),
+                ),
+                unit="reqps",
+            ),
+        ),
+    ),
+    Row(
+        "Queue and capacity",
+        (
+            Panel(
+                "Queue depth",
+                "Requests waiting in Sluice's queue, per traffic class.",
+                (
+                    Target(
+                        f"sum by (model, traffic_class) (sluice_queue_depth{{{CLASS_FILTER}}})",
+                        "{{traffic_class}} {{model}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Oldest queued request age",
+                "Age of the oldest request waiting in the queue, per traffic class.",
+                (
+                    Target(
+                        "max by (model, traffic_class) "
+                        f"(sluice_queue_oldest_age_seconds{{{CLASS_FILTER}}})",
+                        "{{traffic_class}} {{model}}",
+                    ),
+                ),
+                unit="s",
+            ),
+            Panel(
+                "Running requests",
+                "Requests dispatched to the engine and not yet ended (per class), and requests "
+                "the engine itself holds.",
+                (
+                    Target(
+                        f"sum by (model, traffic_class) (sluice_running_requests{{{CLASS_FILTER}}})",
+                        "running {{traffic_class}} {{model}}",
+                    ),
+                    Target(
+                        f"sum by (model) (sluice_engine_unfinished_requests{{{MODEL_FILTER}}})",
+                        "engine unfinished {{model}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Budget in use against its limit",
+                "Units of each scheduler budget held by running requests, and the limit.",
+                (
+                    Target("sum by (budget) (sluice_budget_in_use)", "{{budget}} in use"),
+                    Target("max by (budget) (sluice_budget_limit)", "{{budget}} limit"),
+                ),
+            ),
+            Panel(
+                "Budget utilisation",
+                "In use over limit, per budget.",
+                (
+                    Target(
+                        "sum by (budget) (sluice_budget_in_use) "
+                        "/ max by (budget) (sluice_budget_limit)",
+                        "{{budget}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+            Panel(
+                "Autoscale pressure",
+                "Predicted queue wait over the class's deadline budget; above 1 means add "
+                "capacity. The signal for a horizontal autoscaler (docs/observability.md).",
+                (
+                    Target(
+                        "max by (model, traffic_class) "
+                        f"(sluice_autoscale_pressure{{{CLASS_FILTER}}})",
+                        "{{traffic_class}} {{model}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    Row(
+        "Deadlines, cancellations and engine",
+        (
+            Panel(
+                "Deadline misses",
+                "Requests whose deadline passed before they completed, per second.",
+                (
+                    Target(
+                        "sum by (model, traffic_class) "
+                        f"(rate(sluice_deadline_misses_total{{{CLASS_FILTER}}}[$__rate_interval]))",
+                        "{{traffic_class}} {{model}}",
+                    ),
+                ),
+                unit="reqps",
+            ),
+            Panel(
+                "Cancellations",
+                "Requests whose client left or cancelled, by where they were, per second.",
+                (
+                    Target(
+                        "sum by (stage, traffic_class) "
+                        f"(rate(sluice_cancellations_total{{{CLASS_FILTER}}}[$__rate_interval]))",
+                        "{{stage}} ({{traffic_class}})",
+                    ),
+                ),
+                unit="reqps",
+            ),
+            Panel(
+                "Engine aborts",
+                "Engine requests Sluice aborted before they finished, by reason, per second.",
+                (
+                    Target(
+                        "sum by (model, reason) "
+                        f"(rate(sluice_engine_aborts_total{{{MODEL_FILTER}}}[$__rate_interval]))",
+                        "{{reason}} {{model}}",
+                    ),
+                ),
+                unit="reqps",
+            ),
+            Panel(
+                "Engine healthy",
+                "1 while the engine is loaded and healthy.",
+                (Target(f"min by (model) (sluice_engine_healthy{{{MODEL_FILTER}}})", "{{model}}"),),
+                kind="stat",
+            ),
+        ),
+    ),
+    Row(
+        "Batch mode (engine sim-batch or batch dispatch)",
+        (
+            Panel(
+                "Batch size",
+                "Requests per dispatched batch: p50 / p90 / p99 and the mean.",
+                (
+                    *_quantiles("sluice_batch_size", MODEL_FILTER, "model", "{{model}}"),
+                    Target(
+                        f"sum by (model) (rate(sluice_batch_size_sum{{{MODEL_FILTER}}}"
+                        "[$__rate_interval])) / sum by (model) "
+                        f"(rate(sluice_batch_size_count{{{MODEL_FILTER}}}[$__rate_interval]))",
+                        "mean {{model}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Batches dispatched/s",
+                "Batches dispatched per second.",
+                (
+                    Target(
+                        "sum by (model) "
+                        f"(rate(sluice_batch_size_count{{{MODEL_FILTER}}}[$__rate_interval]))",
+                        "{{model}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
+)
+
+
+def _variables() -> list[dict[str, Any]]:
+    def query_variable(name: str, label: str, query: str) -> dict[str, Any]:
+        return {
+            "name": name,
+            "label": label,
+            "type": "query",
+            "datasource": DATASOURCE,
+            "definition": query,
+            "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "refresh": 2,
+            "includeAll": True,
+            "allValue": ".*",
+            "multi": True,
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "options": [],
+            "sort": 1,
+            "hide": 0,
+            "regex": "",
+        }
+
+    return [
+        {
+            "name": "datasource",
+            "label": "Data source",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {},
+            "options": [],
+            "refresh": 1,
+            "regex": "",
+            "hide": 0,
+            "includeAll": False,
+            "multi": False,
+        },
+        query_variable("model", "Model", "label_values(sluice_engine_healthy, model)"),
+        query_variable(
+            "traffic_class", "Traffic class", "label_values(sluice_requests_total, traffic_class)"
+        ),
+    ]
+
+
+def _panel_json(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    targets = [
+        {
+            "datasource": DATASOURCE,
+            "refId": chr(ord("A") + i),
+            "expr": target.expr,
+            "legendFormat": target.legend,
+            "range": True,
+        }
+        for i, target in enumerate(panel.targets)
+    ]
+    body: dict[str, Any] = {
+        "id": panel_id,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": panel.description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": 8, "w": panel.width, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+            **panel.options,
+        },
+        "targets": targets,
+    }
+    if panel.kind == "stat":
+        body["options"] = {"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "value"}
+        body["fieldConfig"]["defaults"]["thresholds"] = {
+            "mode": "absolute",
+            "steps": [{"color": "red", "value": None}, {"color": "green", "value": 1}],
+        }
+    return body
+
+
+def build() -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    next_id = 1
+    y = 0
+    for row in ROWS:
+        panels.append(
+            {
+                "id": next_id,
+                "type": "row",
+                "title": row.title,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
+        next_id += 1
+        y += 1
+        x = 0
+        for panel in row.panels:
+            if x + panel.width > 24:
+                x = 0
+                y += 8
+            panels.append(_panel_json(panel, next_id, x, y))
+            next_id += 1
+            x += panel.width
+        y += 8
+    return {
+        "title": "Sluice",
+        "uid": "sluice-overview",
+        "description": "Sluice streaming token server: latency, throughput, queueing, budgets, "
+        "deadlines, cancellations and batching. Metrics are defined in server/metrics.py.",
+        "tags": ["sluice", "llm"],
+        "timezone": "browser",
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {"list": _variables()},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUTPUT.write_text(render())
+    sys.stdout.write(f"wrote {OUTPUT}\n")

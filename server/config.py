@@ -1,0 +1,258 @@
+"""Sluice's configuration: tenants and their API keys, per-class limits, scheduler budgets.
+
+Loaded from a YAML file (`sluice serve --config PATH`) plus the environment variable
+`SLUICE_API_KEYS="key1:tenantA,key2:tenantB"`. With no API keys anywhere, Sluice runs open:
+every request belongs to the single tenant `default`. See the README's "Configuration".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from server.scheduler.types import TrafficClass
+
+OPEN_TENANT = "default"
+API_KEYS_ENV = "SLUICE_API_KEYS"
+
+
+class ConfigError(ValueError):
+    """The configuration file or environment is malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    name: str
+    max_concurrent: int | None = None  # queued + running requests at once
+    tokens_per_minute: int | None = None  # prompt + max_tokens admitted per rolling minute
+    allowed_classes: frozenset[TrafficClass] = frozenset(TrafficClass)
+    default_class: TrafficClass = TrafficClass.INTERACTIVE
+
+
+@dataclass(frozen=True, slots=True)
+class ClassConfig:
+    deadline_s: float  # deadline when the request carries no X-Request-Timeout-Ms
+    max_queued: int  # requests waiting, per model
+    max_queued_tokens: int  # prompt + max_tokens of requests waiting, per model
+    tenant_queue_share: float = 0.5  # most of max_queued one tenant may hold (with >1 tenant)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetConfig:
+    kv_target_utilization: float = 0.9  # share of the engine's KV blocks Sluice may reserve
+    interactive_reserve_share: float = 0.2  # share of each budget bulk may never take
+    bulk_min_share: float = 0.1  # share of each budget bulk is guaranteed while waiting
+    max_running_seqs: int = 256
+    max_running_tokens: int | None = None  # None: the KV-cache budget in tokens
+    fairness_quantum_tokens: int = 2048  # deficit round-robin quantum between tenants
+
+
+@dataclass(frozen=True, slots=True)
+class EstimateConfig:
+    """Priors for the online rate estimates, used until the engine has been observed."""
+
+    prefill_tokens_per_s: float = 20_000.0
+    decode_tokens_per_s: float = 100.0  # per running sequence
+    smoothing: float = 0.2  # weight of each new observation in the moving average
+
+
+def _default_classes() -> dict[TrafficClass, ClassConfig]:
+    return {
+        TrafficClass.INTERACTIVE: ClassConfig(
+            deadline_s=30.0, max_queued=256, max_queued_tokens=256 * 2048
+        ),
+        TrafficClass.BULK: ClassConfig(
+            deadline_s=600.0, max_queued=1024, max_queued_tokens=1024 * 4096
+        ),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class SluiceConfig:
+    tenants: dict[str, TenantConfig] = field(
+        default_factory=lambda: {OPEN_TENANT: TenantConfig(OPEN_TENANT)}
+    )
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant name
+    classes: dict[TrafficClass, ClassConfig] = field(default_factory=_default_classes)
+    budgets: BudgetConfig = field(default_factory=BudgetConfig)
+    estimates: EstimateConfig = field(default_factory=EstimateConfig)
+
+    @property
+    def is_open(self) -> bool:
+        """No API keys configured: every request is the default tenant's."""
+        return not self.api_keys
+
+
+def _traffic_class(value: Any, where: str) -> TrafficClass:
+    try:
+        return TrafficClass(str(value))
+    except ValueError:
+        raise ConfigError(f"{where}: unknown traffic class {value!r}") from None
+
+
+def _positive(value: Any, where: str, kind: type = float) -> Any:
+    if value is None:
+        return None
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if number <= 0:
+        raise ConfigError(f"{where}: must be positive, got {value!r}")
+    return number
+
+
+def _share(value: Any, where: str) -> float:
+    share = float(value)
+    if not 0.0 <= share < 1.0:
+        raise ConfigError(f"{where}: a share must be in [0, 1), got {value!r}")
+    return share
+
+
+def _parse_tenant(name: str, raw: Mapping[str, Any]) -> TenantConfig:
+    where = f"tenants.{name}"
+    allowed = frozenset(
+        _traffic_class(c, f"{where}.allowed_classes")
+        for c in raw.get("allowed_classes", [c.value for c in TrafficClass])
+    )
+    if not allowed:
+        raise ConfigError(f"{where}.allowed_classes: must not be empty")
+    default_raw = raw.get("default_class")
+    if default_raw is None:
+        default = (
+            TrafficClass.INTERACTIVE if TrafficClass.INTERACTIVE in allowed else TrafficClass.BULK
+        )
+    else:
+        default = _traffic_class(default_raw, f"{where}.default_class")
+    if default not in allowed:
+        raise ConfigError(f"{where}.default_class: {default} is not in allowed_classes")
+    return TenantConfig(
+        name=name,
+        max_concurrent=_positive(raw.get("max_concurrent"), f"{where}.max_concurrent", int),
+        tokens_per_minute=_positive(
+            raw.get("tokens_per_minute"), f"{where}.tokens_per_minute", int
+        ),
+        allowed_classes=allowed,
+        default_class=default,
+    )
+
+
+def _parse_classes(raw: Mapping[str, Any]) -> dict[TrafficClass, ClassConfig]:
+    classes = _default_classes()
+    for key, values in raw.items():
+        traffic_class = _traffic_class(key, "classes")
+        where = f"classes.{key}"
+        base = classes[traffic_class]
+        values = values or {}
+        classes[traffic_class] = ClassConfig(
+            deadline_s=_positive(values["deadline_ms"], f"{where}.deadline_ms") / 1000.0
+            if "deadline_ms" in values
+            else base.deadline_s,
+            max_queued=_positive(values.get("max_queued", base.max_queued), where, int),
+            max_queued_tokens=_positive(
+                values.get("max_queued_tokens", base.max_queued_tokens), where, int
+            ),
+            tenant_queue_share=float(values.get("tenant_queue_share", base.tenant_queue_share)),
+        )
+    return classes
+
+
+def _parse_budgets(raw: Mapping[str, Any]) -> BudgetConfig:
+    base = BudgetConfig()
+    kv = float(raw.get("kv_target_utilization", base.kv_target_utilization))
+    if not 0.0 < kv <= 1.0:
+        raise ConfigError(f"budgets.kv_target_utilization: must be in (0, 1], got {kv}")
+    reserve = _share(
+        raw.get("interactive_reserve_share", base.interactive_reserve_share),
+        "budgets.interactive_reserve_share",
+    )
+    bulk_min = _share(raw.get("bulk_min_share", base.bulk_min_share), "budgets.bulk_min_share")
+    if bulk_min > 1.0 - reserve:
+        raise ConfigError("budgets.bulk_min_share: exceeds what the interactive reserve leaves")
+    return BudgetConfig(
+        kv_target_utilization=kv,
+        interactive_reserve_share=reserve,
+        bulk_min_share=bulk_min,
+        max_running_seqs=_positive(
+            raw.get("max_running_seqs", base.max_running_seqs), "budgets.max_running_seqs", int
+        ),
+        max_running_tokens=_positive(
+            raw.get("max_running_tokens"), "budgets.max_running_tokens", int
+        ),
+        fairness_quantum_tokens=_positive(
+            raw.get("fairness_quantum_tokens", base.fairness_quantum_tokens),
+            "budgets.fairness_quantum_tokens",
+            int,
+        ),
+    )
+
+
+def _parse_estimates(raw: Mapping[str, Any]) -> EstimateConfig:
+    base = EstimateConfig()
+    return EstimateConfig(
+        prefill_tokens_per_s=_positive(
+            raw.get("prefill_tokens_per_s", base.prefill_tokens_per_s), "estimates.prefill"
+        ),
+        decode_tokens_per_s=_positive(
+            raw.get("decode_tokens_per_s", base.decode_tokens_per_s), "estimates.decode"
+        ),
+        smoothing=_share(raw.get("smoothing", base.smoothing), "estimates.smoothing"),
+    )
+
+
+def parse_api_keys_env(value: str) -> dict[str, str]:
+    """`"key1:tenantA,key2:tenantB"` -> {"key1": "tenantA", "key2": "tenantB"}."""
+    keys: dict[str, str] = {}
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, tenant = item.rpartition(":")
+        if not sep or not key or not tenant:
+            raise ConfigError(f"{API_KEYS_ENV}: expected key:tenant, got {item!r}")
+        keys[key] = tenant
+    return keys
+
+
+def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> SluiceConfig:
+    """Build a SluiceConfig from parsed YAML and the SLUICE_API_KEYS value (if any)."""
+    tenants_raw: Mapping[str, Any] = raw.get("tenants") or {}
+    tenants = {name: _parse_tenant(name, values or {}) for name, values in tenants_raw.items()}
+    api_keys: dict[str, str] = {}
+    for name, values in tenants_raw.items():
+        for key in (values or {}).get("api_keys", []):
+            api_keys[str(key)] = name
+    if env_api_keys:
+        api_keys.update(parse_api_keys_env(env_api_keys))
+    for tenant in set(api_keys.values()) - tenants.keys():
+        tenants[tenant] = TenantConfig(tenant)  # a key for an unconfigured tenant: no limits
+    if not api_keys:
+        tenants.setdefault(OPEN_TENANT, TenantConfig(OPEN_TENANT))
+    return SluiceConfig(
+        tenants=tenants,
+        api_keys=api_keys,
+        classes=_parse_classes(raw.get("classes") or {}),
+        budgets=_parse_budgets(raw.get("budgets") or {}),
+        estimates=_parse_estimates(raw.get("estimates") or {}),
+    )
+
+
+def load_config(path: Path | None) -> SluiceConfig:
+    """The configuration from `path` (YAML) and the environment; defaults when `path` is None."""
+    raw: Mapping[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, Mapping):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        raw = loaded or {}
+    return parse_config(raw, os.environ.get(API_KEYS_ENV))
+
+
+def with_budgets(config: SluiceConfig, **changes: Any) -> SluiceConfig:
+    """A copy of `config` with some budget settings changed (for tests and the simulator)."""
+    return replace(config, budgets=replace(config.budgets, **changes))

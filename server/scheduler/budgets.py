@@ -1,0 +1,132 @@
+"""What running requests hold: in-flight tokens, KV-cache blocks and sequences.
+
+A request enters the engine only when it fits every budget. Each budget keeps a share for
+interactive traffic that bulk may never take (`interactive_reserve_share`), and, while bulk is
+waiting, interactive leaves room for bulk to reach its guaranteed minimum (`bulk_min_share`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from server.config import BudgetConfig
+from server.scheduler.types import Ticket, TrafficClass
+
+BUDGET_NAMES = ("tokens", "kv_blocks", "sequences")
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetLimits:
+    tokens: int
+    kv_blocks: int
+    sequences: int
+    block_size: int
+
+    @classmethod
+    def from_engine(
+        cls,
+        config: BudgetConfig,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> BudgetLimits:
+        """Limits sized from the engine's real KV cache at the target utilisation."""
+        kv_blocks = max(1, math.floor(num_blocks * config.kv_target_utilization))
+        kv_tokens = kv_blocks * block_size
+        tokens = config.max_running_tokens or kv_tokens
+        # One request of the model's full length must still be able to run.
+        tokens = max(tokens, max_model_len)
+        kv_blocks = max(kv_blocks, -(-max_model_len // block_size))
+        return cls(tokens, kv_blocks, config.max_running_seqs, block_size)
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.tokens, self.kv_blocks, self.sequences)
+
+
+def demand_of(ticket: Ticket, block_size: int) -> tuple[int, int, int]:
+    """What one running ticket holds of (tokens, kv_blocks, sequences)."""
+    tokens = ticket.reserved_tokens
+    return (tokens, -(-tokens // block_size), 1)
+
+
+class BudgetLedger:
+    """In-use amounts of each budget, in total and per traffic class."""
+
+    def __init__(self, limits: BudgetLimits, config: BudgetConfig) -> None:
+        self.limits = limits
+        self._limit = limits.as_tuple()
+        self._bulk_cap = tuple(
+            max(1, math.floor(limit * (1.0 - config.interactive_reserve_share)))
+            for limit in self._limit
+        )
+        self._bulk_floor = tuple(
+            math.floor(limit * config.bulk_min_share) for limit in self._limit
+        )
+        self._total = [0, 0, 0]
+        self._by_class = {traffic_class: [0, 0, 0] for traffic_class in TrafficClass}
+
+    def demand(self, ticket: Ticket) -> tuple[int, int, int]:
+        return demand_of(ticket, self.limits.block_size)
+
+    def class_cap(self, traffic_class: TrafficClass) -> tuple[int, ...]:
+        return self._limit if traffic_class is TrafficClass.INTERACTIVE else self._bulk_cap
+
+    def ever_fits(self, ticket: Ticket) -> bool:
+        """Whether the ticket could run at all, with its class's share of an idle engine."""
+        cap = self.class_cap(ticket.traffic_class)
+        return all(d <= c for d, c in zip(self.demand(ticket), cap, strict=True))
+
+    def fits(self, ticket: Ticket, *, bulk_waiting: bool) -> bool:
+        demand = self.demand(ticket)
+        total = self._total
+        if ticket.traffic_class is TrafficClass.BULK:
+            held = self._by_class[TrafficClass.BULK]
+            return all(
+                total[i] + demand[i] <= self._limit[i] and held[i] + demand[i] <= self._bulk_cap[i]
+                for i in range(3)
+            )
+        bulk_held = self._by_class[TrafficClass.BULK]
+        for i in range(3):
+            headroom = self._limit[i]
+            if bulk_waiting:
+                headroom -= max(0, self._bulk_floor[i] - bulk_held[i])
+            if total[i] + demand[i] > headroom:
+                return False
+        return True
+
+    def fits_bulk_floor(self, ticket: Ticket) -> bool:
+        """Whether a bulk ticket fits inside bulk's guaranteed minimum share."""
+        demand = self.demand(ticket)
+        held = self._by_class[TrafficClass.BULK]
+        return all(
+            held[i] + demand[i] <= self._bulk_floor[i]
+            and self._total[i] + demand[i] <= self._limit[i]
+            for i in range(3)
+        )
+
+    def acquire(self, ticket: Ticket) -> None:
+        demand = self.demand(ticket)
+        held = self._by_class[ticket.traffic_class]
+        for i in range(3):
+            self._total[i] += demand[i]
+            held[i] += demand[i]
+
+    def release(self, ticket: Ticket) -> None:
+        demand = self.demand(ticket)
+        held = self._by_class[ticket.traffic_class]
+        for i in range(3):
+            self._total[i] -= demand[i]
+            held[i] -= demand[i]
+            if self._total[i] < 0 or held[i] < 0:
+                raise AssertionError(f"budget {BUDGET_NAMES[i]} released below zero")
+
+    def in_use(self) -> dict[str, int]:
+        return dict(zip(BUDGET_NAMES, self._total, strict=True))
+
+    def limits_by_name(self) -> dict[str, int]:
+        return dict(zip(BUDGET_NAMES, self._limit, strict=True))
+
+    def is_idle(self) -> bool:
+        return self._total == [0, 0, 0]

@@ -1,0 +1,334 @@
+"""The scheduler's decisions, as a plain class: every method takes `now` and returns values.
+
+No asyncio, no sockets, no wall clock: the asyncio runtime (`runtime.py`) and the simulator
+(`server/simulation/continuous.py`) drive the same `SchedulerCore`. One core serves one model.
+
+Life of a ticket: `submit` admits it (queued) or rejects it with a reason; `dispatchable` moves
+queued tickets that fit the budgets to running (interactive first, bulk within its share, DRR
+across tenants); `expire` removes queued tickets whose deadline has passed; `release` ends a
+ticket wherever it is (queued: cancelled; running: finished, aborted or expired) and gives its
+budgets back. Ending an unknown or already-ended ticket is a no-op, so a late output never
+revives an expired request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from server.config import SluiceConfig, TenantConfig
+from server.errors import (
+    DeadlineUnmeetable,
+    InvalidRequest,
+    Overloaded,
+    SluiceError,
+    TenantQuotaExceeded,
+)
+from server.scheduler.budgets import BudgetLedger, BudgetLimits
+from server.scheduler.estimates import RateEstimates
+from server.scheduler.queues import TenantFairQueue
+from server.scheduler.types import Ticket, TrafficClass
+
+RejectReason = Literal[
+    "overloaded", "tenant_quota_exceeded", "deadline_unmeetable", "request_too_large"
+]
+Stage = Literal["queued", "running"]
+QUOTA_WINDOW_S = 60.0
+
+_ERRORS: dict[str, type[SluiceError]] = {
+    "overloaded": Overloaded,
+    "tenant_quota_exceeded": TenantQuotaExceeded,
+    "deadline_unmeetable": DeadlineUnmeetable,
+    "request_too_large": InvalidRequest,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    ticket: Ticket
+    predicted_start: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    ticket: Ticket
+    reason: RejectReason
+    message: str
+    retry_after: float | None = None
+
+    def to_error(self) -> SluiceError:
+        return _ERRORS[self.reason](self.message, retry_after=self.retry_after)
+
+
+@dataclass(slots=True)
+class _Running:
+    ticket: Ticket
+    dispatched_at: float
+    expected_end: float
+    first_token_at: float | None = None
+
+
+class _TokenWindow:
+    """Tokens a tenant was admitted for over the last minute."""
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def trim(self, now: float) -> None:
+        while self._entries and self._entries[0][0] <= now - QUOTA_WINDOW_S:
+            self.total -= self._entries.popleft()[1]
+
+    def add(self, now: float, tokens: int) -> None:
+        self._entries.append((now, tokens))
+        self.total += tokens
+
+    def seconds_until_room(self, now: float, tokens: int, limit: int) -> float:
+        excess = self.total + tokens - limit
+        for time, amount in self._entries:
+            excess -= amount
+            if excess <= 0:
+                return time + QUOTA_WINDOW_S - now
+        return QUOTA_WINDOW_S
+
+
+class SchedulerCore:
+    def __init__(self, config: SluiceConfig, limits: BudgetLimits) -> None:
+        self.config = config
+        self.ledger = BudgetLedger(limits, config.budgets)
+        self.estimates = RateEstimates(config.estimates)
+        quantum = config.budgets.fairness_quantum_tokens
+        self._queues = {c: TenantFairQueue(quantum_tokens=quantum) for c in TrafficClass}
+        self._queued: dict[str, Ticket] = {}
+        self._queued_work = dict.fromkeys(TrafficClass, 0.0)  # expected service seconds
+        self._queued_service: dict[str, float] = {}
+        self._running: dict[str, _Running] = {}
+        self._running_end_sum = 0.0  # sum of expected_end over running tickets
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._active_per_tenant: dict[str, int] = {}
+        self._token_windows: dict[str, _TokenWindow] = {}
+        self._expired_outbox: list[Ticket] = []
+        self._mean_reserved = 1024.0
+        self._many_tenants = len(config.tenants) > 1
+
+    # --- admission ---------------------------------------------------------------------
+    def submit(self, ticket: Ticket, now: float) -> Admitted | Rejected:
+        if ticket.request_id in self._queued or ticket.request_id in self._running:
+            raise ValueError(f"duplicate request id {ticket.request_id!r}")
+        tc = ticket.traffic_class
+        if not self.ledger.ever_fits(ticket):
+            return Rejected(ticket, "request_too_large", (
+                f"the request reserves {ticket.reserved_tokens} tokens (prompt + max_tokens), "
+                f"more than the {tc} budget allows; lower max_tokens"
+            ))
+        tenant = self.config.tenants.get(ticket.tenant) or TenantConfig(ticket.tenant)
+        refusal = self._check_tenant(ticket, tenant, now)
+        if refusal is not None:
+            return refusal
+        class_config = self.config.classes[tc]
+        queue = self._queues[tc]
+        if (
+            len(queue) >= class_config.max_queued
+            or queue.queued_tokens + ticket.reserved_tokens > class_config.max_queued_tokens
+        ):
+            drain = self.predicted_wait(ticket, now)
+            return Rejected(ticket, "overloaded", f"the {tc} queue is full; retry later",
+                            retry_after=max(1.0, drain))
+        predicted_start = now + self.predicted_wait(ticket, now)
+        predicted_end = predicted_start + self.estimates.service_seconds(ticket)
+        if predicted_end > ticket.deadline:
+            return Rejected(ticket, "deadline_unmeetable", (
+                f"predicted completion in {predicted_end - now:.3f}s exceeds the deadline "
+                f"in {max(0.0, ticket.deadline - now):.3f}s"
+            ), retry_after=max(1.0, predicted_start - now))
+        self._admit(ticket, now)
+        return Admitted(ticket, predicted_start)
+
+    def _check_tenant(self, ticket: Ticket, tenant: TenantConfig, now: float) -> Rejected | None:
+        active = self._active_per_tenant.get(ticket.tenant, 0)
+        if tenant.max_concurrent is not None and active >= tenant.max_concurrent:
+            return Rejected(ticket, "tenant_quota_exceeded",
+                            f"tenant {ticket.tenant!r} has {active} requests in flight, "
+                            f"its limit is {tenant.max_concurrent}", retry_after=1.0)
+        if tenant.tokens_per_minute is not None:
+            window = self._token_windows.setdefault(ticket.tenant, _TokenWindow())
+            window.trim(now)
+            if window.total + ticket.reserved_tokens > tenant.tokens_per_minute:
+                wait = window.seconds_until_room(
+                    now, ticket.reserved_tokens, tenant.tokens_per_minute)
+                return Rejected(ticket, "tenant_quota_exceeded",
+                                f"tenant {ticket.tenant!r} exceeded {tenant.tokens_per_minute} "
+                                "tokens per minute", retry_after=max(1.0, wait))
+        class_config = self.config.classes[ticket.traffic_class]
+        if self._many_tenants:
+            share = max(1, math.ceil(class_config.max_queued * class_config.tenant_queue_share))
+            if self._queues[ticket.traffic_class].count_for(ticket.tenant) >= share:
+                return Rejected(ticket, "tenant_quota_exceeded",
+                                f"tenant {ticket.tenant!r} holds its share of the "
+                                f"{ticket.traffic_class} queue ({share})", retry_after=1.0)
+        return None
+
+    def _admit(self, ticket: Ticket, now: float) -> None:
+        tc = ticket.traffic_class
+        self._queues[tc].push(ticket)
+        self._queued[ticket.request_id] = ticket
+        service = self.estimates.service_seconds(ticket)
+        self._queued_service[ticket.request_id] = service
+        self._queued_work[tc] += service
+        heapq.heappush(self._deadlines, (ticket.deadline, next(self._seq), ticket.request_id))
+        self._active_per_tenant[ticket.tenant] = self._active_per_tenant.get(ticket.tenant, 0) + 1
+        tenant = self.config.tenants.get(ticket.tenant)
+        if tenant is not None and tenant.tokens_per_minute is not None:
+            self._token_windows.setdefault(ticket.tenant, _TokenWindow()).add(
+                now, ticket.reserved_tokens)
+        self._mean_reserved += 0.05 * (ticket.reserved_tokens - self._mean_reserved)
+
+    # --- predictions -------------------------------------------------------------------
+    def _concurrency(self, traffic_class: TrafficClass) -> float:
+        tokens_cap, _, seqs_cap = self.ledger.class_cap(traffic_class)
+        return max(1.0, min(float(seqs_cap), tokens_cap / max(1.0, self._mean_reserved)))
+
+    def predicted_wait(self, ticket: Ticket, now: float) -> float:
+        """Expected seconds from now until `ticket` (not yet queued) would be dispatched."""
+        tc = ticket.traffic_class
+        ahead = self._queued_work[TrafficClass.INTERACTIVE]
+        queued_ahead = len(self._queues[TrafficClass.INTERACTIVE])
+        if tc is TrafficClass.BULK:
+            ahead += self._queued_work[TrafficClass.BULK]
+            queued_ahead += len(self._queues[TrafficClass.BULK])
+        if queued_ahead == 0 and self.ledger.fits(ticket, bulk_waiting=False):
+            return 0.0
+        running_left = max(0.0, self._running_end_sum - len(self._running) * now)
+        return (running_left + ahead) / self._concurrency(tc)
+
+    def pressure(self, traffic_class: TrafficClass, now: float) -> float:
+        """Predicted queue wait for a typical new request over the class's deadline budget."""
+        probe = Ticket("", "", traffic_class, "", now, now, int(self._mean_reserved) // 2,
+                       int(self._mean_reserved) - int(self._mean_reserved) // 2)
+        return self.predicted_wait(probe, now) / self.config.classes[traffic_class].deadline_s
+
+    # --- dispatch and expiry -----------------------------------------------------------
+    def dispatchable(self, now: float) -> list[Ticket]:
+        """Queued tickets to start now, in order; they hold their budgets from here on."""
+        self._expired_outbox.extend(self._expire_due(now))
+        interactive = self._queues[TrafficClass.INTERACTIVE]
+        bulk = self._queues[TrafficClass.BULK]
+        started: list[Ticket] = []
+        while True:
+            head = interactive.peek()
+            if head is not None and self.ledger.fits(head, bulk_waiting=len(bulk) > 0):
+                interactive.pop(head)
+                started.append(self._start(head, now))
+                continue
+            bulk_head = bulk.peek()
+            if bulk_head is not None and (
+                self.ledger.fits(bulk_head, bulk_waiting=True)
+                if head is None
+                else self.ledger.fits_bulk_floor(bulk_head)
+            ):
+                bulk.pop(bulk_head)
+                started.append(self._start(bulk_head, now))
+                continue
+            return started
+
+    def _start(self, ticket: Ticket, now: float) -> Ticket:
+        del self._queued[ticket.request_id]
+        self._queued_work[ticket.traffic_class] -= self._queued_service.pop(ticket.request_id)
+        self.ledger.acquire(ticket)
+        expected_end = now + self.estimates.service_seconds(ticket)
+        self._running[ticket.request_id] = _Running(ticket, now, expected_end)
+        self._running_end_sum += expected_end
+        return ticket
+
+    def _expire_due(self, now: float) -> list[Ticket]:
+        expired: list[Ticket] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, request_id = heapq.heappop(heap)
+            ticket = self._queued.get(request_id)
+            if ticket is not None:
+                self._remove_queued(ticket)
+                expired.append(ticket)
+        return expired
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Queued tickets whose deadline has passed, removed from the queue."""
+        expired, self._expired_outbox = self._expired_outbox, []
+        expired.extend(self._expire_due(now))
+        return expired
+
+    def next_wakeup(self) -> float | None:
+        """The earliest deadline of a queued ticket, when `expire` has work to do."""
+        heap = self._deadlines
+        while heap and heap[0][2] not in self._queued:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    # --- running tickets ---------------------------------------------------------------
+    def first_token(self, request_id: str, now: float) -> None:
+        entry = self._running.get(request_id)
+        if entry is not None and entry.first_token_at is None:
+            entry.first_token_at = now
+            self.estimates.observe_prefill(entry.ticket.prompt_tokens, now - entry.dispatched_at)
+
+    def release(
+        self, request_id: str, now: float, *, output_tokens: int = 0, completed: bool = False
+    ) -> Stage | None:
+        """End a ticket wherever it is; returns where it was (None: already ended)."""
+        ticket = self._queued.get(request_id)
+        if ticket is not None:
+            self._remove_queued(ticket)
+            return "queued"
+        entry = self._running.pop(request_id, None)
+        if entry is None:
+            return None
+        self._running_end_sum -= entry.expected_end
+        self.ledger.release(entry.ticket)
+        self._end_for_tenant(entry.ticket)
+        if entry.first_token_at is not None:
+            self.estimates.observe_decode(output_tokens - 1, now - entry.first_token_at)
+        if completed:
+            self.estimates.observe_completion(output_tokens, entry.ticket.max_tokens)
+        return "running"
+
+    def _remove_queued(self, ticket: Ticket) -> None:
+        del self._queued[ticket.request_id]
+        self._queues[ticket.traffic_class].remove(ticket)
+        self._queued_work[ticket.traffic_class] -= self._queued_service.pop(ticket.request_id)
+        self._end_for_tenant(ticket)
+
+    def _end_for_tenant(self, ticket: Ticket) -> None:
+        left = self._active_per_tenant[ticket.tenant] - 1
+        if left:
+            self._active_per_tenant[ticket.tenant] = left
+        else:
+            del self._active_per_tenant[ticket.tenant]
+
+    # --- state, for metrics and tests --------------------------------------------------
+    def stage(self, request_id: str) -> Stage | None:
+        if request_id in self._queued:
+            return "queued"
+        return "running" if request_id in self._running else None
+
+    def queue_depth(self, traffic_class: TrafficClass) -> int:
+        return len(self._queues[traffic_class])
+
+    def oldest_queued_age(self, traffic_class: TrafficClass, now: float) -> float:
+        oldest = self._queues[traffic_class].oldest_arrival()
+        return 0.0 if oldest is None else max(0.0, now - oldest)
+
+    def running_count(self, traffic_class: TrafficClass | None = None) -> int:
+        if traffic_class is None:
+            return len(self._running)
+        return sum(1 for e in self._running.values() if e.ticket.traffic_class is traffic_class)
+
+    def running_tickets(self) -> list[Ticket]:
+        return [e.ticket for e in self._running.values()]
+
+    def is_idle(self) -> bool:
+        return not self._queued and not self._running and self.ledger.is_idle()

@@ -1,0 +1,136 @@
+"""Who is calling, and what their request is allowed to be: API key -> tenant -> Ticket.
+
+Traffic class: an `X-Traffic-Class: interactive|bulk` header wins, else OpenAI's `service_tier`
+(`flex` -> bulk; `auto`, `default`, `priority`, `scale` -> interactive), else the tenant's
+default class. A class the tenant may not use is *downgraded* to the tenant's default class
+rather than refused: a client that always sends `service_tier: priority` still gets served,
+within what its tenant pays for. Deadline: `X-Request-Timeout-Ms`, else the class default.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from server.config import OPEN_TENANT, SluiceConfig, TenantConfig
+from server.errors import InvalidRequest, Unauthorized
+from server.scheduler.types import Ticket, TrafficClass
+
+SERVICE_TIER_CLASSES: dict[str, TrafficClass] = {
+    "flex": TrafficClass.BULK,
+    "auto": TrafficClass.INTERACTIVE,
+    "default": TrafficClass.INTERACTIVE,
+    "priority": TrafficClass.INTERACTIVE,
+    "scale": TrafficClass.INTERACTIVE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    config: TenantConfig
+    configured: bool  # named in the configuration (safe as a metric label)
+
+    @property
+    def metric_label(self) -> str:
+        return self.name if self.configured else "other"
+
+
+def requested_class(
+    service_tier: str | None, traffic_class_header: str | None
+) -> TrafficClass | None:
+    """The class the client asked for, or None when it did not say."""
+    if traffic_class_header is not None and traffic_class_header.strip():
+        try:
+            return TrafficClass(traffic_class_header.strip().lower())
+        except ValueError:
+            raise InvalidRequest(
+                "X-Traffic-Class must be 'interactive' or 'bulk'", param="X-Traffic-Class"
+            ) from None
+    if service_tier is not None:
+        try:
+            return SERVICE_TIER_CLASSES[service_tier]
+        except KeyError:
+            raise InvalidRequest(
+                f"unsupported service_tier {service_tier!r}", param="service_tier"
+            ) from None
+    return None
+
+
+def timeout_from_header(value: str | None) -> float | None:
+    """X-Request-Timeout-Ms in seconds, or None when absent."""
+    if value is None or not value.strip():
+        return None
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = -1.0
+    if not milliseconds > 0 or milliseconds == float("inf"):
+        raise InvalidRequest(
+            "X-Request-Timeout-Ms must be a positive number of milliseconds",
+            param="X-Request-Timeout-Ms",
+        )
+    return milliseconds / 1000.0
+
+
+class TenantDirectory:
+    def __init__(self, config: SluiceConfig) -> None:
+        self._config = config
+        self._tenants = {
+            name: Tenant(name, tenant_config, configured=True)
+            for name, tenant_config in config.tenants.items()
+        }
+
+    @property
+    def is_open(self) -> bool:
+        return self._config.is_open
+
+    def tenant(self, name: str) -> Tenant:
+        return self._tenants[name]
+
+    def authenticate(self, api_key: str | None) -> Tenant:
+        """The tenant an API key belongs to; the open tenant when no keys are configured."""
+        if self._config.is_open:
+            return self._tenants[OPEN_TENANT]
+        if not api_key:
+            raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        for key, tenant in self._config.api_keys.items():
+            if hmac.compare_digest(key.encode(), api_key.encode()):
+                return self._tenants[tenant]
+        raise Unauthorized("invalid API key")
+
+    def traffic_class(
+        self, tenant: Tenant, service_tier: str | None, traffic_class_header: str | None
+    ) -> TrafficClass:
+        wanted = requested_class(service_tier, traffic_class_header)
+        if wanted is None or wanted not in tenant.config.allowed_classes:
+            return tenant.config.default_class
+        return wanted
+
+    def make_ticket(
+        self,
+        *,
+        tenant: Tenant,
+        request_id: str,
+        model: str,
+        service_tier: str | None,
+        traffic_class_header: str | None,
+        timeout_ms_header: str | None,
+        prompt_tokens: int,
+        max_tokens: int,
+        arrival: float,
+    ) -> Ticket:
+        traffic_class = self.traffic_class(tenant, service_tier, traffic_class_header)
+        timeout = timeout_from_header(timeout_ms_header)
+        if timeout is None:
+            timeout = self._config.classes[traffic_class].deadline_s
+        return Ticket(
+            request_id=request_id,
+            tenant=tenant.name,
+            traffic_class=traffic_class,
+            model=model,
+            arrival=arrival,
+            deadline=arrival + timeout,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+        )

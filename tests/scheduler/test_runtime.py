@@ -1,0 +1,126 @@
+"""The asyncio shell with the real `sim` engine on the wall clock."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine_adapters.protocol import GenerationRequest, SamplingOptions
+from engine_adapters.sim import SimConfig, SimEngine
+from server.config import SluiceConfig, parse_config
+from server.errors import DeadlineExceeded, Overloaded
+from server.scheduler.runtime import SchedulerRuntime
+from server.scheduler.types import Ticket, TrafficClass
+
+# Rate priors so optimistic that admission never predicts a miss: the deadline itself decides.
+OPTIMISTIC = {"estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9}}
+
+
+def make_ticket(request_id: str, *, deadline_s: float = 30.0, max_tokens: int = 8,
+                traffic_class: TrafficClass = TrafficClass.INTERACTIVE) -> Ticket:
+    now = time.monotonic()
+    return Ticket(request_id, "default", traffic_class, "sim", now, now + deadline_s, 4,
+                  max_tokens)
+
+
+def make_request(ticket: Ticket) -> GenerationRequest:
+    return GenerationRequest(
+        ticket.request_id, [7] * ticket.prompt_tokens,
+        SamplingOptions(max_tokens=ticket.max_tokens, ignore_eos=True),
+    )
+
+
+async def started_runtime(config: SluiceConfig, sim: SimConfig | None = None):
+    engine = SimEngine(sim or SimConfig())
+    await engine.start()
+    runtime = SchedulerRuntime(config, engine, "sim")
+    await runtime.start()
+    return engine, runtime
+
+
+async def collect(runtime: SchedulerRuntime, ticket: Ticket) -> list[int]:
+    tokens: list[int] = []
+    async with runtime.generation(ticket, make_request(ticket)) as gen:
+        assert gen.dispatched_at >= ticket.arrival
+        async for delta in gen:
+            tokens.extend(delta.token_ids)
+    return tokens
+
+
+async def test_requests_stream_to_the_end_and_release_every_budget() -> None:
+    engine, runtime = await started_runtime(
+        parse_config({"budgets": {"max_running_seqs": 2}}))
+    try:
+        results = await asyncio.gather(*(collect(runtime, make_ticket(f"r{i}"))
+                                         for i in range(6)))
+        assert [len(r) for r in results] == [8] * 6
+        assert runtime.core.is_idle()
+        assert engine.num_unfinished_requests() == 0
+    finally:
+        await engine.stop()
+
+
+async def test_full_queue_is_refused_at_once_with_overloaded() -> None:
+    config = parse_config({"budgets": {"max_running_seqs": 1},
+                           "classes": {"interactive": {"max_queued": 1}}})
+    engine, runtime = await started_runtime(config)
+    try:
+        first = asyncio.create_task(collect(runtime, make_ticket("a", max_tokens=64)))
+        second = asyncio.create_task(collect(runtime, make_ticket("b")))
+        await asyncio.sleep(0)  # let both submit
+        with pytest.raises(Overloaded) as refusal:
+            await collect(runtime, make_ticket("c"))
+        assert refusal.value.retry_after is not None
+        await asyncio.gather(first, second)
+        assert runtime.core.is_idle()
+    finally:
+        await engine.stop()
+
+
+async def test_cancelled_waiter_leaves_the_queue_without_touching_the_engine() -> None:
+    engine, runtime = await started_runtime(parse_config({"budgets": {"max_running_seqs": 1}}))
+    try:
+        first = asyncio.create_task(collect(runtime, make_ticket("a", max_tokens=64)))
+        waiting = asyncio.create_task(collect(runtime, make_ticket("b")))
+        await asyncio.sleep(0)
+        assert runtime.core.stage("b") == "queued"
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert runtime.core.stage("b") is None
+        assert engine.num_unfinished_requests() <= 1
+        await first
+        assert runtime.core.is_idle()
+    finally:
+        await engine.stop()
+
+
+async def test_running_deadline_aborts_the_engine_request() -> None:
+    slow = SimConfig(step_base_ms=20.0)
+    engine, runtime = await started_runtime(parse_config(OPTIMISTIC), slow)
+    try:
+        ticket = make_ticket("slow", deadline_s=0.1, max_tokens=1000)
+        with pytest.raises(DeadlineExceeded):
+            await collect(runtime, ticket)
+        assert engine.num_unfinished_requests() == 0
+        assert runtime.core.is_idle()
+    finally:
+        await engine.stop()
+
+
+async def test_queued_deadline_expires_at_the_deadline() -> None:
+    slow = SimConfig(step_base_ms=20.0)
+    engine, runtime = await started_runtime(
+        parse_config({**OPTIMISTIC, "budgets": {"max_running_seqs": 1}}), slow)
+    try:
+        blocker = asyncio.create_task(collect(runtime, make_ticket("a", max_tokens=30)))
+        await asyncio.sleep(0)
+        # Admission predicts with the optimistic prior, so this deadline looks meetable.
+        with pytest.raises(DeadlineExceeded):
+            await collect(runtime, make_ticket("b", deadline_s=0.2))
+        await blocker
+        assert runtime.core.is_idle()
+    finally:
+        await engine.stop()

@@ -49,7 +49,7 @@ class BudgetConfig:
     bulk_min_share: float = 0.1  # share of each budget bulk is guaranteed while waiting
     max_running_seqs: int = 256
     max_running_tokens: int | None = None  # None: the KV-cache budget in tokens
-    fairness_quantum_tokens: int = 2048  # deficit round-robin quantum between tenants
+    fairness_quantum_tokens: int = 1024  # credit per DRR turn; smaller = finer interleaving
 
 
 @dataclass(frozen=True, slots=True)

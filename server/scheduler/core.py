@@ -108,6 +108,7 @@ class SchedulerCore:
         self._queued_service: dict[str, float] = {}
         self._running: dict[str, _Running] = {}
         self._running_end_sum = 0.0  # sum of expected_end over running tickets
+        self._running_per_class = dict.fromkeys(TrafficClass, 0)
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self._active_per_tenant: dict[str, int] = {}
@@ -243,6 +244,7 @@ class SchedulerCore:
         expected_end = now + self.estimates.service_seconds(ticket)
         self._running[ticket.request_id] = _Running(ticket, now, expected_end)
         self._running_end_sum += expected_end
+        self._running_per_class[ticket.traffic_class] += 1
         return ticket
 
     def _expire_due(self, now: float) -> list[Ticket]:
@@ -288,6 +290,7 @@ class SchedulerCore:
         if entry is None:
             return None
         self._running_end_sum -= entry.expected_end
+        self._running_per_class[entry.ticket.traffic_class] -= 1
         self.ledger.release(entry.ticket)
         self._end_for_tenant(entry.ticket)
         if entry.first_token_at is not None:
@@ -325,7 +328,7 @@ class SchedulerCore:
     def running_count(self, traffic_class: TrafficClass | None = None) -> int:
         if traffic_class is None:
             return len(self._running)
-        return sum(1 for e in self._running.values() if e.ticket.traffic_class is traffic_class)
+        return self._running_per_class[traffic_class]
 
     def running_tickets(self) -> list[Ticket]:
         return [e.ticket for e in self._running.values()]

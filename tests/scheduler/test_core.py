@@ -1,0 +1,286 @@
+"""Every scheduling rule, in virtual time: `now` is a float the test chooses."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.scheduler.core import Admitted, Rejected
+
+from .helpers import BULK, CHAT, admit, config, core, ids, ticket
+
+
+# --- budgets -------------------------------------------------------------------------------
+def test_dispatch_waits_for_the_token_budget_and_resumes_on_release() -> None:
+    s = core(tokens=100)
+    for rid in "abc":
+        admit(s, ticket(rid, prompt=20, max_tokens=20))  # 40 tokens each
+    assert ids(s.dispatchable(0.0)) == ["a", "b"]
+    assert s.ledger.in_use()["tokens"] == 80
+    assert s.release("a", 0.5, output_tokens=20, completed=True) == "running"
+    assert ids(s.dispatchable(0.5)) == ["c"]
+
+
+def test_dispatch_waits_for_kv_blocks() -> None:
+    s = core(kv_blocks=5, block_size=16)  # 80 tokens of cache
+    admit(s, ticket("a", prompt=30, max_tokens=10))  # 40 tokens -> 3 blocks
+    admit(s, ticket("b", prompt=30, max_tokens=10))
+    assert ids(s.dispatchable(0.0)) == ["a"]
+    assert s.ledger.in_use()["kv_blocks"] == 3
+    s.release("a", 1.0)
+    assert ids(s.dispatchable(1.0)) == ["b"]
+
+
+def test_dispatch_waits_for_a_free_sequence() -> None:
+    s = core(sequences=2)
+    for rid in "abc":
+        admit(s, ticket(rid))
+    assert ids(s.dispatchable(0.0)) == ["a", "b"]
+    assert s.dispatchable(0.1) == []
+    s.release("b", 0.2)
+    assert ids(s.dispatchable(0.2)) == ["c"]
+
+
+def test_every_ending_returns_the_budgets_to_zero() -> None:
+    s = core(sequences=2)
+    admit(s, ticket("done"))
+    admit(s, ticket("aborted"))
+    admit(s, ticket("cancelled-queued"))
+    admit(s, ticket("expires", deadline=5.0))
+    assert ids(s.dispatchable(0.0)) == ["done", "aborted"]
+    s.release("done", 1.0, output_tokens=10, completed=True)
+    s.release("aborted", 1.0)
+    assert s.release("cancelled-queued", 1.0) == "queued"
+    assert ids(s.expire(5.0)) == ["expires"]
+    assert s.is_idle()
+    assert s.ledger.in_use() == {"tokens": 0, "kv_blocks": 0, "sequences": 0}
+
+
+def test_a_request_larger_than_its_class_budget_is_refused() -> None:
+    s = core(tokens=100)
+    decision = s.submit(ticket("huge", prompt=90, max_tokens=20), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "request_too_large"
+    assert decision.to_error().status == 400
+
+
+# --- traffic classes -----------------------------------------------------------------------
+def test_interactive_is_dispatched_before_bulk_that_arrived_earlier() -> None:
+    s = core(sequences=1)
+    admit(s, ticket("running"))
+    s.dispatchable(0.0)
+    admit(s, ticket("bulk", at=0.1, traffic_class=BULK))
+    admit(s, ticket("chat", at=0.2))
+    s.release("running", 0.3)
+    assert ids(s.dispatchable(0.3)) == ["chat"]
+
+
+def test_bulk_flood_leaves_the_interactive_reserve_free() -> None:
+    cfg = config(budgets={"interactive_reserve_share": 0.25, "bulk_min_share": 0.1})
+    s = core(cfg, sequences=8)
+    for n in range(20):
+        admit(s, ticket(f"bulk{n}", traffic_class=BULK))
+    assert len(s.dispatchable(0.0)) == 6  # floor(8 * 0.75)
+    admit(s, ticket("chat", at=0.004))
+    # The chat starts at the next dispatch decision, with no bulk request finishing first.
+    assert ids(s.dispatchable(0.004)) == ["chat"]
+
+
+def test_interactive_flood_leaves_bulk_its_minimum_share() -> None:
+    cfg = config(budgets={"interactive_reserve_share": 0.2, "bulk_min_share": 0.25})
+    s = core(cfg, sequences=8)
+    for n in range(20):
+        admit(s, ticket(f"chat{n}"))
+    admit(s, ticket("bulk0", traffic_class=BULK))
+    admit(s, ticket("bulk1", traffic_class=BULK))
+    started = ids(s.dispatchable(0.0))
+    assert started.count("bulk0") + started.count("bulk1") == 2  # floor(8 * 0.25)
+    assert len(started) == 8
+
+
+# --- tenants -------------------------------------------------------------------------------
+TWO_TENANTS = {
+    "tenants": {
+        "flood": {"api_keys": ["k1"]},
+        "steady": {"api_keys": ["k2"]},
+    },
+    "classes": {"interactive": {"max_queued": 1000, "tenant_queue_share": 0.9}},
+    "budgets": {"fairness_quantum_tokens": 100},
+}
+
+
+def test_tenant_fair_share_holds_while_another_tenant_floods() -> None:
+    """Equal-size requests: the steady tenant gets half the dispatches despite a 10x flood."""
+    s = core(config(**TWO_TENANTS), sequences=4)
+    for n in range(400):
+        admit(s, ticket(f"f{n}", tenant="flood", at=n * 0.001))
+    for n in range(40):
+        admit(s, ticket(f"s{n}", tenant="steady", at=0.5 + n * 0.01))
+    dispatched: list[str] = []
+    now = 1.0
+    while len(dispatched) < 80:
+        started = s.dispatchable(now)
+        dispatched.extend(ids(started))
+        for t in started:
+            s.release(t.request_id, now + 0.05)
+        now += 0.05
+    window = dispatched[:80]
+    steady = sum(1 for rid in window if rid.startswith("s"))
+    assert 35 <= steady <= 45  # half, to within one quantum per turn
+
+
+def test_fairness_is_by_tokens_not_requests() -> None:
+    s = core(config(**TWO_TENANTS), sequences=1)
+    for n in range(50):
+        admit(s, ticket(f"big{n}", tenant="flood", prompt=500, max_tokens=500))
+        admit(s, ticket(f"small{n}", tenant="steady", prompt=50, max_tokens=50))
+    tokens = {"flood": 0, "steady": 0}
+    now = 0.0
+    for _ in range(44):
+        (started,) = s.dispatchable(now)
+        tokens[started.tenant] += started.reserved_tokens
+        s.release(started.request_id, now)
+        now += 1.0
+    assert abs(tokens["flood"] - tokens["steady"]) <= 1000 + 100
+
+
+def test_tenant_concurrency_quota_answers_429_with_retry_after() -> None:
+    s = core(config(tenants={"t": {"api_keys": ["k"], "max_concurrent": 2}}))
+    admit(s, ticket("a", tenant="t"))
+    admit(s, ticket("b", tenant="t"))
+    decision = s.submit(ticket("c", tenant="t"), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "tenant_quota_exceeded"
+    error = decision.to_error()
+    assert (error.status, error.code) == (429, "tenant_quota_exceeded")
+    assert error.headers()["Retry-After"] == "1"
+    s.release("a", 0.1)
+    admit(s, ticket("c", tenant="t"), now=0.1)
+
+
+def test_tokens_per_minute_quota_reopens_when_the_window_slides() -> None:
+    s = core(config(tenants={"t": {"api_keys": ["k"], "tokens_per_minute": 100}}))
+    admit(s, ticket("a", tenant="t", at=0.0, prompt=30, max_tokens=30))  # 60 tokens
+    admit(s, ticket("b", tenant="t", at=10.0, prompt=10, max_tokens=10))  # 80 tokens
+    refused = s.submit(ticket("c", tenant="t", at=20.0, prompt=20, max_tokens=20), 20.0)
+    assert isinstance(refused, Rejected) and refused.reason == "tenant_quota_exceeded"
+    assert refused.retry_after == pytest.approx(40.0)  # when "a" leaves the window
+    admit(s, ticket("c", tenant="t", at=60.0, prompt=20, max_tokens=20))
+
+
+def test_one_tenant_cannot_fill_the_waiting_room() -> None:
+    cfg = config(
+        tenants={"flood": {"api_keys": ["k1"]}, "other": {"api_keys": ["k2"]}},
+        classes={"interactive": {"max_queued": 10, "tenant_queue_share": 0.5}},
+    )
+    s = core(cfg, sequences=1)
+    results = [s.submit(ticket(f"f{n}", tenant="flood"), 0.0) for n in range(8)]
+    assert sum(isinstance(r, Admitted) for r in results) == 5
+    assert {r.reason for r in results if isinstance(r, Rejected)} == {"tenant_quota_exceeded"}
+    admit(s, ticket("o", tenant="other"))
+
+
+# --- bounded queues ------------------------------------------------------------------------
+def test_queue_bounded_by_count_answers_overloaded_at_once() -> None:
+    s = core(config(classes={"bulk": {"max_queued": 3}}), sequences=1)
+    for n in range(3):
+        admit(s, ticket(f"b{n}", traffic_class=BULK))
+    decision = s.submit(ticket("b3", traffic_class=BULK), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "overloaded"
+    assert decision.retry_after is not None and decision.retry_after >= 1.0
+    error = decision.to_error()
+    assert (error.status, error.code) == (503, "overloaded")
+    admit(s, ticket("chat"))  # the other class has its own bound
+
+
+def test_queue_bounded_by_tokens() -> None:
+    s = core(config(classes={"interactive": {"max_queued_tokens": 100}}), sequences=1)
+    admit(s, ticket("a", prompt=30, max_tokens=30))
+    decision = s.submit(ticket("b", prompt=30, max_tokens=30), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "overloaded"
+    admit(s, ticket("c", prompt=20, max_tokens=20))
+
+
+# --- deadlines -----------------------------------------------------------------------------
+def test_unmeetable_deadline_is_rejected_at_admission() -> None:
+    cfg = config(estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 10})
+    s = core(cfg)
+    # 100 prompt tokens at 1000/s + 20 output tokens at 10/s = 2.1 s of service.
+    decision = s.submit(ticket("late", deadline=2.0, prompt=100, max_tokens=20), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
+    assert decision.to_error().code == "deadline_unmeetable"
+    admit(s, ticket("fits", deadline=2.2, prompt=100, max_tokens=20))
+
+
+def test_queue_ahead_counts_toward_the_deadline_estimate() -> None:
+    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10})
+    s = core(cfg, sequences=1)
+    admit(s, ticket("running", max_tokens=10, deadline=100.0))  # 1 s of service
+    s.dispatchable(0.0)
+    admit(s, ticket("queued", max_tokens=10, deadline=100.0))
+    # Ahead of a newcomer: ~1 s running + 1 s queued, then its own 1 s.
+    decision = s.submit(ticket("new", max_tokens=10, deadline=2.5), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
+    admit(s, ticket("new", max_tokens=10, deadline=3.1))
+
+
+def test_queued_request_expires_exactly_at_its_deadline() -> None:
+    s = core(sequences=1)
+    admit(s, ticket("running"))
+    s.dispatchable(0.0)
+    admit(s, ticket("e", at=0.001, deadline=0.150))
+    assert s.next_wakeup() == 0.150
+    assert s.expire(0.149) == []
+    assert ids(s.expire(0.150)) == ["e"]
+    assert s.stage("e") is None
+    assert s.next_wakeup() is None
+
+
+def test_expired_request_is_never_dispatched_and_late_release_is_a_no_op() -> None:
+    s = core(sequences=1)
+    admit(s, ticket("running"))
+    s.dispatchable(0.0)
+    admit(s, ticket("e", deadline=0.15))
+    s.release("running", 0.2)  # budget frees after e's deadline
+    assert s.dispatchable(0.2) == []
+    assert ids(s.expire(0.2)) == ["e"]
+    assert s.release("e", 0.3, output_tokens=5, completed=True) is None
+    assert s.release("running", 0.3) is None
+    assert s.is_idle()
+
+
+def test_already_passed_deadline_is_unmeetable() -> None:
+    s = core()
+    decision = s.submit(ticket("old", at=0.0, deadline=0.5), 1.0)
+    assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
+
+
+# --- cancellation --------------------------------------------------------------------------
+def test_cancelled_queued_request_is_removed_without_dispatch() -> None:
+    s = core(sequences=1)
+    admit(s, ticket("running"))
+    s.dispatchable(0.0)
+    admit(s, ticket("gone"))
+    admit(s, ticket("next"))
+    assert s.release("gone", 0.1) == "queued"
+    s.release("running", 0.2)
+    assert ids(s.dispatchable(0.2)) == ["next"]
+
+
+# --- estimates -----------------------------------------------------------------------------
+def test_rates_are_learned_from_observations() -> None:
+    cfg = config(estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 10,
+                            "smoothing": 0.5})
+    s = core(cfg)
+    admit(s, ticket("a", prompt=100, max_tokens=11))
+    s.dispatchable(0.0)
+    s.first_token("a", 0.05)  # 100 tokens in 0.05 s = 2000/s
+    s.release("a", 0.55, output_tokens=11, completed=True)  # 10 tokens in 0.5 s = 20/s
+    assert s.estimates.prefill_tokens_per_s == pytest.approx(1500)
+    assert s.estimates.decode_tokens_per_s == pytest.approx(15)
+
+
+def test_pressure_rises_with_the_queue() -> None:
+    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10})
+    s = core(cfg, sequences=1)
+    assert s.pressure(CHAT, 0.0) == 0.0
+    for n in range(5):
+        admit(s, ticket(f"q{n}", max_tokens=10))
+    assert s.pressure(CHAT, 0.0) > 0.0

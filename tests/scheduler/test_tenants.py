@@ -1,0 +1,133 @@
+"""Identity and admission: API key -> tenant -> ticket (class, deadline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server.config import ConfigError, load_config, parse_config
+from server.errors import InvalidRequest, Unauthorized
+from server.scheduler.tenants import TenantDirectory
+from server.scheduler.types import TrafficClass
+
+CHAT, BULK = TrafficClass.INTERACTIVE, TrafficClass.BULK
+
+YAML = """
+tenants:
+  acme:
+    api_keys: [sk-acme]
+    max_concurrent: 8
+    tokens_per_minute: 100000
+  batchco:
+    api_keys: [sk-batch]
+    allowed_classes: [bulk]
+classes:
+  interactive: {deadline_ms: 20000, max_queued: 64}
+  bulk: {deadline_ms: 300000}
+budgets:
+  kv_target_utilization: 0.8
+  interactive_reserve_share: 0.25
+"""
+
+
+def directory(raw: dict | None = None, env: str | None = None) -> TenantDirectory:
+    return TenantDirectory(parse_config(raw or {}, env))
+
+
+def make(d: TenantDirectory, key: str | None = None, **headers: str | None):
+    values = {"service_tier": None, "traffic_class_header": None, "timeout_ms_header": None}
+    values.update(headers)
+    return d.make_ticket(
+        tenant=d.authenticate(key), request_id="req-1", model="m", prompt_tokens=5,
+        max_tokens=7, arrival=100.0, **values,
+    )
+
+
+def test_open_mode_has_one_default_tenant_and_accepts_any_key() -> None:
+    d = directory()
+    assert d.is_open
+    assert d.authenticate(None).name == "default"
+    assert d.authenticate("whatever").name == "default"
+
+
+def test_keys_from_file_and_environment_map_to_tenants(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "sluice.yaml"
+    path.write_text(YAML)
+    monkeypatch.setenv("SLUICE_API_KEYS", "sk-env:envco,sk-acme2:acme")
+    d = TenantDirectory(load_config(path))
+    assert d.authenticate("sk-acme").name == "acme"
+    assert d.authenticate("sk-acme2").name == "acme"
+    assert d.authenticate("sk-env").name == "envco"
+    assert d.tenant("acme").config.max_concurrent == 8
+    with pytest.raises(Unauthorized) as missing:
+        d.authenticate(None)
+    assert missing.value.status == 401
+    with pytest.raises(Unauthorized):
+        d.authenticate("sk-wrong")
+
+
+def test_loaded_config_values() -> None:
+    cfg = parse_config(yaml.safe_load(YAML))
+    assert cfg.classes[CHAT].deadline_s == 20.0
+    assert cfg.classes[CHAT].max_queued == 64
+    assert cfg.classes[BULK].deadline_s == 300.0
+    assert cfg.budgets.kv_target_utilization == 0.8
+    assert cfg.tenants["batchco"].default_class is BULK
+    assert load_config(None).is_open
+
+
+def test_bad_config_is_reported() -> None:
+    with pytest.raises(ConfigError):
+        parse_config({"budgets": {"interactive_reserve_share": 1.5}})
+    with pytest.raises(ConfigError):
+        parse_config({"tenants": {"t": {"allowed_classes": ["gold"]}}})
+    with pytest.raises(ConfigError):
+        parse_config({}, "no-colon")
+
+
+@pytest.mark.parametrize(
+    ("tier", "header", "expected"),
+    [
+        (None, None, CHAT),
+        ("flex", None, BULK),
+        ("auto", None, CHAT),
+        ("default", None, CHAT),
+        ("priority", None, CHAT),
+        ("flex", "interactive", CHAT),  # the header wins
+        ("priority", "bulk", BULK),
+    ],
+)
+def test_traffic_class_from_service_tier_or_header(tier, header, expected) -> None:
+    t = make(directory(), service_tier=tier, traffic_class_header=header)
+    assert t.traffic_class is expected
+
+
+def test_class_is_capped_by_what_the_tenant_may_use() -> None:
+    d = directory(yaml.safe_load(YAML))
+    t = make(d, "sk-batch", traffic_class_header="interactive")
+    assert t.traffic_class is BULK  # downgraded to the tenant's default, not refused
+
+
+def test_bad_class_values_are_invalid_requests() -> None:
+    with pytest.raises(InvalidRequest):
+        make(directory(), traffic_class_header="urgent")
+    with pytest.raises(InvalidRequest):
+        make(directory(), service_tier="gold")
+
+
+def test_deadline_from_header_else_class_default() -> None:
+    d = directory(yaml.safe_load(YAML))
+    t = make(d, "sk-acme", timeout_ms_header="1500")
+    assert (t.arrival, t.deadline) == (100.0, 101.5)
+    assert make(d, "sk-acme").deadline == 120.0
+    assert make(d, "sk-acme", service_tier="flex").deadline == 400.0
+    for bad in ("0", "-5", "soon"):
+        with pytest.raises(InvalidRequest):
+            make(d, "sk-acme", timeout_ms_header=bad)
+
+
+def test_ticket_carries_identity() -> None:
+    t = make(directory())
+    assert (t.request_id, t.tenant, t.model, t.reserved_tokens) == ("req-1", "default", "m", 12)

@@ -13,7 +13,7 @@ from enum import StrEnum
 class RejectReason(StrEnum):
     """Why a request was refused at admission (the `reason` label of sluice_rejections)."""
 
-    QUEUE_FULL = "queue_full"
+    QUEUE_FULL = "overloaded"  # same label value as the continuous scheduler
     DEADLINE_UNMEETABLE = "deadline_unmeetable"
     NO_COMPATIBLE_WORKER = "no_compatible_worker"
     DUPLICATE_ID = "duplicate_id"

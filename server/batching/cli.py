@@ -1,0 +1,258 @@
+"""Batch mode's part of the `sluice` command: serve flags, `simulate --mode batch`, `plan`.
+
+`server/cli.py` owns the parser and calls these hooks. Flags are added only if the shared
+parser does not already have them (the continuous simulator adds its own to the same parser).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import Any
+
+from engine_adapters.sim_batch import DEFAULT_POISON_MARKER, BatchModel
+from server.batching.decisions import BatchConfig
+from server.batching.plan import format_plan, latencies_ms, percentile, plan
+from server.batching.simulate import Faults, SimResult, simulate
+from server.simulation.workload import (
+    DEFAULT_MODEL,
+    Arrival,
+    TraceError,
+    parse_trace,
+    poisson_arrivals,
+)
+
+_TIMELINE_LIMIT = 200
+
+
+def _add(parser: argparse.ArgumentParser | Any, *flags: str, **kwargs: Any) -> None:
+    existing = getattr(parser, "_option_string_actions", {})
+    if not any(flag in existing for flag in flags):
+        parser.add_argument(*flags, **kwargs)
+
+
+def _add_batch_shape(p: Any) -> None:
+    _add(p, "--workers", type=int, default=1, help="batch workers (one batch at a time each)")
+    _add(p, "--batch-ms", type=float, default=100.0, help="fixed time of one batch")
+    _add(p, "--max-batch", type=int, default=32, help="most requests in one batch")
+    _add(p, "--max-delay-ms", type=float, default=10.0,
+         help="longest a partial batch waits for company once a worker is free")
+    _add(p, "--max-queue", type=int, default=10_000, help="queued requests per model, at most")
+    _add(p, "--attempts", type=int, default=None,
+         help="dispatches allowed per request (default: ceil(log2(max-batch)) + 3)")
+    _add(p, "--lease-ms", type=float, default=None,
+         help="a batch unanswered this long after it started is presumed lost "
+         "(default: 3 x batch-ms)")
+    _add(p, "--poison-marker", default=DEFAULT_POISON_MARKER,
+         help="a prompt containing this text crashes its batch (failure injection)")
+    _add(p, "--batch-fail-rate", type=float, default=0.0,
+         help="probability that any batch crashes its worker (failure injection)")
+
+
+def add_serve_arguments(serve_parser: argparse.ArgumentParser) -> None:
+    group = serve_parser.add_argument_group("batch engine (--engine sim-batch)")
+    _add_batch_shape(group)
+
+
+def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
+    group = simulate_parser.add_argument_group("batch mode (--mode batch)")
+    _add_batch_shape(group)
+    _add(group, "--models", default=None, metavar="MODEL=N,...",
+         help="workers per model version, e.g. 'a=2,b=1' (overrides --workers)")
+    _add(group, "--deadline-ms", type=float, default=None,
+         help="deadline of generated arrivals, relative to their arrival")
+    _add(group, "--poison-rate", type=float, default=0.0,
+         help="fraction of generated arrivals whose prompt carries the poison marker")
+    _add(group, "--kill", action="append", default=[], metavar="WORKER@MS",
+         help="the worker dies at this time, mid-batch if busy (repeatable)")
+    _add(group, "--hang", action="append", default=[], metavar="WORKER@MS",
+         help="the worker's next batch from this time answers only after --hang-ms")
+    _add(group, "--hang-ms", type=float, default=1000.0, help="how late a hung batch answers")
+    _add(group, "--cancel", action="append", default=[], metavar="ID@MS",
+         help="the caller of request ID leaves at this time (repeatable)")
+    _add(group, "--restart-ms", type=float, default=0.0, help="time for a lost worker to return")
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="workers needed for a fixed-time batch engine",
+        description="Capacity arithmetic for a fixed-time batch engine, then simulated latency "
+        "percentiles for each candidate worker count under Poisson arrivals.",
+    )
+    p.add_argument("--rate", type=float, required=True, help="arrivals per second")
+    p.add_argument("--batch-ms", type=float, default=100.0)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-delay-ms", type=float, default=10.0)
+    p.add_argument("--p99-ms", type=float, default=200.0, help="p99 latency target")
+    p.add_argument("--duration", type=float, default=30.0, help="simulated seconds per candidate")
+    p.add_argument("--candidates", type=int, default=3, help="worker counts to simulate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    result = plan(
+        args.rate, batch_ms=args.batch_ms, max_batch=args.max_batch,
+        max_delay_ms=args.max_delay_ms, p99_target_ms=args.p99_ms, duration_s=args.duration,
+        seed=args.seed, candidates=args.candidates,
+    )
+    print(json.dumps(result.to_json(), indent=2) if args.json else format_plan(result))
+    return 0
+
+
+def config_from_args(args: argparse.Namespace) -> BatchConfig:
+    models = _parse_models(args.models) if getattr(args, "models", None) else None
+    workers = models or (DEFAULT_MODEL,) * args.workers
+    return BatchConfig(
+        workers=workers, batch_time_s=args.batch_ms / 1000, max_batch=args.max_batch,
+        max_delay_s=args.max_delay_ms / 1000, max_queue=args.max_queue,
+        max_attempts=args.attempts,
+        lease_s=None if args.lease_ms is None else args.lease_ms / 1000,
+    )
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        arrivals = _arrivals(args)
+        faults = Faults(
+            kills=tuple(_worker_at(k) for k in args.kill),
+            hangs=tuple(_worker_at(h) for h in args.hang), hang_s=args.hang_ms / 1000,
+            cancels=tuple(_id_at(c) for c in args.cancel), fail_rate=args.batch_fail_rate,
+            restart_s=args.restart_ms / 1000, seed=args.seed,
+        )
+        model = BatchModel(config.batch_time_s, config.max_batch, args.poison_marker or None)
+    except (TraceError, ValueError) as exc:
+        print(f"sluice simulate: {exc}")
+        return 2
+    small = args.arrivals is not None
+    result = simulate(config, arrivals, faults=faults, model=model, keep_batches=small)
+    if args.json:
+        print(json.dumps(result_json(result)))
+    else:
+        print(format_result(result, timeline=small))
+    return 0
+
+
+def _arrivals(args: argparse.Namespace) -> Iterable[Arrival]:
+    if args.arrivals is not None:
+        return parse_trace(args.arrivals)
+    if args.workload != "poisson":
+        raise ValueError("--mode batch needs --arrivals or --workload poisson")
+    deadline = None if args.deadline_ms is None else args.deadline_ms / 1000
+    generated = poisson_arrivals(args.rate, args.duration, seed=args.seed,
+                                 relative_deadline_s=deadline)
+    if args.poison_rate > 0:
+        return _with_poison(generated, args.poison_rate, args.poison_marker, args.seed)
+    return generated
+
+
+def _with_poison(arrivals: Iterable[Arrival], rate: float, marker: str, seed: int
+                 ) -> Iterator[Arrival]:
+    rng = random.Random(seed + 1)
+    for arrival in arrivals:
+        yield replace(arrival, prompt=marker) if rng.random() < rate else arrival
+
+
+def _parse_models(text: str) -> tuple[str, ...]:
+    workers: list[str] = []
+    for item in text.split(","):
+        name, _, count = item.strip().partition("=")
+        if not name or not count.isdigit():
+            raise ValueError(f"expected MODEL=N in --models, got {item!r}")
+        workers.extend([name] * int(count))
+    return tuple(workers)
+
+
+def _worker_at(text: str) -> tuple[int, float]:
+    worker, _, ms = text.partition("@")
+    return int(worker), float(ms) / 1000
+
+
+def _id_at(text: str) -> tuple[str, float]:
+    rid, _, ms = text.partition("@")
+    return rid, float(ms) / 1000
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None or math.isinf(seconds) else round(seconds * 1000, 3)
+
+
+def result_json(result: SimResult) -> dict[str, Any]:
+    return {
+        "requests": [
+            {
+                "id": r.id, "arrival_ms": _ms(r.arrival), "deadline_ms": _ms(r.deadline),
+                "dispatch_ms": _ms(r.dispatch), "finish_ms": _ms(r.finish),
+                "ended_ms": _ms(r.ended), "outcome": None if r.outcome is None else str(r.outcome),
+                "worker": r.worker, "attempts": r.attempts, "reason": r.reason,
+            }
+            for r in result.requests
+        ],
+        "batches": [
+            {"lease": b.lease_id, "worker": b.worker, "size": b.size, "start_ms": _ms(b.start),
+             "end_ms": _ms(b.end), "status": b.status, "retry": b.retry}
+            for b in result.batches
+        ],
+        "summary": summary(result),
+    }
+
+
+def summary(result: SimResult) -> dict[str, Any]:
+    outcomes: dict[str, int] = {}
+    for r in result.requests:
+        key = str(r.outcome)
+        outcomes[key] = outcomes.get(key, 0) + 1
+    lat = latencies_ms(result)
+    return {
+        "requests": len(result.requests), "outcomes": outcomes,
+        "batches": result.batch_count, "mean_batch_size": round(result.mean_batch_size, 2),
+        "latency_ms": {f"p{q}": _round(percentile(lat, q)) for q in (50, 90, 99, 99.9)},
+        "discarded_results": result.discarded_results,
+        "duplicate_deliveries": result.duplicate_deliveries,
+        "end_ms": _ms(result.end_time),
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def format_result(result: SimResult, *, timeline: bool) -> str:
+    lines: list[str] = []
+    if timeline:
+        events: list[tuple[float, int, str]] = []
+        for r in result.requests:
+            events.append((r.arrival, 0, f"{r.id} arrives"))
+            if r.outcome in ("rejected", "expired", "failed", "cancelled") and r.ended is not None:
+                events.append((r.ended, 2, f"{r.id} {r.outcome}: {r.reason or ''}".rstrip(": ")))
+        for b in result.batches:
+            events.append((b.start, 1, f"worker {b.worker} starts batch {b.lease_id} "
+                                       f"({b.size} request{'s' * (b.size != 1)})"
+                                       f"{' [retry]' if b.retry else ''}"))
+            if b.end is not None:
+                events.append((b.end, 1, f"worker {b.worker} batch {b.lease_id} {b.status}"))
+        for r in result.requests:
+            if r.finish is not None:
+                events.append((r.finish, 3, f"{r.id} completes after "
+                                            f"{(r.finish - r.arrival) * 1000:g} ms"))
+        events.sort(key=lambda e: (e[0], e[1]))
+        for at, _, text in events[:_TIMELINE_LIMIT]:
+            lines.append(f"{at * 1000:10.3f} ms  {text}")
+        if len(events) > _TIMELINE_LIMIT:
+            lines.append(f"... {len(events) - _TIMELINE_LIMIT} more events")
+    s = summary(result)
+    outcome_text = ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items()))
+    pct = ", ".join(f"{k} {v if v is None else f'{v:g}'} ms" for k, v in s["latency_ms"].items())
+    lines += [
+        f"requests: {s['requests']} ({outcome_text})",
+        f"batches: {s['batches']}, mean size {s['mean_batch_size']:g}",
+        f"latency of completed requests: {pct}",
+        f"late or stale results discarded: {s['discarded_results']}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,148 @@
+"""Real processes for the observability tests: a Sluice server on loopback, Prometheus, Chromium.
+
+Each test starts its own `python -m server.cli serve --engine sim ...` on a free port, waits
+(bounded) for /ready, and stops it in `finally`. Tools that come from Debian packages
+(prometheus, chromium) are skipped when missing on a developer machine and fail under CI,
+where scripts/install-test-deps.sh installs them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVER_READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def require_tool(name: str) -> str:
+    """The path of executable `name`; skip the test without it, fail under CI."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name!r} is not installed (run scripts/install-test-deps.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def wait_until(
+    condition: Callable[[], object], *, timeout_s: float, interval_s: float = 0.1, what: str
+) -> object:
+    """Poll `condition` until it returns something truthy; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    last_error: BaseException | None = None
+    while True:
+        try:
+            result = condition()
+        except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
+            result, last_error = None, exc
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_error!r})" if last_error else ""
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{detail}")
+        time.sleep(interval_s)
+
+
+def stop_process(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM, a bounded grace period, then SIGKILL."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=grace_s)
+
+
+def log_tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "<no log>"
+
+
+@dataclass
+class RunningSluice:
+    base_url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def metrics_text(self) -> str:
+        response = httpx.get(f"{self.base_url}/metrics", timeout=5.0)
+        response.raise_for_status()
+        return response.text
+
+    def metric_sum(self, name: str, **labels: str) -> float:
+        """Sum of the samples named `name` (e.g. `sluice_engine_aborts_total`) whose labels
+        include `labels`; 0.0 when there are none yet."""
+        total = 0.0
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    total += sample.value
+        return total
+
+
+@contextmanager
+def run_sluice(
+    log_dir: Path,
+    *args: str,
+    engine: str = "sim",
+    env: Mapping[str, str] | None = None,
+    name: str = "sluice",
+) -> Iterator[RunningSluice]:
+    """A Sluice server subprocess on a free loopback port, ready when this yields."""
+    port = free_port()
+    log_path = log_dir / f"{name}-{port}.log"
+    command = [
+        sys.executable, "-m", "server.cli", "serve",
+        "--engine", engine, "--host", "127.0.0.1", "--port", str(port), *args,
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+    server = RunningSluice(f"http://127.0.0.1:{port}", port, process, log_path)
+    try:
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise AssertionError(
+                    f"sluice exited with {process.returncode} before /ready:\n{log_tail(log_path)}"
+                )
+            return httpx.get(f"{server.base_url}/ready", timeout=2.0).status_code == 200
+
+        wait_until(ready, timeout_s=SERVER_READY_TIMEOUT_S, interval_s=0.2, what=f"{name} /ready")
+        yield server
+    finally:
+        stop_process(process)

@@ -14,9 +14,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from engine_adapters.sim_batch import DEFAULT_POISON_MARKER, BatchModel
+from engine_adapters.sim_batch import DEFAULT_POISON_MARKER, BatchModel, SimBatchEngine
 from server.batching.decisions import BatchConfig
 from server.batching.plan import format_plan, latencies_ms, percentile, plan
+from server.batching.runtime import BatchRuntime
 from server.batching.simulate import Faults, SimResult, simulate
 from server.simulation.workload import (
     DEFAULT_MODEL,
@@ -56,6 +57,16 @@ def _add_batch_shape(p: Any) -> None:
 def add_serve_arguments(serve_parser: argparse.ArgumentParser) -> None:
     group = serve_parser.add_argument_group("batch engine (--engine sim-batch)")
     _add_batch_shape(group)
+
+
+def sim_batch_from_args(
+    args: argparse.Namespace, served_model_name: str
+) -> tuple[SimBatchEngine, BatchRuntime]:
+    """The `--engine sim-batch` engine and its batch runtime (the Dispatcher), for `serve`."""
+    config = replace(config_from_args(args), workers=(served_model_name,) * args.workers)
+    model = BatchModel(config.batch_time_s, config.max_batch, args.poison_marker or None)
+    engine = SimBatchEngine(model, name=served_model_name, fail_rate=args.batch_fail_rate)
+    return engine, BatchRuntime(config, engine)
 
 
 def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
@@ -107,12 +118,13 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def config_from_args(args: argparse.Namespace) -> BatchConfig:
     models = _parse_models(args.models) if getattr(args, "models", None) else None
+    lease_ms = getattr(args, "lease_ms", None)
     workers = models or (DEFAULT_MODEL,) * args.workers
     return BatchConfig(
         workers=workers, batch_time_s=args.batch_ms / 1000, max_batch=args.max_batch,
         max_delay_s=args.max_delay_ms / 1000, max_queue=args.max_queue,
         max_attempts=args.attempts,
-        lease_s=None if args.lease_ms is None else args.lease_ms / 1000,
+        lease_s=None if lease_ms is None else lease_ms / 1000,
     )
 
 

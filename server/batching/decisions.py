@@ -87,7 +87,7 @@ class Step:
     dispatches: list[Dispatch] = field(default_factory=list)
     ended: list[Ended] = field(default_factory=list)
     lost_workers: list[int] = field(default_factory=list)
-    retried: int = 0
+    retried: list[Ticket] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

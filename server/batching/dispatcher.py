@@ -31,7 +31,7 @@ from server.batching.decisions import (
     Outcome,
     Step,
 )
-from server.scheduler.types import Ticket
+from server.scheduler.types import Ticket, TrafficClass
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
 
@@ -87,6 +87,7 @@ class BatchDispatcher:
         self._lease_expiry: list[tuple[float, int]] = []
         self._next_lease = 0
         self._seq = 0
+        self._depth_by_class: dict[tuple[str, TrafficClass], int] = {}
 
     # --- admission ---
     def submit(self, ticket: Ticket, now: float) -> RejectReason | None:
@@ -112,6 +113,7 @@ class BatchDispatcher:
         self._live[ticket.request_id] = live
         queue.fresh.append(live)
         queue.fresh_count += 1
+        self._count_queued(live, 1)
         if live.latest_start != math.inf:
             self._track_deadline(queue, live)
         return None
@@ -209,6 +211,15 @@ class BatchDispatcher:
         queue = self._queues.get(model)
         return queue.depth if queue else 0
 
+    def queue_depth_by_class(self, model: str, traffic_class: TrafficClass) -> int:
+        return self._depth_by_class.get((model, traffic_class), 0)
+
+    def running_requests(self, model: str) -> int:
+        return sum(
+            len(lease.members) for lease in self._leases.values()
+            if self._worker_model[lease.worker_id] == model
+        )
+
     def oldest_queued_arrival(self, model: str) -> float | None:
         queue = self._queues.get(model)
         if queue is None:
@@ -283,6 +294,7 @@ class BatchDispatcher:
         self._worker_lease[worker_id] = lease
         heapq.heappush(self._lease_expiry, (lease.expires, lease_id))
         for live in members:
+            self._count_queued(live, -1)
             live.state = _RUNNING
             live.grouped = False
             live.attempts += 1
@@ -308,7 +320,7 @@ class BatchDispatcher:
                 continue
             outcome = self.on_worker_failure(lease.worker_id, now)
             step.lost_workers.append(lease.worker_id)
-            step.retried += len(outcome.retried)
+            step.retried.extend(outcome.retried)
             step.ended.extend(outcome.ended)
 
     def _fail_members(self, lease: _Lease, now: float, ended: list[Ended]) -> list[Ticket]:
@@ -349,6 +361,7 @@ class BatchDispatcher:
             else:
                 live.state = _QUEUED
                 live.grouped = True
+                self._count_queued(live, 1)
                 kept.append(live)
                 if live.latest_start != math.inf:
                     self._track_deadline(queue, live)
@@ -365,6 +378,7 @@ class BatchDispatcher:
         ended.append(Ended(live.ticket, outcome, reason))
 
     def _forget_queued(self, live: _Live) -> None:
+        self._count_queued(live, -1)
         queue = self._queues[live.ticket.model]
         if live.grouped:
             queue.grouped_count -= 1
@@ -374,6 +388,10 @@ class BatchDispatcher:
                     break
         else:
             queue.fresh_count -= 1  # the entry itself is skipped lazily
+
+    def _count_queued(self, live: _Live, delta: int) -> None:
+        key = (live.ticket.model, live.ticket.traffic_class)
+        self._depth_by_class[key] = self._depth_by_class.get(key, 0) + delta
 
     def _track_deadline(self, queue: _Queue, live: _Live) -> None:
         self._seq += 1

@@ -14,6 +14,7 @@ import math
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 from engine_adapters.sim_batch import BatchModel
 from server.batching.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
@@ -105,11 +106,11 @@ class BatchSimulation:
     def run(self, arrivals: Iterable[Arrival]) -> SimResult:
         loop = self.loop
         for worker, at in self.faults.kills:
-            loop.call_at(at, lambda w=worker: self._kill(w))
+            loop.call_at(at, partial(self._kill, worker))
         for worker, at in self.faults.hangs:
-            loop.call_at(at, lambda w=worker: self._hung.add(w))
+            loop.call_at(at, partial(self._hung.add, worker))
         for request_id, at in self.faults.cancels:
-            loop.call_at(at, lambda r=request_id: self._cancel(r))
+            loop.call_at(at, partial(self._cancel, request_id))
         self._arrivals = iter(arrivals)
         self._schedule_next_arrival()
         loop.run()

@@ -307,6 +307,23 @@ ROWS: tuple[Row, ...] = (
                     ),
                 ),
             ),
+            Panel(
+                "Batch worker failures and retries",
+                "Batches lost to a worker failure, and requests re-queued after their batch "
+                "failed, per second.",
+                (
+                    Target(
+                        "sum by (model) "
+                        f"(rate(sluice_worker_failures_total{{{MODEL_FILTER}}}[$__rate_interval]))",
+                        "failed batches {{model}}",
+                    ),
+                    Target(
+                        "sum by (model) "
+                        f"(rate(sluice_batch_retries_total{{{MODEL_FILTER}}}[$__rate_interval]))",
+                        "retried requests {{model}}",
+                    ),
+                ),
+            ),
         ),
     ),
 )

@@ -1,0 +1,191 @@
+"""The vLLM adapter: vLLM's v1 `AsyncLLM` (the class behind `AsyncLLMEngine`) behind EngineClient.
+
+Engine arguments pass straight through to `AsyncEngineArgs`, so tensor/pipeline parallelism,
+dtype, quantization and the rest are vLLM's own. Outputs are requested as deltas; closing or
+cancelling `generate()` aborts the request inside the engine (vLLM's generate does that when
+its generator is cancelled or closed; `abort()` is also exposed for explicit use).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from engine_adapters.protocol import (
+    EngineDeadError,
+    EngineError,
+    EngineRequestError,
+    GenerationRequest,
+    KVCacheInfo,
+    ModelInfo,
+    SamplingOptions,
+    TokenDelta,
+)
+
+logger = logging.getLogger("sluice.engine.vllm")
+
+
+def parse_engine_args(pairs: Sequence[str]) -> dict[str, Any]:
+    """Turn ["max_model_len=1024", "enforce_eager=true"] into typed keyword arguments."""
+    parsed: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"engine argument {pair!r} is not KEY=VALUE")
+        key = key.strip().lstrip("-").replace("-", "_")
+        lowered = raw.strip().lower()
+        value: Any
+        if lowered in ("true", "false"):
+            value = lowered == "true"
+        elif lowered in ("none", "null"):
+            value = None
+        else:
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError:
+                value = raw
+        parsed[key] = value
+    return parsed
+
+
+def to_sampling_params(options: SamplingOptions) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        max_tokens=options.max_tokens,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        min_p=options.min_p,
+        min_tokens=options.min_tokens,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty,
+        seed=options.seed,
+        stop=list(options.stop),
+        stop_token_ids=list(options.stop_token_ids),
+        ignore_eos=options.ignore_eos,
+        skip_special_tokens=options.skip_special_tokens,
+        include_stop_str_in_output=options.include_stop_str_in_output,
+        logit_bias=options.logit_bias,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+class VLLMEngine:
+    """EngineClient over vLLM's AsyncLLM, running in this process (core in a subprocess)."""
+
+    def __init__(
+        self, model: str, served_model_name: str, engine_args: dict[str, Any] | None = None
+    ) -> None:
+        self._model_path = model
+        self._served_name = served_model_name
+        self._engine_args = dict(engine_args or {})
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._info = ModelInfo(name=served_model_name, max_model_len=0)
+        self._kv: KVCacheInfo | None = None
+
+    @property
+    def model(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def kv_cache(self) -> KVCacheInfo | None:
+        return self._kv
+
+    async def start(self) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self._model_path,
+            served_model_name=[self._served_name],
+            disable_log_stats=True,
+            **self._engine_args,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        config = self._llm.vllm_config
+        cache = config.cache_config
+        self._info = ModelInfo(
+            name=self._served_name,
+            max_model_len=config.model_config.max_model_len,
+            extra={"path": self._model_path, "max_num_seqs": config.scheduler_config.max_num_seqs},
+        )
+        if cache.num_gpu_blocks:
+            self._kv = KVCacheInfo(block_size=cache.block_size, num_blocks=cache.num_gpu_blocks)
+        self._tokenizer = self._llm.get_tokenizer()
+        logger.info("vLLM engine up: %s, kv cache %s", self._info, self._kv)
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._llm is not None and not self._llm.errored
+
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise EngineDeadError("engine not started")
+        try:
+            await self._llm.check_health()
+        except Exception as exc:
+            raise EngineDeadError(f"vLLM engine is dead: {exc!r}") from exc
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        text = self._tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
+
+        if self._llm is None or self._llm.errored:
+            raise EngineDeadError("vLLM engine is not running")
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        stream = self._llm.generate(
+            prompt, to_sampling_params(request.sampling), request.request_id
+        )
+        try:
+            async for out in stream:
+                completion = out.outputs[0]
+                yield TokenDelta(
+                    text=completion.text,
+                    token_ids=completion.token_ids,
+                    finish_reason=completion.finish_reason if out.finished else None,
+                    stop_reason=completion.stop_reason,
+                )
+        except VLLMEngineDead as exc:
+            raise EngineDeadError("vLLM engine died") from exc
+        except ValueError as exc:  # vLLM's request validation
+            raise EngineRequestError(str(exc)) from exc
+        except EngineError:
+            raise
+        except Exception as exc:
+            if self._llm is None or self._llm.errored:
+                raise EngineDeadError("vLLM engine died") from exc
+            raise EngineError(f"vLLM generate failed: {exc!r}") from exc
+        finally:
+            # Closing vLLM's generator aborts the request if it has not finished.
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    def num_unfinished_requests(self) -> int:
+        if self._llm is None:
+            return 0
+        return int(self._llm.get_num_unfinished_requests())

@@ -1,0 +1,241 @@
+"""The Starlette application and its lifecycle: engine up, scheduler up, serve, shut down.
+
+If the engine dies, /ready fails, new requests get 503, in-flight streams end with an error
+event, and the process exits non-zero so an orchestrator restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+
+from engine_adapters.protocol import EngineClient, EngineDeadError
+from server import metrics
+from server.access_log import install_handler
+from server.config import SluiceConfig, load_config
+from server.errors import EngineUnavailable, MethodNotAllowed, RouteNotFound, SluiceError
+from server.generation import Sluice
+from server.openai_routes import JSONResponse, chat_completions, completions, error_response
+from server.scheduler.tenants import TenantDirectory
+from server.scheduler.types import Dispatcher
+from server.ws_routes import websocket_endpoint
+
+logger = logging.getLogger("sluice.server")
+STATIC = Path(__file__).parent / "static"
+HEALTH_POLL_SECONDS = 1.0
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "alive"})
+
+
+async def ready(request: Request) -> Response:
+    sluice: Sluice = request.app.state.sluice
+    if request.app.state.ready and sluice.engine.is_healthy:
+        return JSONResponse({"status": "ready", "model": sluice.served_model})
+    return error_response(EngineUnavailable("the engine is not ready", retry_after=5))
+
+
+async def models(request: Request) -> Response:
+    sluice: Sluice = request.app.state.sluice
+    info = sluice.engine.model
+    return JSONResponse({"object": "list", "data": [{
+        "id": sluice.served_model, "object": "model", "created": request.app.state.started,
+        "owned_by": "sluice", "root": str(info.extra.get("path", sluice.served_model)),
+        "max_model_len": info.max_model_len,
+    }]})
+
+
+async def prometheus_metrics(request: Request) -> Response:
+    sluice: Sluice = request.app.state.sluice
+    metrics.ENGINE_UNFINISHED_REQUESTS.labels(sluice.served_model).set(
+        sluice.engine.num_unfinished_requests()
+    )
+    return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def chat_page(request: Request) -> Response:
+    page = STATIC / "index.html"
+    if not page.is_file():
+        return PlainTextResponse("Sluice is running. The chat page is not installed.")
+    return FileResponse(page, media_type="text/html")
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error: SluiceError
+    if exc.status_code == 404:
+        error = RouteNotFound(f"no route for {request.method} {request.url.path}")
+    elif exc.status_code == 405:
+        error = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
+    else:
+        error = SluiceError(str(exc.detail))
+        error.status = exc.status_code  # type: ignore[misc]
+    return error_response(error)
+
+
+async def sluice_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, SluiceError)
+    return error_response(exc)
+
+
+def build_app(
+    engine: EngineClient, dispatcher: Dispatcher, config: SluiceConfig, served_model: str,
+    *, ping_seconds: float = 15.0, send_timeout_seconds: float = 30.0,
+    max_body_bytes: int = 1 << 20, on_engine_death: asyncio.Event | None = None,
+) -> Starlette:
+    sluice = Sluice(
+        engine=engine, dispatcher=dispatcher, tenants=TenantDirectory(config),
+        served_model=served_model, ping_seconds=ping_seconds,
+        send_timeout_seconds=send_timeout_seconds, max_body_bytes=max_body_bytes,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.ready = False
+        await engine.start()
+        await dispatcher.start()
+        app.state.ready = True
+        metrics.ENGINE_HEALTHY.labels(served_model).set(1)
+        watchdog = asyncio.create_task(_watch_engine(app, on_engine_death))
+        logger.info("Sluice ready: model %s", served_model)
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watchdog
+            await dispatcher.stop()
+            await engine.stop()
+
+    app = Starlette(
+        routes=[
+            Route("/", chat_page),
+            Route("/health", health),
+            Route("/ready", ready),
+            Route("/metrics", prometheus_metrics),
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            WebSocketRoute("/v1/ws", websocket_endpoint),
+        ],
+        exception_handlers={HTTPException: http_error, SluiceError: sluice_error},
+        lifespan=lifespan,
+    )
+    app.state.sluice = sluice
+    app.state.ready = False
+    app.state.started = int(time.time())
+    return app
+
+
+async def _watch_engine(app: Starlette, on_death: asyncio.Event | None) -> None:
+    sluice: Sluice = app.state.sluice
+    while True:
+        await asyncio.sleep(HEALTH_POLL_SECONDS)
+        try:
+            await sluice.engine.check_health()
+        except EngineDeadError as exc:
+            logger.error("engine died: %s; refusing new requests and shutting down", exc)
+            app.state.ready = False
+            metrics.ENGINE_HEALTHY.labels(sluice.served_model).set(0)
+            if on_death is not None:
+                on_death.set()
+            return
+
+
+def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
+    if args.engine == "sim":
+        from engine_adapters.sim import SimConfig, SimEngine
+
+        name = args.served_model_name or "sim"
+        return SimEngine(SimConfig.from_args(args), model_name=name), name
+    from engine_adapters.vllm_adapter import VLLMEngine, parse_engine_args
+
+    engine_args = parse_engine_args(args.engine_arg)
+    if args.model is None:
+        from engine_adapters.demo_model import DEMO_MODEL_NAME, build_demo_model
+
+        model = str(build_demo_model(args.cache_dir / "demo-model"))
+        name = args.served_model_name or DEMO_MODEL_NAME
+    else:
+        model = args.model
+        name = args.served_model_name or model
+    return VLLMEngine(model, name, engine_args), name
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    install_handler()
+    config = load_config(args.config)
+    if args.engine == "sim-batch":
+        from server.batching.cli import build_serving
+
+        engine, dispatcher, name = build_serving(args, config)
+    else:
+        engine, name = _build_engine(args)
+        from server.scheduler.runtime import SchedulerRuntime
+
+        dispatcher = SchedulerRuntime(config, engine, name)
+    if _has_uvloop():
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return asyncio.run(_serve(args, engine, dispatcher, config, name))
+
+
+async def _serve(
+    args: argparse.Namespace, engine: EngineClient, dispatcher: Dispatcher,
+    config: SluiceConfig, name: str,
+) -> int:
+    engine_died = asyncio.Event()
+    app = build_app(
+        engine, dispatcher, config, name, ping_seconds=args.sse_ping_seconds,
+        send_timeout_seconds=args.send_timeout_seconds, max_body_bytes=args.max_body_bytes,
+        on_engine_death=engine_died,
+    )
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        timeout_graceful_shutdown=10,
+        ws_max_size=args.max_body_bytes,
+    ))
+
+    async def stop_on_engine_death() -> None:
+        await engine_died.wait()
+        server.should_exit = True
+
+    watcher = asyncio.create_task(stop_on_engine_death())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+    if engine_died.is_set():
+        logger.error("exiting with status 3 because the engine died")
+        return 3
+    return 0 if server.started else 1
+
+
+def _has_uvloop() -> bool:
+    return os.environ.get("SLUICE_NO_UVLOOP") is None and _importable("uvloop")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None

@@ -1,0 +1,164 @@
+"""From a parsed request to a running generation: identity, prompt, ticket; admission that
+notices a client leaving while it waits.
+
+Shared by the SSE routes and the WebSocket route; routes keep only the wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from engine_adapters.protocol import EngineClient, GenerationRequest
+from server.errors import (
+    ContextLengthExceeded,
+    EngineUnavailable,
+    InvalidRequest,
+    ModelNotFound,
+)
+from server.openai_requests import ParsedRequest
+from server.scheduler.tenants import TenantDirectory
+from server.scheduler.types import Dispatcher, Generation, Ticket
+from server.timeline import RequestTimeline
+
+_REQUEST_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+def request_id_from(header: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token, else a fresh one."""
+    if header and len(header) <= 128 and set(header) <= _REQUEST_ID_CHARS:
+        return header
+    return uuid.uuid4().hex
+
+
+def api_key_from(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("authorization")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return headers.get("x-api-key") or None
+
+
+@dataclass(slots=True)
+class Sluice:
+    """What every route needs: the engine (for tokenizing), the scheduler, the tenants."""
+
+    engine: EngineClient
+    dispatcher: Dispatcher
+    tenants: TenantDirectory
+    served_model: str
+    ping_seconds: float = 15.0
+    send_timeout_seconds: float = 30.0
+    max_body_bytes: int = 1 << 20
+
+    def prepare(
+        self, parsed: ParsedRequest, timeline: RequestTimeline, headers: Mapping[str, str]
+    ) -> tuple[Ticket, GenerationRequest]:
+        """Authenticate, check the model, count the prompt and build the ticket.
+
+        Raises a SluiceError for anything wrong; nothing is held when it does.
+        """
+        tenant = self.tenants.authenticate(api_key_from(headers))
+        if not self.engine.is_healthy:
+            raise EngineUnavailable("the engine is not available", retry_after=5)
+        timeline.tenant = tenant.name
+        timeline.tenant_label = tenant.metric_label if tenant.configured else None
+        timeline.traffic_class = str(self.tenants.traffic_class(
+            tenant, parsed.service_tier, headers.get("x-traffic-class")
+        ))
+        if parsed.model is not None and parsed.model != self.served_model:
+            raise ModelNotFound(
+                f"the model '{parsed.model}' does not exist; this server serves "
+                f"'{self.served_model}'", param="model",
+            )
+        prompt_ids = self._prompt_ids(parsed)
+        max_len = self.engine.model.max_model_len
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        max_tokens = parsed.max_tokens
+        if max_tokens is None:
+            max_tokens = max_len - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > max_len:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {max_len} tokens; the prompt has "
+                f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more",
+                param="max_tokens" if len(prompt_ids) < max_len else "messages",
+            )
+        timeline.prompt_tokens = len(prompt_ids)
+        ticket = self.tenants.make_ticket(
+            tenant=tenant,
+            request_id=timeline.request_id,
+            model=self.served_model,
+            service_tier=parsed.service_tier,
+            traffic_class_header=headers.get("x-traffic-class"),
+            timeout_ms_header=headers.get("x-request-timeout-ms"),
+            prompt_tokens=len(prompt_ids),
+            max_tokens=max_tokens,
+            arrival=timeline.arrival,
+        )
+        request = GenerationRequest(
+            request_id=timeline.request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=parsed.sampling_options(max_tokens),
+        )
+        return ticket, request
+
+    def _prompt_ids(self, parsed: ParsedRequest) -> list[int]:
+        if parsed.messages is not None:
+            try:
+                return self.engine.render_chat(parsed.messages)
+            except Exception as exc:  # template errors are the client's messages' fault
+                raise InvalidRequest(f"cannot apply the chat template: {exc}",
+                                     param="messages") from None
+        if isinstance(parsed.prompt, str):
+            return self.engine.tokenize(parsed.prompt)
+        assert parsed.prompt is not None
+        return list(parsed.prompt)
+
+
+async def admit_unless_gone(
+    admission: AbstractAsyncContextManager[Generation],
+    client_gone: Callable[[], Awaitable[Any]],
+) -> Generation | None:
+    """Enter `admission` (wait in the queue) unless the client leaves first.
+
+    Returns the Generation, to be left with `admission.__aexit__`; None if the client left
+    while queued (then nothing is held). Refusals propagate as SluiceError.
+    """
+    entering = asyncio.ensure_future(admission.__aenter__())
+    leaving = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({entering, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not entering.done():
+            entering.cancel()
+        leaving.cancel()
+        with suppress(asyncio.CancelledError):
+            await leaving
+    try:
+        generation = await entering
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+        return None
+    if leaving.cancelled() or not leaving.done():
+        return generation
+    # Admitted in the same instant the client left: give the slot straight back.
+    await admission.__aexit__(None, None, None)
+    return None
+
+
+def receive_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> Callable[[], Awaitable[None]]:
+    """A waiter for an ASGI http.disconnect (the request body must already be read)."""
+
+    async def wait() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    return wait

@@ -1,0 +1,252 @@
+"""Parse and validate OpenAI-shaped request bodies into engine-neutral values.
+
+Accepted: the OpenAI chat/completions parameters Sluice implements, plus the extra sampling
+parameters vLLM's server accepts (`top_k`, `min_p`, `min_tokens`, `ignore_eos`,
+`repetition_penalty`, `stop_token_ids`, ...), so clients written for vLLM work unchanged.
+Anything else is refused with 400 `unsupported_parameter` rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine_adapters.protocol import SamplingOptions
+from server.errors import InvalidRequest, UnsupportedParameter
+
+# Parameters that change nothing Sluice does when left at these values; other values refused.
+_ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "logprobs": (False, None),
+    "top_logprobs": (0, None),
+    "echo": (False,),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "suffix": ("",),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (0,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False, True),
+}
+# Parameters accepted and with no effect on generation (metadata, hints).
+_IGNORED = {"user", "metadata", "store", "spaces_between_special_tokens", "request_id",
+            "priority", "length_penalty", "stream_options"}
+
+_SAMPLING = {
+    "temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "max_tokens",
+}
+_COMMON = {"model", "stream", "service_tier", *_SAMPLING, *_ONLY_DEFAULT, *_IGNORED}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "response_format"}
+_COMPLETION_ONLY = {"prompt"}
+_ROLES = {"system", "user", "assistant", "developer", "tool"}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """An OpenAI request, validated. `max_tokens` is None when the client set no limit."""
+
+    kind: str  # "chat" | "completion"
+    model: str | None
+    messages: list[dict[str, Any]] | None
+    prompt: str | list[int] | None
+    max_tokens: int | None
+    sampling: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    service_tier: str | None
+
+    def sampling_options(self, max_tokens: int) -> SamplingOptions:
+        return SamplingOptions(max_tokens=max_tokens, **self.sampling)
+
+
+def _check(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise InvalidRequest(message, param=param)
+
+
+def _number(body: Mapping[str, Any], key: str, lo: float, hi: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    _check(
+        isinstance(value, int | float) and not isinstance(value, bool),
+        f"'{key}' must be a number", key,
+    )
+    _check(lo <= value <= hi, f"'{key}' must be between {lo} and {hi}, got {value}", key)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    _check(isinstance(value, int) and not isinstance(value, bool), f"'{key}' must be an integer", key)
+    _check(value >= lo and (hi is None or value <= hi),
+           f"'{key}' must be at least {lo}" + (f" and at most {hi}" if hi else ""), key)
+    return int(value)
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    _check(isinstance(value, bool), f"'{key}' must be a boolean", key)
+    return bool(value)
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...] | None:
+    value = body.get("stop")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    _check(
+        isinstance(value, list) and len(value) <= 16 and all(isinstance(s, str) for s in value),
+        "'stop' must be a string or a list of at most 16 strings", "stop",
+    )
+    return tuple(value)
+
+
+def _int_list(body: Mapping[str, Any], key: str) -> tuple[int, ...] | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    _check(
+        isinstance(value, list)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value),
+        f"'{key}' must be a list of token ids", key,
+    )
+    return tuple(value)
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    _check(isinstance(value, dict), "'logit_bias' must be an object", "logit_bias")
+    try:
+        return {int(k): float(v) for k, v in value.items()}
+    except (TypeError, ValueError):
+        raise InvalidRequest(
+            "'logit_bias' maps token ids to numbers", param="logit_bias"
+        ) from None
+
+
+_SAMPLING_READERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+    "temperature": lambda b: _number(b, "temperature", 0.0, 2.0),
+    "top_p": lambda b: _number(b, "top_p", 1e-9, 1.0),
+    "top_k": lambda b: _integer(b, "top_k", -1),
+    "min_p": lambda b: _number(b, "min_p", 0.0, 1.0),
+    "min_tokens": lambda b: _integer(b, "min_tokens", 0),
+    "presence_penalty": lambda b: _number(b, "presence_penalty", -2.0, 2.0),
+    "frequency_penalty": lambda b: _number(b, "frequency_penalty", -2.0, 2.0),
+    "repetition_penalty": lambda b: _number(b, "repetition_penalty", 1e-9, 10.0),
+    "seed": lambda b: _integer(b, "seed", -(2**63), 2**63 - 1),
+    "stop": _stop,
+    "stop_token_ids": lambda b: _int_list(b, "stop_token_ids"),
+    "ignore_eos": lambda b: _bool(b, "ignore_eos"),
+    "skip_special_tokens": lambda b: _bool(b, "skip_special_tokens"),
+    "include_stop_str_in_output": lambda b: _bool(b, "include_stop_str_in_output"),
+    "logit_bias": _logit_bias,
+}
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    _check(isinstance(messages, list) and len(messages) > 0,
+           "'messages' must be a non-empty list", "messages")
+    assert isinstance(messages, list)
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        _check(isinstance(message, dict), "each message must be an object", param)
+        _check(message.get("role") in _ROLES,
+               f"'role' must be one of {sorted(_ROLES)}", f"{param}.role")
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise UnsupportedParameter(
+                        "only text content parts are supported", param=f"{param}.content"
+                    )
+        else:
+            _check(isinstance(content, str) or (content is None and message["role"] == "assistant"),
+                   "'content' must be a string or a list of text parts", f"{param}.content")
+    return messages
+
+
+def _prompt(body: Mapping[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    ):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise UnsupportedParameter("batched prompts are not supported; send one prompt per request",
+                                   param="prompt")
+    raise InvalidRequest("'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def parse_request(body: Any, kind: str) -> ParsedRequest:
+    """Validate a decoded JSON body for `kind` ("chat" or "completion")."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    allowed = _COMMON | (_CHAT_ONLY if kind == "chat" else _COMPLETION_ONLY)
+    for key, value in body.items():
+        if key not in allowed:
+            raise UnsupportedParameter(f"unsupported parameter '{key}'", param=key)
+        if key in _ONLY_DEFAULT and value is not None and value not in _ONLY_DEFAULT[key]:
+            raise UnsupportedParameter(
+                f"'{key}'={value!r} is not supported by this server", param=key
+            )
+    model = body.get("model")
+    _check(model is None or isinstance(model, str), "'model' must be a string", "model")
+
+    sampling = {}
+    for key, read in _SAMPLING_READERS.items():
+        value = read(body)
+        if value is not None:
+            sampling[key] = value
+    max_tokens = _integer(body, "max_tokens", 1)
+    if kind == "chat":
+        max_tokens = _integer(body, "max_completion_tokens", 1) or max_tokens
+        response_format = body.get("response_format")
+        if response_format is not None and response_format != {"type": "text"}:
+            raise UnsupportedParameter("only response_format {'type': 'text'} is supported",
+                                       param="response_format")
+    elif max_tokens is None:
+        max_tokens = 16  # OpenAI's default for completions
+
+    stream = _bool(body, "stream") or False
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        _check(isinstance(options, dict), "'stream_options' must be an object", "stream_options")
+        _check(stream, "'stream_options' is only allowed when 'stream' is true", "stream_options")
+        include_usage = bool(options.get("include_usage", False))
+    tier = body.get("service_tier")
+    _check(tier is None or tier in ("auto", "default", "flex", "priority"),
+           "'service_tier' must be one of auto, default, flex, priority", "service_tier")
+    return ParsedRequest(
+        kind=kind,
+        model=model,
+        messages=_messages(body) if kind == "chat" else None,
+        prompt=_prompt(body) if kind == "completion" else None,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stream=stream,
+        include_usage=include_usage,
+        service_tier=tier,
+    )

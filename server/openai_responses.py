@@ -1,0 +1,114 @@
+"""OpenAI wire format: stream chunks, whole responses, usage. Built for the per-token hot path.
+
+Each stream chunk is the same JSON around a few changing values, so `ChunkEncoder` renders the
+constant prefix once per request and encodes only the token text per chunk (orjson).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+DONE = b"data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class ChunkEncoder:
+    """Renders `data: {...}\\n\\n` events for one streamed chat or text completion."""
+
+    def __init__(self, kind: str, request_id: str, model: str, include_usage: bool) -> None:
+        self.kind = kind
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+        head = orjson.dumps(
+            {"id": self.id, "object": self.object, "created": self.created, "model": model}
+        )[:-1]
+        if kind == "chat":
+            self._prefix = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":'
+            self._suffix = b'},"logprobs":null,"finish_reason":null}]'
+        else:
+            self._prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
+            self._suffix = b',"logprobs":null,"finish_reason":null}]'
+        self._suffix += (b',"usage":null}\n\n' if include_usage else b"}\n\n")
+
+    def _event(self, payload: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    def _base(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
+
+    def role(self) -> bytes:
+        """The first chat chunk: the assistant role, empty content (as OpenAI sends it)."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}
+        payload = {**self._base(), "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = None
+        return self._event(payload)
+
+    def text(self, text: str) -> bytes:
+        return self._prefix + orjson.dumps(text) + self._suffix
+
+    def finish(self, finish_reason: str, stop_reason: Any, last: dict[str, Any] | None) -> bytes:
+        """The chunk that carries finish_reason; `last` holds usage/timings when it ends the stream."""
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
+                                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+        choice["stop_reason"] = stop_reason
+        payload = {**self._base(), "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = None
+        if last:
+            payload.update(last)
+        return self._event(payload)
+
+    def usage_chunk(self, usage_and_timings: dict[str, Any]) -> bytes:
+        return self._event({**self._base(), "choices": [], **usage_and_timings})
+
+    @staticmethod
+    def error(body: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def whole_response(
+    kind: str, request_id: str, model: str, text: str, finish_reason: str | None,
+    stop_reason: Any, prompt_tokens: int, completion_tokens: int, timings: dict[str, Any],
+) -> dict[str, Any]:
+    """A non-streamed chat.completion or text_completion object."""
+    if kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None,
+                        "tool_calls": [], "annotations": []},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+        object_name, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        object_name, prefix = "text_completion", "cmpl-"
+    return {
+        "id": prefix + request_id,
+        "object": object_name,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, completion_tokens),
+        "timings": timings,
+    }

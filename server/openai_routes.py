@@ -1,0 +1,225 @@
+"""Thin routes for the OpenAI-compatible API: parse, hand to the scheduler, shape the reply."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+import orjson
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from engine_adapters.protocol import EngineDeadError, EngineError, EngineRequestError
+from server.errors import (
+    EngineUnavailable,
+    GenerationFailed,
+    InvalidRequest,
+    PayloadTooLarge,
+    SluiceError,
+)
+from server.generation import Sluice, admit_unless_gone, receive_disconnect, request_id_from
+from server.openai_requests import ParsedRequest, parse_request
+from server.openai_responses import DONE, ChunkEncoder, usage, whole_response
+from server.scheduler.types import Generation
+from server.timeline import RequestTimeline, outcome_for
+
+logger = logging.getLogger("sluice.server")
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_response(error: SluiceError, request_id: str | None = None) -> JSONResponse:
+    headers = error.headers()
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return JSONResponse(error.to_body(), status_code=error.status, headers=headers)
+
+
+def engine_failure(exc: EngineError) -> SluiceError:
+    if isinstance(exc, EngineDeadError):
+        return EngineUnavailable("the engine stopped while generating; retry shortly",
+                                 retry_after=5)
+    if isinstance(exc, EngineRequestError):
+        return InvalidRequest(str(exc))
+    return GenerationFailed(f"generation failed: {exc}")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, "completion")
+
+
+async def _generate(request: Request, kind: str) -> Response:
+    sluice: Sluice = request.app.state.sluice
+    timeline = RequestTimeline(
+        request_id=request_id_from(request.headers.get("x-request-id")),
+        model=sluice.served_model,
+        api="chat" if kind == "chat" else "completions",
+    )
+    try:
+        parsed = parse_request(await read_json(request, sluice.max_body_bytes), kind)
+        ticket, engine_request = sluice.prepare(parsed, timeline, request.headers)
+    except SluiceError as error:
+        timeline.finish(outcome_for(error), status=error.status, error=error)
+        return error_response(error, timeline.request_id)
+    admission = sluice.dispatcher.generation(ticket, engine_request)
+    return GenerationResponse(sluice, parsed, timeline, admission)
+
+
+class GenerationResponse:
+    """ASGI response: wait in the queue (watching for the client leaving), then stream or reply.
+
+    Refusals before dispatch are real HTTP statuses (401/429/503/504 with Retry-After);
+    failures after the stream started end it with an error event and `[DONE]`.
+    """
+
+    def __init__(
+        self, sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
+        admission: AbstractAsyncContextManager[Generation],
+    ) -> None:
+        self.sluice = sluice
+        self.parsed = parsed
+        self.timeline = timeline
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeline = self.timeline
+        try:
+            generation = await admit_unless_gone(self.admission, receive_disconnect(receive))
+        except SluiceError as error:
+            timeline.finish(outcome_for(error), status=error.status, error=error)
+            await error_response(error, timeline.request_id)(scope, receive, send)
+            return
+        if generation is None:
+            timeline.finish("cancelled", status=499)
+            return
+        timeline.dispatched(generation.dispatched_at)
+        exc_info: tuple[Any, Any, Any] = (None, None, None)
+        try:
+            if self.parsed.stream:
+                response: Response = EventSourceResponse(
+                    self._events(generation),
+                    headers={"X-Request-Id": timeline.request_id},
+                    ping=self.sluice.ping_seconds,
+                    send_timeout=self.sluice.send_timeout_seconds,
+                )
+            else:
+                response = await self._whole(generation, receive)
+            await response(scope, receive, send)
+        except BaseException as exc:
+            exc_info = (type(exc), exc, exc.__traceback__)
+            raise
+        finally:
+            await self.admission.__aexit__(*exc_info)
+            if not timeline.ended:  # the stream was cut before its generator ran
+                timeline.finish("cancelled", status=499)
+
+    async def _whole(self, generation: Generation, receive: Receive) -> Response:
+        timeline = self.timeline
+        collecting = asyncio.ensure_future(self._collect(generation))
+        leaving = asyncio.ensure_future(receive_disconnect(receive)())
+        try:
+            await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not collecting.done():
+                collecting.cancel()
+        try:
+            text, finish_reason, stop_reason = await collecting
+        except asyncio.CancelledError:
+            timeline.finish("cancelled", status=499)
+            return Response(status_code=499)
+        except SluiceError as error:
+            timeline.finish(outcome_for(error), status=error.status, error=error)
+            return error_response(error, timeline.request_id)
+        body = whole_response(
+            self.parsed.kind, timeline.request_id, self.sluice.served_model, text,
+            finish_reason, stop_reason, timeline.prompt_tokens, timeline.generated_tokens,
+            timeline.timings(),
+        )
+        timeline.finish("completed")
+        return JSONResponse(body, headers={"X-Request-Id": timeline.request_id})
+
+    async def _collect(self, generation: Generation) -> tuple[str, str | None, Any]:
+        parts: list[str] = []
+        finish_reason: str | None = None
+        stop_reason: Any = None
+        try:
+            async for delta in generation:
+                parts.append(delta.text)
+                self.timeline.wrote_tokens(len(delta.token_ids))
+                if delta.finish_reason is not None:
+                    finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+        except EngineError as exc:
+            raise engine_failure(exc) from exc
+        if finish_reason == "abort":
+            raise GenerationFailed("the engine aborted the request")
+        return "".join(parts), finish_reason, stop_reason
+
+    async def _events(self, generation: Generation) -> AsyncIterator[bytes]:
+        timeline, parsed = self.timeline, self.parsed
+        encoder = ChunkEncoder(parsed.kind, timeline.request_id, self.sluice.served_model,
+                               parsed.include_usage)
+        outcome, status, failure = "cancelled", 499, None
+        try:
+            if parsed.kind == "chat":
+                yield encoder.role()
+            finish_reason: str | None = None
+            stop_reason: Any = None
+            try:
+                async for delta in generation:
+                    if delta.token_ids:
+                        timeline.wrote_tokens(len(delta.token_ids))
+                    if delta.text:
+                        yield encoder.text(delta.text)
+                    if delta.finish_reason is not None:
+                        finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+                if finish_reason == "abort" or finish_reason is None:
+                    raise GenerationFailed("the engine aborted the request")
+            except EngineError as exc:
+                raise engine_failure(exc) from exc
+            summary = {
+                "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
+                "timings": timeline.timings(),
+            }
+            if parsed.include_usage:
+                yield encoder.finish(finish_reason, stop_reason, None)
+                yield encoder.usage_chunk(summary)
+            else:
+                yield encoder.finish(finish_reason, stop_reason, {"timings": summary["timings"]})
+            yield DONE
+            outcome, status = "completed", 200
+        except SluiceError as error:
+            outcome, status, failure = outcome_for(error), error.status, error
+            yield encoder.error(error.to_body())
+            yield DONE
+        finally:
+            timeline.finish(outcome, status=status, error=failure)

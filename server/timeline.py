@@ -1,0 +1,135 @@
+"""One request's stopwatch: arrival, dispatch, token writes, end — and every metric they feed.
+
+A route creates a `RequestTimeline` at arrival, calls `dispatched`, `wrote_tokens` (just before
+handing generated tokens to the transport) and exactly one `finish(outcome)`. This is the one
+place per-request counters and histograms are recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from server import metrics
+from server.access_log import AccessRecord, log_request, median
+from server.errors import SluiceError
+
+# Error codes that mean "refused before dispatch" (sluice_rejections_total{reason}).
+_REJECTION_CODES = {
+    "invalid_api_key", "traffic_class_not_allowed", "tenant_quota_exceeded", "overloaded",
+    "deadline_unmeetable", "engine_unavailable",
+}
+
+
+def outcome_for(error: SluiceError) -> str:
+    if error.code == "deadline_exceeded":
+        return "expired"
+    if error.code in _REJECTION_CODES:
+        return "rejected"
+    if error.status < 500:
+        return "invalid"
+    return "failed"
+
+
+@dataclass(slots=True)
+class RequestTimeline:
+    request_id: str
+    model: str
+    api: str
+    arrival: float = field(default_factory=time.monotonic)
+    tenant: str = "-"
+    tenant_label: str | None = None  # set only for configured tenants (bounded labels)
+    traffic_class: str = "interactive"
+    prompt_tokens: int = 0
+    dispatched_at: float | None = None
+    first_token_at: float | None = None
+    last_write_at: float | None = None
+    generated_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    ended: bool = False
+    _labels: tuple[str, str] | None = None
+
+    def _label_values(self) -> tuple[str, str]:
+        if self._labels is None:
+            self._labels = (self.model, self.traffic_class)
+        return self._labels
+
+    def dispatched(self, at: float) -> None:
+        self.dispatched_at = at
+        labels = self._label_values()
+        metrics.QUEUE_WAIT.labels(*labels).observe(max(0.0, at - self.arrival))
+        metrics.PROMPT_TOKENS.labels(*labels).inc(self.prompt_tokens)
+
+    def wrote_tokens(self, count: int) -> None:
+        """Generated tokens are about to be written to the client."""
+        if count <= 0:
+            return
+        now = time.monotonic()
+        labels = self._label_values()
+        metrics.GENERATED_TOKENS.labels(*labels).inc(count)
+        if self.first_token_at is None:
+            self.first_token_at = now
+            metrics.TIME_TO_FIRST_TOKEN.labels(*labels).observe(now - self.arrival)
+        else:
+            assert self.last_write_at is not None
+            gap = (now - self.last_write_at) / count
+            histogram = metrics.INTER_TOKEN_LATENCY.labels(*labels)
+            for _ in range(count):
+                histogram.observe(gap)
+                self.itl.append(gap)
+        self.last_write_at = now
+        self.generated_tokens += count
+
+    def timings(self) -> dict[str, Any]:
+        """The request's own timings, in seconds, for the `timings` object beside `usage`."""
+        now = time.monotonic()
+        return {
+            "queue_wait_s": _round(self.dispatched_at - self.arrival)
+            if self.dispatched_at is not None else None,
+            "time_to_first_token_s": _round(self.first_token_at - self.arrival)
+            if self.first_token_at is not None else None,
+            "inter_token_latency_median_s": _round(median(self.itl)),
+            "duration_s": _round(now - self.arrival),
+        }
+
+    def finish(self, outcome: str, *, status: int = 200, error: SluiceError | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        now = time.monotonic()
+        model, traffic_class = self._label_values()
+        metrics.REQUEST_DURATION.labels(model, traffic_class).observe(now - self.arrival)
+        metrics.REQUESTS.labels(model, traffic_class, outcome).inc()
+        if self.tenant_label is not None:
+            metrics.TENANT_REQUESTS.labels(self.tenant_label, outcome).inc()
+        if error is not None and outcome == "rejected":
+            metrics.REJECTIONS.labels(
+                model, traffic_class, error.code, self.tenant_label or "other"
+            ).inc()
+        if outcome == "expired":
+            metrics.DEADLINE_MISSES.labels(model, traffic_class).inc()
+        if outcome == "cancelled":
+            stage = "queued" if self.dispatched_at is None else "running"
+            metrics.CANCELLATIONS.labels(model, traffic_class, stage).inc()
+        if self.dispatched_at is not None and outcome in ("cancelled", "expired", "failed"):
+            reason = {"cancelled": "client_cancelled", "expired": "deadline"}.get(outcome, "error")
+            metrics.ENGINE_ABORTS.labels(model, reason).inc()
+        log_request(AccessRecord(
+            request_id=self.request_id,
+            tenant=self.tenant,
+            traffic_class=traffic_class,
+            model=model,
+            outcome=outcome,
+            status=status,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - self.arrival,
+            median_itl_s=median(self.itl),
+            duration_s=now - self.arrival,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            api=self.api,  # type: ignore[arg-type]
+        ))
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)

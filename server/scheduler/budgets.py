@@ -31,15 +31,23 @@ class BudgetLimits:
         block_size: int,
         num_blocks: int,
         max_model_len: int,
+        engine_max_seqs: int | None = None,
     ) -> BudgetLimits:
-        """Limits sized from the engine's real KV cache at the target utilisation."""
+        """Limits sized from the engine's real KV cache at the target utilisation.
+
+        Sequences are capped by the engine's own batch limit when it reports one: a request
+        dispatched beyond it would only wait inside the engine, where Sluice cannot order it.
+        """
         kv_blocks = max(1, math.floor(num_blocks * config.kv_target_utilization))
         kv_tokens = kv_blocks * block_size
         tokens = config.max_running_tokens or kv_tokens
         # One request of the model's full length must still be able to run.
         tokens = max(tokens, max_model_len)
         kv_blocks = max(kv_blocks, -(-max_model_len // block_size))
-        return cls(tokens, kv_blocks, config.max_running_seqs, block_size)
+        sequences = config.max_running_seqs
+        if engine_max_seqs:
+            sequences = min(sequences, engine_max_seqs)
+        return cls(tokens, kv_blocks, sequences, block_size)
 
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.tokens, self.kv_blocks, self.sequences)

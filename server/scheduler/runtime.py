@@ -115,6 +115,7 @@ class SchedulerRuntime:
             block_size=kv.block_size,
             num_blocks=kv.num_blocks,
             max_model_len=self.engine.model.max_model_len,
+            engine_max_seqs=self.engine.model.extra.get("max_num_seqs"),
         )
         self._core = SchedulerCore(self.config, limits)
         self._stopping = False

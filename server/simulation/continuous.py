@@ -1,0 +1,320 @@
+"""`sluice simulate --mode continuous`: the scheduler core and the `sim` timing model, driven
+on a virtual clock by the discrete-event loop.
+
+The same `SchedulerCore` as the server decides admission, dispatch and expiry; this shell only
+turns its decisions into events: an arrival submits, a dispatch adds the request to the
+`SimTimingModel`, each engine step's outputs arrive `duration_s` later, a deadline expires a
+queued ticket or aborts a running one, and every ending releases the ticket in the core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from engine_adapters.sim import SimConfig, SimTimingModel, StepResult, add_sim_arguments
+from server.config import SluiceConfig, TenantConfig, load_config
+from server.scheduler.budgets import BudgetLimits
+from server.scheduler.core import Rejected, SchedulerCore
+from server.scheduler.types import Ticket, TrafficClass
+from server.simulation.continuous_workload import (
+    RequestShape,
+    WorkloadMix,
+    burst_mix,
+    parse_tenant_weights,
+    poisson_mix,
+)
+from server.simulation.events import EventHandle, EventLoop
+from server.simulation.workload import Arrival, TraceError, parse_trace
+
+
+@dataclass(slots=True)
+class Timeline:
+    """One request's life in virtual seconds; outcome completed|rejected|expired|cancelled."""
+
+    id: str
+    tenant: str
+    traffic_class: str
+    arrival: float
+    deadline: float
+    outcome: str = "queued"
+    reason: str | None = None
+    stage: str | None = None  # where an expiry or cancellation caught it
+    dispatched: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    output_tokens: int = 0
+
+
+class ContinuousSimulation:
+    def __init__(self, config: SluiceConfig, sim: SimConfig) -> None:
+        self.config = config
+        self.loop = EventLoop()
+        self.model = SimTimingModel(sim)
+        self.core = SchedulerCore(config, BudgetLimits.from_engine(
+            config.budgets, block_size=sim.block_size, num_blocks=sim.kv_blocks,
+            max_model_len=sim.max_model_len, engine_max_seqs=sim.max_num_seqs,
+        ))
+        self.timelines: dict[str, Timeline] = {}
+        self.peak_budget_in_use = dict.fromkeys(self.core.ledger.in_use(), 0)
+        self._stepping = False
+        self._expiry: EventHandle | None = None
+        self._running_deadlines: dict[str, EventHandle] = {}
+
+    # --- inputs ------------------------------------------------------------------------
+    def add_arrivals(self, arrivals: Iterable[Arrival]) -> None:
+        for arrival in arrivals:
+            self.loop.call_at(arrival.time_s, partial(self._arrive, arrival))
+
+    def cancel_at(self, request_id: str, time_s: float) -> None:
+        self.loop.call_at(time_s, partial(self._cancel, request_id))
+
+    def run(self, until: float | None = None) -> None:
+        self.loop.run(until)
+
+    # --- events ------------------------------------------------------------------------
+    def _arrive(self, arrival: Arrival) -> None:
+        now = self.loop.now
+        tc = arrival.traffic_class
+        deadline = arrival.deadline_s
+        if deadline is None:
+            deadline = now + self.config.classes[tc].deadline_s
+        ticket = Ticket(arrival.id, arrival.tenant, tc, arrival.model, now, deadline,
+                        arrival.prompt_tokens, arrival.max_tokens)
+        timeline = Timeline(arrival.id, arrival.tenant, tc.value, now, deadline)
+        self.timelines[arrival.id] = timeline
+        decision = self.core.submit(ticket, now)
+        if isinstance(decision, Rejected):
+            timeline.outcome, timeline.reason = "rejected", decision.reason
+            timeline.finished = now
+            return
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        now = self.loop.now
+        core = self.core
+        for ticket in core.dispatchable(now):
+            rid = ticket.request_id
+            self.model.add(rid, [7] * ticket.prompt_tokens, ticket.max_tokens, ignore_eos=True)
+            self.timelines[rid].dispatched = now
+            self.timelines[rid].outcome = "running"
+            self._running_deadlines[rid] = self.loop.call_at(
+                max(now, ticket.deadline), partial(self._running_deadline, rid))
+        for ticket in core.expire(now):
+            self._end(self.timelines[ticket.request_id], "expired", "queued")
+        for name, value in core.ledger.in_use().items():
+            if value > self.peak_budget_in_use[name]:
+                self.peak_budget_in_use[name] = value
+        self._arm_expiry()
+        if not self._stepping and self.model.has_work:
+            self._stepping = True
+            self._step()
+
+    def _arm_expiry(self) -> None:
+        wake = self.core.next_wakeup()
+        if self._expiry is not None:
+            if wake is not None and self._expiry.time == wake:
+                return
+            self._expiry.cancel()
+            self._expiry = None
+        if wake is not None:
+            self._expiry = self.loop.call_at(max(wake, self.loop.now), self._on_expiry)
+
+    def _on_expiry(self) -> None:
+        self._expiry = None
+        self._dispatch()
+
+    def _step(self) -> None:
+        result = self.model.step()
+        self.loop.call_later(result.duration_s, partial(self._deliver, result))
+
+    def _deliver(self, result: StepResult) -> None:
+        now = self.loop.now
+        for output in result.outputs:
+            timeline = self.timelines[output.request_id]
+            if timeline.outcome != "running":
+                continue  # aborted while the step ran: a late output revives nothing
+            if timeline.first_token is None:
+                timeline.first_token = now
+                self.core.first_token(output.request_id, now)
+            timeline.output_tokens += len(output.token_ids)
+            if output.finish_reason is not None:
+                self._running_deadlines.pop(output.request_id).cancel()
+                self.core.release(output.request_id, now,
+                                  output_tokens=timeline.output_tokens, completed=True)
+                timeline.outcome, timeline.finished = "completed", now
+        self._stepping = False
+        self._dispatch()
+
+    def _running_deadline(self, request_id: str) -> None:
+        self._running_deadlines.pop(request_id, None)
+        self._abort_running(request_id, "expired")
+
+    def _abort_running(self, request_id: str, outcome: str) -> None:
+        self.model.abort(request_id)
+        timeline = self.timelines[request_id]
+        self.core.release(request_id, self.loop.now, output_tokens=timeline.output_tokens)
+        self._end(timeline, outcome, "running")
+        self._dispatch()
+
+    def _cancel(self, request_id: str) -> None:
+        timeline = self.timelines.get(request_id)
+        if timeline is None or timeline.outcome not in ("queued", "running"):
+            return
+        if timeline.outcome == "running":
+            self._running_deadlines.pop(request_id).cancel()
+            self._abort_running(request_id, "cancelled")
+            return
+        self.core.release(request_id, self.loop.now)
+        self._end(timeline, "cancelled", "queued")
+        self._dispatch()
+
+    def _end(self, timeline: Timeline, outcome: str, stage: str) -> None:
+        timeline.outcome, timeline.stage, timeline.finished = outcome, stage, self.loop.now
+
+
+# --- reporting ---------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def summarize(simulation: ContinuousSimulation, wall_s: float) -> dict[str, Any]:
+    timelines = list(simulation.timelines.values())
+    end = max((t.finished or t.arrival for t in timelines), default=0.0)
+    by_class: dict[str, Any] = {}
+    for tc in TrafficClass:
+        mine = [t for t in timelines if t.traffic_class == tc.value]
+        done = [t for t in mine if t.outcome == "completed"]
+        outcomes: dict[str, int] = {}
+        for t in mine:
+            key = t.outcome if t.reason is None else f"rejected:{t.reason}"
+            outcomes[key] = outcomes.get(key, 0) + 1
+        ms = _percentiles_ms
+        by_class[tc.value] = {
+            "requests": len(mine),
+            "outcomes": dict(sorted(outcomes.items())),
+            "queue_wait_ms": ms(
+                [t.dispatched - t.arrival for t in mine if t.dispatched is not None]),
+            "ttft_ms": ms([t.first_token - t.arrival for t in done if t.first_token is not None]),
+            "latency_ms": ms([t.finished - t.arrival for t in done if t.finished is not None]),
+            "completed_after_deadline": sum(
+                1 for t in done if t.finished is not None and t.finished > t.deadline),
+            "tokens_per_s": round(sum(t.output_tokens for t in done) / end, 1) if end else 0.0,
+        }
+    tenants: dict[str, int] = {}
+    for t in timelines:
+        if t.outcome == "completed":
+            tenants[t.tenant] = tenants.get(t.tenant, 0) + t.output_tokens
+    return {
+        "requests": len(timelines),
+        "virtual_seconds": round(end, 3),
+        "wall_seconds": round(wall_s, 3),
+        "classes": by_class,
+        "completed_tokens_by_tenant": dict(sorted(tenants.items())),
+        "budget_limits": simulation.core.ledger.limits_by_name(),
+        "budget_peak_in_use": simulation.peak_budget_in_use,
+        "budget_in_use_at_end": simulation.core.ledger.in_use(),
+        "engine_unfinished_at_end": simulation.model.num_unfinished,
+    }
+
+
+def _percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
+    result: dict[str, float | None] = {}
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0)):
+        value = percentile(seconds, q)
+        result[name] = None if value is None else round(value * 1000, 3)
+    return result
+
+
+# --- CLI ---------------------------------------------------------------------------------
+def _add(parser: Any, *flags: str, **kwargs: Any) -> None:
+    existing = getattr(parser, "_option_string_actions", {})
+    if not any(flag in existing for flag in flags):
+        parser.add_argument(*flags, **kwargs)
+
+
+def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
+    g = simulate_parser.add_argument_group("continuous mode (--mode continuous)")
+    _add(g, "--config", type=Path, default=None, help="scheduler YAML (tenants, budgets)")
+    _add(g, "--interactive-share", type=float, default=None,
+         help="share of generated arrivals that are interactive (default 1; 0.5 for mixed)")
+    _add(g, "--tenants", default=None, metavar="NAME=WEIGHT,...",
+         help="tenants of generated arrivals and their weights (default 'default'; mixed: "
+         "'flood=9,steady=1')")
+    _add(g, "--prompt-tokens", type=int, default=64, help="prompt tokens of interactive arrivals")
+    _add(g, "--max-tokens", type=int, default=32, help="max_tokens of interactive arrivals")
+    _add(g, "--bulk-prompt-tokens", type=int, default=256)
+    _add(g, "--bulk-max-tokens", type=int, default=256)
+    _add(g, "--deadline-ms", type=float, default=None,
+         help="deadline of generated arrivals, relative to their arrival (default: class's)")
+    _add(g, "--burst-size", type=int, default=20, help="arrivals per burst (--workload bursts)")
+    _add(g, "--cancel", action="append", default=[], metavar="ID@MS",
+         help="the caller of request ID leaves at this time (repeatable)")
+    existing = getattr(simulate_parser, "_option_string_actions", {})
+    if "--sim-kv-blocks" not in existing:
+        add_sim_arguments(simulate_parser)
+
+
+def build_arrivals(args: argparse.Namespace) -> list[Arrival] | Iterable[Arrival]:
+    if args.arrivals:
+        return parse_trace(args.arrivals)
+    workload = args.workload or "poisson"
+    share = args.interactive_share
+    if share is None:
+        share = 0.5 if workload == "mixed" else 1.0
+    tenants = args.tenants or ("flood=9,steady=1" if workload == "mixed" else "default")
+    relative = None if args.deadline_ms is None else args.deadline_ms / 1000.0
+    mix = WorkloadMix(
+        interactive_share=share,
+        tenants=parse_tenant_weights(tenants),
+        interactive=RequestShape(args.prompt_tokens, args.max_tokens, relative),
+        bulk=RequestShape(args.bulk_prompt_tokens, args.bulk_max_tokens, relative),
+    )
+    if workload == "bursts":
+        return burst_mix(args.rate, args.duration, args.burst_size, mix, args.seed)
+    return poisson_mix(args.rate, args.duration, mix, args.seed)
+
+
+def with_tenants(config: SluiceConfig, names: Iterable[str]) -> SluiceConfig:
+    """Make every simulated tenant a configured one, so per-tenant rules apply to it."""
+    tenants = dict(config.tenants)
+    for name in names:
+        tenants.setdefault(name, TenantConfig(name))
+    if len(tenants) > 1 and config.is_open and "default" not in names:
+        tenants.pop("default", None)
+    return replace(config, tenants=tenants)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        arrivals = list(build_arrivals(args))
+    except (TraceError, ValueError) as exc:
+        print(f"sluice simulate: {exc}", file=sys.stderr)
+        return 2
+    config = with_tenants(load_config(args.config), {a.tenant for a in arrivals})
+    simulation = ContinuousSimulation(config, SimConfig.from_args(args))
+    simulation.add_arrivals(arrivals)
+    for item in args.cancel:
+        rid, _, at = item.partition("@")
+        simulation.cancel_at(rid, float(at) / 1000.0)
+    started = time.perf_counter()
+    simulation.run()
+    summary = summarize(simulation, time.perf_counter() - started)
+    if args.json:
+        timelines = [asdict(t) for t in simulation.timelines.values()]
+        json.dump({"summary": summary, "requests": timelines}, sys.stdout)
+        print()
+    else:
+        print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,116 @@
+"""The chat page at / in a real headless Chromium: tokens stream in, Stop aborts the engine request.
+
+Chromium is the Debian package, driven by Playwright for Python (which never downloads a
+browser here: it is given /usr/bin/chromium). The sim engine is slowed to ~25 tokens/s so the
+page is seen mid-stream. The screenshot it takes mid-stream is docs/chat-page.png.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO_ROOT, RunningSluice, require_tool, run_sluice, wait_until
+
+SCREENSHOT = REPO_ROOT / "docs" / "chat-page.png"
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+PAGE_TIMEOUT_MS = 30_000
+METRICS_TIMEOUT_S = 15.0
+
+
+@pytest.fixture
+def slow_sluice(tmp_path: Path) -> Iterator[RunningSluice]:
+    # One engine step per token at 40 ms: a 1,500-token answer would take a minute.
+    with run_sluice(
+        tmp_path, "--served-model-name", "sluice-demo", "--sim-step-base-ms", "40"
+    ) as s:
+        yield s
+
+
+def _sync_playwright() -> object:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        message = "the playwright package is not installed (pip install playwright)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return sync_playwright
+
+
+def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
+    slow_sluice: RunningSluice, tmp_path: Path
+) -> None:
+    chromium = require_tool("chromium")
+    sync_playwright = _sync_playwright()
+    server = slow_sluice
+    aborts_before = server.metric_sum("sluice_engine_aborts_total")
+
+    with sync_playwright() as playwright:  # type: ignore[operator]
+        browser = playwright.chromium.launch(
+            executable_path=chromium, headless=True, args=CHROMIUM_FLAGS
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 640})
+            page.set_default_timeout(PAGE_TIMEOUT_MS)
+            page.goto(f"{server.base_url}/")
+            page.wait_for_function("document.querySelector('#model').options.length > 0")
+            assert page.input_value("#model") == "sluice-demo"
+
+            page.fill("#max-tokens", "1500")
+            page.fill("#prompt", "How does a sluice gate control the flow of water?")
+            page.click("#send")
+
+            # Tokens arrive over time: the reply grows while the request is still streaming.
+            reply = "document.querySelector('.msg.assistant')"
+            page.wait_for_function(f"{reply} && {reply}.textContent.length > 0")
+            first_length = len(page.text_content(".msg.assistant") or "")
+            page.wait_for_function(
+                f"{reply}.textContent.length > {first_length} "
+                "&& Number(document.querySelector('#chunks').textContent) >= 5 "
+                "&& document.body.dataset.state === 'streaming'"
+            )
+            assert page.text_content("#ttft").endswith(" ms")  # type: ignore[union-attr]
+            assert page.text_content("#itl").endswith(" ms")  # type: ignore[union-attr]
+            assert page.text_content("#status") == "streaming"
+            assert page.is_enabled("#stop") and not page.is_enabled("#send")
+
+            # The engine holds the request while the page streams it.
+            wait_until(
+                lambda: server.metric_sum("sluice_engine_unfinished_requests") >= 1,
+                timeout_s=METRICS_TIMEOUT_S,
+                what="the engine to hold the page's request",
+            )
+            page.wait_for_function("Number(document.querySelector('#chunks').textContent) >= 40")
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT))
+
+            page.click("#stop")
+            page.wait_for_function("document.body.dataset.state === 'idle'")
+            assert page.text_content("#status") == "stopped"
+            stopped_length = len(page.text_content(".msg.assistant") or "")
+            assert stopped_length > first_length
+        finally:
+            browser.close()
+
+    # Closing the connection made Sluice abort the engine request.
+    wait_until(
+        lambda: (
+            server.metric_sum("sluice_engine_unfinished_requests") == 0
+            and server.metric_sum("sluice_engine_aborts_total") > aborts_before
+        ),
+        timeout_s=METRICS_TIMEOUT_S,
+        what="sluice_engine_unfinished_requests to return to 0 and an engine abort",
+    )
+    assert server.metric_sum("sluice_cancellations_total", stage="running") >= 1

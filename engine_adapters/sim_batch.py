@@ -129,8 +129,7 @@ class SimBatchEngine:
             raise EngineDeadError("sim-batch engine is not started")
         if len(items) > self.batch_model.max_batch:
             raise EngineError(f"batch of {len(items)} exceeds {self.batch_model.max_batch}")
-        kill = self._kills.setdefault(worker_id, asyncio.Event())
-        kill.clear()
+        kill = self._kills.setdefault(worker_id, asyncio.Event())  # may hold a pending kill
         self._running += len(items)
         try:
             crash = any(self.batch_model.is_poison(i.prompt_token_ids) for i in items)
@@ -145,9 +144,11 @@ class SimBatchEngine:
             raise WorkerCrashed(f"worker {worker_id} was killed mid-batch")
         finally:
             self._running -= len(items)
+            if self._kills.get(worker_id) is kill:
+                del self._kills[worker_id]
 
     def kill_worker(self, worker_id: int) -> None:
-        """Failure injection: the batch `worker_id` is running now dies."""
+        """Failure injection: the batch `worker_id` is running (or runs next) dies."""
         self._kills.setdefault(worker_id, asyncio.Event()).set()
 
     # --- EngineClient ---

@@ -124,3 +124,30 @@ async def test_queued_deadline_expires_at_the_deadline() -> None:
         assert runtime.core.is_idle()
     finally:
         await engine.stop()
+
+
+async def test_state_gauges_follow_the_scheduler() -> None:
+    from server import metrics
+
+    def gauge(name: str, **labels: str) -> float | None:
+        return metrics.REGISTRY.get_sample_value(name, labels)
+
+    engine, runtime = await started_runtime(parse_config({"budgets": {"max_running_seqs": 1}}))
+    try:
+        first = asyncio.create_task(collect(runtime, make_ticket("g1", max_tokens=32)))
+        queued = asyncio.create_task(collect(runtime, make_ticket("g2")))
+        await asyncio.sleep(0)
+        labels = {"model": "sim", "traffic_class": "interactive"}
+        assert gauge("sluice_queue_depth", **labels) == 1
+        assert gauge("sluice_running_requests", **labels) == 1
+        assert gauge("sluice_budget_in_use", budget="sequences") == 1
+        assert gauge("sluice_budget_limit", budget="sequences") == 1
+        kv_limit = runtime.core.ledger.limits.kv_blocks
+        assert gauge("sluice_budget_limit", budget="kv_blocks") == kv_limit
+        await asyncio.gather(first, queued)
+        assert gauge("sluice_queue_depth", **labels) == 0
+        assert gauge("sluice_running_requests", **labels) == 0
+        for budget in ("tokens", "kv_blocks", "sequences"):
+            assert gauge("sluice_budget_in_use", budget=budget) == 0
+    finally:
+        await engine.stop()

@@ -19,10 +19,13 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVER_READY_TIMEOUT_S = 60.0
@@ -47,8 +50,8 @@ def require_tool(name: str) -> str:
 
 
 def wait_until(
-    condition: Callable[[], object], *, timeout_s: float, interval_s: float = 0.1, what: str
-) -> object:
+    condition: Callable[[], T | None], *, timeout_s: float, interval_s: float = 0.1, what: str
+) -> T:
     """Poll `condition` until it returns something truthy; fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     last_error: BaseException | None = None

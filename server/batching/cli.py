@@ -69,6 +69,19 @@ def sim_batch_from_args(
     return engine, BatchRuntime(config, engine)
 
 
+def build_serving(
+    args: argparse.Namespace, config: object
+) -> tuple[SimBatchEngine, BatchRuntime, str]:
+    """What `serve --engine sim-batch` runs: (engine, dispatcher, served model name).
+
+    `config` (the SluiceConfig) is accepted for symmetry; batch mode's queue bound is
+    --max-queue for now, not the per-class limits.
+    """
+    name = getattr(args, "served_model_name", None) or DEFAULT_MODEL
+    engine, runtime = sim_batch_from_args(args, name)
+    return engine, runtime, name
+
+
 def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     group = simulate_parser.add_argument_group("batch mode (--mode batch)")
     _add_batch_shape(group)

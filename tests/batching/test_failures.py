@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from server.batching.simulate import Faults, SimResult, simulate
+from server.batching.simulate import Faults, RequestRecord, SimResult, simulate
 from server.simulation.workload import Arrival, parse_trace
 
 from .helpers import exercise_config, ms
 
 
-def by_id(result: SimResult) -> dict[str, object]:
+def by_id(result: SimResult) -> dict[str, RequestRecord]:
     return {r.id: r for r in result.requests}
 
 

@@ -1,0 +1,50 @@
+"""`sluice serve --engine sim-batch` over HTTP: a real uvicorn server on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import SluiceProcess  # tests/conftest.py, the shared server fixtures
+
+
+@pytest.fixture(scope="module")
+def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
+    server = SluiceProcess(
+        ["--engine", "sim-batch", "--workers", "2", "--batch-ms", "20", "--max-batch", "4",
+         "--max-delay-ms", "5"],
+        Path(tmp_path_factory.mktemp("sim-batch")) / "server.log",
+    )
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
+
+
+def complete(server: SluiceProcess, prompt: str) -> httpx.Response:
+    return httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "sluice-demo", "prompt": prompt, "max_tokens": 5}, timeout=30,
+    )
+
+
+def test_a_completion_is_served_as_one_batch_result(batch_server: SluiceProcess) -> None:
+    batches = batch_server.metric("sluice_batch_size_count", model="sluice-demo")
+    response = complete(batch_server, "hello")
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"]
+    assert response.json()["usage"]["completion_tokens"] == 5
+    assert batch_server.metric("sluice_batch_size_count", model="sluice-demo") == batches + 1
+
+
+def test_a_poison_prompt_fails_with_a_clear_error(batch_server: SluiceProcess) -> None:
+    failures = batch_server.metric("sluice_worker_failures_total", model="sluice-demo")
+    response = complete(batch_server, "this prompt is POISON")
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["code"] == "generation_failed" and "alone" in error["message"]
+    assert batch_server.metric("sluice_worker_failures_total", model="sluice-demo") > failures

@@ -214,12 +214,6 @@ class BatchDispatcher:
     def queue_depth_by_class(self, model: str, traffic_class: TrafficClass) -> int:
         return self._depth_by_class.get((model, traffic_class), 0)
 
-    def running_requests(self, model: str) -> int:
-        return sum(
-            len(lease.members) for lease in self._leases.values()
-            if self._worker_model[lease.worker_id] == model
-        )
-
     def oldest_queued_arrival(self, model: str) -> float | None:
         queue = self._queues.get(model)
         if queue is None:

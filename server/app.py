@@ -218,6 +218,8 @@ async def _serve(
 
     async def stop_on_engine_death() -> None:
         await engine_died.wait()
+        # Keep answering (/ready 503, new requests 503) so balancers see it, then exit.
+        await asyncio.sleep(args.engine_death_exit_seconds)
         server.should_exit = True
 
     watcher = asyncio.create_task(stop_on_engine_death())

@@ -41,7 +41,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="pass a vLLM engine argument through, e.g. max_model_len=1024 or "
         "tensor_parallel_size=8 (repeatable)",
     )
-    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the demo model lives")
+    p.add_argument(
+        "--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the demo model lives"
+    )
     p.add_argument(
         "--config", type=Path, default=None,
         help="YAML file with tenants, API keys and scheduler limits (see README)",
@@ -54,6 +56,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--send-timeout-seconds", type=float, default=30.0,
         help="a client that accepts no bytes for this long is dropped and its request aborted",
+    )
+    p.add_argument(
+        "--engine-death-exit-seconds", type=float, default=2.0,
+        help="after the engine dies, answer /ready and new requests with 503 for this long, "
+        "then exit with status 3",
     )
     from engine_adapters.sim import add_sim_arguments
 

@@ -1,0 +1,132 @@
+"""Shared fixtures: real Sluice servers (uvicorn on loopback) in subprocesses.
+
+The vLLM-backed server starts once per test session (engine start-up takes ~30 s on CPU);
+the sim-backed server starts in about a second.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "240"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SluiceProcess:
+    """`sluice serve` in a subprocess on a free loopback port, its output in a log file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(self.port), *args],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling interval for start-up, not a stand-in for a condition
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name) or line.startswith("#"):
+                continue
+            series, _, value = line.rpartition(" ")
+            metric_name, _, label_text = series.partition("{")
+            if metric_name != name:
+                continue
+            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def wait_until(condition, timeout: float, interval: float = 0.05, message: str = "") -> None:  # type: ignore[no-untyped-def]
+    """Poll `condition` until true, failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met in {timeout}s: {message}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine_adapters.demo_model import build_demo_model
+
+    cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
+    return build_demo_model(cache / "demo-model")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SluiceProcess]:
+    server = SluiceProcess(
+        ["--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name",
+         "sluice-demo"],
+        tmp_path_factory.mktemp("vllm") / "server.log",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
+    server = SluiceProcess(["--engine", "sim"], tmp_path_factory.mktemp("sim") / "server.log")
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()

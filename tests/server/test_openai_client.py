@@ -1,0 +1,108 @@
+"""The official `openai` client, unchanged, against Sluice serving the real vLLM engine on CPU."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "sluice-demo"
+CHAT = [{"role": "user", "content": "Tell me about schedulers."}]
+
+
+@pytest.fixture
+def client(vllm_server) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_streams_a_chat_completion_with_usage_and_timings(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=24, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finishing] == ["length"]
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage is not None and usage_chunk.usage.completion_tokens == 24
+    assert usage_chunk.usage.prompt_tokens > 0
+    timings = usage_chunk.model_extra["timings"]
+    assert 0 <= timings["queue_wait_s"] <= timings["time_to_first_token_s"] <= timings["duration_s"]
+    assert timings["inter_token_latency_median_s"] > 0
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+
+
+def test_chat_completion_without_streaming(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0.7, top_p=0.9, seed=7,
+        extra_body={"ignore_eos": True, "top_k": 20, "min_tokens": 4, "repetition_penalty": 1.1},
+    )
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 12
+    assert reply.model_extra["timings"]["duration_s"] > 0
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def sample() -> str:
+        reply = client.completions.create(
+            model=MODEL, prompt="The queue", max_tokens=16, temperature=1.0, seed=1234,
+            extra_body={"ignore_eos": True},
+        )
+        return reply.choices[0].text
+
+    assert sample() == sample()
+
+
+def test_text_completion_streaming(client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model=MODEL, prompt="A batch leaves when", max_tokens=10, stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks)
+    assert chunks[-1].model_extra["timings"]["time_to_first_token_s"] > 0
+
+
+async def test_async_client_streams_concurrently(vllm_server) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    client = openai.AsyncOpenAI(base_url=vllm_server.url + "/v1", api_key="unused")
+
+    async def one(i: int) -> int:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"question {i}"}],
+            max_tokens=16, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        assert usage is not None
+        return usage.completion_tokens
+
+    assert await asyncio.gather(*(one(i) for i in range(8))) == [16] * 8
+    reply = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3)
+    assert reply.usage is not None and reply.usage.completion_tokens <= 3
+    await client.close()
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_errors_arrive_as_openai_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert not_found.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10**6)
+    assert too_long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=3)
+    assert unsupported.value.code == "unsupported_parameter"

@@ -1,0 +1,40 @@
+# Sluice: `make run` serves the demo model on vLLM (CPU) at http://127.0.0.1:8000;
+# `make test` runs the test suite. Both set up .venv on first use.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: setup run run-sim test lint bench-throughput bench-flood clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/setup-venv.sh
+	PYTHON="$(PYTHON)" VENV="$(VENV)" scripts/setup-venv.sh
+	touch $@
+
+run: setup
+	$(BIN)/sluice serve --host $(HOST) --port $(PORT)
+
+run-sim: setup
+	$(BIN)/sluice serve --engine sim --host $(HOST) --port $(PORT)
+
+test: setup
+	scripts/install-test-deps.sh
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check server engine_adapters tests bench
+	$(BIN)/mypy server engine_adapters
+
+bench-throughput: setup
+	$(BIN)/python bench/throughput.py
+
+bench-flood: setup
+	$(BIN)/python bench/flood.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

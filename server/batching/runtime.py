@@ -157,11 +157,7 @@ class BatchRuntime:
         if self._stopping:
             raise EngineUnavailable("the batch runtime is not running")
         reason = self.core.submit(ticket, self.clock())
-        if reason is not None:
-            metrics.REJECTIONS.labels(
-                model=ticket.model, traffic_class=ticket.traffic_class.value,
-                reason=reason.value, tenant=ticket.tenant,
-            ).inc()
+        if reason is not None:  # counted by the route, with every other refusal
             raise rejection_error(reason, ticket)
         waiter = _Waiter(request, asyncio.get_running_loop().create_future())
         self._waiters[ticket.request_id] = waiter
@@ -171,12 +167,7 @@ class BatchRuntime:
             yield BatchGeneration(ticket, waiter, dispatched_at, self.clock)
         finally:
             del self._waiters[ticket.request_id]
-            stage = self.core.cancel(ticket.request_id)  # None if it already ended
-            if stage is not None:
-                metrics.CANCELLATIONS.labels(
-                    model=ticket.model, traffic_class=ticket.traffic_class.value,
-                    stage=stage.value,
-                ).inc()
+            self.core.cancel(ticket.request_id)  # no-op if it already ended
             if not self._stopping:
                 self._poll()
 
@@ -263,9 +254,6 @@ class BatchRuntime:
             ticket = item.ticket
             waiter = self._waiters.get(ticket.request_id)
             if item.outcome == Outcome.EXPIRED:
-                metrics.DEADLINE_MISSES.labels(
-                    model=ticket.model, traffic_class=ticket.traffic_class.value
-                ).inc()
                 error: SluiceError = DeadlineExceeded(f"request expired: {item.reason}")
             else:
                 error = GenerationFailed(f"request failed: {item.reason}")

@@ -32,6 +32,7 @@ from server.generation import Sluice
 from server.openai_routes import JSONResponse, chat_completions, completions, error_response
 from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import Dispatcher
+from server.send_guard import SendGuard
 from server.ws_routes import websocket_endpoint
 
 logger = logging.getLogger("sluice.server")
@@ -100,8 +101,8 @@ def build_app(
 ) -> Starlette:
     sluice = Sluice(
         engine=engine, dispatcher=dispatcher, tenants=TenantDirectory(config),
-        served_model=served_model, ping_seconds=ping_seconds,
-        send_timeout_seconds=send_timeout_seconds, max_body_bytes=max_body_bytes,
+        served_model=served_model, send_guard=SendGuard(send_timeout_seconds),
+        ping_seconds=ping_seconds, max_body_bytes=max_body_bytes,
     )
 
     @contextlib.asynccontextmanager
@@ -112,14 +113,16 @@ def build_app(
         app.state.ready = True
         metrics.ENGINE_HEALTHY.labels(served_model).set(1)
         watchdog = asyncio.create_task(_watch_engine(app, on_engine_death))
+        send_watchdog = asyncio.create_task(sluice.send_guard.run())
         logger.info("Sluice ready: model %s", served_model)
         try:
             yield
         finally:
             app.state.ready = False
-            watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watchdog
+            for task in (watchdog, send_watchdog):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await dispatcher.stop()
             await engine.stop()
 

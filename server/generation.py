@@ -22,6 +22,7 @@ from server.errors import (
 )
 from server.openai_requests import ParsedRequest
 from server.scheduler.tenants import TenantDirectory
+from server.send_guard import SendGuard
 from server.scheduler.types import Dispatcher, Generation, Ticket
 from server.timeline import RequestTimeline
 
@@ -50,9 +51,13 @@ class Sluice:
     dispatcher: Dispatcher
     tenants: TenantDirectory
     served_model: str
+    send_guard: SendGuard
     ping_seconds: float = 15.0
-    send_timeout_seconds: float = 30.0
     max_body_bytes: int = 1 << 20
+
+    @property
+    def send_timeout_seconds(self) -> float:
+        return self.send_guard.timeout
 
     def prepare(
         self, parsed: ParsedRequest, timeline: RequestTimeline, headers: Mapping[str, str]

@@ -31,6 +31,17 @@ from server.timeline import RequestTimeline, outcome_for
 logger = logging.getLogger("sluice.server")
 
 
+class GuardedEventSourceResponse(EventSourceResponse):
+    """sse-starlette's response (pings, disconnect listener, one task group per stream) whose
+    sends are bounded by the server-wide SendGuard, so no cancel scope is built per token.
+
+    Overrides sse-starlette's per-send hook (`_send_with_timeout`, sse-starlette 3.x).
+    """
+
+    async def _send_with_timeout(self, send: Send, message: Any) -> None:
+        await send(message)
+
+
 class JSONResponse(Response):
     media_type = "application/json"
 
@@ -125,12 +136,12 @@ class GenerationResponse:
         exc_info: tuple[Any, Any, Any] = (None, None, None)
         try:
             if self.parsed.stream:
-                response: Response = EventSourceResponse(
+                response: Response = GuardedEventSourceResponse(
                     self._events(generation),
                     headers={"X-Request-Id": timeline.request_id},
                     ping=self.sluice.ping_seconds,
-                    send_timeout=self.sluice.send_timeout_seconds,
                 )
+                send = self.sluice.send_guard.wrap(send)
             else:
                 response = await self._whole(generation, receive)
             await response(scope, receive, send)

@@ -48,12 +48,10 @@ class RequestTimeline:
     generated_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     ended: bool = False
-    _labels: tuple[str, str] | None = None
+    _token_metrics: tuple[Any, Any, Any] | None = None  # per-token children, looked up once
 
     def _label_values(self) -> tuple[str, str]:
-        if self._labels is None:
-            self._labels = (self.model, self.traffic_class)
-        return self._labels
+        return (self.model, self.traffic_class)
 
     def dispatched(self, at: float) -> None:
         self.dispatched_at = at
@@ -66,15 +64,21 @@ class RequestTimeline:
         if count <= 0:
             return
         now = time.monotonic()
-        labels = self._label_values()
-        metrics.GENERATED_TOKENS.labels(*labels).inc(count)
+        if self._token_metrics is None:
+            labels = self._label_values()
+            self._token_metrics = (
+                metrics.GENERATED_TOKENS.labels(*labels),
+                metrics.TIME_TO_FIRST_TOKEN.labels(*labels),
+                metrics.INTER_TOKEN_LATENCY.labels(*labels),
+            )
+        generated, ttft, histogram = self._token_metrics
+        generated.inc(count)
         if self.first_token_at is None:
             self.first_token_at = now
-            metrics.TIME_TO_FIRST_TOKEN.labels(*labels).observe(now - self.arrival)
+            ttft.observe(now - self.arrival)
         else:
             assert self.last_write_at is not None
             gap = (now - self.last_write_at) / count
-            histogram = metrics.INTER_TOKEN_LATENCY.labels(*labels)
             for _ in range(count):
                 histogram.observe(gap)
                 self.itl.append(gap)

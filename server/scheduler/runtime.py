@@ -52,30 +52,57 @@ class RunningGeneration:
             await self._stream_iter.aclose()
 
     async def _stream(self) -> AsyncGenerator[TokenDelta, None]:
+        """Engine deltas, cut at the deadline by one timer per request (not one per token).
+
+        The timer only marks the deadline as passed; if the stream is then waiting on the
+        engine it cancels that wait, which aborts the engine request. Either way the next
+        step raises DeadlineExceeded. Time spent writing to the client is not interrupted here
+        (the transport's send timeout bounds it).
+        """
         runtime, ticket = self._runtime, self._ticket
+        task = asyncio.current_task()
+        assert task is not None
+        deadline_passed = False
+        waiting_on_engine = False
+
+        def on_deadline() -> None:
+            nonlocal deadline_passed
+            deadline_passed = True
+            if waiting_on_engine:
+                task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(
+            max(0.0, ticket.deadline - runtime.clock()), on_deadline
+        )
         deltas = runtime.engine.generate(self._request)
+        first_token_seen = False
         try:
             while True:
-                remaining = ticket.deadline - runtime.clock()
-                if remaining <= 0:
+                if deadline_passed:
                     raise DeadlineExceeded("the request's deadline passed while generating")
+                waiting_on_engine = True
                 try:
-                    async with asyncio.timeout(remaining):
-                        delta = await anext(deltas)
+                    delta = await anext(deltas)
                 except StopAsyncIteration:
                     return
-                except TimeoutError:
-                    raise DeadlineExceeded(
-                        "the request's deadline passed while generating"
-                    ) from None
+                except asyncio.CancelledError:
+                    if deadline_passed and task.uncancel() == 0:
+                        raise DeadlineExceeded(
+                            "the request's deadline passed while generating"
+                        ) from None
+                    raise
+                finally:
+                    waiting_on_engine = False
                 if delta.token_ids:
-                    if self.output_tokens == 0:
+                    if not first_token_seen:
+                        first_token_seen = True
                         runtime.core.first_token(ticket.request_id, runtime.clock())
                     self.output_tokens += len(delta.token_ids)
                 if delta.finish_reason is not None and delta.finish_reason != "abort":
                     self.completed = True
                 yield delta
         finally:
+            timer.cancel()
             await deltas.aclose()  # type: ignore[attr-defined]
 
 

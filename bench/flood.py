@@ -13,9 +13,8 @@ Only what happens in the measurement window (after `--warmup` seconds, for `--du
 seconds) counts. Tokens are counted as streamed content chunks (one per token for these
 servers). Usage:
 
-    python -m server.cli demo-model /tmp/demo
-    python bench/flood.py --model /tmp/demo                  # all three systems
-    python bench/flood.py --model /tmp/demo --systems sluice --duration 5 --bulk-streams 4
+    python bench/flood.py                                    # all three, on the demo model
+    python bench/flood.py --systems sluice --duration 5 --bulk-streams 4
 """
 
 from __future__ import annotations
@@ -215,7 +214,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="model path (e.g. the demo model)")
+    p.add_argument("--model", default=None,
+                   help="model path (default: the demo model, built on first use)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
     p.add_argument("--bulk-streams", type=int, default=96)
     p.add_argument("--bulk-tokens", type=int, default=512)
@@ -238,6 +238,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.model is None:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+        from engine_adapters.demo_model import build_demo_model
+        from server.cli import DEFAULT_CACHE
+
+        args.model = str(build_demo_model(DEFAULT_CACHE / "demo-model"))
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:

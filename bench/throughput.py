@@ -33,7 +33,7 @@ ENGINE_SETTINGS = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "seed": 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
 
 

@@ -115,9 +115,9 @@ def build_demo_model(path: Path, *, force: bool = False) -> Path:
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        torch_dtype="bfloat16",  # type: ignore[call-arg]  # recorded in config.json
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(staging, safe_serialization=True)
     (staging / "generation_config.json").write_text(
         json.dumps({"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id})

@@ -187,6 +187,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     install_handler()
     config = load_config(args.config)
+    engine: EngineClient
+    dispatcher: Dispatcher
     if args.engine == "sim-batch":
         from server.batching.cli import build_serving
 

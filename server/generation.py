@@ -13,6 +13,8 @@ from contextlib import AbstractAsyncContextManager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.types import Receive
+
 from engine_adapters.protocol import EngineClient, GenerationRequest
 from server.errors import (
     ContextLengthExceeded,
@@ -22,8 +24,8 @@ from server.errors import (
 )
 from server.openai_requests import ParsedRequest
 from server.scheduler.tenants import TenantDirectory
-from server.send_guard import SendGuard
 from server.scheduler.types import Dispatcher, Generation, Ticket
+from server.send_guard import SendGuard
 from server.timeline import RequestTimeline
 
 _REQUEST_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
@@ -157,7 +159,7 @@ async def admit_unless_gone(
     return None
 
 
-def receive_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> Callable[[], Awaitable[None]]:
+def receive_disconnect(receive: Receive) -> Callable[[], Awaitable[None]]:
     """A waiter for an ASGI http.disconnect (the request body must already be read)."""
 
     async def wait() -> None:

@@ -88,7 +88,8 @@ def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int | None = None) 
     value = body.get(key)
     if value is None:
         return None
-    _check(isinstance(value, int) and not isinstance(value, bool), f"'{key}' must be an integer", key)
+    _check(isinstance(value, int) and not isinstance(value, bool),
+           f"'{key}' must be an integer", key)
     _check(value >= lo and (hi is None or value <= hi),
            f"'{key}' must be at least {lo}" + (f" and at most {hi}" if hi else ""), key)
     return int(value)

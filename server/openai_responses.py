@@ -62,7 +62,7 @@ class ChunkEncoder:
         return self._prefix + orjson.dumps(text) + self._suffix
 
     def finish(self, finish_reason: str, stop_reason: Any, last: dict[str, Any] | None) -> bytes:
-        """The chunk that carries finish_reason; `last` holds usage/timings when it ends the stream."""
+        """The chunk carrying finish_reason; `last` adds usage/timings when it ends the stream."""
         if self.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
                                       "finish_reason": finish_reason}

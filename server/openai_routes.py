@@ -12,7 +12,7 @@ import orjson
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine_adapters.protocol import EngineDeadError, EngineError, EngineRequestError
 from server.errors import (
@@ -80,15 +80,16 @@ async def read_json(request: Request, limit: int) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request) -> ASGIApp:
     return await _generate(request, "chat")
 
 
-async def completions(request: Request) -> Response:
+async def completions(request: Request) -> ASGIApp:
     return await _generate(request, "completion")
 
 
-async def _generate(request: Request, kind: str) -> Response:
+async def _generate(request: Request, kind: str) -> ASGIApp:
+    """An error response at once, or a GenerationResponse that waits, then streams/replies."""
     sluice: Sluice = request.app.state.sluice
     timeline = RequestTimeline(
         request_id=request_id_from(request.headers.get("x-request-id")),

@@ -11,6 +11,7 @@ Server → client: `{"type": "delta", "id", "text", "tokens"}`, exactly one
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from contextlib import suppress
 from typing import Any
@@ -129,9 +130,9 @@ class Connection:
             return
         task = asyncio.create_task(self._generate(gen_id, message))
         self.tasks[gen_id] = task
-        task.add_done_callback(lambda _t, gid=gen_id: self._forget(gid))
+        task.add_done_callback(functools.partial(self._forget, gen_id))
 
-    def _forget(self, gen_id: str) -> None:
+    def _forget(self, gen_id: str, _task: asyncio.Task[None]) -> None:
         self.tasks.pop(gen_id, None)
         self.cancelled.discard(gen_id)
 

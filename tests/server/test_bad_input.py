@@ -9,7 +9,6 @@ import json
 import httpx
 import pytest
 import websockets
-
 from conftest import SluiceProcess
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -7,7 +7,6 @@ import json
 
 import httpx
 import websockets
-
 from conftest import SluiceProcess, wait_until
 
 MODEL = "sluice-demo"

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
 from conftest import SluiceProcess, wait_until
 
 

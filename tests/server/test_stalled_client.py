@@ -1,0 +1,50 @@
+"""A client that stops reading (socket open, nothing consumed) is dropped after the send
+timeout, and its engine request is aborted: a stalled reader does not hold the engine."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import SluiceProcess, wait_until
+
+
+@pytest.fixture
+def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    server = SluiceProcess(
+        ["--engine", "sim", "--send-timeout-seconds", "0.5", "--sim-max-model-len", "8192",
+         "--sim-step-base-ms", "0.5"],
+        tmp_path / "server.log",
+    )
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "talk"}], "max_tokens": 8000,
+                       "ignore_eos": True, "stream": True}).encode()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", impatient_server.port))
+    try:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        # Read nothing more. The server's buffers fill, its sends block, and the send guard
+        # drops the stream while our socket is still open.
+        wait_until(
+            lambda: impatient_server.metric("sluice_cancellations_total", stage="running") == 1,
+            30, interval=0.2, message="the stalled stream was dropped",
+        )
+        assert impatient_server.metric("sluice_engine_unfinished_requests") == 0
+        generated = impatient_server.metric("sluice_generated_tokens_total")
+        assert 0 < generated < 8000
+    finally:
+        sock.close()

@@ -14,8 +14,10 @@ from conftest import SluiceProcess, wait_until
 @pytest.fixture
 def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
     server = SluiceProcess(
-        ["--engine", "sim", "--send-timeout-seconds", "0.5", "--sim-max-model-len", "8192",
-         "--sim-step-base-ms", "0.5"],
+        # A fast engine and a long answer: the kernel's socket buffers (up to 4 MiB here) must
+        # fill before a send blocks.
+        ["--engine", "sim", "--send-timeout-seconds", "0.5", "--sim-max-model-len", "65536",
+         "--sim-step-base-ms", "0.05", "--sim-decode-ms-per-token", "0.001"],
         tmp_path / "server.log",
     )
     try:
@@ -26,7 +28,7 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess) -> None:
-    body = json.dumps({"messages": [{"role": "user", "content": "talk"}], "max_tokens": 8000,
+    body = json.dumps({"messages": [{"role": "user", "content": "talk"}], "max_tokens": 60000,
                        "ignore_eos": True, "stream": True}).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -34,7 +36,8 @@ def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess)
     try:
         sock.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            b"Content-Type: application/json\r\nX-Request-Timeout-Ms: 36000000\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
         # Read nothing more. The server's buffers fill, its sends block, and the send guard
@@ -45,6 +48,6 @@ def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess)
         )
         assert impatient_server.metric("sluice_engine_unfinished_requests") == 0
         generated = impatient_server.metric("sluice_generated_tokens_total")
-        assert 0 < generated < 8000
+        assert 0 < generated < 60000
     finally:
         sock.close()

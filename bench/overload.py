@@ -1,0 +1,178 @@
+"""Overload at 10x capacity: honest refusals, kept promises, flat memory, no leaked budget.
+
+One command per engine:
+
+    python bench/overload.py --engine sim
+    python bench/overload.py --engine vllm          # the demo model on vLLM (CPU)
+
+1. Measure capacity: `--probe-streams` closed-loop clients for `--probe-seconds`; completed
+   requests per second is the capacity.
+2. Offer 10x that as a Poisson process for `--duration` seconds, every request with
+   `X-Request-Timeout-Ms: --deadline-ms` (non-streamed chat completions of `--max-tokens`).
+3. Check and report: every admitted request completed within its deadline or was expired at it
+   (504 deadline_exceeded); refusals (429/503) answered within 10 ms, measured by the server
+   (its access log's duration for each refused request) and by the client; server RSS sampled
+   every second stays flat; after the load, budgets in use and queue depth return to zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def rss_mib(pid: int) -> float:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", text).group(1)) / 1024  # type: ignore[union-attr]
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def one(client: httpx.AsyncClient, body: dict, deadline_ms: int, log: list) -> None:
+    start = time.monotonic()
+    try:
+        r = await client.post("/v1/chat/completions", json=body,
+                              headers={"X-Request-Timeout-Ms": str(deadline_ms)})
+        code = r.json().get("error", {}).get("code") if r.status_code != 200 else "ok"
+        log.append((r.status_code, code, time.monotonic() - start))
+    except httpx.HTTPError as exc:
+        log.append((0, type(exc).__name__, time.monotonic() - start))
+
+
+async def run(args: argparse.Namespace, url: str, pid: int) -> dict:
+    body = {"messages": [{"role": "user", "content": "summarise the incident report"}],
+            "max_tokens": args.max_tokens, "ignore_eos": True}
+    limits = httpx.Limits(max_connections=4000, max_keepalive_connections=4000)
+    async with httpx.AsyncClient(base_url=url, timeout=args.deadline_ms / 1000 + 30,
+                                 limits=limits) as client:
+        probe: list = []
+        stop_at = time.monotonic() + args.probe_seconds
+
+        async def closed_loop() -> None:
+            while time.monotonic() < stop_at:
+                await one(client, body, 600_000, probe)
+
+        await asyncio.gather(*(closed_loop() for _ in range(args.probe_streams)))
+        done = sum(1 for status, _, _ in probe if status == 200)
+        capacity = done / args.probe_seconds
+        rate = capacity * args.overload
+        rng = random.Random(0)
+        log: list = []
+        rss: list[float] = [rss_mib(pid)]
+        tasks = []
+        started = time.monotonic()
+        next_rss = started + 1
+        now = started
+        while now - started < args.duration:
+            await asyncio.sleep(rng.expovariate(rate))
+            tasks.append(asyncio.create_task(one(client, body, args.deadline_ms, log)))
+            now = time.monotonic()
+            if now >= next_rss:
+                rss.append(rss_mib(pid))
+                next_rss += 1
+        await asyncio.gather(*tasks)
+        rss.append(rss_mib(pid))
+        for _ in range(100):  # the server settles: nothing queued, nothing held
+            text = (await client.get("/metrics")).text
+            settled = metric(text, "sluice_budget_in_use") + metric(text, "sluice_queue_depth")
+            if settled == 0:
+                break
+            await asyncio.sleep(0.1)
+    by_code: dict[str, int] = {}
+    for status, code, _ in log:
+        by_code[f"{status} {code}"] = by_code.get(f"{status} {code}", 0) + 1
+    completed = [d for status, _, d in log if status == 200]
+    refused = [d for status, _, d in log if status in (429, 503)]
+    return {
+        "capacity_rps": round(capacity, 1), "offered_rps": round(rate, 1),
+        "offered": len(log), "outcomes": by_code,
+        "completed_latency_max_s": round(max(completed), 3) if completed else None,
+        "deadline_s": args.deadline_ms / 1000,
+        "client_refusal_ms": {"p50": round(1000 * pct(refused, 0.5), 2) if refused else None,
+                              "p99": round(1000 * pct(refused, 0.99), 2) if refused else None},
+        "rss_mib": {"start": round(rss[0], 1), "max": round(max(rss), 1),
+                    "end": round(rss[-1], 1)},
+        "after": {"budget_in_use": metric(text, "sluice_budget_in_use"),
+                  "queue_depth": metric(text, "sluice_queue_depth"),
+                  "engine_unfinished": metric(text, "sluice_engine_unfinished_requests")},
+    }
+
+
+def server_refusal_ms(log_path: Path) -> dict:
+    durations = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"outcome":"rejected"' in line:
+            durations.append(json.loads(line)["duration_s"] * 1000)
+    return {"count": len(durations), "p50": round(statistics.median(durations), 3)
+            if durations else None, "p99": round(pct(durations, 0.99), 3) if durations else None,
+            "max": round(max(durations), 3) if durations else None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
+    parser.add_argument("--overload", type=float, default=10.0)
+    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--deadline-ms", type=int, default=5000)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--probe-streams", type=int, default=64)
+    parser.add_argument("--probe-seconds", type=float, default=10.0)
+    parser.add_argument("--port", type=int, default=8411)
+    args = parser.parse_args()
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    log_path = Path(tempfile.mkdtemp()) / "server.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--engine", args.engine,
+           "--port", str(args.port), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start; see {log_path}")
+            time.sleep(0.5)
+        result = asyncio.run(run(args, url, proc.pid))
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(60)
+    result["server_refusal_ms"] = server_refusal_ms(log_path)
+    result["engine"] = args.engine
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

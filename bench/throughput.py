@@ -5,7 +5,7 @@ Both servers run the demo model with the same engine settings. vLLM's own benchm
 streams) drives each in turn, alternating runs, and the medians are compared:
 output tokens/s (goal: Sluice >= 1.05x vLLM), and TTFT and ITL p50 (goal: no worse).
 
-    python bench/throughput.py [--rounds 3] [--num-prompts 640]
+    python bench/throughput.py [--rounds 5] [--num-prompts 512]
 
 Both servers are up for the whole benchmark (idle while the other is measured) so start-up
 cost is paid once; results go to bench/results/throughput-*.json and a summary is printed.
@@ -80,8 +80,8 @@ def bench_once(base_url: str, model_path: Path, num_prompts: int, concurrency: i
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-prompts", type=int, default=640)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--warmup-prompts", type=int, default=128)
     args = parser.parse_args()

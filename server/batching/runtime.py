@@ -34,6 +34,7 @@ from server.errors import (
     SluiceError,
 )
 from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.wakeup import WakeupTimer
 
 
 class BatchEngine(Protocol):
@@ -127,8 +128,7 @@ class BatchRuntime:
         self.core = BatchDispatcher(config)
         self._waiters: dict[str, _Waiter] = {}
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = WakeupTimer(self._poll)
         self._stopping = True
 
     async def start(self) -> None:
@@ -138,9 +138,7 @@ class BatchRuntime:
     async def stop(self) -> None:
         """Refuse queued and running requests, and stop the workers."""
         self._stopping = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = self._timer_at = None
+        self._timer.cancel()
         tasks = list(self._tasks.values())
         for task in tasks:
             task.cancel()
@@ -261,20 +259,8 @@ class BatchRuntime:
                 waiter.fail(error)
 
     def _arm_timer(self) -> None:
-        wake = self.core.next_timer()
-        if wake == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = wake
-        if wake is not None and not self._stopping:
-            delay = max(0.0, wake - self.clock())
-            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = self._timer_at = None
-        self._poll()
+        if not self._stopping:
+            self._timer.arm(self.core.next_timer(), self.clock())
 
     def _record_state(self) -> None:
         core, now = self.core, self.clock()

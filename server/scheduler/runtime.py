@@ -19,6 +19,7 @@ from server.errors import DeadlineExceeded, EngineUnavailable
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.core import Rejected, SchedulerCore
 from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.wakeup import WakeupTimer
 
 
 class RunningGeneration:
@@ -122,8 +123,7 @@ class SchedulerRuntime:
         self.clock = clock
         self._core: SchedulerCore | None = None
         self._waiters: dict[str, asyncio.Future[float]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = WakeupTimer(self._dispatch)
         self._stopping = False
 
     @property
@@ -153,9 +153,7 @@ class SchedulerRuntime:
     async def stop(self) -> None:
         """Refuse queued requests; running streams end with their engine requests."""
         self._stopping = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
         for future in self._waiters.values():
             if not future.done():
                 future.set_exception(EngineUnavailable("the server is shutting down"))
@@ -207,26 +205,9 @@ class SchedulerRuntime:
                 waiter.set_exception(
                     DeadlineExceeded("the request's deadline passed while it was queued")
                 )
-        self._arm_timer(now)
+        if not self._stopping:
+            self._timer.arm(self.core.next_wakeup(), now)
         self._record_state()
-
-    def _arm_timer(self, now: float) -> None:
-        wake = self.core.next_wakeup()
-        if wake == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = wake
-        if wake is not None and not self._stopping:
-            self._timer = asyncio.get_running_loop().call_later(
-                max(0.0, wake - now), self._on_timer
-            )
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        self._dispatch()
 
     def _record_state(self) -> None:
         core = self.core

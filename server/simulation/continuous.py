@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from engine_adapters.sim import SimConfig, SimTimingModel, StepResult, add_sim_arguments
+from engine_adapters.sim_model import SimConfig, SimTimingModel, StepResult, add_sim_arguments
 from server.config import SluiceConfig, TenantConfig, load_config
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.core import Rejected, SchedulerCore

@@ -14,11 +14,11 @@ from engine_adapters.protocol import (
     SamplingOptions,
     TokenDelta,
 )
-from engine_adapters.sim import (
+from engine_adapters.sim import SimEngine
+from engine_adapters.sim_model import (
     SPECIAL_TOKENS,
     WORDS,
     SimConfig,
-    SimEngine,
     SimTimingModel,
     StepResult,
     add_sim_arguments,

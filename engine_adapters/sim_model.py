@@ -1,0 +1,401 @@
+"""The `sim` engine's timing model of continuous batching (no asyncio, no clock), its
+vocabulary and its parameters. `engine_adapters/sim.py` drives it on the wall clock.
+
+A deterministic timing model of a continuous-batching engine.
+
+Two parts share one model:
+
+* `SimTimingModel` — plain, clockless, no asyncio. It owns an engine-internal FCFS waiting queue
+  and a running set, as vLLM's scheduler does; `step()` runs one engine step and says how long it
+  took. A discrete-event simulator calls `step()` and schedules the next one at `now + duration`.
+* `SimEngine` — an `EngineClient` that drives the same model on the wall clock inside the server.
+
+The model, one step at a time (`SimConfig` holds every parameter):
+
+1. Token budget `max_batched_tokens`. Running sequences are visited in the order they started.
+   A sequence whose tokens are not all computed yet (a prompt, or a preempted sequence being
+   recomputed) gets a prefill chunk of `min(remaining, budget)` tokens — chunked prefill, so a
+   long prompt spans several steps; a sequence in decode gets its 1 token.
+2. KV cache: `kv_blocks` blocks of `block_size` tokens. A sequence holds
+   `ceil(computed_tokens / block_size)` blocks, i.e. `ceil((prompt + generated) / block_size)`
+   once it decodes. Blocks for a chunk are taken before it runs. When none is free, the most
+   recently started running sequence is preempted: its blocks are freed, it goes back to the
+   front of the waiting queue, and when readmitted it recomputes prompt + generated tokens as
+   prefill (vLLM's recompute preemption). A sequence never preempts one started before it.
+3. If nothing was preempted this step, waiting sequences are admitted in FCFS order while
+   `len(running) < max_num_seqs`, budget is left and the blocks for their first chunk fit; the
+   first that does not fit blocks the ones behind it.
+4. Every sequence whose tokens are all computed after the step samples one new token. It
+   finishes with "length" at `max_tokens` generated or `max_model_len` total tokens, otherwise
+   with "stop" with probability `eos_probability` once it has `min_tokens` (and never with
+   `ignore_eos`). Finished sequences free their blocks at the end of the step.
+5. Step duration = `step_base_ms + decode_ms_per_token * decode_tokens
+   + prefill_ms_per_token * prefill_tokens` (recomputed tokens count as prefill).
+
+Tokens come from a per-request `random.Random` seeded by `seed`, or by a stable hash of the
+request id, and one token is drawn per step regardless of batching: the same request yields the
+same tokens under any load or config; only timing changes. Token ids map onto a fixed list of
+common English words, so text reads as words. `SimConfig.__post_init__` requires that one
+sequence of `max_model_len` tokens fits the KV pool (as vLLM does at startup), so the model
+always makes progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import random
+import re
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+_log = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------- vocabulary
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
+BOS_ID, EOS_ID = 0, 1
+ROLE_IDS = {"system": 3, "user": 4, "assistant": 5}
+
+WORDS: tuple[str, ...] = tuple(
+    """
+    the of and to a in is it you that he was for on are with as his they be at one have this
+    from or had by word but what some we can out other were all there when up use your how said
+    an each she which do their time if will way about many then them write would like so these
+    her long make thing see him two has look more day could go come did number sound no most
+    people my over know water than call first who may down side been now find any new work part
+    take get place made live where after back little only round man year came show every good me
+    give our under name very through just form sentence great think say help low line differ turn
+    cause much mean before move right boy old too same tell does set three want air well also
+    play small end put home read hand port large spell add even land here must big high such
+    follow act why ask men change went light kind off need house picture try us again animal point
+    mother world near build self earth father head stand own page should country found answer
+    school grow study still learn plant cover food sun four between state keep eye never last let
+    thought city tree cross farm hard start might story saw far sea draw left late run while press
+    close night real life few north open seem together next white children begin got walk example
+    ease paper group always music those both mark often letter until mile river car feet care
+    second book carry took science eat room friend began idea fish mountain stop once base hear
+    horse cut sure watch color face wood main enough plain girl usual young ready above ever red
+    list though feel talk bird soon body dog family direct pose leave song measure door product
+    black short numeral class wind question happen complete ship area half rock order fire south
+    problem piece told knew pass since top whole king space heard best hour better true during
+    hundred five remember step early hold west ground interest reach fast verb sing listen six
+    table travel less morning ten simple several vowel toward war lay against pattern slow center
+    love person money serve appear road map rain rule govern pull cold notice voice unit power
+    town fine certain fly fall lead cry dark machine note wait plan figure star box noun field
+    rest correct able pound done beauty drive stood contain front teach week final gave green
+    quick develop ocean warm free minute strong special mind behind clear tail produce fact
+    """.split()
+)
+WORD_IDS = {word: len(SPECIAL_TOKENS) + i for i, word in enumerate(WORDS)}
+TOKEN_PATTERN = re.compile(r"<\|[a-z]+\|>|[A-Za-z0-9']+|[^\sA-Za-z0-9']")
+
+
+def stable_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def token_text(token_id: int) -> str:
+    """The text of one token: a space and a word; special tokens have none."""
+    if token_id < len(SPECIAL_TOKENS):
+        return ""
+    return " " + WORDS[(token_id - len(SPECIAL_TOKENS)) % len(WORDS)]
+
+
+def detokenize(token_ids: Sequence[int]) -> str:
+    return "".join(token_text(t) for t in token_ids)
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Parameters of the timing model.
+
+    Defaults are a first guess to be tuned against the demo model on vLLM CPU here: a decode
+    step of 32 sequences takes 1.8 + 32 x 0.1 = 5 ms (~6,400 tokens/s aggregate), prefill
+    costs 0.02 ms per prompt token; `max_num_seqs`, `max_batched_tokens` and `block_size` are
+    vLLM's CPU defaults, `max_model_len` and `vocab_size` the demo model's.
+    """
+
+    step_base_ms: float = 1.8
+    decode_ms_per_token: float = 0.1
+    prefill_ms_per_token: float = 0.02
+    max_num_seqs: int = 128
+    max_batched_tokens: int = 2048
+    kv_blocks: int = 512
+    block_size: int = 128
+    max_model_len: int = 2048
+    vocab_size: int = 2048
+    eos_probability: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.step_base_ms, self.decode_ms_per_token, self.prefill_ms_per_token) < 0:
+            raise ValueError("step costs must be >= 0")
+        if min(self.max_num_seqs, self.kv_blocks, self.block_size, self.max_model_len) < 1:
+            raise ValueError("max_num_seqs, kv_blocks, block_size, max_model_len must be >= 1")
+        if self.max_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_batched_tokens must be >= max_num_seqs")
+        if self.kv_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"KV pool of {self.kv_blocks * self.block_size} tokens cannot hold one sequence "
+                f"of max_model_len={self.max_model_len}"
+            )
+        if self.vocab_size <= len(SPECIAL_TOKENS):
+            raise ValueError(f"vocab_size must be > {len(SPECIAL_TOKENS)}")
+        if not 0.0 <= self.eos_probability <= 1.0:
+            raise ValueError("eos_probability must be in [0, 1]")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SimConfig:
+        values = {
+            f.name: getattr(args, f"sim_{f.name}")
+            for f in fields(cls)
+            if getattr(args, f"sim_{f.name}", None) is not None
+        }
+        return cls(**values)
+
+
+_ARG_HELP = {
+    "step_base_ms": "fixed cost of one engine step, in ms",
+    "decode_ms_per_token": "cost per decode token in a step, in ms",
+    "prefill_ms_per_token": "cost per prompt (or recomputed) token prefilled in a step, in ms",
+    "max_num_seqs": "most sequences running in one step",
+    "max_batched_tokens": "token budget of one step; longer prompts are prefilled in chunks",
+    "kv_blocks": "KV cache blocks; a sequence holds ceil(tokens / block size) of them",
+    "block_size": "tokens per KV cache block",
+    "max_model_len": "longest sequence, prompt plus output, in tokens",
+    "eos_probability": "chance per generated token of finishing with 'stop'",
+}
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `--sim-*` options (used with `--engine sim`); read them with `from_args`."""
+    group = parser.add_argument_group("sim engine (--engine sim)")
+    for f in fields(SimConfig):
+        if f.name not in _ARG_HELP:
+            continue
+        group.add_argument(
+            f"--sim-{f.name.replace('_', '-')}",
+            type=type(f.default),
+            default=f.default,
+            help=_ARG_HELP[f.name],
+        )
+
+
+# --------------------------------------------------------------------------- timing model
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceOutput:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    duration_s: float
+    outputs: list[SequenceOutput]
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preempted: tuple[str, ...] = ()
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    request_id: str
+    tokens: list[int]
+    prompt_len: int
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    rng: random.Random
+    computed: int = 0
+    prefill_until: int = 0  # tokens below this index are prefill; set on each admission
+    blocks: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class SimTimingModel:
+    """Continuous batching with chunked prefill and a finite KV pool; see the module docstring."""
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._by_id: dict[str, _Sequence] = {}
+        self._blocks_used = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._by_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._by_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_blocks_in_use(self) -> int:
+        return self._blocks_used
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        """Queue a request at the back of the waiting queue; ValueError if it can never run."""
+        cfg = self.config
+        if request_id in self._by_id:
+            raise ValueError(f"request {request_id!r} is already in the engine")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) > cfg.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens exceeds "
+                f"max_model_len={cfg.max_model_len}"
+            )
+        if any(not 0 <= t < cfg.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+        if max_tokens < 1 or min_tokens < 0:
+            raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
+        seq = _Sequence(
+            request_id=request_id,
+            tokens=list(prompt_token_ids),
+            prompt_len=len(prompt_token_ids),
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            rng=random.Random(stable_hash(request_id) if seed is None else seed),
+        )
+        self._by_id[request_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop an unfinished request and free its blocks now; False if unknown or finished."""
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self._free(seq)
+        return True
+
+    def step(self) -> StepResult:
+        """Run one engine step; with no work it returns a zero-length, empty result."""
+        cfg = self.config
+        budget = cfg.max_batched_tokens
+        scheduled: list[tuple[_Sequence, int]] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
+            n = min(len(seq.tokens) - seq.computed, budget)
+            while not self._allocate(seq, n):
+                victim = self._running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+
+        while (
+            not preempted and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs
+        ):
+            seq = self._waiting[0]
+            n = min(len(seq.tokens), budget)
+            if not self._allocate(seq, n):
+                break
+            self._waiting.popleft()
+            seq.prefill_until = len(seq.tokens)
+            self._running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+
+        prefill_tokens = decode_tokens = 0
+        outputs: list[SequenceOutput] = []
+        for seq, n in scheduled:
+            prefill = max(0, min(seq.computed + n, seq.prefill_until) - seq.computed)
+            prefill_tokens += prefill
+            decode_tokens += n - prefill
+            seq.computed += n
+            if seq.computed == len(seq.tokens):
+                token = self._sample(seq)
+                outputs.append(SequenceOutput(seq.request_id, [token], seq.finish_reason))
+                if seq.finish_reason is not None:
+                    self._finish(seq)
+
+        duration_ms = (
+            (cfg.step_base_ms if scheduled else 0.0)
+            + cfg.decode_ms_per_token * decode_tokens
+            + cfg.prefill_ms_per_token * prefill_tokens
+        )
+        return StepResult(
+            duration_ms / 1000.0, outputs, prefill_tokens, decode_tokens, tuple(preempted)
+        )
+
+    def _sample(self, seq: _Sequence) -> int:
+        cfg = self.config
+        token = seq.rng.randrange(len(SPECIAL_TOKENS), cfg.vocab_size)
+        stop_draw = seq.rng.random()  # drawn every token so tokens never depend on eos settings
+        seq.tokens.append(token)
+        if seq.generated >= seq.max_tokens or len(seq.tokens) >= cfg.max_model_len:
+            seq.finish_reason = "length"
+        elif (
+            not seq.ignore_eos
+            and seq.generated >= seq.min_tokens
+            and stop_draw < cfg.eos_probability
+        ):
+            seq.finish_reason = "stop"
+        return token
+
+    def _allocate(self, seq: _Sequence, new_tokens: int) -> bool:
+        needed = -(-(seq.computed + new_tokens) // self.config.block_size) - seq.blocks
+        if needed > self.config.kv_blocks - self._blocks_used:
+            return False
+        seq.blocks += needed
+        self._blocks_used += needed
+        return True
+
+    def _free(self, seq: _Sequence) -> None:
+        self._blocks_used -= seq.blocks
+        seq.blocks = 0
+
+    def _preempt(self, seq: _Sequence) -> None:
+        self._free(seq)
+        seq.computed = 0
+        self._waiting.appendleft(seq)
+
+    def _finish(self, seq: _Sequence) -> None:
+        self._running.remove(seq)
+        del self._by_id[seq.request_id]
+        self._free(seq)
+
+
+# --------------------------------------------------------------------------- engine client

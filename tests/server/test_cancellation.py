@@ -10,6 +10,9 @@ import websockets
 from conftest import SluiceProcess, wait_until
 
 MODEL = "sluice-demo"
+# Long answers (cut short by the tests) need a deadline their full length could meet, or the
+# scheduler rightly refuses them as deadline_unmeetable.
+LONG_DEADLINE_MS = 600_000
 
 
 def _chat(i: int, max_tokens: int) -> dict:
@@ -27,7 +30,8 @@ async def test_fifty_sse_clients_disconnect_mid_generation(vllm_server: SluicePr
 
     async def leave_after_tokens(client: httpx.AsyncClient, i: int) -> int:
         received = 0
-        async with client.stream("POST", "/v1/chat/completions", json=_chat(i, 1500)) as r:
+        async with client.stream("POST", "/v1/chat/completions", json=_chat(i, 1500),
+                                 headers={"X-Request-Timeout-Ms": str(LONG_DEADLINE_MS)}) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and '"content":"' in line and '"role"' not in line:
@@ -65,7 +69,8 @@ async def test_websocket_twenty_generations_half_cancelled(vllm_server: SluicePr
         for i in range(20):
             long = i % 2 == 0  # even ids are cancelled, so they ask for a long answer
             request = {**_chat(i, 1500 if long else 24)}
-            await ws.send(json.dumps({"type": "generate", "id": f"g{i}", "request": request}))
+            await ws.send(json.dumps({"type": "generate", "id": f"g{i}", "request": request,
+                                      "timeout_ms": LONG_DEADLINE_MS}))
         cancelled: set[str] = set()
         while len(finals) < 20:
             message = json.loads(await asyncio.wait_for(ws.recv(), 120))
@@ -97,10 +102,12 @@ async def test_closing_the_websocket_aborts_its_generations(vllm_server: SluiceP
     async with websockets.connect(ws_url) as ws:
         for i in range(5):
             await ws.send(json.dumps({"type": "generate", "id": f"c{i}",
-                                      "request": _chat(i, 1500)}))
+                                      "request": _chat(i, 1500),
+                                      "timeout_ms": LONG_DEADLINE_MS}))
         started: set[str] = set()
         while len(started) < 5:
             message = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            assert message["type"] == "delta", message
             started.add(message["id"])
         assert vllm_server.metric("sluice_engine_unfinished_requests") > 0
     wait_until(lambda: _engine_idle(vllm_server), 30, message="closing aborted the engine work")

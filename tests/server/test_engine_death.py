@@ -41,7 +41,7 @@ def test_engine_death_is_visible_and_fatal(doomed_server: SluiceProcess) -> None
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", doomed_server.url + "/v1/chat/completions", json=body,
-                          timeout=60) as r:
+                          headers={"X-Request-Timeout-Ms": "600000"}, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])

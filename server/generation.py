@@ -57,10 +57,6 @@ class Sluice:
     ping_seconds: float = 15.0
     max_body_bytes: int = 1 << 20
 
-    @property
-    def send_timeout_seconds(self) -> float:
-        return self.send_guard.timeout
-
     def prepare(
         self, parsed: ParsedRequest, timeline: RequestTimeline, headers: Mapping[str, str]
     ) -> tuple[Ticket, GenerationRequest]:

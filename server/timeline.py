@@ -116,8 +116,9 @@ class RequestTimeline:
         if outcome == "cancelled":
             stage = "queued" if self.dispatched_at is None else "running"
             metrics.CANCELLATIONS.labels(model, traffic_class, stage).inc()
-        if self.dispatched_at is not None and outcome in ("cancelled", "expired", "failed"):
-            reason = {"cancelled": "client_cancelled", "expired": "deadline"}.get(outcome, "error")
+        if self.dispatched_at is not None and outcome in ("cancelled", "expired"):
+            # Sluice aborted the engine request: the client left, or the deadline passed.
+            reason = "client_cancelled" if outcome == "cancelled" else "deadline"
             metrics.ENGINE_ABORTS.labels(model, reason).inc()
         log_request(AccessRecord(
             request_id=self.request_id,

@@ -43,9 +43,15 @@ class Connection:
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue(OUTBOX_SIZE)
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.cancelled: set[str] = set()
+        self.closing = False  # the connection is ending; the writer's cancellation is ours
+        self.stalled = False  # the writer gave up on the client
+        self._serving: asyncio.Task[Any] | None = None
 
     async def serve(self) -> None:
         await self.ws.accept()
+        serving = asyncio.current_task()
+        assert serving is not None
+        self._serving = serving
         writer = asyncio.create_task(self._write())
         try:
             while True:
@@ -53,10 +59,15 @@ class Connection:
                     raw = await self.ws.receive_text()
                 except (WebSocketDisconnect, KeyError, RuntimeError):
                     return
-                if writer.done():  # the client stopped reading: give up on it
-                    return
+                except asyncio.CancelledError:
+                    # The writer gave up on a stalled client: end the connection's work now,
+                    # without waiting for a client that no longer reads.
+                    if self.stalled and serving.uncancel() == 0:
+                        return
+                    raise
                 self._handle(raw)
         finally:
+            self.closing = True
             for task in self.tasks.values():
                 task.cancel()
             if self.tasks:
@@ -66,18 +77,22 @@ class Connection:
                 await writer
 
     async def _write(self) -> None:
-        while True:
-            message = await self.outbox.get()
-            try:
-                await asyncio.wait_for(
-                    self.ws.send_text(message.decode()),
-                    self.sluice.send_timeout_seconds,
-                )
-            except (TimeoutError, WebSocketDisconnect, RuntimeError, OSError):
-                logger.info("websocket client stalled or gone; closing")
-                with suppress(Exception):
-                    await self.ws.close(code=1011)
-                return
+        """The connection's one writer. Its sends are bounded by the server's SendGuard (one
+        watchdog, no timer per message); a stalled client gets the connection closed."""
+        send = self.sluice.send_guard.wrap(self.ws.send)
+        try:
+            while True:
+                message = await self.outbox.get()
+                await send({"type": "websocket.send", "text": message.decode()})
+        except asyncio.CancelledError:
+            if self.closing:
+                raise
+            logger.info("websocket client stopped reading; dropping it")  # SendGuard's cancel
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            logger.info("websocket client gone; dropping it")
+        self.stalled = True
+        if self._serving is not None and not self.closing:
+            self._serving.cancel()
 
     def _post(self, message: dict[str, Any]) -> None:
         try:

@@ -51,3 +51,34 @@ def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess)
         assert 0 < generated < 60000
     finally:
         sock.close()
+
+
+async def test_a_websocket_client_that_stops_reading_is_dropped(
+    impatient_server: SluiceProcess,
+) -> None:
+    import websockets
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", impatient_server.port))
+    url = impatient_server.url.replace("http://", "ws://") + "/v1/ws"
+    # max_queue=1: the client library stops reading the socket once one message waits unread.
+    async with websockets.connect(url, sock=sock, max_queue=1) as ws:
+        # Sixteen long answers: when the writer falls behind, the engine's tokens are merged
+        # into fewer, larger deltas, so only the text's total size (~360 KB an answer) can fill
+        # the kernel's socket buffers (up to 4 MiB here).
+        for i in range(16):
+            await ws.send(json.dumps({
+                "type": "generate", "id": f"long{i}", "timeout_ms": 36_000_000,
+                "request": {"messages": [{"role": "user", "content": "talk"}],
+                            "max_tokens": 60000, "ignore_eos": True},
+            }))
+        # Read nothing. The writer's sends block, the send guard cancels them, and the
+        # connection's generations are cancelled with it.
+        wait_until(
+            lambda: impatient_server.metric("sluice_cancellations_total", stage="running") >= 1,
+            30, interval=0.2, message="the stalled websocket was dropped",
+        )
+        wait_until(lambda: impatient_server.metric("sluice_engine_unfinished_requests") == 0,
+                   10, message="its engine requests aborted")
+        assert "websocket client stopped reading" in impatient_server.log()

@@ -58,6 +58,9 @@ class EstimateConfig:
 
     prefill_tokens_per_s: float = 20_000.0
     decode_tokens_per_s: float = 100.0  # per running sequence
+    # Tokens an answer without max_tokens is expected to produce (it reserves the whole
+    # context in the budgets, but admission judges its completion time by this length).
+    open_ended_output_tokens: float = 256.0
     smoothing: float = 0.2  # weight of each new observation in the moving average
 
 
@@ -202,6 +205,10 @@ def _parse_estimates(raw: Mapping[str, Any]) -> EstimateConfig:
             raw.get("decode_tokens_per_s", base.decode_tokens_per_s), "estimates.decode"
         ),
         smoothing=_share(raw.get("smoothing", base.smoothing), "estimates.smoothing"),
+        open_ended_output_tokens=_positive(
+            raw.get("open_ended_output_tokens", base.open_ended_output_tokens),
+            "estimates.open_ended_output_tokens",
+        ),
     )
 
 

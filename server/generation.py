@@ -100,6 +100,7 @@ class Sluice:
             timeout_ms_header=headers.get("x-request-timeout-ms"),
             prompt_tokens=len(prompt_ids),
             max_tokens=max_tokens,
+            open_ended=parsed.max_tokens is None,
             arrival=timeline.arrival,
         )
         request = GenerationRequest(

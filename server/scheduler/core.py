@@ -296,7 +296,7 @@ class SchedulerCore:
         if entry.first_token_at is not None:
             self.estimates.observe_decode(output_tokens - 1, now - entry.first_token_at)
         if completed:
-            self.estimates.observe_completion(output_tokens, entry.ticket.max_tokens)
+            self.estimates.observe_completion(output_tokens, entry.ticket)
         return "running"
 
     def _remove_queued(self, ticket: Ticket) -> None:

@@ -17,6 +17,7 @@ class RateEstimates:
         self.prefill_tokens_per_s = config.prefill_tokens_per_s
         self.decode_tokens_per_s = config.decode_tokens_per_s  # per running sequence
         self.output_fraction = 1.0  # generated tokens / max_tokens, of completed requests
+        self.open_ended_output_tokens = config.open_ended_output_tokens
 
     def _blend(self, old: float, new: float) -> float:
         return old + self._weight * (new - old)
@@ -31,14 +32,24 @@ class RateEstimates:
             rate = tokens_after_first / seconds
             self.decode_tokens_per_s = self._blend(self.decode_tokens_per_s, rate)
 
-    def observe_completion(self, output_tokens: int, max_tokens: int) -> None:
-        if max_tokens > 0:
-            fraction = min(1.0, output_tokens / max_tokens)
+    def observe_completion(self, output_tokens: int, ticket: Ticket) -> None:
+        if ticket.open_ended:
+            self.open_ended_output_tokens = self._blend(
+                self.open_ended_output_tokens, float(output_tokens))
+        elif ticket.max_tokens > 0:
+            fraction = min(1.0, output_tokens / ticket.max_tokens)
             self.output_fraction = self._blend(self.output_fraction, fraction)
+
+    def expected_output_tokens(self, ticket: Ticket) -> float:
+        """What `ticket` will likely generate: a share of max_tokens, or, when the client set
+        none, the typical length of such answers (not the whole context it reserves)."""
+        if ticket.open_ended:
+            return min(float(ticket.max_tokens), self.open_ended_output_tokens)
+        return ticket.max_tokens * self.output_fraction
 
     def service_seconds(self, ticket: Ticket) -> float:
         """Expected time from dispatch to the last token of `ticket`."""
-        expected_output = max(1.0, ticket.max_tokens * self.output_fraction)
+        expected_output = max(1.0, self.expected_output_tokens(ticket))
         return (
             ticket.prompt_tokens / self.prefill_tokens_per_s
             + expected_output / self.decode_tokens_per_s

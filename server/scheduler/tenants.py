@@ -118,6 +118,7 @@ class TenantDirectory:
         timeout_ms_header: str | None,
         prompt_tokens: int,
         max_tokens: int,
+        open_ended: bool = False,
         arrival: float,
     ) -> Ticket:
         traffic_class = self.traffic_class(tenant, service_tier, traffic_class_header)
@@ -133,4 +134,5 @@ class TenantDirectory:
             deadline=arrival + timeout,
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
+            open_ended=open_ended,
         )

@@ -28,6 +28,7 @@ class Ticket:
     deadline: float
     prompt_tokens: int
     max_tokens: int
+    open_ended: bool = False  # the client set no max_tokens: it may run to the context's end
 
     @property
     def reserved_tokens(self) -> int:

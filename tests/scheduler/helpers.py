@@ -32,9 +32,10 @@ def core(
 def ticket(
     request_id: str, *, at: float = 0.0, deadline: float = 1000.0,
     traffic_class: TrafficClass = CHAT, tenant: str = "default", prompt: int = 10,
-    max_tokens: int = 10,
+    max_tokens: int = 10, open_ended: bool = False,
 ) -> Ticket:
-    return Ticket(request_id, tenant, traffic_class, "m", at, deadline, prompt, max_tokens)
+    return Ticket(request_id, tenant, traffic_class, "m", at, deadline, prompt, max_tokens,
+                  open_ended)
 
 
 def admit(scheduler: SchedulerCore, t: Ticket, now: float | None = None) -> None:

@@ -221,6 +221,24 @@ def test_queue_ahead_counts_toward_the_deadline_estimate() -> None:
     admit(s, ticket("new", max_tokens=10, deadline=3.1))
 
 
+def test_an_answer_without_max_tokens_is_judged_by_its_typical_length() -> None:
+    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10,
+                            "open_ended_output_tokens": 50, "smoothing": 0.5})
+    s = core(cfg)
+    # It reserves the rest of a 2,000-token context, but such answers run ~50 tokens: 5 s.
+    rest = 2000 - 10
+    assert s.ledger.ever_fits(ticket("x", max_tokens=rest, open_ended=True))
+    decision = s.submit(ticket("bounded", max_tokens=rest, deadline=30.0), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
+    admit(s, ticket("open", max_tokens=rest, open_ended=True, deadline=5.1))
+    decision = s.submit(ticket("tight", max_tokens=rest, open_ended=True, deadline=4.9), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
+    # The typical length is learned from open-ended answers that finished.
+    s.dispatchable(0.0)
+    s.release("open", 3.0, output_tokens=150, completed=True)
+    assert s.estimates.open_ended_output_tokens == pytest.approx(100)
+
+
 def test_queued_request_expires_exactly_at_its_deadline() -> None:
     s = core(sequences=1)
     admit(s, ticket("running"))

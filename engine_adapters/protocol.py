@@ -47,11 +47,17 @@ class SamplingOptions:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One generation, prompt already tokenized by the engine's own tokenizer."""
+    """One generation, prompt already tokenized by the engine's own tokenizer.
+
+    `resumed_tokens > 0` marks a resumed generation (one that was preempted): the last
+    `resumed_tokens` prompt tokens are its own earlier output, and the text of its deltas
+    continues the text those tokens spelled, as if it had never stopped.
+    """
 
     request_id: str
     prompt_token_ids: Sequence[int]
     sampling: SamplingOptions
+    resumed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

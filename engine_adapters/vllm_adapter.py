@@ -77,6 +77,44 @@ def to_sampling_params(options: SamplingOptions) -> Any:
     )
 
 
+class ResumedText:
+    """Text for the new tokens of a resumed generation, continuing its earlier tokens' text.
+
+    vLLM's detokenizer primes itself on the prompt and, when the prompt ends inside text it
+    cannot decode yet (a multi-byte character cut short, or a byte-level model's stray bytes),
+    emits the primed prompt text with the first new token. A resumed generation's prompt ends
+    with its own earlier output, so its text is decoded here instead: from the last character
+    boundary, releasing text once it decodes cleanly, as vLLM's own detokenizer does.
+    """
+
+    SEARCH = 16  # how far back in the earlier tokens to look for a character boundary
+
+    def __init__(self, tokenizer: Any, earlier: Sequence[int], *, skip_special_tokens: bool
+                 ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        start = 0
+        for j in range(len(earlier) - 1, max(-1, len(earlier) - self.SEARCH), -1):
+            if not self._decode(earlier[j:]).startswith("\ufffd"):
+                start = j
+                break
+        self._pending = list(earlier[start:])  # tokens since the last clean boundary
+        # Of their text, the client has everything but a character still incomplete.
+        self._sent = len(self._decode(self._pending).rstrip("\ufffd"))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip))
+
+    def add(self, token_ids: Sequence[int], *, finished: bool = False) -> str:
+        """The text the new tokens add; at the end, whatever is left, decodable or not."""
+        self._pending.extend(token_ids)
+        text = self._decode(self._pending)
+        if text.endswith("\ufffd") and not finished:
+            return ""  # wait for the rest of the character
+        new, self._pending, self._sent = text[self._sent:], [], 0
+        return new
+
+
 class VLLMEngine:
     """EngineClient over vLLM's AsyncLLM, running in this process (core in a subprocess)."""
 
@@ -158,11 +196,24 @@ class VLLMEngine:
         stream = self._llm.generate(
             prompt, to_sampling_params(request.sampling), request.request_id
         )
+        resumed = None
+        if request.resumed_tokens:
+            resumed = ResumedText(
+                self._tokenizer, request.prompt_token_ids[-request.resumed_tokens:],
+                skip_special_tokens=request.sampling.skip_special_tokens,
+            )
         try:
             async for out in stream:
                 completion = out.outputs[0]
+                text = completion.text
+                if resumed is not None:
+                    text = resumed.add(completion.token_ids, finished=out.finished)
+                    stop = completion.stop_reason
+                    if (isinstance(stop, str) and stop in text
+                            and not request.sampling.include_stop_str_in_output):
+                        text = text[:text.index(stop)]  # vLLM cuts its own text there too
                 yield TokenDelta(
-                    text=completion.text,
+                    text=text,
                     token_ids=completion.token_ids,
                     finish_reason=completion.finish_reason if out.finished else None,
                     stop_reason=completion.stop_reason,

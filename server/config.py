@@ -50,6 +50,9 @@ class BudgetConfig:
     max_running_seqs: int = 256
     max_running_tokens: int | None = None  # None: the KV-cache budget in tokens
     fairness_quantum_tokens: int = 1024  # credit per DRR turn; smaller = finer interleaving
+    # A chat queued this long (no room even in its reserve) stops running bulk work, which is
+    # requeued as a continuation; None: never preempt.
+    preempt_bulk_after_s: float | None = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +195,20 @@ def _parse_budgets(raw: Mapping[str, Any]) -> BudgetConfig:
             "budgets.fairness_quantum_tokens",
             int,
         ),
+        preempt_bulk_after_s=_preempt_after(raw, base.preempt_bulk_after_s),
     )
+
+
+def _preempt_after(raw: Mapping[str, Any], default: float | None) -> float | None:
+    if "preempt_bulk_after_ms" not in raw:
+        return default
+    value = raw["preempt_bulk_after_ms"]
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(
+            f"budgets.preempt_bulk_after_ms: must be a number >= 0 or null, got {value!r}")
+    return float(value) / 1000.0
 
 
 def _parse_estimates(raw: Mapping[str, Any]) -> EstimateConfig:

@@ -8,6 +8,7 @@ waiting, interactive leaves room for bulk to reach its guaranteed minimum (`bulk
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from server.config import BudgetConfig
@@ -86,7 +87,10 @@ class BudgetLedger:
         cap = self.class_cap(ticket.traffic_class)
         return all(d <= c for d, c in zip(self.demand(ticket), cap, strict=True))
 
-    def fits(self, ticket: Ticket, *, bulk_waiting: bool) -> bool:
+    def fits(
+        self, ticket: Ticket, *, bulk_waiting: bool, freeing: Iterable[Ticket] = ()
+    ) -> bool:
+        """Whether `ticket` fits now, or once the running bulk tickets `freeing` have left."""
         demand = self.demand(ticket)
         total = self._total
         if ticket.traffic_class is TrafficClass.BULK:
@@ -96,6 +100,13 @@ class BudgetLedger:
                 for i in range(3)
             )
         bulk_held = self._by_class[TrafficClass.BULK]
+        freed = [0, 0, 0]
+        for leaving in freeing:
+            for i, amount in enumerate(self.demand(leaving)):
+                freed[i] += amount
+        if any(freed):
+            total = [t - f for t, f in zip(total, freed, strict=True)]
+            bulk_held = [b - f for b, f in zip(bulk_held, freed, strict=True)]
         for i in range(3):
             headroom = self._limit[i]
             if bulk_waiting:

@@ -9,6 +9,13 @@ across tenants); `expire` removes queued tickets whose deadline has passed; `rel
 ticket wherever it is (queued: cancelled; running: finished, aborted or expired) and gives its
 budgets back. Ending an unknown or already-ended ticket is a no-op, so a late output never
 revives an expired request.
+
+Preemption: when the interactive head has waited `preempt_bulk_after_s` and no budget has room
+for it, `preemptions` names running bulk tickets to stop (the most recently dispatched first,
+just enough for the head, never below bulk's minimum share). The shell aborts their engine
+requests and calls `requeue` with what each generated; the ticket returns to the front of its
+tenant's bulk line as a continuation (prompt plus generated tokens, the rest of max_tokens),
+keeping its arrival and deadline.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from server.config import SluiceConfig, TenantConfig
@@ -70,6 +77,7 @@ class _Running:
     dispatched_at: float
     expected_end: float
     first_token_at: float | None = None
+    preempting: bool = False
 
 
 class _TokenWindow:
@@ -116,6 +124,9 @@ class SchedulerCore:
         self._expired_outbox: list[Ticket] = []
         self._mean_reserved = 1024.0
         self._many_tenants = len(config.tenants) > 1
+        self._preempting: set[str] = set()
+        self._preempt_considered: str | None = None  # head already judged past its threshold
+        self.preemptions_total = 0
 
     # --- admission ---------------------------------------------------------------------
     def submit(self, ticket: Ticket, now: float) -> Admitted | Rejected:
@@ -265,11 +276,89 @@ class SchedulerCore:
         return expired
 
     def next_wakeup(self) -> float | None:
-        """The earliest deadline of a queued ticket, when `expire` has work to do."""
+        """When the shell should call in next: the earliest deadline of a queued ticket, or
+        the moment the interactive head may preempt bulk, whichever comes first."""
         heap = self._deadlines
         while heap and heap[0][2] not in self._queued:
             heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        wake = heap[0][0] if heap else None
+        preempt_at = self._preempt_time()
+        if preempt_at is not None and (wake is None or preempt_at < wake):
+            return preempt_at
+        return wake
+
+    def _preempt_time(self) -> float | None:
+        after = self.config.budgets.preempt_bulk_after_s
+        if after is None or self._running_per_class[TrafficClass.BULK] == 0:
+            return None
+        head = self._queues[TrafficClass.INTERACTIVE].peek()
+        if head is None or head.request_id == self._preempt_considered:
+            return None
+        return head.arrival + after
+
+    # --- preemption --------------------------------------------------------------------
+    def preemptions(self, now: float) -> list[Ticket]:
+        """Running bulk tickets to stop now so the waiting interactive head can start.
+
+        Returns [] unless the head has waited its threshold, does not fit, and stopping bulk
+        (down to bulk's minimum share) makes it fit. Each ticket is named once; it keeps its
+        budgets until the shell calls `requeue` (or `release`, if it ended meanwhile).
+        """
+        preempt_at = self._preempt_time()
+        if preempt_at is None or now < preempt_at:
+            return []
+        head = self._queues[TrafficClass.INTERACTIVE].peek()
+        assert head is not None
+        self._preempt_considered = head.request_id
+        leaving = [self._running[rid].ticket for rid in self._preempting]
+        if self.ledger.fits(head, bulk_waiting=True, freeing=leaving):
+            return []  # what is already being stopped makes room
+        candidates = sorted(
+            (e for e in self._running.values()
+             if e.ticket.traffic_class is TrafficClass.BULK and not e.preempting),
+            key=lambda e: e.dispatched_at, reverse=True,
+        )
+        chosen: list[_Running] = []
+        for entry in candidates:
+            chosen.append(entry)
+            if self.ledger.fits(head, bulk_waiting=True,
+                                freeing=leaving + [e.ticket for e in chosen]):
+                break
+        else:
+            return []  # even stopping every bulk request would not make room
+        for entry in chosen:
+            entry.preempting = True
+            self._preempting.add(entry.ticket.request_id)
+        return [entry.ticket for entry in chosen]
+
+    def requeue(self, request_id: str, now: float, *, generated_tokens: int) -> Ticket | None:
+        """Put a preempted running ticket back in the bulk queue as a continuation.
+
+        `generated_tokens` is what it produced since this dispatch. Returns the continuation
+        ticket; None if the ticket had already ended. Its budgets are free from here on.
+        """
+        entry = self._running.get(request_id)
+        if entry is None:
+            return None
+        ticket = entry.ticket
+        if not 0 <= generated_tokens < ticket.max_tokens:
+            raise ValueError(
+                f"{request_id!r}: {generated_tokens} generated of {ticket.max_tokens}; "
+                "a request with nothing left to generate is finished, not requeued")
+        self._leave_running(entry, now, generated_tokens)
+        continuation = replace(
+            ticket,
+            prompt_tokens=ticket.prompt_tokens + generated_tokens,
+            max_tokens=ticket.max_tokens - generated_tokens,
+        )
+        self._queues[TrafficClass.BULK].push_front(continuation)
+        self._queued[request_id] = continuation
+        service = self.estimates.service_seconds(continuation)
+        self._queued_service[request_id] = service
+        self._queued_work[TrafficClass.BULK] += service
+        heapq.heappush(self._deadlines, (continuation.deadline, next(self._seq), request_id))
+        self.preemptions_total += 1
+        return continuation
 
     # --- running tickets ---------------------------------------------------------------
     def first_token(self, request_id: str, now: float) -> None:
@@ -286,18 +375,23 @@ class SchedulerCore:
         if ticket is not None:
             self._remove_queued(ticket)
             return "queued"
-        entry = self._running.pop(request_id, None)
+        entry = self._running.get(request_id)
         if entry is None:
             return None
-        self._running_end_sum -= entry.expected_end
-        self._running_per_class[entry.ticket.traffic_class] -= 1
-        self.ledger.release(entry.ticket)
+        self._leave_running(entry, now, output_tokens)
         self._end_for_tenant(entry.ticket)
-        if entry.first_token_at is not None:
-            self.estimates.observe_decode(output_tokens - 1, now - entry.first_token_at)
         if completed:
             self.estimates.observe_completion(output_tokens, entry.ticket)
         return "running"
+
+    def _leave_running(self, entry: _Running, now: float, output_tokens: int) -> None:
+        del self._running[entry.ticket.request_id]
+        self._preempting.discard(entry.ticket.request_id)
+        self._running_end_sum -= entry.expected_end
+        self._running_per_class[entry.ticket.traffic_class] -= 1
+        self.ledger.release(entry.ticket)
+        if entry.first_token_at is not None:
+            self.estimates.observe_decode(output_tokens - 1, now - entry.first_token_at)
 
     def _remove_queued(self, ticket: Ticket) -> None:
         del self._queued[ticket.request_id]

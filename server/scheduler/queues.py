@@ -45,6 +45,17 @@ class TenantFairQueue:
         self._count += 1
         self._tokens += ticket.reserved_tokens
 
+    def push_front(self, ticket: Ticket) -> None:
+        """Put a ticket that already waited its turn first in its tenant's line, credited so
+        that it leaves at its tenant's next turn (a preempted request resuming)."""
+        self.push(ticket)
+        waiting = self._by_tenant[ticket.tenant]
+        self._by_tenant[ticket.tenant] = {
+            ticket.request_id: ticket,
+            **{rid: t for rid, t in waiting.items() if rid != ticket.request_id},
+        }
+        self._deficit[ticket.tenant] += ticket.reserved_tokens
+
     def remove(self, ticket: Ticket) -> bool:
         """Take a ticket out wherever it waits; False if it was not queued."""
         waiting = self._by_tenant.get(ticket.tenant)

@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from engine_adapters.protocol import EngineClient, GenerationRequest, TokenDelta
 from server import metrics
@@ -23,7 +24,13 @@ from server.scheduler.wakeup import WakeupTimer
 
 
 class RunningGeneration:
-    """A dispatched ticket's stream: engine deltas until the end or the deadline."""
+    """A dispatched ticket's stream: engine deltas until the end or the deadline.
+
+    If the scheduler preempts it (bulk making room for a chat), the engine request is aborted,
+    the ticket waits in the queue again, and the stream resumes with a new engine request whose
+    prompt is the original prompt plus every token generated so far: the consumer sees one
+    uninterrupted stream. (A stop string spanning the resumption point is not detected.)
+    """
 
     def __init__(
         self, runtime: SchedulerRuntime, ticket: Ticket, request: GenerationRequest,
@@ -33,9 +40,16 @@ class RunningGeneration:
         self._ticket = ticket
         self._request = request
         self._dispatched_at = dispatched_at
-        self.output_tokens = 0
+        self.output_tokens = 0  # across every engine request of this generation
+        self.segment_tokens = 0  # since the latest dispatch
         self.completed = False
+        self.preemptions = 0
+        self._generated: list[int] = []
         self._stream_iter: AsyncGenerator[TokenDelta, None] | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._waiting_on_engine = False
+        self._deadline_passed = False
+        self._preempt_requested = False
 
     @property
     def dispatched_at(self) -> float:
@@ -52,59 +66,106 @@ class RunningGeneration:
         if self._stream_iter is not None:
             await self._stream_iter.aclose()
 
+    def preempt(self) -> None:
+        """Stop the engine request at once (or at the next engine wait) and resume later."""
+        self._preempt_requested = True
+        self._interrupt_engine_wait()
+
+    def _on_deadline(self) -> None:
+        self._deadline_passed = True
+        self._interrupt_engine_wait()
+
+    def _interrupt_engine_wait(self) -> None:
+        if self._waiting_on_engine and self._task is not None:
+            self._task.cancel()
+
     async def _stream(self) -> AsyncGenerator[TokenDelta, None]:
         """Engine deltas, cut at the deadline by one timer per request (not one per token).
 
-        The timer only marks the deadline as passed; if the stream is then waiting on the
-        engine it cancels that wait, which aborts the engine request. Either way the next
-        step raises DeadlineExceeded. Time spent writing to the client is not interrupted here
-        (the transport's send timeout bounds it).
+        The timer (or a preemption) only marks what happened; if the stream is then waiting on
+        the engine it cancels that wait, which aborts the engine request. Time spent writing to
+        the client is not interrupted here (the transport's send timeout bounds it).
         """
         runtime, ticket = self._runtime, self._ticket
-        task = asyncio.current_task()
-        assert task is not None
-        deadline_passed = False
-        waiting_on_engine = False
-
-        def on_deadline() -> None:
-            nonlocal deadline_passed
-            deadline_passed = True
-            if waiting_on_engine:
-                task.cancel()
-
+        self._task = asyncio.current_task()
+        assert self._task is not None
         timer = asyncio.get_running_loop().call_later(
-            max(0.0, ticket.deadline - runtime.clock()), on_deadline
+            max(0.0, ticket.deadline - runtime.clock()), self._on_deadline
         )
-        deltas = runtime.engine.generate(self._request)
-        first_token_seen = False
+        request = self._request
         try:
             while True:
-                if deadline_passed:
-                    raise DeadlineExceeded("the request's deadline passed while generating")
-                waiting_on_engine = True
+                deltas = runtime.engine.generate(request)
                 try:
-                    delta = await anext(deltas)
-                except StopAsyncIteration:
-                    return
-                except asyncio.CancelledError:
-                    if deadline_passed and task.uncancel() == 0:
-                        raise DeadlineExceeded(
-                            "the request's deadline passed while generating"
-                        ) from None
-                    raise
+                    while not self._must_yield_engine():
+                        if self._deadline_passed:
+                            raise DeadlineExceeded(
+                                "the request's deadline passed while generating")
+                        delta = await self._next_delta(deltas)
+                        if delta is None:
+                            if self._must_yield_engine():
+                                break
+                            return
+                        self._count(delta)
+                        yield delta
                 finally:
-                    waiting_on_engine = False
-                if delta.token_ids:
-                    if not first_token_seen:
-                        first_token_seen = True
-                        runtime.core.first_token(ticket.request_id, runtime.clock())
-                    self.output_tokens += len(delta.token_ids)
-                if delta.finish_reason is not None and delta.finish_reason != "abort":
-                    self.completed = True
-                yield delta
+                    await deltas.aclose()  # type: ignore[attr-defined]
+                request = await self._resume()
         finally:
             timer.cancel()
-            await deltas.aclose()  # type: ignore[attr-defined]
+
+    def _must_yield_engine(self) -> bool:
+        """Preempted, with tokens left to generate (a finished answer just ends)."""
+        return self._preempt_requested and not self.completed
+
+    async def _next_delta(self, deltas: AsyncIterator[TokenDelta]) -> TokenDelta | None:
+        """The next delta; None at the end of the engine stream or when preempted."""
+        task = self._task
+        assert task is not None
+        self._waiting_on_engine = True
+        try:
+            return await anext(deltas)
+        except StopAsyncIteration:
+            return None
+        except asyncio.CancelledError:
+            if (self._deadline_passed or self._preempt_requested) and task.uncancel() == 0:
+                if self._deadline_passed:
+                    raise DeadlineExceeded(
+                        "the request's deadline passed while generating") from None
+                return None
+            raise
+        finally:
+            self._waiting_on_engine = False
+
+    def _count(self, delta: TokenDelta) -> None:
+        if delta.token_ids:
+            if self.segment_tokens == 0:
+                self._runtime.core.first_token(self._ticket.request_id, self._runtime.clock())
+            self.output_tokens += len(delta.token_ids)
+            self.segment_tokens += len(delta.token_ids)
+            self._generated.extend(delta.token_ids)
+        if delta.finish_reason is not None and delta.finish_reason != "abort":
+            self.completed = True
+
+    async def _resume(self) -> GenerationRequest:
+        """Back to the queue as a continuation; the engine request that resumes the stream."""
+        self._preempt_requested = False
+        waiter = self._runtime.requeue(self._ticket.request_id, self.segment_tokens)
+        self.segment_tokens = 0
+        self.preemptions += 1
+        await waiter
+        original = self._request
+        sampling = replace(
+            original.sampling,
+            max_tokens=original.sampling.max_tokens - self.output_tokens,
+            min_tokens=max(0, original.sampling.min_tokens - self.output_tokens),
+        )
+        return GenerationRequest(
+            request_id=f"{original.request_id}~{self.preemptions}",
+            prompt_token_ids=[*original.prompt_token_ids, *self._generated],
+            sampling=sampling,
+            resumed_tokens=len(self._generated),
+        )
 
 
 class SchedulerRuntime:
@@ -123,6 +184,8 @@ class SchedulerRuntime:
         self.clock = clock
         self._core: SchedulerCore | None = None
         self._waiters: dict[str, asyncio.Future[float]] = {}
+        self._running: dict[str, RunningGeneration] = {}
+        self._preempt_on_start: set[str] = set()  # preempted before its stream object existed
         self._timer = WakeupTimer(self._dispatch)
         self._stopping = False
 
@@ -177,17 +240,33 @@ class SchedulerRuntime:
             self._dispatch()
             dispatched_at = await waiter
             running = RunningGeneration(self, ticket, request, dispatched_at)
+            self._running[ticket.request_id] = running
+            if ticket.request_id in self._preempt_on_start:
+                self._preempt_on_start.discard(ticket.request_id)
+                running.preempt()
             yield running
         finally:
             self._waiters.pop(ticket.request_id, None)
+            self._running.pop(ticket.request_id, None)
+            self._preempt_on_start.discard(ticket.request_id)
             if running is not None:
                 await running.aclose()
             core.release(
                 ticket.request_id, self.clock(),
-                output_tokens=running.output_tokens if running else 0,
+                output_tokens=running.segment_tokens if running else 0,
                 completed=running.completed if running else False,
             )
             self._dispatch()
+
+    def requeue(self, request_id: str, generated_tokens: int) -> asyncio.Future[float]:
+        """Queue a preempted generation again; the future resolves when it is re-dispatched."""
+        if self.core.requeue(request_id, self.clock(), generated_tokens=generated_tokens) is None:
+            raise RuntimeError(f"{request_id!r} was preempted but is no longer running")
+        metrics.ENGINE_ABORTS.labels(self.model_name, "preempted").inc()
+        waiter: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = waiter
+        self._dispatch()
+        return waiter
 
     def _dispatch(self) -> None:
         """Apply the core's decisions now: expire what is due, start what fits."""
@@ -205,6 +284,12 @@ class SchedulerRuntime:
                 waiter.set_exception(
                     DeadlineExceeded("the request's deadline passed while it was queued")
                 )
+        for ticket in core.preemptions(now):
+            running = self._running.get(ticket.request_id)
+            if running is None:
+                self._preempt_on_start.add(ticket.request_id)
+            else:
+                running.preempt()
         if not self._stopping:
             self._timer.arm(self.core.next_wakeup(), now)
         self._record_state()

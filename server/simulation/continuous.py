@@ -4,7 +4,9 @@ on a virtual clock by the discrete-event loop.
 The same `SchedulerCore` as the server decides admission, dispatch and expiry; this shell only
 turns its decisions into events: an arrival submits, a dispatch adds the request to the
 `SimTimingModel`, each engine step's outputs arrive `duration_s` later, a deadline expires a
-queued ticket or aborts a running one, and every ending releases the ticket in the core.
+queued ticket or aborts a running one, and every ending releases the ticket in the core. A
+preempted bulk request is aborted in the model and requeued; it resumes under a new engine id,
+so outputs of the step that was running when it stopped are dropped.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Timeline:
     first_token: float | None = None
     finished: float | None = None
     output_tokens: int = 0
+    preemptions: int = 0
 
 
 class ContinuousSimulation:
@@ -68,6 +71,9 @@ class ContinuousSimulation:
         self._stepping = False
         self._expiry: EventHandle | None = None
         self._running_deadlines: dict[str, EventHandle] = {}
+        self._engine_ids: dict[str, str] = {}  # request id -> its current engine request id
+        self._requests: dict[str, str] = {}  # engine request id -> request id
+        self._segment_start: dict[str, int] = {}  # output tokens before the current dispatch
 
     # --- inputs ------------------------------------------------------------------------
     def add_arrivals(self, arrivals: Iterable[Arrival]) -> None:
@@ -101,15 +107,16 @@ class ContinuousSimulation:
     def _dispatch(self) -> None:
         now = self.loop.now
         core = self.core
-        for ticket in core.dispatchable(now):
-            rid = ticket.request_id
-            self.model.add(rid, [7] * ticket.prompt_tokens, ticket.max_tokens, ignore_eos=True)
-            self.timelines[rid].dispatched = now
-            self.timelines[rid].outcome = "running"
-            self._running_deadlines[rid] = self.loop.call_at(
-                max(now, ticket.deadline), partial(self._running_deadline, rid))
-        for ticket in core.expire(now):
-            self._end(self.timelines[ticket.request_id], "expired", "queued")
+        while True:
+            for ticket in core.dispatchable(now):
+                self._start(ticket, now)
+            for ticket in core.expire(now):
+                self._end(self.timelines[ticket.request_id], "expired", "queued")
+            victims = core.preemptions(now)
+            if not victims:
+                break
+            for ticket in victims:
+                self._preempt(ticket.request_id)
         for name, value in core.ledger.in_use().items():
             if value > self.peak_budget_in_use[name]:
                 self.peak_budget_in_use[name] = value
@@ -117,6 +124,34 @@ class ContinuousSimulation:
         if not self._stepping and self.model.has_work:
             self._stepping = True
             self._step()
+
+    def _start(self, ticket: Ticket, now: float) -> None:
+        rid = ticket.request_id
+        timeline = self.timelines[rid]
+        engine_id = rid if timeline.preemptions == 0 else f"{rid}~{timeline.preemptions}"
+        self._engine_ids[rid], self._requests[engine_id] = engine_id, rid
+        self._segment_start[rid] = timeline.output_tokens
+        self.model.add(engine_id, [7] * ticket.prompt_tokens, ticket.max_tokens,
+                       ignore_eos=True)
+        if timeline.dispatched is None:
+            timeline.dispatched = now
+        timeline.outcome = "running"
+        self._running_deadlines[rid] = self.loop.call_at(
+            max(now, ticket.deadline), partial(self._running_deadline, rid))
+
+    def _stop_engine_request(self, request_id: str) -> None:
+        engine_id = self._engine_ids.pop(request_id)
+        del self._requests[engine_id]
+        self.model.abort(engine_id)
+
+    def _preempt(self, request_id: str) -> None:
+        self._running_deadlines.pop(request_id).cancel()
+        self._stop_engine_request(request_id)
+        timeline = self.timelines[request_id]
+        generated = timeline.output_tokens - self._segment_start.pop(request_id)
+        self.core.requeue(request_id, self.loop.now, generated_tokens=generated)
+        timeline.outcome = "queued"
+        timeline.preemptions += 1
 
     def _arm_expiry(self) -> None:
         wake = self.core.next_wakeup()
@@ -139,17 +174,20 @@ class ContinuousSimulation:
     def _deliver(self, result: StepResult) -> None:
         now = self.loop.now
         for output in result.outputs:
-            timeline = self.timelines[output.request_id]
-            if timeline.outcome != "running":
+            rid = self._requests.get(output.request_id)
+            if rid is None:
                 continue  # aborted while the step ran: a late output revives nothing
+            timeline = self.timelines[rid]
+            if timeline.output_tokens == self._segment_start[rid]:
+                self.core.first_token(rid, now)  # of this dispatch (a continuation's too)
             if timeline.first_token is None:
                 timeline.first_token = now
-                self.core.first_token(output.request_id, now)
             timeline.output_tokens += len(output.token_ids)
             if output.finish_reason is not None:
-                self._running_deadlines.pop(output.request_id).cancel()
-                self.core.release(output.request_id, now,
-                                  output_tokens=timeline.output_tokens, completed=True)
+                self._running_deadlines.pop(rid).cancel()
+                del self._requests[self._engine_ids.pop(rid)]
+                self.core.release(rid, now, output_tokens=self._segment_tokens(rid),
+                                  completed=True)
                 timeline.outcome, timeline.finished = "completed", now
         self._stepping = False
         self._dispatch()
@@ -158,10 +196,14 @@ class ContinuousSimulation:
         self._running_deadlines.pop(request_id, None)
         self._abort_running(request_id, "expired")
 
+    def _segment_tokens(self, request_id: str) -> int:
+        return self.timelines[request_id].output_tokens - self._segment_start.pop(request_id)
+
     def _abort_running(self, request_id: str, outcome: str) -> None:
-        self.model.abort(request_id)
+        self._stop_engine_request(request_id)
         timeline = self.timelines[request_id]
-        self.core.release(request_id, self.loop.now, output_tokens=timeline.output_tokens)
+        self.core.release(request_id, self.loop.now,
+                          output_tokens=self._segment_tokens(request_id))
         self._end(timeline, outcome, "running")
         self._dispatch()
 
@@ -211,6 +253,7 @@ def summarize(simulation: ContinuousSimulation, wall_s: float) -> dict[str, Any]
             "completed_after_deadline": sum(
                 1 for t in done if t.finished is not None and t.finished > t.deadline),
             "tokens_per_s": round(sum(t.output_tokens for t in done) / end, 1) if end else 0.0,
+            "preemptions": sum(t.preemptions for t in mine),
         }
     tenants: dict[str, int] = {}
     for t in timelines:

@@ -40,10 +40,14 @@ async def started_runtime(config: SluiceConfig, sim: SimConfig | None = None):
     return engine, runtime
 
 
-async def collect(runtime: SchedulerRuntime, ticket: Ticket) -> list[int]:
+async def collect(
+    runtime: SchedulerRuntime, ticket: Ticket, dispatched: asyncio.Event | None = None
+) -> list[int]:
     tokens: list[int] = []
     async with runtime.generation(ticket, make_request(ticket)) as gen:
         assert gen.dispatched_at >= ticket.arrival
+        if dispatched is not None:
+            dispatched.set()
         async for delta in gen:
             tokens.extend(delta.token_ids)
     return tokens
@@ -149,5 +153,30 @@ async def test_state_gauges_follow_the_scheduler() -> None:
         assert gauge("sluice_running_requests", **labels) == 0
         for budget in ("tokens", "kv_blocks", "sequences"):
             assert gauge("sluice_budget_in_use", budget=budget) == 0
+    finally:
+        await engine.stop()
+
+
+async def test_preempted_bulk_stream_resumes_and_delivers_every_token() -> None:
+    config = parse_config({**OPTIMISTIC, "budgets": {
+        "max_running_seqs": 2, "interactive_reserve_share": 0.0, "bulk_min_share": 0.0,
+        "preempt_bulk_after_ms": 50}})
+    engine, runtime = await started_runtime(config)
+    try:
+        bulk = [make_ticket(f"bulk{i}", max_tokens=400, traffic_class=TrafficClass.BULK)
+                for i in range(2)]
+        running = [asyncio.Event() for _ in bulk]
+        streams = [asyncio.create_task(collect(runtime, t, e))
+                   for t, e in zip(bulk, running, strict=True)]
+        for event in running:
+            await event.wait()
+        chat = make_ticket("chat", max_tokens=8)
+        chat_tokens = await collect(runtime, chat)
+        assert len(chat_tokens) == 8
+        assert runtime.core.preemptions_total == 1
+        assert not any(s.done() for s in streams)  # the chat did not wait for bulk to end
+        assert [len(tokens) for tokens in await asyncio.gather(*streams)] == [400, 400]
+        assert runtime.core.is_idle()
+        assert engine.num_unfinished_requests() == 0
     finally:
         await engine.stop()

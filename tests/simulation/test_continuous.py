@@ -105,6 +105,31 @@ def two_tenant_config() -> SluiceConfig:
     return replace(base, tenants=tenants)
 
 
+def test_a_chat_preempts_bulk_and_the_bulk_request_resumes_where_it_stopped() -> None:
+    # Two seats, both taken by bulk; no interactive reserve, so only preemption makes room.
+    two_seats = replace(STEPS_OF_10MS, max_num_seqs=2)
+    budgets = {"interactive_reserve_share": 0.0, "bulk_min_share": 0.0}
+    trace = parse_trace(
+        "B1@0:class=bulk:max_tokens=100,B2@1:class=bulk:max_tokens=100,C@50:max_tokens=5")
+
+    waited = simulate(parse_config({**OPTIMISTIC, "budgets": {
+        **budgets, "preempt_bulk_after_ms": None}}), two_seats, trace)
+    assert waited.timelines["C"].dispatched == pytest.approx(1.0, abs=0.011)  # B1's end
+
+    preempted = simulate(parse_config({**OPTIMISTIC, "budgets": {
+        **budgets, "preempt_bulk_after_ms": 100}}), two_seats, trace)
+    c, b1, b2 = (preempted.timelines[n] for n in ("C", "B1", "B2"))
+    assert c.dispatched == pytest.approx(0.150)  # C's arrival + 100 ms, to the millisecond
+    # The step that began at 150 ms was already under way; C's prefill is the next one.
+    assert (c.outcome, c.first_token) == ("completed", pytest.approx(0.170))
+    assert (b2.preemptions, b1.preemptions) == (1, 0)  # the later of the two
+    for bulk in (b1, b2):
+        assert (bulk.outcome, bulk.output_tokens) == ("completed", 100)
+    summary = summarize(preempted, 0.0)
+    assert summary["classes"]["bulk"]["preemptions"] == 1
+    assert_no_leaks(preempted)
+
+
 def test_flooding_tenant_cannot_take_the_other_tenants_share() -> None:
     sim_config = SimConfig(max_num_seqs=8, kv_blocks=256, block_size=16, max_model_len=1024)
     shape = RequestShape(64, 32, None)

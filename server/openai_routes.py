@@ -151,6 +151,7 @@ class GenerationResponse:
             raise
         finally:
             await self.admission.__aexit__(*exc_info)
+            del exc_info  # its traceback holds this frame (see _whole)
             if not timeline.ended:  # the stream was cut before its generator ran
                 timeline.finish("cancelled", status=499)
 
@@ -172,6 +173,11 @@ class GenerationResponse:
         except SluiceError as error:
             timeline.finish(outcome_for(error), status=error.status, error=error)
             return error_response(error, timeline.request_id)
+        finally:
+            # A failed task keeps its error, whose traceback holds this frame, which holds the
+            # task: a reference cycle that would keep the request's connection, timeline and
+            # ticket alive until the next full GC pass (under overload, thousands of them).
+            del collecting
         body = whole_response(
             self.parsed.kind, timeline.request_id, self.sluice.served_model, text,
             finish_reason, stop_reason, timeline.prompt_tokens, timeline.generated_tokens,
@@ -235,3 +241,4 @@ class GenerationResponse:
             yield DONE
         finally:
             timeline.finish(outcome, status=status, error=failure)
+            del failure  # its traceback holds this frame (see _whole)

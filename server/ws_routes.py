@@ -207,6 +207,7 @@ class Connection:
             raise
         finally:
             timeline.finish(outcome, status=status, error=failure)
+            del failure  # its traceback holds this frame: no reference cycle, freed at once
 
 
 async def websocket_endpoint(websocket: WebSocket) -> None:

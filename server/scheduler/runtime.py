@@ -113,6 +113,7 @@ class RunningGeneration:
                 request = await self._resume()
         finally:
             timer.cancel()
+            self._task = None  # the task may end keeping our error, whose traceback holds us
 
     def _must_yield_engine(self) -> bool:
         """Preempted, with tokens left to generate (a finished answer just ends)."""
@@ -136,6 +137,7 @@ class RunningGeneration:
             raise
         finally:
             self._waiting_on_engine = False
+            del task  # (see _stream)
 
     def _count(self, delta: TokenDelta) -> None:
         if delta.token_ids:
@@ -153,7 +155,10 @@ class RunningGeneration:
         waiter = self._runtime.requeue(self._ticket.request_id, self.segment_tokens)
         self.segment_tokens = 0
         self.preemptions += 1
-        await waiter
+        try:
+            await waiter
+        finally:
+            del waiter  # (see generation)
         original = self._request
         sampling = replace(
             original.sampling,
@@ -238,7 +243,10 @@ class SchedulerRuntime:
         running: RunningGeneration | None = None
         try:
             self._dispatch()
-            dispatched_at = await waiter
+            try:
+                dispatched_at = await waiter
+            finally:
+                del waiter  # an expired waiter keeps its error, whose traceback holds this frame
             running = RunningGeneration(self, ticket, request, dispatched_at)
             self._running[ticket.request_id] = running
             if ticket.request_id in self._preempt_on_start:

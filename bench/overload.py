@@ -28,6 +28,7 @@ import os
 import random
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -40,11 +41,16 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (not empty)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def rss_mib(pid: int) -> float:
@@ -172,8 +178,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--probe-streams", type=int, default=64)
     parser.add_argument("--probe-seconds", type=float, default=20.0)
-    parser.add_argument("--port", type=int, default=8411)
+    parser.add_argument("--port", type=int, default=None,
+                        help="port for the server it starts (default: a free one)")
     args = parser.parse_args()
+    if args.port is None:
+        args.port = free_port()  # a fixed default measured whatever server already held it
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     log_path = Path(tempfile.mkdtemp()) / "server.log"
@@ -185,13 +194,13 @@ def main() -> int:
     try:
         deadline = time.monotonic() + 600
         while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start; see {log_path}")
             try:
                 if httpx.get(url + "/ready", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start; see {log_path}")
             time.sleep(0.5)
         result = asyncio.run(run(args, url, proc.pid))
     finally:

@@ -149,6 +149,8 @@ async def admit_unless_gone(
         if current is not None and current.cancelling():
             raise
         return None
+    finally:
+        del entering  # a refused task keeps its error, whose traceback holds this frame
     if leaving.cancelled() or not leaving.done():
         return generation
     # Admitted in the same instant the client left: give the slot straight back.

@@ -1,0 +1,196 @@
+"""However a request ends, its state is freed when it ends, not at the next full GC pass.
+
+A reference cycle through a request (typically: a task keeps its error, whose traceback holds a
+frame that holds the task) keeps its connection, timeline and ticket alive until the cyclic
+garbage collector runs. Under sustained overload thousands of refused and expired requests
+piled up between full passes and the server's memory grew. Each case here runs one way of
+ending with the collector off, then asks it what it would have had to free.
+
+A real uvicorn server on loopback in this process (the collector must see its objects), the
+sim engine behind it. Only Sluice's per-request objects are counted: sse-starlette's anyio task
+group leaves cycles of its own around a streamed answer's connection (anyio's `task_done` keeps
+a CancelledError in a local of the frame that raised it), and around the whole request when the
+client leaves mid-stream, which is why that case is not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+
+import pytest
+import uvicorn
+import websockets
+
+from engine_adapters.sim import SimEngine
+from server.app import build_app
+from server.config import BudgetConfig, EstimateConfig, SluiceConfig
+from server.scheduler.runtime import SchedulerRuntime
+
+# Created once per request; in the garbage only if a cycle held the request.
+PER_REQUEST_TYPES = {"RequestTimeline", "Ticket", "GenerationResponse"}
+# An optimistic prior: long answers are admitted (and then run past short deadlines).
+FAST_PRIOR = EstimateConfig(decode_tokens_per_s=100_000.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def until(condition: Callable[[], bool], failure: str) -> None:
+    """Poll `condition` for up to 5 s."""
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)  # polling interval, not a stand-in for a condition
+    raise AssertionError(failure)
+
+
+@asynccontextmanager
+async def sim_server(config: SluiceConfig) -> AsyncIterator[int]:
+    engine = SimEngine()
+    runtime = SchedulerRuntime(config, engine, "sim")
+    app = build_app(engine, runtime, config, "sim")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    serving = asyncio.create_task(server.serve())
+    try:
+        await until(lambda: server.started, "the server did not start")
+        yield port
+        # Every request has ended: no connection open, nothing queued or running.
+        await until(lambda: not server.server_state.connections and runtime.core.is_idle(),
+                    "the server did not settle")
+    finally:
+        server.should_exit = True
+        await serving
+
+
+@contextmanager
+def collector_off() -> Iterator[collections.Counter[str]]:
+    """Run the block with the collector off; then count what it would have freed."""
+    found: collections.Counter[str] = collections.Counter()
+    gc.collect()
+    gc.disable()
+    try:
+        yield found
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found.update(type(o).__name__ for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def chat(max_tokens: int, *, stream: bool = False) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}).encode()
+
+
+async def post(port: int, body: bytes, timeout_ms: int | None = None,
+               leave_after: float | None = None) -> int:
+    """Status of one POST on its own connection; 0 if the client left after `leave_after`."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    deadline = b"X-Request-Timeout-Ms: %d\r\n" % timeout_ms if timeout_ms else b""
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
+                     % (deadline, len(body), body))
+        if leave_after is not None:
+            await asyncio.sleep(leave_after)
+            return 0
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.read()
+        return int(head.split(b" ", 2)[1])
+    finally:
+        writer.close()
+
+
+async def ws_generate(port: int, count: int, max_tokens: int, timeout_ms: int) -> list[str]:
+    """Outcomes of `count` generations on one WebSocket (finish reason or error code)."""
+    async with websockets.connect(f"ws://127.0.0.1:{port}/v1/ws") as ws:
+        for i in range(count):
+            await ws.send(json.dumps({
+                "type": "generate", "id": f"g{i}", "timeout_ms": timeout_ms,
+                "request": {"messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": max_tokens, "ignore_eos": True},
+            }))
+        outcomes: list[str] = []
+        while len(outcomes) < count:
+            reply = json.loads(await ws.recv())
+            if reply["type"] in ("final", "error"):
+                outcomes.append(reply.get("finish_reason") or reply["error"]["code"])
+        return outcomes
+
+
+async def completed(port: int) -> Sequence[object]:
+    return [await post(port, chat(8)) for _ in range(5)]
+
+
+async def refused(port: int) -> Sequence[object]:
+    return [await post(port, chat(512), timeout_ms=1) for _ in range(5)]
+
+
+async def expired_queued(port: int) -> Sequence[object]:
+    hog = asyncio.create_task(post(port, chat(300), timeout_ms=10_000))
+    await asyncio.sleep(0.05)
+    statuses = await asyncio.gather(*(post(port, chat(8), timeout_ms=200) for _ in range(5)))
+    await hog
+    return statuses
+
+
+async def left_queued(port: int) -> Sequence[object]:
+    hog = asyncio.create_task(post(port, chat(300), timeout_ms=10_000))
+    await asyncio.sleep(0.05)
+    statuses = await asyncio.gather(*(post(port, chat(8), leave_after=0.1) for _ in range(5)))
+    await hog
+    return statuses
+
+
+async def expired_running(port: int) -> Sequence[object]:
+    return await asyncio.gather(*(post(port, chat(1500), timeout_ms=300) for _ in range(5)))
+
+
+async def expired_running_streamed(port: int) -> Sequence[object]:
+    # Streams have started (200) before the deadline; they end with an error event.
+    return await asyncio.gather(*(post(port, chat(1500, stream=True), timeout_ms=300)
+                                  for _ in range(5)))
+
+
+async def ws_refused(port: int) -> Sequence[object]:
+    return await ws_generate(port, 5, max_tokens=512, timeout_ms=1)
+
+
+async def ws_expired_running(port: int) -> Sequence[object]:
+    return await ws_generate(port, 5, max_tokens=1500, timeout_ms=300)
+
+
+CASES: dict[str, tuple[Callable[[int], Awaitable[Sequence[object]]], object, BudgetConfig]] = {
+    "completed": (completed, 200, BudgetConfig()),
+    "refused": (refused, 503, BudgetConfig()),
+    "expired_queued": (expired_queued, 504, BudgetConfig(max_running_seqs=1)),
+    "left_queued": (left_queued, 0, BudgetConfig(max_running_seqs=1)),
+    "expired_running": (expired_running, 504, BudgetConfig()),
+    "expired_running_streamed": (expired_running_streamed, 200, BudgetConfig()),
+    "ws_refused": (ws_refused, "deadline_unmeetable", BudgetConfig()),
+    "ws_expired_running": (ws_expired_running, "deadline_exceeded", BudgetConfig()),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_an_ended_request_leaves_no_reference_cycle(case: str) -> None:
+    run, expected, budgets = CASES[case]
+    config = SluiceConfig(estimates=FAST_PRIOR, budgets=budgets)
+    with collector_off() as garbage:
+        async with sim_server(config) as port:
+            outcomes = await run(port)
+    assert list(outcomes) == [expected] * 5
+    held = {name: count for name, count in garbage.items() if name in PER_REQUEST_TYPES}
+    assert held == {}, f"requests held by reference cycles: {held}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from server.errors import (
 )
 from server.openai_requests import ParsedRequest
 from server.scheduler.tenants import TenantDirectory
-from server.scheduler.types import Dispatcher, Generation, Ticket
+from server.scheduler.types import Admission, Dispatcher, Generation, Ticket
 from server.send_guard import SendGuard
 from server.timeline import RequestTimeline
 
@@ -124,13 +124,13 @@ class Sluice:
 
 
 async def admit_unless_gone(
-    admission: AbstractAsyncContextManager[Generation],
-    client_gone: Callable[[], Awaitable[Any]],
+    admission: Admission[Any], client_gone: Callable[[], Awaitable[Any]]
 ) -> Generation | None:
-    """Enter `admission` (wait in the queue) unless the client leaves first.
+    """Wait for `admission`'s dispatch unless the client leaves first.
 
-    Returns the Generation, to be left with `admission.__aexit__`; None if the client left
-    while queued (then nothing is held). Refusals propagate as SluiceError.
+    Returns the Generation, to be left with `admission.leave()`; None if the client left while
+    queued (the admission is then left). Refusals were raised when the admission was made;
+    DeadlineExceeded (expired while queued) and EngineUnavailable propagate from the wait.
     """
     entering = asyncio.ensure_future(admission.__aenter__())
     leaving = asyncio.ensure_future(client_gone())
@@ -145,6 +145,7 @@ async def admit_unless_gone(
     try:
         generation = await entering
     except asyncio.CancelledError:
+        await admission.leave()  # a no-op unless it was cancelled before it started
         current = asyncio.current_task()
         if current is not None and current.cancelling():
             raise
@@ -154,7 +155,7 @@ async def admit_unless_gone(
     if leaving.cancelled() or not leaving.done():
         return generation
     # Admitted in the same instant the client left: give the slot straight back.
-    await admission.__aexit__(None, None, None)
+    await admission.leave()
     return None
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import orjson
@@ -25,7 +24,7 @@ from server.errors import (
 from server.generation import Sluice, admit_unless_gone, receive_disconnect, request_id_from
 from server.openai_requests import ParsedRequest, parse_request
 from server.openai_responses import DONE, ChunkEncoder, usage, whole_response
-from server.scheduler.types import Generation
+from server.scheduler.types import Admission, Generation
 from server.timeline import RequestTimeline, outcome_for
 
 logger = logging.getLogger("sluice.server")
@@ -99,10 +98,11 @@ async def _generate(request: Request, kind: str) -> ASGIApp:
     try:
         parsed = parse_request(await read_json(request, sluice.max_body_bytes), kind)
         ticket, engine_request = sluice.prepare(parsed, timeline, request.headers)
+        # Refusals are decided here, before anything awaits: answered in one pass.
+        admission = sluice.dispatcher.generation(ticket, engine_request)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, timeline.request_id)
-    admission = sluice.dispatcher.generation(ticket, engine_request)
     return GenerationResponse(sluice, parsed, timeline, admission)
 
 
@@ -115,7 +115,7 @@ class GenerationResponse:
 
     def __init__(
         self, sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
-        admission: AbstractAsyncContextManager[Generation],
+        admission: Admission[Any],
     ) -> None:
         self.sluice = sluice
         self.parsed = parsed
@@ -134,7 +134,6 @@ class GenerationResponse:
             timeline.finish("cancelled", status=499)
             return
         timeline.dispatched(generation.dispatched_at)
-        exc_info: tuple[Any, Any, Any] = (None, None, None)
         try:
             if self.parsed.stream:
                 response: Response = GuardedEventSourceResponse(
@@ -146,12 +145,8 @@ class GenerationResponse:
             else:
                 response = await self._whole(generation, receive)
             await response(scope, receive, send)
-        except BaseException as exc:
-            exc_info = (type(exc), exc, exc.__traceback__)
-            raise
         finally:
-            await self.admission.__aexit__(*exc_info)
-            del exc_info  # its traceback holds this frame (see _whole)
+            await self.admission.leave()
             if not timeline.ended:  # the stream was cut before its generator ran
                 timeline.finish("cancelled", status=499)
 

@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 from engine_adapters.protocol import EngineError, GenerationRequest, TokenDelta
@@ -33,7 +33,7 @@ from server.errors import (
     Overloaded,
     SluiceError,
 )
-from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.types import Admission, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
 
@@ -148,10 +148,9 @@ class BatchRuntime:
         for waiter in self._waiters.values():
             waiter.fail(EngineUnavailable("the server is shutting down"))
 
-    @asynccontextmanager
-    async def generation(
+    def generation(
         self, ticket: Ticket, request: GenerationRequest
-    ) -> AsyncIterator[BatchGeneration]:
+    ) -> Admission[BatchGeneration]:
         if self._stopping:
             raise EngineUnavailable("the batch runtime is not running")
         reason = self.core.submit(ticket, self.clock())
@@ -159,15 +158,22 @@ class BatchRuntime:
             raise rejection_error(reason, ticket)
         waiter = _Waiter(request, asyncio.get_running_loop().create_future())
         self._waiters[ticket.request_id] = waiter
+        self._poll()
+        return Admission(partial(self._enter, ticket, waiter), partial(self._leave, ticket))
+
+    async def _enter(self, ticket: Ticket, waiter: _Waiter) -> BatchGeneration:
         try:
-            self._poll()
             dispatched_at = await waiter.dispatched
-            yield BatchGeneration(ticket, waiter, dispatched_at, self.clock)
-        finally:
-            del self._waiters[ticket.request_id]
-            self.core.cancel(ticket.request_id)  # no-op if it already ended
-            if not self._stopping:
-                self._poll()
+        except BaseException:
+            del waiter  # its failed future keeps the error, whose traceback holds this frame
+            raise
+        return BatchGeneration(ticket, waiter, dispatched_at, self.clock)
+
+    async def _leave(self, ticket: Ticket, _: BatchGeneration | None) -> None:
+        del self._waiters[ticket.request_id]
+        self.core.cancel(ticket.request_id)  # no-op if it already ended
+        if not self._stopping:
+            self._poll()
 
     def kill_worker_now(self, worker_id: int) -> None:
         """Failure injection from outside the engine: the worker is lost as of now."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from dataclasses import replace
+from functools import partial
 
 from engine_adapters.protocol import EngineClient, GenerationRequest, TokenDelta
 from server import metrics
@@ -19,7 +19,7 @@ from server.config import SluiceConfig
 from server.errors import DeadlineExceeded, EngineUnavailable
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.core import Rejected, SchedulerCore
-from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.types import Admission, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
 
@@ -227,44 +227,47 @@ class SchedulerRuntime:
                 future.set_exception(EngineUnavailable("the server is shutting down"))
         self._waiters.clear()
 
-    @asynccontextmanager
-    async def generation(
+    def generation(
         self, ticket: Ticket, request: GenerationRequest
-    ) -> AsyncIterator[RunningGeneration]:
+    ) -> Admission[RunningGeneration]:
         if self._stopping:
             raise EngineUnavailable("the server is shutting down")
-        core = self.core
-        decision = core.submit(ticket, self.clock())
+        decision = self.core.submit(ticket, self.clock())
         if isinstance(decision, Rejected):
             self._record_state()
             raise decision.to_error()
         waiter: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = waiter
-        running: RunningGeneration | None = None
+        self._dispatch()
+        return Admission(partial(self._enter, ticket, request, waiter),
+                         partial(self._leave, ticket))
+
+    async def _enter(
+        self, ticket: Ticket, request: GenerationRequest, waiter: asyncio.Future[float]
+    ) -> RunningGeneration:
         try:
-            self._dispatch()
-            try:
-                dispatched_at = await waiter
-            finally:
-                del waiter  # an expired waiter keeps its error, whose traceback holds this frame
-            running = RunningGeneration(self, ticket, request, dispatched_at)
-            self._running[ticket.request_id] = running
-            if ticket.request_id in self._preempt_on_start:
-                self._preempt_on_start.discard(ticket.request_id)
-                running.preempt()
-            yield running
+            dispatched_at = await waiter
         finally:
-            self._waiters.pop(ticket.request_id, None)
-            self._running.pop(ticket.request_id, None)
+            del waiter  # an expired waiter keeps its error, whose traceback holds this frame
+        running = RunningGeneration(self, ticket, request, dispatched_at)
+        self._running[ticket.request_id] = running
+        if ticket.request_id in self._preempt_on_start:
             self._preempt_on_start.discard(ticket.request_id)
-            if running is not None:
-                await running.aclose()
-            core.release(
-                ticket.request_id, self.clock(),
-                output_tokens=running.segment_tokens if running else 0,
-                completed=running.completed if running else False,
-            )
-            self._dispatch()
+            running.preempt()
+        return running
+
+    async def _leave(self, ticket: Ticket, running: RunningGeneration | None) -> None:
+        self._waiters.pop(ticket.request_id, None)
+        self._running.pop(ticket.request_id, None)
+        self._preempt_on_start.discard(ticket.request_id)
+        if running is not None:
+            await running.aclose()
+        self.core.release(
+            ticket.request_id, self.clock(),
+            output_tokens=running.segment_tokens if running else 0,
+            completed=running.completed if running else False,
+        )
+        self._dispatch()
 
     def requeue(self, request_id: str, generated_tokens: int) -> asyncio.Future[float]:
         """Queue a preempted generation again; the future resolves when it is re-dispatched."""

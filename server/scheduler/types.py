@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from engine_adapters.protocol import GenerationRequest, TokenDelta
 
@@ -47,22 +46,61 @@ class Generation(Protocol):
     def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
 
 
+G = TypeVar("G", bound=Generation)
+
+
+class Admission(Generic[G]):
+    """A ticket the scheduler accepted: entering waits for its dispatch, leaving releases it.
+
+    Leaving works whether or not the admission was entered, and only once; if entering fails
+    or is cancelled (the client left while queued), the admission leaves by itself.
+    """
+
+    def __init__(
+        self, enter: Callable[[], Awaitable[G]], leave: Callable[[G | None], Awaitable[None]]
+    ) -> None:
+        self._enter: Callable[[], Awaitable[G]] | None = enter
+        self._leave = leave
+        self._generation: G | None = None
+        self._left = False
+
+    async def __aenter__(self) -> G:
+        enter, self._enter = self._enter, None  # once; it may hold the failed dispatch waiter
+        if enter is None:
+            raise RuntimeError("an admission can be entered once")
+        try:
+            self._generation = await enter()
+        except BaseException:
+            del enter  # its waiter keeps the error, whose traceback holds this frame
+            await self.leave()
+            raise
+        return self._generation
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.leave()
+
+    async def leave(self) -> None:
+        if not self._left:
+            self._left = True
+            await self._leave(self._generation)
+
+
 class Dispatcher(Protocol):
     """What routes call: the scheduler shell in front of the engine (continuous or batch).
 
-    `generation(ticket, request)` is an async context manager. Entering it admits the ticket
-    and waits in the queue until dispatch; it raises a `server.errors.SluiceError` at once for
-    a refusal (Overloaded, TenantQuotaExceeded, DeadlineUnmeetable) and DeadlineExceeded if the
-    deadline passes while queued. Cancelling the waiting task removes the ticket from the
-    queue without touching the engine. Inside, iterate the Generation for token deltas; a
-    deadline passing while running aborts the engine request and raises DeadlineExceeded.
-    Leaving the block, by any path, releases every budget the ticket held.
+    `generation(ticket, request)` submits the ticket at once: it raises a
+    `server.errors.SluiceError` for a refusal (Overloaded, TenantQuotaExceeded,
+    DeadlineUnmeetable) before anything awaits, so refusals cost one pass of the route. It
+    returns an Admission, which the caller must enter or leave. Entering waits in the queue
+    until dispatch, raising DeadlineExceeded if the deadline passes while queued; cancelling
+    the waiting task removes the ticket from the queue without touching the engine. Inside,
+    iterate the Generation for token deltas; a deadline passing while running aborts the
+    engine request and raises DeadlineExceeded. Leaving, by any path, releases every budget
+    the ticket held.
     """
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
-    def generation(
-        self, ticket: Ticket, request: GenerationRequest
-    ) -> AbstractAsyncContextManager[Generation]: ...
+    def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[Any]: ...

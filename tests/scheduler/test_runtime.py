@@ -74,8 +74,9 @@ async def test_full_queue_is_refused_at_once_with_overloaded() -> None:
         first = asyncio.create_task(collect(runtime, make_ticket("a", max_tokens=64)))
         second = asyncio.create_task(collect(runtime, make_ticket("b")))
         await asyncio.sleep(0)  # let both submit
-        with pytest.raises(Overloaded) as refusal:
-            await collect(runtime, make_ticket("c"))
+        refused = make_ticket("c")
+        with pytest.raises(Overloaded) as refusal:  # decided by the call itself, no await
+            runtime.generation(refused, make_request(refused))
         assert refusal.value.retry_after is not None
         await asyncio.gather(first, second)
         assert runtime.core.is_idle()

@@ -98,16 +98,18 @@ async def test_websocket_twenty_generations_half_cancelled(vllm_server: SluicePr
 
 async def test_closing_the_websocket_aborts_its_generations(vllm_server: SluiceProcess) -> None:
     wait_until(lambda: _engine_idle(vllm_server), 30, message="engine idle before the test")
+    aborts_before = vllm_server.metric("sluice_engine_aborts_total", reason="client_cancelled")
     ws_url = vllm_server.url.replace("http://", "ws://") + "/v1/ws"
     async with websockets.connect(ws_url) as ws:
         for i in range(5):
             await ws.send(json.dumps({"type": "generate", "id": f"c{i}",
                                       "request": _chat(i, 1500),
                                       "timeout_ms": LONG_DEADLINE_MS}))
-        started: set[str] = set()
-        while len(started) < 5:
-            message = json.loads(await asyncio.wait_for(ws.recv(), 60))
-            assert message["type"] == "delta", message
-            started.add(message["id"])
-        assert vllm_server.metric("sluice_engine_unfinished_requests") > 0
+        message = json.loads(await asyncio.wait_for(ws.recv(), 60))
+        assert message["type"] == "delta", message
+        # All five are generating (seen by the server, whatever this client has read so far).
+        wait_until(lambda: vllm_server.metric("sluice_engine_unfinished_requests") == 5, 30,
+                   message="five generations in the engine")
     wait_until(lambda: _engine_idle(vllm_server), 30, message="closing aborted the engine work")
+    aborted = vllm_server.metric("sluice_engine_aborts_total", reason="client_cancelled")
+    assert aborted - aborts_before == 5  # aborted, not run to their end

@@ -7,15 +7,17 @@ reserve, so two bulk streams fill it and a chat can only start by preempting one
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import openai
 import pytest
+import websockets
 from conftest import SluiceProcess
 
 MODEL = "sluice-demo"
-BULK_TOKENS = 1500  # ~3 s at two sequences: time for the chat to arrive
+BULK_TOKENS = 1000
 CONFIG = """
 budgets:
   max_running_seqs: 2
@@ -43,59 +45,56 @@ def preempting_server(
         server.stop()
 
 
-async def stream_bulk(
-    client: openai.AsyncOpenAI, prompt: str, started: asyncio.Event | None = None
-) -> tuple[str, int, list[str]]:
-    stream = await client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=BULK_TOKENS, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        extra_headers={"X-Traffic-Class": "bulk", "X-Request-Timeout-Ms": "600000"},
-    )
-    text, tokens, finishes = [], 0, []
-    async for chunk in stream:
-        if started is not None:
-            started.set()
-        # Give the loop to the other streams: buffered chunks are read without a suspension,
-        # so one fast stream would otherwise hold this client until it ends.
-        await asyncio.sleep(0)
-        for choice in chunk.choices:
-            text.append(choice.text)
-            if choice.finish_reason is not None:
-                finishes.append(choice.finish_reason)
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return "".join(text), tokens, finishes
+async def generate_all(server: SluiceProcess, generations: dict[str, dict[str, Any]]
+                       ) -> tuple[dict[str, str], dict[str, dict[str, Any]], list[str]]:
+    """Send every generation at once on one WebSocket; read to the end. Returns each
+    generation's text and final message, and the order the finals came in."""
+    ws_url = server.url.replace("http://", "ws://") + "/v1/ws"
+    texts = dict.fromkeys(generations, "")
+    finals: dict[str, dict[str, Any]] = {}
+    async with websockets.connect(ws_url, max_size=None) as ws:
+        for gen_id, fields in generations.items():
+            await ws.send(json.dumps({"type": "generate", "id": gen_id, **fields}))
+        while len(finals) < len(generations):
+            message = json.loads(await asyncio.wait_for(ws.recv(), 120))
+            assert message["type"] in ("delta", "final"), message
+            if message["type"] == "delta":
+                texts[message["id"]] += message["text"]
+            else:
+                finals[message["id"]] = message
+    return texts, finals, list(finals)
+
+
+def chat(content: str, max_tokens: int) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True}
+
+
+BULK = {
+    "b1": {"request": chat("The first bulk job reads", BULK_TOKENS), "traffic_class": "bulk",
+           "timeout_ms": 600_000},
+    "b2": {"request": chat("A second bulk job writes", BULK_TOKENS), "traffic_class": "bulk",
+           "timeout_ms": 600_000},
+}
 
 
 async def test_a_chat_preempts_bulk_and_the_bulk_stream_continues_unbroken(
     preempting_server: SluiceProcess,
 ) -> None:
     server = preempting_server
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    # One-time costs first (the chat template's compilation, the client's lazy imports), so
-    # that the chat below reaches the server while both bulk streams still run.
-    await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "warm"}], max_tokens=1)
-    prompts = ["The first bulk job reads", "A second bulk job writes"]
-    streaming = [asyncio.Event() for _ in prompts]
-    bulk = [asyncio.create_task(stream_bulk(client, p, e))
-            for p, e in zip(prompts, streaming, strict=True)]
-    for event in streaming:  # both hold a seat: their first tokens have arrived
-        await asyncio.wait_for(event.wait(), timeout=60)
-    reply = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-        extra_body={"ignore_eos": True},
-    )
-    assert reply.usage is not None and reply.usage.completion_tokens == 8
-    results = await asyncio.gather(*bulk)
-    # The chat got its seat by stopping one bulk request, not by waiting for one to end.
+    # Sent together: b1 and b2 take both seats, the chat waits 100 ms and then stops b2.
+    texts, finals, order = await generate_all(
+        server, {**BULK, "chat": {"request": chat("hi", 8)}})
+    assert order[0] == "chat"  # it did not wait for a bulk request to end
+    assert finals["chat"]["usage"]["completion_tokens"] == 8
     assert server.metric("sluice_engine_aborts_total", reason="preempted") == 1
-    for _, tokens, finishes in results:
-        assert tokens == BULK_TOKENS and finishes == ["length"]
+    for gen_id in BULK:
+        assert finals[gen_id]["finish_reason"] == "length"
+        assert finals[gen_id]["usage"]["completion_tokens"] == BULK_TOKENS
     # Greedy decoding resumed from prompt + generated tokens gives the same answer as an
     # uninterrupted run: the continuation lost and repeated nothing.
-    again = await asyncio.gather(*(stream_bulk(client, p) for p in prompts))
-    assert [text for text, _, _ in results] == [text for text, _, _ in again]
+    alone, _, _ = await generate_all(server, BULK)
+    assert [texts[g] for g in BULK] == [alone[g] for g in BULK]
     assert server.metric("sluice_engine_aborts_total", reason="preempted") == 1
     assert server.metric("sluice_budget_in_use", budget="sequences") == 0
     assert server.metric("sluice_engine_unfinished_requests") == 0

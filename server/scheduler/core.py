@@ -23,11 +23,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from server.config import SluiceConfig, TenantConfig
+from server.config import SluiceConfig
 from server.errors import (
     DeadlineUnmeetable,
     InvalidRequest,
@@ -38,13 +37,13 @@ from server.errors import (
 from server.scheduler.budgets import BudgetLedger, BudgetLimits
 from server.scheduler.estimates import RateEstimates
 from server.scheduler.queues import TenantFairQueue
+from server.scheduler.quotas import TenantQuotas
 from server.scheduler.types import Ticket, TrafficClass
 
 RejectReason = Literal[
     "overloaded", "tenant_quota_exceeded", "deadline_unmeetable", "request_too_large"
 ]
 Stage = Literal["queued", "running"]
-QUOTA_WINDOW_S = 60.0
 
 _ERRORS: dict[str, type[SluiceError]] = {
     "overloaded": Overloaded,
@@ -80,30 +79,6 @@ class _Running:
     preempting: bool = False
 
 
-class _TokenWindow:
-    """Tokens a tenant was admitted for over the last minute."""
-
-    def __init__(self) -> None:
-        self._entries: deque[tuple[float, int]] = deque()
-        self.total = 0
-
-    def trim(self, now: float) -> None:
-        while self._entries and self._entries[0][0] <= now - QUOTA_WINDOW_S:
-            self.total -= self._entries.popleft()[1]
-
-    def add(self, now: float, tokens: int) -> None:
-        self._entries.append((now, tokens))
-        self.total += tokens
-
-    def seconds_until_room(self, now: float, tokens: int, limit: int) -> float:
-        excess = self.total + tokens - limit
-        for time, amount in self._entries:
-            excess -= amount
-            if excess <= 0:
-                return time + QUOTA_WINDOW_S - now
-        return QUOTA_WINDOW_S
-
-
 class SchedulerCore:
     def __init__(self, config: SluiceConfig, limits: BudgetLimits) -> None:
         self.config = config
@@ -119,8 +94,7 @@ class SchedulerCore:
         self._running_per_class = dict.fromkeys(TrafficClass, 0)
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
-        self._active_per_tenant: dict[str, int] = {}
-        self._token_windows: dict[str, _TokenWindow] = {}
+        self._quotas = TenantQuotas(config.tenants)
         self._expired_outbox: list[Ticket] = []
         self._mean_reserved = 1024.0
         self._many_tenants = len(config.tenants) > 1
@@ -138,8 +112,7 @@ class SchedulerCore:
                 f"the request reserves {ticket.reserved_tokens} tokens (prompt + max_tokens), "
                 f"more than the {tc} budget allows; lower max_tokens"
             ))
-        tenant = self.config.tenants.get(ticket.tenant) or TenantConfig(ticket.tenant)
-        refusal = self._check_tenant(ticket, tenant, now)
+        refusal = self._check_tenant(ticket, now)
         if refusal is not None:
             return refusal
         class_config = self.config.classes[tc]
@@ -161,21 +134,11 @@ class SchedulerCore:
         self._admit(ticket, now)
         return Admitted(ticket, predicted_start)
 
-    def _check_tenant(self, ticket: Ticket, tenant: TenantConfig, now: float) -> Rejected | None:
-        active = self._active_per_tenant.get(ticket.tenant, 0)
-        if tenant.max_concurrent is not None and active >= tenant.max_concurrent:
-            return Rejected(ticket, "tenant_quota_exceeded",
-                            f"tenant {ticket.tenant!r} has {active} requests in flight, "
-                            f"its limit is {tenant.max_concurrent}", retry_after=1.0)
-        if tenant.tokens_per_minute is not None:
-            window = self._token_windows.setdefault(ticket.tenant, _TokenWindow())
-            window.trim(now)
-            if window.total + ticket.reserved_tokens > tenant.tokens_per_minute:
-                wait = window.seconds_until_room(
-                    now, ticket.reserved_tokens, tenant.tokens_per_minute)
-                return Rejected(ticket, "tenant_quota_exceeded",
-                                f"tenant {ticket.tenant!r} exceeded {tenant.tokens_per_minute} "
-                                "tokens per minute", retry_after=max(1.0, wait))
+    def _check_tenant(self, ticket: Ticket, now: float) -> Rejected | None:
+        quota = self._quotas.check(ticket, now)
+        if quota is not None:
+            return Rejected(ticket, "tenant_quota_exceeded", quota.message,
+                            retry_after=quota.retry_after)
         class_config = self.config.classes[ticket.traffic_class]
         if self._many_tenants:
             share = max(1, math.ceil(class_config.max_queued * class_config.tenant_queue_share))
@@ -193,11 +156,7 @@ class SchedulerCore:
         self._queued_service[ticket.request_id] = service
         self._queued_work[tc] += service
         heapq.heappush(self._deadlines, (ticket.deadline, next(self._seq), ticket.request_id))
-        self._active_per_tenant[ticket.tenant] = self._active_per_tenant.get(ticket.tenant, 0) + 1
-        tenant = self.config.tenants.get(ticket.tenant)
-        if tenant is not None and tenant.tokens_per_minute is not None:
-            self._token_windows.setdefault(ticket.tenant, _TokenWindow()).add(
-                now, ticket.reserved_tokens)
+        self._quotas.admitted(ticket, now)
         self._mean_reserved += 0.05 * (ticket.reserved_tokens - self._mean_reserved)
 
     # --- predictions -------------------------------------------------------------------
@@ -379,7 +338,7 @@ class SchedulerCore:
         if entry is None:
             return None
         self._leave_running(entry, now, output_tokens)
-        self._end_for_tenant(entry.ticket)
+        self._quotas.ended(entry.ticket)
         if completed:
             self.estimates.observe_completion(output_tokens, entry.ticket)
         return "running"
@@ -397,14 +356,7 @@ class SchedulerCore:
         del self._queued[ticket.request_id]
         self._queues[ticket.traffic_class].remove(ticket)
         self._queued_work[ticket.traffic_class] -= self._queued_service.pop(ticket.request_id)
-        self._end_for_tenant(ticket)
-
-    def _end_for_tenant(self, ticket: Ticket) -> None:
-        left = self._active_per_tenant[ticket.tenant] - 1
-        if left:
-            self._active_per_tenant[ticket.tenant] = left
-        else:
-            del self._active_per_tenant[ticket.tenant]
+        self._quotas.ended(ticket)
 
     # --- state, for metrics and tests --------------------------------------------------
     def stage(self, request_id: str) -> Stage | None:

@@ -10,9 +10,10 @@ One command per engine:
 2. Offer 10x that as a Poisson process for `--duration` seconds, every request with
    `X-Request-Timeout-Ms: --deadline-ms` (non-streamed chat completions of `--max-tokens`).
 3. Check and report: every admitted request completed within its deadline or was expired at it
-   (504 deadline_exceeded); refusals (429/503) answered within 10 ms, measured by the server
-   (its access log's duration for each refused request) and by the client; server RSS sampled
-   every second stays flat; after the load, budgets in use and queue depth return to zero.
+   (504 deadline_exceeded), by the server's clock (access log) and by the client's; refusals
+   (429/503) answered within 10 ms, measured by the server (its access log's duration for each
+   refused request) and by the client; server RSS sampled every second stays flat; after the
+   load, budgets in use and queue depth return to zero.
 
 The load generator speaks HTTP/1.1 on raw loopback sockets (one connection per request, the
 whole request in one write): an httpx client at 3,000 open connections lagged so far behind
@@ -158,6 +159,17 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> dict:
     }
 
 
+def server_completed_after_deadline(log_path: Path, deadline_s: float) -> dict:
+    """Completions the server itself timed past the deadline (its access log's duration runs
+    from arrival to the last byte handed to the socket)."""
+    durations = [json.loads(line)["duration_s"]
+                 for line in log_path.read_text(errors="replace").splitlines()
+                 if line.startswith("{") and '"outcome":"completed"' in line]
+    late = [d for d in durations if d > deadline_s]
+    return {"completed": len(durations), "late": len(late),
+            "max_s": round(max(durations), 3) if durations else None}
+
+
 def server_refusal_ms(log_path: Path) -> dict:
     durations = []
     for line in log_path.read_text(errors="replace").splitlines():
@@ -207,6 +219,8 @@ def main() -> int:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(60)
     result["server_refusal_ms"] = server_refusal_ms(log_path)
+    result["server_completed"] = server_completed_after_deadline(
+        log_path, args.deadline_ms / 1000)
     result["engine"] = args.engine
     print(json.dumps(result, indent=2))
     return 0

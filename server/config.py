@@ -64,6 +64,10 @@ class EstimateConfig:
     # Tokens an answer without max_tokens is expected to produce (it reserves the whole
     # context in the budgets, but admission judges its completion time by this length).
     open_ended_output_tokens: float = 256.0
+    # Admission keeps this share of a request's predicted time to completion as a margin for
+    # the estimate's error: at the edge of a full queue, an unbiased estimate alone would
+    # admit requests of which about half then miss their deadline.
+    admission_margin: float = 0.1
     smoothing: float = 0.2  # weight of each new observation in the moving average
 
 
@@ -225,6 +229,8 @@ def _parse_estimates(raw: Mapping[str, Any]) -> EstimateConfig:
             raw.get("open_ended_output_tokens", base.open_ended_output_tokens),
             "estimates.open_ended_output_tokens",
         ),
+        admission_margin=_share(
+            raw.get("admission_margin", base.admission_margin), "estimates.admission_margin"),
     )
 
 

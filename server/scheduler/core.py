@@ -126,9 +126,11 @@ class SchedulerCore:
                             retry_after=max(1.0, drain))
         predicted_start = now + self.predicted_wait(ticket, now)
         predicted_end = predicted_start + self.estimates.service_seconds(ticket)
-        if predicted_end > ticket.deadline:
+        margin = self.config.estimates.admission_margin * (predicted_end - now)
+        if predicted_end + margin > ticket.deadline:
             return Rejected(ticket, "deadline_unmeetable", (
-                f"predicted completion in {predicted_end - now:.3f}s exceeds the deadline "
+                f"predicted completion in {predicted_end - now:.3f}s (plus a "
+                f"{self.config.estimates.admission_margin:.0%} margin) exceeds the deadline "
                 f"in {max(0.0, ticket.deadline - now):.3f}s"
             ), retry_after=max(1.0, predicted_start - now))
         self._admit(ticket, now)

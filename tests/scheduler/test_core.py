@@ -199,8 +199,10 @@ def test_queue_bounded_by_tokens() -> None:
 
 
 # --- deadlines -----------------------------------------------------------------------------
+# The estimate's own rules, without admission's safety margin (tested on its own below).
 def test_unmeetable_deadline_is_rejected_at_admission() -> None:
-    cfg = config(estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 10})
+    cfg = config(estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 10,
+                            "admission_margin": 0})
     s = core(cfg)
     # 100 prompt tokens at 1000/s + 20 output tokens at 10/s = 2.1 s of service.
     decision = s.submit(ticket("late", deadline=2.0, prompt=100, max_tokens=20), 0.0)
@@ -210,7 +212,8 @@ def test_unmeetable_deadline_is_rejected_at_admission() -> None:
 
 
 def test_queue_ahead_counts_toward_the_deadline_estimate() -> None:
-    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10})
+    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10,
+                            "admission_margin": 0})
     s = core(cfg, sequences=1)
     admit(s, ticket("running", max_tokens=10, deadline=100.0))  # 1 s of service
     s.dispatchable(0.0)
@@ -223,7 +226,8 @@ def test_queue_ahead_counts_toward_the_deadline_estimate() -> None:
 
 def test_an_answer_without_max_tokens_is_judged_by_its_typical_length() -> None:
     cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10,
-                            "open_ended_output_tokens": 50, "smoothing": 0.5})
+                            "open_ended_output_tokens": 50, "smoothing": 0.5,
+                            "admission_margin": 0})
     s = core(cfg)
     # It reserves the rest of a 2,000-token context, but such answers run ~50 tokens: 5 s.
     rest = 2000 - 10
@@ -237,6 +241,17 @@ def test_an_answer_without_max_tokens_is_judged_by_its_typical_length() -> None:
     s.dispatchable(0.0)
     s.release("open", 3.0, output_tokens=150, completed=True)
     assert s.estimates.open_ended_output_tokens == pytest.approx(100)
+
+
+def test_admission_keeps_a_margin_for_the_estimates_error() -> None:
+    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10,
+                            "admission_margin": 0.1})
+    s = core(cfg)
+    # 20 tokens at 10/s: 2 s predicted, so with a 10% margin it needs 2.2 s.
+    decision = s.submit(ticket("edge", deadline=2.1, max_tokens=20), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
+    assert "10% margin" in decision.message
+    admit(s, ticket("fits", deadline=2.21, max_tokens=20))
 
 
 def test_queued_request_expires_exactly_at_its_deadline() -> None:

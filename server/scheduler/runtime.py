@@ -158,7 +158,7 @@ class RunningGeneration:
         try:
             await waiter
         finally:
-            del waiter  # (see generation)
+            del waiter  # (see SchedulerRuntime._enter)
         original = self._request
         sampling = replace(
             original.sampling,

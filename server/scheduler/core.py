@@ -98,7 +98,6 @@ class SchedulerCore:
         self._expired_outbox: list[Ticket] = []
         self._mean_reserved = 1024.0
         self._many_tenants = len(config.tenants) > 1
-        self._preempting: set[str] = set()
         self._preempt_considered: str | None = None  # head already judged past its threshold
         self.preemptions_total = 0
 
@@ -271,7 +270,7 @@ class SchedulerCore:
         head = self._queues[TrafficClass.INTERACTIVE].peek()
         assert head is not None
         self._preempt_considered = head.request_id
-        leaving = [self._running[rid].ticket for rid in self._preempting]
+        leaving = [e.ticket for e in self._running.values() if e.preempting]
         if self.ledger.fits(head, bulk_waiting=True, freeing=leaving):
             return []  # what is already being stopped makes room
         candidates = sorted(
@@ -289,7 +288,6 @@ class SchedulerCore:
             return []  # even stopping every bulk request would not make room
         for entry in chosen:
             entry.preempting = True
-            self._preempting.add(entry.ticket.request_id)
         return [entry.ticket for entry in chosen]
 
     def requeue(self, request_id: str, now: float, *, generated_tokens: int) -> Ticket | None:
@@ -347,7 +345,6 @@ class SchedulerCore:
 
     def _leave_running(self, entry: _Running, now: float, output_tokens: int) -> None:
         del self._running[entry.ticket.request_id]
-        self._preempting.discard(entry.ticket.request_id)
         self._running_end_sum -= entry.expected_end
         self._running_per_class[entry.ticket.traffic_class] -= 1
         self.ledger.release(entry.ticket)

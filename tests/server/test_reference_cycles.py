@@ -31,6 +31,7 @@ from engine_adapters.sim import SimEngine
 from server.app import build_app
 from server.config import BudgetConfig, EstimateConfig, SluiceConfig
 from server.scheduler.runtime import SchedulerRuntime
+from server.scheduler.types import TrafficClass
 
 # Created once per request; in the garbage only if a cycle held the request.
 PER_REQUEST_TYPES = {"RequestTimeline", "Ticket", "GenerationResponse"}
@@ -54,7 +55,7 @@ async def until(condition: Callable[[], bool], failure: str) -> None:
 
 
 @asynccontextmanager
-async def sim_server(config: SluiceConfig) -> AsyncIterator[int]:
+async def sim_server(config: SluiceConfig) -> AsyncIterator[tuple[int, SchedulerRuntime]]:
     engine = SimEngine()
     runtime = SchedulerRuntime(config, engine, "sim")
     app = build_app(engine, runtime, config, "sim")
@@ -63,7 +64,7 @@ async def sim_server(config: SluiceConfig) -> AsyncIterator[int]:
     serving = asyncio.create_task(server.serve())
     try:
         await until(lambda: server.started, "the server did not start")
-        yield port
+        yield port, runtime
         # Every request has ended: no connection open, nothing queued or running.
         await until(lambda: not server.server_state.connections and runtime.core.is_idle(),
                     "the server did not settle")
@@ -95,16 +96,16 @@ def chat(max_tokens: int, *, stream: bool = False) -> bytes:
 
 
 async def post(port: int, body: bytes, timeout_ms: int | None = None,
-               leave_after: float | None = None) -> int:
-    """Status of one POST on its own connection; 0 if the client left after `leave_after`."""
+               leave: asyncio.Event | None = None) -> int:
+    """Status of one POST on its own connection; 0 if the client left when `leave` was set."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     deadline = b"X-Request-Timeout-Ms: %d\r\n" % timeout_ms if timeout_ms else b""
     try:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nConnection: close\r\n"
                      b"Content-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
                      % (deadline, len(body), body))
-        if leave_after is not None:
-            await asyncio.sleep(leave_after)
+        if leave is not None:
+            await leave.wait()
             return 0
         head = await reader.readuntil(b"\r\n\r\n")
         await reader.read()
@@ -130,49 +131,64 @@ async def ws_generate(port: int, count: int, max_tokens: int, timeout_ms: int) -
         return outcomes
 
 
-async def completed(port: int) -> Sequence[object]:
-    return [await post(port, chat(8)) for _ in range(5)]
+Server = tuple[int, SchedulerRuntime]
 
 
-async def refused(port: int) -> Sequence[object]:
-    return [await post(port, chat(512), timeout_ms=1) for _ in range(5)]
+async def completed(server: Server) -> Sequence[object]:
+    return [await post(server[0], chat(8)) for _ in range(5)]
 
 
-async def expired_queued(port: int) -> Sequence[object]:
+async def refused(server: Server) -> Sequence[object]:
+    return [await post(server[0], chat(512), timeout_ms=1) for _ in range(5)]
+
+
+async def hog_the_only_seat(server: Server) -> asyncio.Task[int]:
+    port, runtime = server
     hog = asyncio.create_task(post(port, chat(300), timeout_ms=10_000))
-    await asyncio.sleep(0.05)
-    statuses = await asyncio.gather(*(post(port, chat(8), timeout_ms=200) for _ in range(5)))
+    await until(lambda: runtime.core.running_count() == 1, "the hog did not start")
+    return hog
+
+
+async def expired_queued(server: Server) -> Sequence[object]:
+    hog = await hog_the_only_seat(server)
+    statuses = await asyncio.gather(
+        *(post(server[0], chat(8), timeout_ms=200) for _ in range(5)))
     await hog
     return statuses
 
 
-async def left_queued(port: int) -> Sequence[object]:
-    hog = asyncio.create_task(post(port, chat(300), timeout_ms=10_000))
-    await asyncio.sleep(0.05)
-    statuses = await asyncio.gather(*(post(port, chat(8), leave_after=0.1) for _ in range(5)))
+async def left_queued(server: Server) -> Sequence[object]:
+    port, runtime = server
+    hog = await hog_the_only_seat(server)
+    leave = asyncio.Event()
+    waiting = [asyncio.create_task(post(port, chat(8), leave=leave)) for _ in range(5)]
+    await until(lambda: sum(runtime.core.queue_depth(tc) for tc in TrafficClass) == 5,
+                "five requests queued")
+    leave.set()
+    statuses = await asyncio.gather(*waiting)
     await hog
     return statuses
 
 
-async def expired_running(port: int) -> Sequence[object]:
-    return await asyncio.gather(*(post(port, chat(1500), timeout_ms=300) for _ in range(5)))
+async def expired_running(server: Server) -> Sequence[object]:
+    return await asyncio.gather(*(post(server[0], chat(1500), timeout_ms=300) for _ in range(5)))
 
 
-async def expired_running_streamed(port: int) -> Sequence[object]:
+async def expired_running_streamed(server: Server) -> Sequence[object]:
     # Streams have started (200) before the deadline; they end with an error event.
-    return await asyncio.gather(*(post(port, chat(1500, stream=True), timeout_ms=300)
+    return await asyncio.gather(*(post(server[0], chat(1500, stream=True), timeout_ms=300)
                                   for _ in range(5)))
 
 
-async def ws_refused(port: int) -> Sequence[object]:
-    return await ws_generate(port, 5, max_tokens=512, timeout_ms=1)
+async def ws_refused(server: Server) -> Sequence[object]:
+    return await ws_generate(server[0], 5, max_tokens=512, timeout_ms=1)
 
 
-async def ws_expired_running(port: int) -> Sequence[object]:
-    return await ws_generate(port, 5, max_tokens=1500, timeout_ms=300)
+async def ws_expired_running(server: Server) -> Sequence[object]:
+    return await ws_generate(server[0], 5, max_tokens=1500, timeout_ms=300)
 
 
-CASES: dict[str, tuple[Callable[[int], Awaitable[Sequence[object]]], object, BudgetConfig]] = {
+CASES: dict[str, tuple[Callable[[Server], Awaitable[Sequence[object]]], object, BudgetConfig]] = {
     "completed": (completed, 200, BudgetConfig()),
     "refused": (refused, 503, BudgetConfig()),
     "expired_queued": (expired_queued, 504, BudgetConfig(max_running_seqs=1)),
@@ -189,8 +205,8 @@ async def test_an_ended_request_leaves_no_reference_cycle(case: str) -> None:
     run, expected, budgets = CASES[case]
     config = SluiceConfig(estimates=FAST_PRIOR, budgets=budgets)
     with collector_off() as garbage:
-        async with sim_server(config) as port:
-            outcomes = await run(port)
+        async with sim_server(config) as server:
+            outcomes = await run(server)
     assert list(outcomes) == [expected] * 5
     held = {name: count for name, count in garbage.items() if name in PER_REQUEST_TYPES}
     assert held == {}, f"requests held by reference cycles: {held}"

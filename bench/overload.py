@@ -200,8 +200,10 @@ def main() -> int:
     log_path = Path(tempfile.mkdtemp()) / "server.log"
     cmd = [sys.executable, "-m", "server.cli", "serve", "--engine", args.engine,
            "--port", str(args.port), "--log-level", "warning"]
+    # A process group but not a new session (see tests/conftest.py: a separate session's
+    # autogroup starved this load generator for seconds at a time).
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, process_group=0)
     url = f"http://127.0.0.1:{args.port}"
     try:
         deadline = time.monotonic() + 600

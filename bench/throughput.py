@@ -34,7 +34,7 @@ ENGINE_SETTINGS = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "seed": 
 def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+                            env=env, process_group=0)  # not a new session: see tests/conftest.py
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], path: str, timeout: float = 300) -> None:

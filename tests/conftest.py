@@ -36,11 +36,14 @@ class SluiceProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        # Its own process group (stopped as a whole: vLLM's engine processes too), but not its
+        # own session: Linux gives each session an autogroup, and the engine's busy processes in
+        # a separate autogroup starved this test process for seconds at a time on 2 cores.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
              "--port", str(self.port), *args],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})}, start_new_session=True,
+            env={**os.environ, **(env or {})}, process_group=0,
         )
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:

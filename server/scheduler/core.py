@@ -34,6 +34,7 @@ from server.errors import (
     SluiceError,
     TenantQuotaExceeded,
 )
+from server.scheduler.backlog import Backlog
 from server.scheduler.budgets import BudgetLedger, BudgetLimits
 from server.scheduler.estimates import RateEstimates
 from server.scheduler.queues import TenantFairQueue
@@ -74,7 +75,8 @@ class Rejected:
 class _Running:
     ticket: Ticket
     dispatched_at: float
-    expected_end: float
+    expected_output: float  # tokens it is expected to generate in this dispatch
+    generated: int = 0  # tokens it generated in this dispatch, as the shell reported them
     first_token_at: float | None = None
     preempting: bool = False
 
@@ -87,10 +89,9 @@ class SchedulerCore:
         quantum = config.budgets.fairness_quantum_tokens
         self._queues = {c: TenantFairQueue(quantum_tokens=quantum) for c in TrafficClass}
         self._queued: dict[str, Ticket] = {}
-        self._queued_work = dict.fromkeys(TrafficClass, 0.0)  # expected service seconds
-        self._queued_service: dict[str, float] = {}
+        self._backlog = Backlog()  # the queued tickets' expected work
         self._running: dict[str, _Running] = {}
-        self._running_end_sum = 0.0  # sum of expected_end over running tickets
+        self._running_output_left = 0.0  # expected output tokens minus generated, of running
         self._running_per_class = dict.fromkeys(TrafficClass, 0)
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
@@ -123,8 +124,12 @@ class SchedulerCore:
             drain = self.predicted_wait(ticket, now)
             return Rejected(ticket, "overloaded", f"the {tc} queue is full; retry later",
                             retry_after=max(1.0, drain))
-        predicted_start = now + self.predicted_wait(ticket, now)
-        predicted_end = predicted_start + self.estimates.service_seconds(ticket)
+        wait = self.predicted_wait(ticket, now)
+        # It runs among as many sequences as run now, or, if it must queue, as many as fit.
+        concurrency = (len(self._running) + 1 if wait == 0.0
+                       else self._concurrency(ticket.traffic_class))
+        predicted_start = now + wait
+        predicted_end = predicted_start + self.estimates.service_seconds(ticket, concurrency)
         margin = self.config.estimates.admission_margin * (predicted_end - now)
         if predicted_end + margin > ticket.deadline:
             return Rejected(ticket, "deadline_unmeetable", (
@@ -153,9 +158,7 @@ class SchedulerCore:
         tc = ticket.traffic_class
         self._queues[tc].push(ticket)
         self._queued[ticket.request_id] = ticket
-        service = self.estimates.service_seconds(ticket)
-        self._queued_service[ticket.request_id] = service
-        self._queued_work[tc] += service
+        self._backlog.add(ticket, self.estimates.expected_output_tokens(ticket))
         heapq.heappush(self._deadlines, (ticket.deadline, next(self._seq), ticket.request_id))
         self._quotas.admitted(ticket, now)
         self._mean_reserved += 0.05 * (ticket.reserved_tokens - self._mean_reserved)
@@ -165,24 +168,34 @@ class SchedulerCore:
         tokens_cap, _, seqs_cap = self.ledger.class_cap(traffic_class)
         return max(1.0, min(float(seqs_cap), tokens_cap / max(1.0, self._mean_reserved)))
 
-    def predicted_wait(self, ticket: Ticket, now: float) -> float:
-        """Expected seconds from now until `ticket` (not yet queued) would be dispatched."""
+    def predicted_wait(self, ticket: Ticket, now: float, *, fair: bool = True) -> float:
+        """Expected seconds from now until `ticket` (not yet queued) would be dispatched: the
+        work running and queued ahead of it (its tenant's fair share of the queue, or with
+        `fair=False` all of it), drained by the engine at full concurrency."""
         tc = ticket.traffic_class
-        ahead = self._queued_work[TrafficClass.INTERACTIVE]
         queued_ahead = len(self._queues[TrafficClass.INTERACTIVE])
         if tc is TrafficClass.BULK:
-            ahead += self._queued_work[TrafficClass.BULK]
             queued_ahead += len(self._queues[TrafficClass.BULK])
         if queued_ahead == 0 and self.ledger.fits(ticket, bulk_waiting=False):
             return 0.0
-        running_left = max(0.0, self._running_end_sum - len(self._running) * now)
-        return (running_left + ahead) / self._concurrency(tc)
+        concurrency = self._concurrency(tc)
+        step = self.estimates.steps.at(concurrency)
+        prefill_rate = self.estimates.prefill_tokens_per_s
+
+        def seconds(prompt_tokens: float, output_tokens: float) -> float:
+            return prompt_tokens / prefill_rate + output_tokens * step
+
+        own = self.estimates.service_seconds(ticket, concurrency)
+        ahead = self._backlog.seconds_ahead(tc, ticket.tenant if fair else None, own, seconds)
+        ahead += max(0.0, self._running_output_left) * step
+        return ahead / concurrency
 
     def pressure(self, traffic_class: TrafficClass, now: float) -> float:
         """Predicted queue wait for a typical new request over the class's deadline budget."""
         probe = Ticket("", "", traffic_class, "", now, now, int(self._mean_reserved) // 2,
                        int(self._mean_reserved) - int(self._mean_reserved) // 2)
-        return self.predicted_wait(probe, now) / self.config.classes[traffic_class].deadline_s
+        wait = self.predicted_wait(probe, now, fair=False)
+        return wait / self.config.classes[traffic_class].deadline_s
 
     # --- dispatch and expiry -----------------------------------------------------------
     def dispatchable(self, now: float) -> list[Ticket]:
@@ -210,12 +223,12 @@ class SchedulerCore:
 
     def _start(self, ticket: Ticket, now: float) -> Ticket:
         del self._queued[ticket.request_id]
-        self._queued_work[ticket.traffic_class] -= self._queued_service.pop(ticket.request_id)
+        expected_output = self._backlog.remove(ticket)
         self.ledger.acquire(ticket)
-        expected_end = now + self.estimates.service_seconds(ticket)
-        self._running[ticket.request_id] = _Running(ticket, now, expected_end)
-        self._running_end_sum += expected_end
+        self._running[ticket.request_id] = _Running(ticket, now, expected_output)
+        self._running_output_left += expected_output
         self._running_per_class[ticket.traffic_class] += 1
+        self.estimates.running_changed(len(self._running), now)
         return ticket
 
     def _expire_due(self, now: float) -> list[Ticket]:
@@ -304,7 +317,7 @@ class SchedulerCore:
             raise ValueError(
                 f"{request_id!r}: {generated_tokens} generated of {ticket.max_tokens}; "
                 "a request with nothing left to generate is finished, not requeued")
-        self._leave_running(entry, now, generated_tokens)
+        self._leave_running(entry, now)
         continuation = replace(
             ticket,
             prompt_tokens=ticket.prompt_tokens + generated_tokens,
@@ -312,19 +325,23 @@ class SchedulerCore:
         )
         self._queues[TrafficClass.BULK].push_front(continuation)
         self._queued[request_id] = continuation
-        service = self.estimates.service_seconds(continuation)
-        self._queued_service[request_id] = service
-        self._queued_work[TrafficClass.BULK] += service
+        self._backlog.add(continuation, self.estimates.expected_output_tokens(continuation))
         heapq.heappush(self._deadlines, (continuation.deadline, next(self._seq), request_id))
         self.preemptions_total += 1
         return continuation
 
     # --- running tickets ---------------------------------------------------------------
-    def first_token(self, request_id: str, now: float) -> None:
+    def generated(self, request_id: str, tokens: int, now: float) -> None:
+        """A running ticket's engine request produced `tokens` more output tokens by `now`."""
         entry = self._running.get(request_id)
-        if entry is not None and entry.first_token_at is None:
+        if entry is None or tokens <= 0:
+            return
+        if entry.first_token_at is None:
             entry.first_token_at = now
             self.estimates.observe_prefill(entry.ticket.prompt_tokens, now - entry.dispatched_at)
+        entry.generated += tokens
+        self._running_output_left -= tokens
+        self.estimates.tokens_generated(tokens, now)
 
     def release(
         self, request_id: str, now: float, *, output_tokens: int = 0, completed: bool = False
@@ -337,24 +354,25 @@ class SchedulerCore:
         entry = self._running.get(request_id)
         if entry is None:
             return None
-        self._leave_running(entry, now, output_tokens)
+        self._leave_running(entry, now)
         self._quotas.ended(entry.ticket)
         if completed:
             self.estimates.observe_completion(output_tokens, entry.ticket)
         return "running"
 
-    def _leave_running(self, entry: _Running, now: float, output_tokens: int) -> None:
+    def _leave_running(self, entry: _Running, now: float) -> None:
         del self._running[entry.ticket.request_id]
-        self._running_end_sum -= entry.expected_end
+        self._running_output_left -= entry.expected_output - entry.generated
+        if not self._running:
+            self._running_output_left = 0.0  # no rounding drift survives an idle engine
         self._running_per_class[entry.ticket.traffic_class] -= 1
         self.ledger.release(entry.ticket)
-        if entry.first_token_at is not None:
-            self.estimates.observe_decode(output_tokens - 1, now - entry.first_token_at)
+        self.estimates.running_changed(len(self._running), now)
 
     def _remove_queued(self, ticket: Ticket) -> None:
         del self._queued[ticket.request_id]
         self._queues[ticket.traffic_class].remove(ticket)
-        self._queued_work[ticket.traffic_class] -= self._queued_service.pop(ticket.request_id)
+        self._backlog.remove(ticket)
         self._quotas.ended(ticket)
 
     # --- state, for metrics and tests --------------------------------------------------

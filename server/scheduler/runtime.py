@@ -141,8 +141,8 @@ class RunningGeneration:
 
     def _count(self, delta: TokenDelta) -> None:
         if delta.token_ids:
-            if self.segment_tokens == 0:
-                self._runtime.core.first_token(self._ticket.request_id, self._runtime.clock())
+            self._runtime.core.generated(self._ticket.request_id, len(delta.token_ids),
+                                         self._runtime.clock())
             self.output_tokens += len(delta.token_ids)
             self.segment_tokens += len(delta.token_ids)
             self._generated.extend(delta.token_ids)

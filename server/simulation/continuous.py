@@ -178,8 +178,7 @@ class ContinuousSimulation:
             if rid is None:
                 continue  # aborted while the step ran: a late output revives nothing
             timeline = self.timelines[rid]
-            if timeline.output_tokens == self._segment_start[rid]:
-                self.core.first_token(rid, now)  # of this dispatch (a continuation's too)
+            self.core.generated(rid, len(output.token_ids), now)
             if timeline.first_token is None:
                 timeline.first_token = now
             timeline.output_tokens += len(output.token_ids)

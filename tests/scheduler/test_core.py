@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.scheduler.core import Admitted, Rejected
+from server.scheduler.core import Admitted, Rejected, SchedulerCore
 
 from .helpers import BULK, CHAT, admit, config, core, ids, ticket
 
@@ -125,6 +125,21 @@ def test_tenant_fair_share_holds_while_another_tenant_floods() -> None:
     window = dispatched[:80]
     steady = sum(1 for rid in window if rid.startswith("s"))
     assert 35 <= steady <= 45  # half, to within one quantum per turn
+
+
+def test_a_light_tenant_is_judged_by_its_fair_share_of_the_queue() -> None:
+    # 10 ms steps, one seat: each 10-token request takes 0.1 s.
+    cfg = config(**{**TWO_TENANTS, "estimates": {"prefill_tokens_per_s": 1e9,
+                                                  "decode_tokens_per_s": 100,
+                                                  "admission_margin": 0}})
+    s = core(cfg, sequences=1)
+    for n in range(50):
+        admit(s, ticket(f"f{n}", tenant="flood", deadline=100.0))  # 5 s of work
+    # Fair queueing serves the steady tenant's first request after about one flood request
+    # (0.1 s), then its own 0.1 s: it meets a 0.5 s deadline the whole flood would not allow.
+    admit(s, ticket("s0", tenant="steady", deadline=0.5))
+    decision = s.submit(ticket("f50", tenant="flood", deadline=0.5), 0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
 
 
 def test_fairness_is_by_tokens_not_requests() -> None:
@@ -298,16 +313,62 @@ def test_cancelled_queued_request_is_removed_without_dispatch() -> None:
 
 
 # --- estimates -----------------------------------------------------------------------------
-def test_rates_are_learned_from_observations() -> None:
+def test_prefill_rate_is_learned_from_the_first_token() -> None:
     cfg = config(estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 10,
                             "smoothing": 0.5})
     s = core(cfg)
     admit(s, ticket("a", prompt=100, max_tokens=11))
     s.dispatchable(0.0)
-    s.first_token("a", 0.05)  # 100 tokens in 0.05 s = 2000/s
-    s.release("a", 0.55, output_tokens=11, completed=True)  # 10 tokens in 0.5 s = 20/s
+    s.generated("a", 1, 0.05)  # 100 tokens in 0.05 s = 2000/s
     assert s.estimates.prefill_tokens_per_s == pytest.approx(1500)
-    assert s.estimates.decode_tokens_per_s == pytest.approx(15)
+
+
+def run_steps(s: SchedulerCore, request_ids: list[str], start: float, step_s: float,
+              steps: int) -> float:
+    """Each running request gets one token per engine step; returns the time after the last."""
+    now = start
+    for _ in range(steps):
+        now += step_s
+        for request_id in request_ids:
+            s.generated(request_id, 1, now)
+    return now
+
+
+def test_decode_step_time_is_learned_at_the_concurrency_it_ran_at() -> None:
+    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10,
+                            "smoothing": 0.5})
+    s = core(cfg)
+    admit(s, ticket("solo", max_tokens=1000))
+    s.dispatchable(0.0)
+    now = run_steps(s, ["solo"], 0.0, 0.01, 60)  # one sequence: 10 ms steps
+    four = ["solo", "b", "c", "d"]
+    for request_id in four[1:]:
+        admit(s, ticket(request_id, max_tokens=1000), now)
+    s.dispatchable(now)
+    run_steps(s, four, now, 0.025, 200)  # four sequences: 25 ms steps
+    # (The window that spans the change blends into the 4-sequence estimate, then fades.)
+    assert s.estimates.decode_tokens_per_s(1) == pytest.approx(100)
+    assert s.estimates.decode_tokens_per_s(4) == pytest.approx(40, rel=1e-3)
+    assert s.estimates.decode_tokens_per_s(2) == pytest.approx(1 / 0.015, rel=1e-3)
+
+
+def test_admission_judges_queued_work_at_the_step_time_it_sees_now() -> None:
+    # The prior says 10 ms steps; the engine, once four sequences run, takes 40 ms.
+    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 100,
+                            "smoothing": 0.5, "admission_margin": 0})
+    s = core(cfg, sequences=4)
+    running = [f"r{n}" for n in range(4)]
+    for request_id in running:
+        admit(s, ticket(request_id, max_tokens=100))
+    s.dispatchable(0.0)
+    for n in range(4):
+        admit(s, ticket(f"q{n}", max_tokens=100))  # queued while the estimate said 10 ms
+    now = run_steps(s, running, 0.0, 0.04, 14)
+    # Ahead of a newcomer: 4 x 86 tokens running and 4 x 100 queued, at 40 ms a step over
+    # four sequences: 7.44 s; then its own 100 tokens at 40 ms: 4 s. Done at 0.56 + 11.44.
+    decision = s.submit(ticket("late", at=now, deadline=11.9, max_tokens=100), now)
+    assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
+    admit(s, ticket("fits", at=now, deadline=12.1, max_tokens=100))
 
 
 def test_pressure_rises_with_the_queue() -> None:

@@ -1,0 +1,77 @@
+"""The queued work a new request would wait behind, by traffic class and tenant.
+
+Kept in tokens (prompt tokens to prefill, output tokens expected to decode) and turned into time
+only when asked, with the estimates of that moment: requests queued while the engine looked fast
+are judged by how fast it is now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from server.scheduler.types import Ticket, TrafficClass
+
+# Sequence-seconds of engine time for (prompt tokens, output tokens).
+WorkSeconds = Callable[[float, float], float]
+
+
+@dataclass(slots=True)
+class _Work:
+    requests: int = 0
+    prompt_tokens: float = 0.0
+    output_tokens: float = 0.0
+
+
+class Backlog:
+    def __init__(self) -> None:
+        self._by_class: dict[TrafficClass, dict[str, _Work]] = {c: {} for c in TrafficClass}
+        self._expected_output: dict[str, float] = {}
+
+    def add(self, ticket: Ticket, expected_output: float) -> None:
+        self._expected_output[ticket.request_id] = expected_output
+        work = self._by_class[ticket.traffic_class].setdefault(ticket.tenant, _Work())
+        work.requests += 1
+        work.prompt_tokens += ticket.prompt_tokens
+        work.output_tokens += expected_output
+
+    def remove(self, ticket: Ticket) -> float:
+        """Take `ticket` out; returns the output tokens it was expected to generate."""
+        expected_output = self._expected_output.pop(ticket.request_id)
+        by_tenant = self._by_class[ticket.traffic_class]
+        work = by_tenant[ticket.tenant]
+        work.requests -= 1
+        if work.requests == 0:
+            del by_tenant[ticket.tenant]  # and with it any rounding left in its sums
+        else:
+            work.prompt_tokens -= ticket.prompt_tokens
+            work.output_tokens -= expected_output
+        return expected_output
+
+    def seconds_ahead(
+        self, traffic_class: TrafficClass, tenant: str | None, own_seconds: float,
+        seconds: WorkSeconds,
+    ) -> float:
+        """Sequence-seconds queued ahead of a new request of `tenant` in `traffic_class`.
+
+        All queued interactive work is ahead of bulk. Inside its own class, tenants share by
+        fair queueing: the request waits for its own tenant's line, and meanwhile each other
+        tenant is served about as much (that line plus the request's own `own_seconds`), not
+        its whole backlog. `tenant=None` asks for everything queued ahead, first come first
+        served.
+        """
+        total = 0.0
+        for tc in TrafficClass:
+            if tc is TrafficClass.BULK and traffic_class is TrafficClass.INTERACTIVE:
+                break
+            by_tenant = self._by_class[tc]
+            if tc is not traffic_class or tenant is None:
+                total += sum(seconds(w.prompt_tokens, w.output_tokens) for w in by_tenant.values())
+                continue
+            own = by_tenant.get(tenant)
+            own_line = seconds(own.prompt_tokens, own.output_tokens) if own else 0.0
+            total += own_line
+            share = own_line + own_seconds
+            total += sum(min(share, seconds(w.prompt_tokens, w.output_tokens))
+                         for name, w in by_tenant.items() if name != tenant)
+        return total

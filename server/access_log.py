@@ -38,6 +38,7 @@ class AccessRecord:
     prompt_tokens: int
     generated_tokens: int
     api: Api
+    preemptions: int = 0  # times the scheduler stopped it for a chat and resumed it
 
     def to_json(self, now: datetime | None = None) -> str:
         when = now if now is not None else datetime.now(UTC)
@@ -55,6 +56,7 @@ class AccessRecord:
             "duration_s": _seconds(self.duration_s),
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
+            "preemptions": self.preemptions,
         }
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 

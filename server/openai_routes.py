@@ -133,7 +133,7 @@ class GenerationResponse:
         if generation is None:
             timeline.finish("cancelled", status=499)
             return
-        timeline.dispatched(generation.dispatched_at)
+        timeline.dispatched(generation)
         try:
             if self.parsed.stream:
                 response: Response = GuardedEventSourceResponse(

@@ -14,6 +14,7 @@ from typing import Any
 from server import metrics
 from server.access_log import AccessRecord, log_request, median
 from server.errors import SluiceError
+from server.scheduler.types import Generation
 
 # Error codes that mean "refused before dispatch" (sluice_rejections_total{reason}).
 _REJECTION_CODES = {
@@ -43,6 +44,7 @@ class RequestTimeline:
     traffic_class: str = "interactive"
     prompt_tokens: int = 0
     dispatched_at: float | None = None
+    generation: Generation | None = None  # once dispatched
     first_token_at: float | None = None
     last_write_at: float | None = None
     generated_tokens: int = 0
@@ -53,8 +55,9 @@ class RequestTimeline:
     def _label_values(self) -> tuple[str, str]:
         return (self.model, self.traffic_class)
 
-    def dispatched(self, at: float) -> None:
-        self.dispatched_at = at
+    def dispatched(self, generation: Generation) -> None:
+        self.generation = generation
+        at = self.dispatched_at = generation.dispatched_at
         labels = self._label_values()
         metrics.QUEUE_WAIT.labels(*labels).observe(max(0.0, at - self.arrival))
         metrics.PROMPT_TOKENS.labels(*labels).inc(self.prompt_tokens)
@@ -133,6 +136,7 @@ class RequestTimeline:
             prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens,
             api=self.api,  # type: ignore[arg-type]
+            preemptions=self.generation.preemptions if self.generation is not None else 0,
         ))
 
 

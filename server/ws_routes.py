@@ -173,7 +173,7 @@ class Connection:
                 parsed, timeline, self._headers_for(message)
             )
             async with sluice.dispatcher.generation(ticket, engine_request) as generation:
-                timeline.dispatched(generation.dispatched_at)
+                timeline.dispatched(generation)
                 finish_reason = None
                 try:
                     async for delta in generation:

@@ -91,6 +91,7 @@ class BatchGeneration:
         self._dispatched_at = dispatched_at
         self._clock = clock
         self.completed = False
+        self.preemptions = 0  # batch mode never preempts
 
     @property
     def dispatched_at(self) -> float:

@@ -43,6 +43,11 @@ class Generation(Protocol):
         """When the request left Sluice's queue for the engine (shell clock, seconds)."""
         ...
 
+    @property
+    def preemptions(self) -> int:
+        """Times the scheduler stopped it to make room for a chat, then resumed it."""
+        ...
+
     def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
 
 

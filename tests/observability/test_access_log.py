@@ -46,6 +46,7 @@ def test_record_renders_every_field_as_one_json_object() -> None:
         "duration_s": 1.5,
         "prompt_tokens": 12,
         "generated_tokens": 34,
+        "preemptions": 0,
     }
 
 

@@ -98,3 +98,8 @@ async def test_a_chat_preempts_bulk_and_the_bulk_stream_continues_unbroken(
     assert server.metric("sluice_engine_aborts_total", reason="preempted") == 1
     assert server.metric("sluice_budget_in_use", budget="sequences") == 0
     assert server.metric("sluice_engine_unfinished_requests") == 0
+    # The access log says which request was stopped: b2 of the first run, once; nobody else.
+    records = [json.loads(line) for line in server.log_path.read_text().splitlines()
+               if line.startswith('{"ts"')]
+    preempted = sorted((r["request_id"].rsplit("-", 1)[1], r["preemptions"]) for r in records)
+    assert preempted == [("b1", 0), ("b1", 0), ("b2", 0), ("b2", 1), ("chat", 0)]

@@ -8,12 +8,13 @@ queued tickets that fit the budgets to running (interactive first, bulk within i
 across tenants); `expire` removes queued tickets whose deadline has passed; `release` ends a
 ticket wherever it is (queued: cancelled; running: finished, aborted or expired) and gives its
 budgets back. Ending an unknown or already-ended ticket is a no-op, so a late output never
-revives an expired request.
+revives an expired request. While a ticket runs, the shell reports each output's tokens to
+`generated`: the core's count of what it produced, and the rate estimates' input.
 
 Preemption: when the interactive head has waited `preempt_bulk_after_s` and no budget has room
 for it, `preemptions` names running bulk tickets to stop (the most recently dispatched first,
 just enough for the head, never below bulk's minimum share). The shell aborts their engine
-requests and calls `requeue` with what each generated; the ticket returns to the front of its
+requests and calls `requeue`; the ticket returns to the front of its
 tenant's bulk line as a continuation (prompt plus generated tokens, the rest of max_tokens),
 keeping its arrival and deadline.
 """
@@ -303,17 +304,19 @@ class SchedulerCore:
             entry.preempting = True
         return [entry.ticket for entry in chosen]
 
-    def requeue(self, request_id: str, now: float, *, generated_tokens: int) -> Ticket | None:
-        """Put a preempted running ticket back in the bulk queue as a continuation.
+    def requeue(self, request_id: str, now: float) -> Ticket | None:
+        """Put a preempted running ticket back in the bulk queue as a continuation of what it
+        generated in this dispatch (as `generated` reported it).
 
-        `generated_tokens` is what it produced since this dispatch. Returns the continuation
-        ticket; None if the ticket had already ended. Its budgets are free from here on.
+        Returns the continuation ticket; None if the ticket had already ended. Its budgets are
+        free from here on.
         """
         entry = self._running.get(request_id)
         if entry is None:
             return None
         ticket = entry.ticket
-        if not 0 <= generated_tokens < ticket.max_tokens:
+        generated_tokens = entry.generated
+        if generated_tokens >= ticket.max_tokens:
             raise ValueError(
                 f"{request_id!r}: {generated_tokens} generated of {ticket.max_tokens}; "
                 "a request with nothing left to generate is finished, not requeued")
@@ -343,10 +346,9 @@ class SchedulerCore:
         self._running_output_left -= tokens
         self.estimates.tokens_generated(tokens, now)
 
-    def release(
-        self, request_id: str, now: float, *, output_tokens: int = 0, completed: bool = False
-    ) -> Stage | None:
-        """End a ticket wherever it is; returns where it was (None: already ended)."""
+    def release(self, request_id: str, now: float, *, completed: bool = False) -> Stage | None:
+        """End a ticket wherever it is; returns where it was (None: already ended). A completed
+        ticket's length (as `generated` reported it) feeds the output-length estimate."""
         ticket = self._queued.get(request_id)
         if ticket is not None:
             self._remove_queued(ticket)
@@ -357,7 +359,7 @@ class SchedulerCore:
         self._leave_running(entry, now)
         self._quotas.ended(entry.ticket)
         if completed:
-            self.estimates.observe_completion(output_tokens, entry.ticket)
+            self.estimates.observe_completion(entry.generated, entry.ticket)
         return "running"
 
     def _leave_running(self, entry: _Running, now: float) -> None:

@@ -41,7 +41,6 @@ class RunningGeneration:
         self._request = request
         self._dispatched_at = dispatched_at
         self.output_tokens = 0  # across every engine request of this generation
-        self.segment_tokens = 0  # since the latest dispatch
         self.completed = False
         self.preemptions = 0
         self._generated: list[int] = []
@@ -144,7 +143,6 @@ class RunningGeneration:
             self._runtime.core.generated(self._ticket.request_id, len(delta.token_ids),
                                          self._runtime.clock())
             self.output_tokens += len(delta.token_ids)
-            self.segment_tokens += len(delta.token_ids)
             self._generated.extend(delta.token_ids)
         if delta.finish_reason is not None and delta.finish_reason != "abort":
             self.completed = True
@@ -152,8 +150,7 @@ class RunningGeneration:
     async def _resume(self) -> GenerationRequest:
         """Back to the queue as a continuation; the engine request that resumes the stream."""
         self._preempt_requested = False
-        waiter = self._runtime.requeue(self._ticket.request_id, self.segment_tokens)
-        self.segment_tokens = 0
+        waiter = self._runtime.requeue(self._ticket.request_id)
         self.preemptions += 1
         try:
             await waiter
@@ -262,16 +259,13 @@ class SchedulerRuntime:
         self._preempt_on_start.discard(ticket.request_id)
         if running is not None:
             await running.aclose()
-        self.core.release(
-            ticket.request_id, self.clock(),
-            output_tokens=running.segment_tokens if running else 0,
-            completed=running.completed if running else False,
-        )
+        self.core.release(ticket.request_id, self.clock(),
+                          completed=running.completed if running else False)
         self._dispatch()
 
-    def requeue(self, request_id: str, generated_tokens: int) -> asyncio.Future[float]:
+    def requeue(self, request_id: str) -> asyncio.Future[float]:
         """Queue a preempted generation again; the future resolves when it is re-dispatched."""
-        if self.core.requeue(request_id, self.clock(), generated_tokens=generated_tokens) is None:
+        if self.core.requeue(request_id, self.clock()) is None:
             raise RuntimeError(f"{request_id!r} was preempted but is no longer running")
         metrics.ENGINE_ABORTS.labels(self.model_name, "preempted").inc()
         waiter: asyncio.Future[float] = asyncio.get_running_loop().create_future()

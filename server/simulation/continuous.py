@@ -73,7 +73,6 @@ class ContinuousSimulation:
         self._running_deadlines: dict[str, EventHandle] = {}
         self._engine_ids: dict[str, str] = {}  # request id -> its current engine request id
         self._requests: dict[str, str] = {}  # engine request id -> request id
-        self._segment_start: dict[str, int] = {}  # output tokens before the current dispatch
 
     # --- inputs ------------------------------------------------------------------------
     def add_arrivals(self, arrivals: Iterable[Arrival]) -> None:
@@ -130,7 +129,6 @@ class ContinuousSimulation:
         timeline = self.timelines[rid]
         engine_id = rid if timeline.preemptions == 0 else f"{rid}~{timeline.preemptions}"
         self._engine_ids[rid], self._requests[engine_id] = engine_id, rid
-        self._segment_start[rid] = timeline.output_tokens
         self.model.add(engine_id, [7] * ticket.prompt_tokens, ticket.max_tokens,
                        ignore_eos=True)
         if timeline.dispatched is None:
@@ -148,8 +146,7 @@ class ContinuousSimulation:
         self._running_deadlines.pop(request_id).cancel()
         self._stop_engine_request(request_id)
         timeline = self.timelines[request_id]
-        generated = timeline.output_tokens - self._segment_start.pop(request_id)
-        self.core.requeue(request_id, self.loop.now, generated_tokens=generated)
+        self.core.requeue(request_id, self.loop.now)
         timeline.outcome = "queued"
         timeline.preemptions += 1
 
@@ -185,8 +182,7 @@ class ContinuousSimulation:
             if output.finish_reason is not None:
                 self._running_deadlines.pop(rid).cancel()
                 del self._requests[self._engine_ids.pop(rid)]
-                self.core.release(rid, now, output_tokens=self._segment_tokens(rid),
-                                  completed=True)
+                self.core.release(rid, now, completed=True)
                 timeline.outcome, timeline.finished = "completed", now
         self._stepping = False
         self._dispatch()
@@ -195,14 +191,10 @@ class ContinuousSimulation:
         self._running_deadlines.pop(request_id, None)
         self._abort_running(request_id, "expired")
 
-    def _segment_tokens(self, request_id: str) -> int:
-        return self.timelines[request_id].output_tokens - self._segment_start.pop(request_id)
-
     def _abort_running(self, request_id: str, outcome: str) -> None:
         self._stop_engine_request(request_id)
         timeline = self.timelines[request_id]
-        self.core.release(request_id, self.loop.now,
-                          output_tokens=self._segment_tokens(request_id))
+        self.core.release(request_id, self.loop.now)
         self._end(timeline, outcome, "running")
         self._dispatch()
 

@@ -16,7 +16,7 @@ def test_dispatch_waits_for_the_token_budget_and_resumes_on_release() -> None:
         admit(s, ticket(rid, prompt=20, max_tokens=20))  # 40 tokens each
     assert ids(s.dispatchable(0.0)) == ["a", "b"]
     assert s.ledger.in_use()["tokens"] == 80
-    assert s.release("a", 0.5, output_tokens=20, completed=True) == "running"
+    assert s.release("a", 0.5, completed=True) == "running"
     assert ids(s.dispatchable(0.5)) == ["c"]
 
 
@@ -47,7 +47,7 @@ def test_every_ending_returns_the_budgets_to_zero() -> None:
     admit(s, ticket("cancelled-queued"))
     admit(s, ticket("expires", deadline=5.0))
     assert ids(s.dispatchable(0.0)) == ["done", "aborted"]
-    s.release("done", 1.0, output_tokens=10, completed=True)
+    s.release("done", 1.0, completed=True)
     s.release("aborted", 1.0)
     assert s.release("cancelled-queued", 1.0) == "queued"
     assert ids(s.expire(5.0)) == ["expires"]
@@ -254,7 +254,8 @@ def test_an_answer_without_max_tokens_is_judged_by_its_typical_length() -> None:
     assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
     # The typical length is learned from open-ended answers that finished.
     s.dispatchable(0.0)
-    s.release("open", 3.0, output_tokens=150, completed=True)
+    s.generated("open", 150, 3.0)
+    s.release("open", 3.0, completed=True)
     assert s.estimates.open_ended_output_tokens == pytest.approx(100)
 
 
@@ -289,7 +290,7 @@ def test_expired_request_is_never_dispatched_and_late_release_is_a_no_op() -> No
     s.release("running", 0.2)  # budget frees after e's deadline
     assert s.dispatchable(0.2) == []
     assert ids(s.expire(0.2)) == ["e"]
-    assert s.release("e", 0.3, output_tokens=5, completed=True) is None
+    assert s.release("e", 0.3, completed=True) is None
     assert s.release("running", 0.3) is None
     assert s.is_idle()
 

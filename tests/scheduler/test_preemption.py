@@ -34,13 +34,14 @@ def test_a_chat_preempts_the_latest_bulk_once_it_has_waited_the_threshold() -> N
     assert ids(victims) == ["bulk3"]  # most recently dispatched, and one is enough
     assert s.preemptions(1.5) == []  # named once
     assert s.stage("bulk3") == "running"  # holds its budget until the shell requeues it
-    continuation = s.requeue("bulk3", 1.5, generated_tokens=40)
+    s.generated("bulk3", 40, 1.5)
+    continuation = s.requeue("bulk3", 1.5)
     assert continuation is not None
     assert (continuation.prompt_tokens, continuation.max_tokens) == (10 + 40, 60)
     assert (continuation.arrival, continuation.deadline) == (0.75, 1000.0)
     assert ids(s.dispatchable(1.5)) == ["chat"]
     assert s.stage("bulk3") == "queued"
-    s.release("chat", 2.0, output_tokens=10, completed=True)
+    s.release("chat", 2.0, completed=True)
     assert ids(s.dispatchable(2.0)) == ["bulk3"]
     assert s.running_tickets()[-1].max_tokens == 60
     assert s.preemptions_total == 1
@@ -62,11 +63,13 @@ def test_preemption_never_cuts_bulk_below_its_minimum_share() -> None:
     admit(s, ticket("chat2", at=1.0))
     admit(s, ticket("chat3", at=1.0))
     assert ids(s.preemptions(1.5)) == ["bulk3"]
-    s.requeue("bulk3", 1.5, generated_tokens=1)
+    s.generated("bulk3", 1, 1.5)
+    s.requeue("bulk3", 1.5)
     assert ids(s.dispatchable(1.5)) == ["chat1"]
     # chat2 is the head now; stopping bulk2 would leave it one sequence: allowed down to two.
     assert ids(s.preemptions(2.0)) == ["bulk2"]
-    s.requeue("bulk2", 2.0, generated_tokens=1)
+    s.generated("bulk2", 1, 2.0)
+    s.requeue("bulk2", 2.0)
     assert ids(s.dispatchable(2.0)) == ["chat2"]
     assert s.preemptions(2.5) == []
     assert s.running_count(BULK) == 2
@@ -96,8 +99,9 @@ def test_a_victim_that_finishes_before_it_is_requeued_simply_ends() -> None:
     s = busy_with_bulk()
     admit(s, ticket("chat", at=1.0))
     assert ids(s.preemptions(1.5)) == ["bulk3"]
-    assert s.release("bulk3", 1.51, output_tokens=100, completed=True) == "running"
-    assert s.requeue("bulk3", 1.52, generated_tokens=5) is None
+    s.generated("bulk3", 100, 1.51)
+    assert s.release("bulk3", 1.51, completed=True) == "running"
+    assert s.requeue("bulk3", 1.52) is None
     assert ids(s.dispatchable(1.52)) == ["chat"]
 
 
@@ -108,11 +112,12 @@ def test_a_continuation_still_expires_at_the_original_deadline() -> None:
     s.dispatchable(0.0)
     admit(s, ticket("chat", at=1.0, max_tokens=10))
     assert ids(s.preemptions(1.5)) == ["bulk"]
-    s.requeue("bulk", 1.5, generated_tokens=30)
+    s.generated("bulk", 30, 1.5)
+    s.requeue("bulk", 1.5)
     assert ids(s.dispatchable(1.5)) == ["chat"]
     assert s.next_wakeup() == 3.0
     assert ids(s.expire(3.0)) == ["bulk"]
-    s.release("chat", 3.1, output_tokens=10, completed=True)
+    s.release("chat", 3.1, completed=True)
     assert s.is_idle()
 
 
@@ -120,8 +125,9 @@ def test_requeue_refuses_a_request_with_nothing_left() -> None:
     s = busy_with_bulk()
     admit(s, ticket("chat", at=1.0))
     s.preemptions(1.5)
+    s.generated("bulk3", 100, 1.5)  # its whole max_tokens: finished, not preempted
     with pytest.raises(ValueError):
-        s.requeue("bulk3", 1.5, generated_tokens=100)
+        s.requeue("bulk3", 1.5)
 
 
 def test_preempt_threshold_is_validated() -> None:

@@ -109,6 +109,7 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.ready = False
+        metrics.initialise(served_model, sluice.tenants.metric_labels())
         await engine.start()
         await dispatcher.start()
         # What start-up built (vLLM, torch, transformers: ~600,000 objects) lives as long as

@@ -69,6 +69,33 @@ class EstimateConfig:
     # admit requests of which about half then miss their deadline.
     admission_margin: float = 0.1
     smoothing: float = 0.2  # weight of each new observation in the moving average
+    # Measure the engine at start-up (step time at several concurrencies, idle time to first
+    # token) instead of starting from the priors above.
+    calibrate: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SloConfig:
+    """The interactive class's targets, and how bulk makes room for them.
+
+    Targets default to a multiple of what the engine shows when nearly idle (its time to first
+    token, its step time over one sequence), so they suit any hardware; a setting in
+    milliseconds overrides them.
+    """
+
+    ttft_s: float | None = None  # None: ttft_factor x the idle time to first token
+    itl_s: float | None = None  # None: itl_factor x the idle gap between tokens (one step)
+    ttft_factor: float = 3.0
+    itl_factor: float = 3.0
+    # Cap running bulk so that, while chats run, the predicted step time stays within the gap
+    # target; false: bulk runs up to its budgets, as before.
+    cap_bulk: bool = True
+    # Bulk stays capped this long after the last chat ends, so a steady trickle of chats does
+    # not make bulk pay for a preemption each.
+    bulk_hold_s: float = 1.0
+    # With no chat about, bulk runs at the fewest sequences that reach this share of the best
+    # tokens/s seen (the knee), not beyond.
+    knee_share: float = 0.95
 
 
 def _default_classes() -> dict[TrafficClass, ClassConfig]:
@@ -91,6 +118,7 @@ class SluiceConfig:
     classes: dict[TrafficClass, ClassConfig] = field(default_factory=_default_classes)
     budgets: BudgetConfig = field(default_factory=BudgetConfig)
     estimates: EstimateConfig = field(default_factory=EstimateConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
 
     @property
     def is_open(self) -> bool:
@@ -231,6 +259,40 @@ def _parse_estimates(raw: Mapping[str, Any]) -> EstimateConfig:
         ),
         admission_margin=_share(
             raw.get("admission_margin", base.admission_margin), "estimates.admission_margin"),
+        calibrate=_flag(raw.get("calibrate", base.calibrate), "estimates.calibrate"),
+    )
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _milliseconds(value: Any, where: str) -> float | None:
+    number = _positive(value, where)
+    return None if number is None else number / 1000.0
+
+
+def _parse_slo(raw: Mapping[str, Any]) -> SloConfig:
+    base = SloConfig()
+    interactive = raw.get("interactive") or {}
+    if not isinstance(interactive, Mapping):
+        raise ConfigError("slo.interactive: expected a mapping")
+    knee_share = float(raw.get("knee_share", base.knee_share))
+    if not 0.0 < knee_share <= 1.0:
+        raise ConfigError(f"slo.knee_share: must be in (0, 1], got {knee_share}")
+    hold = raw.get("bulk_hold_ms", base.bulk_hold_s * 1000.0)
+    if isinstance(hold, bool) or not isinstance(hold, int | float) or hold < 0:
+        raise ConfigError(f"slo.bulk_hold_ms: must be a number >= 0, got {hold!r}")
+    return SloConfig(
+        ttft_s=_milliseconds(interactive.get("ttft_ms"), "slo.interactive.ttft_ms"),
+        itl_s=_milliseconds(interactive.get("itl_ms"), "slo.interactive.itl_ms"),
+        ttft_factor=_positive(raw.get("ttft_factor", base.ttft_factor), "slo.ttft_factor"),
+        itl_factor=_positive(raw.get("itl_factor", base.itl_factor), "slo.itl_factor"),
+        cap_bulk=_flag(raw.get("cap_bulk", base.cap_bulk), "slo.cap_bulk"),
+        bulk_hold_s=float(hold) / 1000.0,
+        knee_share=knee_share,
     )
 
 
@@ -268,6 +330,7 @@ def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> Slu
         classes=_parse_classes(raw.get("classes") or {}),
         budgets=_parse_budgets(raw.get("budgets") or {}),
         estimates=_parse_estimates(raw.get("estimates") or {}),
+        slo=_parse_slo(raw.get("slo") or {}),
     )
 
 

@@ -103,6 +103,7 @@ class Sluice:
             open_ended=parsed.max_tokens is None,
             arrival=timeline.arrival,
         )
+        timeline.slo = self.dispatcher.slo_targets(ticket.traffic_class)
         request = GenerationRequest(
             request_id=timeline.request_id,
             prompt_token_ids=prompt_ids,

@@ -24,8 +24,24 @@ _DURATION_BUCKETS = (
     0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0,
 )
 
-# Outcomes of a request, the vocabulary of sluice_requests_total{outcome}.
+# The label values known in advance, each labelled counter's vocabulary: `initialise` creates
+# every series at zero, so dashboards and alerts see 0 rather than nothing before the first event.
+TRAFFIC_CLASSES = ("interactive", "bulk")
 OUTCOMES = ("completed", "cancelled", "rejected", "expired", "failed", "invalid")
+REJECTION_REASONS = (
+    "invalid_api_key", "traffic_class_not_allowed", "tenant_quota_exceeded", "overloaded",
+    "deadline_unmeetable", "engine_unavailable",
+)
+CANCEL_STAGES = ("queued", "running")
+ABORT_REASONS = ("client_cancelled", "deadline", "preempted")
+# sluice_slo_requests_total{result, reason}: met requests have reason "none"; a miss names the
+# first promise broken. Bulk has no latency targets: it misses only by not completing.
+SLO_RESULTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "interactive": (("met", "none"), ("missed", "ttft"), ("missed", "itl"),
+                    ("missed", "refused"), ("missed", "expired"), ("missed", "failed")),
+    "bulk": (("met", "none"), ("missed", "refused"), ("missed", "expired"),
+             ("missed", "failed")),
+}
 
 # --- Per-request timings (recorded by the server as bytes reach the client) ---
 TIME_TO_FIRST_TOKEN = Histogram(
@@ -127,6 +143,30 @@ AUTOSCALE_PRESSURE = Gauge(
     ["model", "traffic_class"], registry=REGISTRY,
 )
 
+# --- Interactive SLO and the bulk cap ---
+SLO_REQUESTS = Counter(
+    "sluice_slo_requests",
+    "Requests that ended, by whether they met their class's service-level objective "
+    "(interactive: completed within the TTFT and median inter-token targets; bulk: completed).",
+    ["model", "traffic_class", "result", "reason"], registry=REGISTRY,
+)
+SLO_TARGET = Gauge(
+    "sluice_slo_target_seconds",
+    "The interactive targets in effect: time to first token (ttft) and median gap between "
+    "tokens (itl).",
+    ["model", "traffic_class", "target"], registry=REGISTRY,
+)
+BULK_CAP = Gauge(
+    "sluice_bulk_cap_sequences",
+    "Bulk sequences allowed to run now (lower while chats run, the knee otherwise).",
+    ["model"], registry=REGISTRY,
+)
+KNEE = Gauge(
+    "sluice_knee_sequences",
+    "Learned concurrency past which more sequences add little throughput.",
+    ["model"], registry=REGISTRY,
+)
+
 # --- Batch dispatch mode ---
 BATCH_SIZE = Histogram(
     "sluice_batch_size", "Requests per dispatched batch.",
@@ -139,3 +179,28 @@ BATCH_RETRIES = Counter(
     "sluice_batch_retries", "Requests re-queued after their batch failed.",
     ["model"], registry=REGISTRY,
 )
+
+
+def initialise(model: str, tenant_labels: tuple[str, ...] = ()) -> None:
+    """Create every labelled counter's series for `model` at zero (Prometheus' guidance: a
+    series that appears only with its first event leaves gaps in rates and alerts)."""
+    for tc in TRAFFIC_CLASSES:
+        for outcome in OUTCOMES:
+            REQUESTS.labels(model, tc, outcome)
+        for reason in REJECTION_REASONS:
+            for tenant in (*tenant_labels, "other"):
+                REJECTIONS.labels(model, tc, reason, tenant)
+        for stage in CANCEL_STAGES:
+            CANCELLATIONS.labels(model, tc, stage)
+        for result, reason in SLO_RESULTS[tc]:
+            SLO_REQUESTS.labels(model, tc, result, reason)
+        DEADLINE_MISSES.labels(model, tc)
+        GENERATED_TOKENS.labels(model, tc)
+        PROMPT_TOKENS.labels(model, tc)
+    for reason in ABORT_REASONS:
+        ENGINE_ABORTS.labels(model, reason)
+    for tenant in tenant_labels:
+        for outcome in OUTCOMES:
+            TENANT_REQUESTS.labels(tenant, outcome)
+    WORKER_FAILURES.labels(model)
+    BATCH_RETRIES.labels(model)

@@ -14,23 +14,45 @@ from typing import Any
 from server import metrics
 from server.access_log import AccessRecord, log_request, median
 from server.errors import SluiceError
-from server.scheduler.types import Generation
+from server.scheduler.types import Generation, SloTargets
 
-# Error codes that mean "refused before dispatch" (sluice_rejections_total{reason}).
-_REJECTION_CODES = {
-    "invalid_api_key", "traffic_class_not_allowed", "tenant_quota_exceeded", "overloaded",
-    "deadline_unmeetable", "engine_unavailable",
-}
+# Refusals that are the service's (capacity), not the tenant's own (key, class, quota).
+_CAPACITY_REFUSALS = frozenset({"overloaded", "deadline_unmeetable", "engine_unavailable"})
 
 
 def outcome_for(error: SluiceError) -> str:
     if error.code == "deadline_exceeded":
         return "expired"
-    if error.code in _REJECTION_CODES:
+    if error.code in metrics.REJECTION_REASONS:
         return "rejected"
     if error.status < 500:
         return "invalid"
     return "failed"
+
+
+def slo_result(
+    outcome: str, error: SluiceError | None, waited_s: float, ttft_s: float | None,
+    median_itl_s: float | None, targets: SloTargets | None,
+) -> tuple[str, str] | None:
+    """(result, reason) for sluice_slo_requests_total, or None when the request does not count:
+    invalid input, a tenant's own refusal (key, class, quota), or a client that left before
+    any target was broken. `targets` is None for a class without latency targets (bulk)."""
+    if outcome == "completed":
+        if targets is not None:
+            if ttft_s is not None and ttft_s > targets.ttft_s:
+                return ("missed", "ttft")
+            if median_itl_s is not None and median_itl_s > targets.itl_s:
+                return ("missed", "itl")
+        return ("met", "none")
+    if outcome in ("expired", "failed"):
+        return ("missed", outcome)
+    if outcome == "rejected" and error is not None and error.code in _CAPACITY_REFUSALS:
+        return ("missed", "refused")
+    if outcome == "cancelled" and targets is not None:
+        first_token_s = waited_s if ttft_s is None else ttft_s
+        if first_token_s > targets.ttft_s:  # it left after waiting longer than promised
+            return ("missed", "ttft")
+    return None
 
 
 @dataclass(slots=True)
@@ -49,6 +71,7 @@ class RequestTimeline:
     last_write_at: float | None = None
     generated_tokens: int = 0
     itl: list[float] = field(default_factory=list)
+    slo: SloTargets | None = None  # the class's latency targets when it arrived (None: bulk)
     ended: bool = False
     _token_metrics: tuple[Any, Any, Any] | None = None  # per-token children, looked up once
 
@@ -123,6 +146,11 @@ class RequestTimeline:
             # Sluice aborted the engine request: the client left, or the deadline passed.
             reason = "client_cancelled" if outcome == "cancelled" else "deadline"
             metrics.ENGINE_ABORTS.labels(model, reason).inc()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
+        median_itl = median(self.itl)
+        verdict = slo_result(outcome, error, now - self.arrival, ttft, median_itl, self.slo)
+        if verdict is not None:
+            metrics.SLO_REQUESTS.labels(model, traffic_class, *verdict).inc()
         log_request(AccessRecord(
             request_id=self.request_id,
             tenant=self.tenant,
@@ -130,8 +158,8 @@ class RequestTimeline:
             model=model,
             outcome=outcome,
             status=status,
-            ttft_s=None if self.first_token_at is None else self.first_token_at - self.arrival,
-            median_itl_s=median(self.itl),
+            ttft_s=ttft,
+            median_itl_s=median_itl,
             duration_s=now - self.arrival,
             prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens,

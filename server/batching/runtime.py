@@ -33,7 +33,7 @@ from server.errors import (
     Overloaded,
     SluiceError,
 )
-from server.scheduler.types import Admission, Ticket, TrafficClass
+from server.scheduler.types import Admission, SloTargets, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
 
@@ -148,6 +148,9 @@ class BatchRuntime:
                 await task
         for waiter in self._waiters.values():
             waiter.fail(EngineUnavailable("the server is shutting down"))
+
+    def slo_targets(self, traffic_class: TrafficClass) -> SloTargets | None:
+        return None  # whole answers from fixed-time batches: no stream to pace
 
     def generation(
         self, ticket: Ticket, request: GenerationRequest

@@ -3,20 +3,25 @@
 No asyncio, no sockets, no wall clock: the asyncio runtime (`runtime.py`) and the simulator
 (`server/simulation/continuous.py`) drive the same `SchedulerCore`. One core serves one model.
 
-Life of a ticket: `submit` admits it (queued) or rejects it with a reason; `dispatchable` moves
-queued tickets that fit the budgets to running (interactive first, bulk within its share, DRR
-across tenants); `expire` removes queued tickets whose deadline has passed; `release` ends a
-ticket wherever it is (queued: cancelled; running: finished, aborted or expired) and gives its
-budgets back. Ending an unknown or already-ended ticket is a no-op, so a late output never
-revives an expired request. While a ticket runs, the shell reports each output's tokens to
-`generated`: the core's count of what it produced, and the rate estimates' input.
+Life of a ticket: `submit` admits it (queued) or rejects it with a reason. `poll(now)` returns
+one `Step`: the queued tickets whose deadline has passed (expired), the queued tickets that fit
+the budgets and the bulk cap (started: interactive first, bulk within its share and its cap,
+DRR across tenants), the running bulk tickets to stop (preempted), and when to poll again if
+nothing else happens. The shell applies the step and nothing more. `release` ends a ticket
+wherever it is (queued: cancelled; running: finished, aborted or expired) and gives its budgets
+back. Ending an unknown or already-ended ticket is a no-op, so a late output never revives an
+expired request. While a ticket runs, the shell reports each output's tokens to `generated`:
+the core's count of what it produced, and the rate estimates' input.
 
-Preemption: when the interactive head has waited `preempt_bulk_after_s` and no budget has room
-for it, `preemptions` names running bulk tickets to stop (the most recently dispatched first,
-just enough for the head, never below bulk's minimum share). The shell aborts their engine
-requests and calls `requeue`; the ticket returns to the front of its
-tenant's bulk line as a continuation (prompt plus generated tokens, the rest of max_tokens),
-keeping its arrival and deadline.
+Preemption has two causes and one mechanism. The bulk cap (`bulk_cap.py`) drops when chats
+arrive after a quiet spell: the bulk running beyond it stops at once, when the step time it
+causes is well over the gap target. And an interactive head that has waited
+`preempt_bulk_after_s` with no budget room stops just enough bulk to fit, never below bulk's
+minimum share. Victims are those cheapest to resume (the fewest tokens past their last full KV
+block, which an engine with prefix caching must compute again), then the most recently
+dispatched. The shell aborts their engine requests and calls `requeue`; the ticket returns to
+the front of its tenant's bulk line as a continuation (prompt plus generated tokens, the rest of
+max_tokens), keeping its arrival and deadline.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from server.config import SluiceConfig
@@ -37,7 +42,8 @@ from server.errors import (
 )
 from server.scheduler.backlog import Backlog
 from server.scheduler.budgets import BudgetLedger, BudgetLimits
-from server.scheduler.estimates import RateEstimates
+from server.scheduler.bulk_cap import BulkCap, PrefillPacer
+from server.scheduler.estimates import NEARLY_IDLE_OTHERS, RateEstimates
 from server.scheduler.queues import TenantFairQueue
 from server.scheduler.quotas import TenantQuotas
 from server.scheduler.types import Ticket, TrafficClass
@@ -46,6 +52,11 @@ RejectReason = Literal[
     "overloaded", "tenant_quota_exceeded", "deadline_unmeetable", "request_too_large"
 ]
 Stage = Literal["queued", "running"]
+
+# Bulk over the cap is preempted only when the step time it causes exceeds the gap target by
+# more than this share; closer than that, bulk ends by itself sooner than a resumed request
+# would repay the prefill it must redo.
+PREEMPT_SLACK = 0.2
 
 _ERRORS: dict[str, type[SluiceError]] = {
     "overloaded": Overloaded,
@@ -73,13 +84,28 @@ class Rejected:
 
 
 @dataclass(slots=True)
+class Step:
+    """What `poll` decided at one instant; the shell applies it and nothing more."""
+
+    started: list[Ticket] = field(default_factory=list)  # dispatch to the engine now
+    expired: list[Ticket] = field(default_factory=list)  # queued past their deadline: gone
+    preempted: list[Ticket] = field(default_factory=list)  # abort, then `requeue` each
+    wake_at: float | None = None  # poll again then, if nothing else happens first
+
+
+@dataclass(slots=True)
 class _Running:
     ticket: Ticket
     dispatched_at: float
     expected_output: float  # tokens it is expected to generate in this dispatch
+    others_at_dispatch: int  # sequences already running when it was dispatched
     generated: int = 0  # tokens it generated in this dispatch, as the shell reported them
     first_token_at: float | None = None
     preempting: bool = False
+
+    def resume_cost(self, block_size: int) -> int:
+        """Tokens an engine with prefix caching computes again if this stops and resumes."""
+        return (self.ticket.prompt_tokens + self.generated) % block_size
 
 
 class SchedulerCore:
@@ -94,10 +120,15 @@ class SchedulerCore:
         self._running: dict[str, _Running] = {}
         self._running_output_left = 0.0  # expected output tokens minus generated, of running
         self._running_per_class = dict.fromkeys(TrafficClass, 0)
+        self._preempting = 0  # running tickets named for preemption, not yet requeued
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self._quotas = TenantQuotas(config.tenants)
-        self._expired_outbox: list[Ticket] = []
+        self.bulk_cap = BulkCap(config.slo, self.estimates,
+                                limit=self.ledger.class_cap(TrafficClass.BULK)[2],
+                                min_share=config.budgets.bulk_min_share)
+        self._chats_quiet_since: float | None = -math.inf  # None while chats run or wait
+        self._pacer = PrefillPacer()  # bulk prefill per engine step
         self._mean_reserved = 1024.0
         self._many_tenants = len(config.tenants) > 1
         self._preempt_considered: str | None = None  # head already judged past its threshold
@@ -139,6 +170,8 @@ class SchedulerCore:
                 f"in {max(0.0, ticket.deadline - now):.3f}s"
             ), retry_after=max(1.0, predicted_start - now))
         self._admit(ticket, now)
+        if tc is TrafficClass.INTERACTIVE:
+            self._chats_changed(now)
         return Admitted(ticket, predicted_start)
 
     def _check_tenant(self, ticket: Ticket, now: float) -> Rejected | None:
@@ -167,6 +200,8 @@ class SchedulerCore:
     # --- predictions -------------------------------------------------------------------
     def _concurrency(self, traffic_class: TrafficClass) -> float:
         tokens_cap, _, seqs_cap = self.ledger.class_cap(traffic_class)
+        if traffic_class is TrafficClass.BULK:
+            seqs_cap = min(seqs_cap, self.bulk_cap.idle())
         return max(1.0, min(float(seqs_cap), tokens_cap / max(1.0, self._mean_reserved)))
 
     def predicted_wait(self, ticket: Ticket, now: float, *, fair: bool = True) -> float:
@@ -198,10 +233,43 @@ class SchedulerCore:
         wait = self.predicted_wait(probe, now, fair=False)
         return wait / self.config.classes[traffic_class].deadline_s
 
-    # --- dispatch and expiry -----------------------------------------------------------
-    def dispatchable(self, now: float) -> list[Ticket]:
-        """Queued tickets to start now, in order; they hold their budgets from here on."""
-        self._expired_outbox.extend(self._expire_due(now))
+    # --- the bulk cap ------------------------------------------------------------------
+    def _chats(self) -> int:
+        return (self._running_per_class[TrafficClass.INTERACTIVE]
+                + len(self._queues[TrafficClass.INTERACTIVE]))
+
+    def _chats_changed(self, now: float) -> None:
+        if self._chats():
+            self._chats_quiet_since = None
+        elif self._chats_quiet_since is None:
+            self._chats_quiet_since = now
+
+    def _hold_until(self) -> float | None:
+        """While chats are about: None; after the last one: when bulk may grow past the
+        chat cap again."""
+        quiet = self._chats_quiet_since
+        return None if quiet is None else quiet + self.config.slo.bulk_hold_s
+
+    def bulk_allowed(self, now: float) -> int:
+        """Bulk sequences that may run now: capped while chats run or wait, and for
+        `bulk_hold_s` after the last one; the idle cap (the knee) otherwise."""
+        hold_until = self._hold_until()
+        if hold_until is None or now < hold_until:
+            return self.bulk_cap.with_chats(self._chats())
+        return self.bulk_cap.idle()
+
+    def _bulk_running(self) -> int:
+        return self._running_per_class[TrafficClass.BULK] - self._preempting
+
+    # --- one decision: poll ------------------------------------------------------------
+    def poll(self, now: float) -> Step:
+        """Everything due at `now`: expire, dispatch, preempt; and when to poll next."""
+        expired = self._expire_due(now)
+        started = self._dispatch(now)
+        preempted = self._preemptions(now)
+        return Step(started, expired, preempted, self._wake_at(now))
+
+    def _dispatch(self, now: float) -> list[Ticket]:
         interactive = self._queues[TrafficClass.INTERACTIVE]
         bulk = self._queues[TrafficClass.BULK]
         started: list[Ticket] = []
@@ -212,21 +280,54 @@ class SchedulerCore:
                 started.append(self._start(head, now))
                 continue
             bulk_head = bulk.peek()
-            if bulk_head is not None and (
-                self.ledger.fits(bulk_head, bulk_waiting=True)
-                if head is None
-                else self.ledger.fits_bulk_floor(bulk_head)
+            if (
+                bulk_head is not None
+                and self._bulk_may_start(bulk_head, now)
+                and (self.ledger.fits(bulk_head, bulk_waiting=True) if head is None
+                     else self.ledger.fits_bulk_floor(bulk_head))
             ):
                 bulk.pop(bulk_head)
+                self._pacer.spend(self._prefill_s(bulk_head))
                 started.append(self._start(bulk_head, now))
                 continue
             return started
+
+    def _bulk_may_start(self, ticket: Ticket, now: float) -> bool:
+        """Below the cap, and within the prefill the step-time target leaves room for (below
+        bulk's floor, at once): bulk resuming after a chat, or filling an idle engine, must not
+        pile its prefills into one long step that a chat arriving then would wait behind."""
+        running = self._bulk_running()
+        if running >= self.bulk_allowed(now):
+            return False
+        if running < self.bulk_cap.floor():
+            return True
+        self._pace(now)
+        return self._pacer.allows(self._prefill_s(ticket))
+
+    def _pace(self, now: float) -> None:
+        step = self.estimates.steps.at(len(self._running) + 1)
+        hold_until = self._hold_until()
+        targets = self.bulk_cap.targets()
+        if hold_until is None or now < hold_until:
+            headroom = targets.itl_s - step
+        else:
+            headroom = targets.ttft_s - self.bulk_cap.idle_ttft() - step
+        self._pacer.update(now, headroom, step)
+
+    def _prefill_s(self, ticket: Ticket) -> float:
+        """Engine seconds to prefill `ticket`: its whole prompt, or for a continuation what
+        follows its last full KV block (an engine with prefix caching holds the rest)."""
+        tokens = ticket.prompt_tokens
+        if ticket.resumed_tokens:
+            tokens = tokens % self.ledger.limits.block_size or 1
+        return tokens / self.estimates.prefill_tokens_per_s
 
     def _start(self, ticket: Ticket, now: float) -> Ticket:
         del self._queued[ticket.request_id]
         expected_output = self._backlog.remove(ticket)
         self.ledger.acquire(ticket)
-        self._running[ticket.request_id] = _Running(ticket, now, expected_output)
+        self._running[ticket.request_id] = _Running(
+            ticket, now, expected_output, others_at_dispatch=len(self._running))
         self._running_output_left += expected_output
         self._running_per_class[ticket.traffic_class] += 1
         self.estimates.running_changed(len(self._running), now)
@@ -239,27 +340,34 @@ class SchedulerCore:
             _, _, request_id = heapq.heappop(heap)
             ticket = self._queued.get(request_id)
             if ticket is not None:
-                self._remove_queued(ticket)
+                self._remove_queued(ticket, now)
                 expired.append(ticket)
         return expired
 
-    def expire(self, now: float) -> list[Ticket]:
-        """Queued tickets whose deadline has passed, removed from the queue."""
-        expired, self._expired_outbox = self._expired_outbox, []
-        expired.extend(self._expire_due(now))
-        return expired
-
-    def next_wakeup(self) -> float | None:
-        """When the shell should call in next: the earliest deadline of a queued ticket, or
-        the moment the interactive head may preempt bulk, whichever comes first."""
+    def _wake_at(self, now: float) -> float | None:
+        """The earliest of: a queued ticket's deadline, the moment the interactive head may
+        preempt bulk, and, while bulk waits below what it may grow to, the next paced bulk
+        start or the end of the bulk hold."""
         heap = self._deadlines
         while heap and heap[0][2] not in self._queued:
             heapq.heappop(heap)
-        wake = heap[0][0] if heap else None
+        times = [heap[0][0]] if heap else []
         preempt_at = self._preempt_time()
-        if preempt_at is not None and (wake is None or preempt_at < wake):
-            return preempt_at
-        return wake
+        if preempt_at is not None:
+            times.append(preempt_at)
+        bulk_head = self._queues[TrafficClass.BULK].peek()
+        if bulk_head is not None:
+            running = self._bulk_running()
+            if running < self.bulk_allowed(now):
+                self._pace(now)
+                ready = self._pacer.ready_at(self._prefill_s(bulk_head))
+                if ready > now:  # else the budgets hold it, and a release will poll
+                    times.append(ready)
+            hold_until = self._hold_until()
+            if (hold_until is not None and now < hold_until
+                    and running < self.bulk_cap.idle()):
+                times.append(hold_until)
+        return min(times, default=None)
 
     def _preempt_time(self) -> float | None:
         after = self.config.budgets.preempt_bulk_after_s
@@ -271,13 +379,37 @@ class SchedulerCore:
         return head.arrival + after
 
     # --- preemption --------------------------------------------------------------------
-    def preemptions(self, now: float) -> list[Ticket]:
-        """Running bulk tickets to stop now so the waiting interactive head can start.
+    def _preemptions(self, now: float) -> list[Ticket]:
+        """Running bulk to stop now: what exceeds the cap while chats run, and what a chat
+        that waited its threshold without room needs. Each ticket is named once; it keeps its
+        budgets until the shell calls `requeue` (or `release`, if it ended meanwhile)."""
+        chosen = self._over_cap(now) + self._for_waiting_chat(now)
+        for entry in chosen:
+            entry.preempting = True
+        self._preempting += len(chosen)
+        return [entry.ticket for entry in chosen]
 
-        Returns [] unless the head has waited its threshold, does not fit, and stopping bulk
-        (down to bulk's minimum share) makes it fit. Each ticket is named once; it keeps its
-        budgets until the shell calls `requeue` (or `release`, if it ended meanwhile).
-        """
+    def _victims(self) -> list[_Running]:
+        """Running bulk not yet named, the cheapest to resume first."""
+        block = self.ledger.limits.block_size
+        return sorted(
+            (e for e in self._running.values()
+             if e.ticket.traffic_class is TrafficClass.BULK and not e.preempting),
+            key=lambda e: (e.resume_cost(block), -e.dispatched_at),
+        )
+
+    def _over_cap(self, now: float) -> list[_Running]:
+        excess = self._bulk_running() - self.bulk_allowed(now)
+        if excess <= 0 or not self._chats():
+            return []
+        step = self.estimates.steps.at(len(self._running) - self._preempting)
+        if step <= (1.0 + PREEMPT_SLACK) * self.bulk_cap.targets().itl_s:
+            return []
+        return self._victims()[:excess]
+
+    def _for_waiting_chat(self, now: float) -> list[_Running]:
+        """Returns [] unless the interactive head has waited its threshold, does not fit, and
+        stopping bulk (down to bulk's minimum share) makes it fit."""
         preempt_at = self._preempt_time()
         if preempt_at is None or now < preempt_at:
             return []
@@ -287,22 +419,13 @@ class SchedulerCore:
         leaving = [e.ticket for e in self._running.values() if e.preempting]
         if self.ledger.fits(head, bulk_waiting=True, freeing=leaving):
             return []  # what is already being stopped makes room
-        candidates = sorted(
-            (e for e in self._running.values()
-             if e.ticket.traffic_class is TrafficClass.BULK and not e.preempting),
-            key=lambda e: e.dispatched_at, reverse=True,
-        )
         chosen: list[_Running] = []
-        for entry in candidates:
+        for entry in self._victims():
             chosen.append(entry)
             if self.ledger.fits(head, bulk_waiting=True,
                                 freeing=leaving + [e.ticket for e in chosen]):
-                break
-        else:
-            return []  # even stopping every bulk request would not make room
-        for entry in chosen:
-            entry.preempting = True
-        return [entry.ticket for entry in chosen]
+                return chosen
+        return []  # even stopping every bulk request would not make room
 
     def requeue(self, request_id: str, now: float) -> Ticket | None:
         """Put a preempted running ticket back in the bulk queue as a continuation of what it
@@ -325,6 +448,7 @@ class SchedulerCore:
             ticket,
             prompt_tokens=ticket.prompt_tokens + generated_tokens,
             max_tokens=ticket.max_tokens - generated_tokens,
+            resumed_tokens=ticket.resumed_tokens + generated_tokens,
         )
         self._queues[TrafficClass.BULK].push_front(continuation)
         self._queued[request_id] = continuation
@@ -341,7 +465,12 @@ class SchedulerCore:
             return
         if entry.first_token_at is None:
             entry.first_token_at = now
-            self.estimates.observe_prefill(entry.ticket.prompt_tokens, now - entry.dispatched_at)
+            ticket = entry.ticket
+            if not ticket.resumed_tokens:  # a continuation's prefix is mostly cached
+                self.estimates.observe_prefill(ticket.prompt_tokens, now - entry.dispatched_at)
+            if (ticket.traffic_class is TrafficClass.INTERACTIVE
+                    and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS):
+                self.estimates.observe_idle_ttft(now - ticket.arrival)
         entry.generated += tokens
         self._running_output_left -= tokens
         self.estimates.tokens_generated(tokens, now)
@@ -351,7 +480,7 @@ class SchedulerCore:
         ticket's length (as `generated` reported it) feeds the output-length estimate."""
         ticket = self._queued.get(request_id)
         if ticket is not None:
-            self._remove_queued(ticket)
+            self._remove_queued(ticket, now)
             return "queued"
         entry = self._running.get(request_id)
         if entry is None:
@@ -368,14 +497,20 @@ class SchedulerCore:
         if not self._running:
             self._running_output_left = 0.0  # no rounding drift survives an idle engine
         self._running_per_class[entry.ticket.traffic_class] -= 1
+        if entry.preempting:
+            self._preempting -= 1
         self.ledger.release(entry.ticket)
         self.estimates.running_changed(len(self._running), now)
+        if entry.ticket.traffic_class is TrafficClass.INTERACTIVE:
+            self._chats_changed(now)
 
-    def _remove_queued(self, ticket: Ticket) -> None:
+    def _remove_queued(self, ticket: Ticket, now: float) -> None:
         del self._queued[ticket.request_id]
         self._queues[ticket.traffic_class].remove(ticket)
         self._backlog.remove(ticket)
         self._quotas.ended(ticket)
+        if ticket.traffic_class is TrafficClass.INTERACTIVE:
+            self._chats_changed(now)
 
     # --- state, for metrics and tests --------------------------------------------------
     def stage(self, request_id: str) -> Stage | None:

@@ -1,8 +1,9 @@
 """Online estimates of how fast the engine serves: prefill rate, decode step time, output length.
 
 Moving averages updated from what the shells observe (dispatch, first token, each output, finish),
-starting from configured priors. They only feed predictions (admission, Retry-After, autoscale
-pressure); no budget depends on them.
+starting from configured priors or from the start-up calibration. They feed predictions
+(admission, Retry-After, autoscale pressure) and the bulk cap (`bulk_cap.py`); no budget depends
+on them.
 
 Decode speed depends on how many sequences run together: each engine step produces one token for
 every running sequence, and a step over 200 sequences takes longer than a step over 20. So the
@@ -16,14 +17,22 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 
 from server.config import EstimateConfig
 from server.scheduler.types import Ticket
 
-# Engine time (with at least one sequence running) per decode-step observation.
+# Engine time (with sequences running at one concurrency level) per decode-step observation.
 STEP_WINDOW_S = 0.5
 # Concurrency levels are grouped in half-octave bins (1, 1.4, 2, 2.8, 4, ... sequences).
 _BINS_PER_OCTAVE = 2
+# A chat dispatched with at most this many other sequences running saw a nearly idle engine: its
+# time to first token is the idle reference the interactive SLO is relative to.
+NEARLY_IDLE_OTHERS = 1
+
+
+def concurrency_bin(concurrency: float) -> int:
+    return round(_BINS_PER_OCTAVE * math.log2(max(1.0, concurrency)))
 
 
 class StepTimes:
@@ -45,7 +54,7 @@ class StepTimes:
     def observe(self, concurrency: float, step_s: float) -> None:
         if concurrency <= 0 or step_s <= 0:
             return
-        key = round(_BINS_PER_OCTAVE * math.log2(max(1.0, concurrency)))
+        key = concurrency_bin(concurrency)
         old = self._bins.get(key)
         if old is None:
             self._bins[key] = (concurrency, step_s)
@@ -70,6 +79,51 @@ class StepTimes:
         return s0 + (s1 - s0) * (c - c0) / (c1 - c0)
 
 
+    def within(self, step_s: float) -> float:
+        """The most sequences that can run with steps of at most `step_s`: the first point where
+        the estimate crosses it (0 when even one sequence's step is slower)."""
+        if self.at(1.0) > step_s:
+            return 0.0
+        points = self._points
+        if not points:
+            return math.inf  # the prior is flat: no concurrency is known to cross it
+        prev_c, prev_s = 1.0, self.at(1.0)
+        for c, s in points:
+            if c > prev_c and s > step_s:
+                return prev_c + (c - prev_c) * (step_s - prev_s) / (s - prev_s)
+            if c > prev_c:
+                prev_c, prev_s = c, s
+        high_c, high_s = points[-1]
+        return max(prev_c, high_c * step_s / high_s)  # beyond: steps grow with concurrency
+
+    def knee(self, share: float) -> float | None:
+        """The fewest sequences that reach `share` of the best total tokens/s observed; beyond
+        them more sequences add little throughput and much step time. None before any
+        observation. When the best rate was seen at the highest concurrency observed, more
+        might still help: twice that is returned, so the engine is tried there."""
+        points = self._points
+        if not points:
+            return None
+        rates = [c / s for c, s in points]
+        best = max(rates)
+        if rates[-1] >= best:
+            return 2.0 * points[-1][0]
+        return next(c for (c, _), rate in zip(points, rates, strict=True) if rate >= share * best)
+
+    def observed(self) -> list[tuple[float, float]]:
+        """(concurrency, step seconds) of every observed bin, by concurrency."""
+        return list(self._points)
+
+
+@dataclass(slots=True)
+class _Window:
+    """Engine time at one concurrency bin: busy seconds, sequence-seconds, tokens."""
+
+    busy_s: float = 0.0
+    sequence_s: float = 0.0
+    tokens: int = 0
+
+
 class RateEstimates:
     def __init__(self, config: EstimateConfig) -> None:
         self._weight = config.smoothing
@@ -77,12 +131,13 @@ class RateEstimates:
         self.steps = StepTimes(1.0 / config.decode_tokens_per_s, config.smoothing)
         self.output_fraction = 1.0  # generated tokens / max_tokens, of completed requests
         self.open_ended_output_tokens = config.open_ended_output_tokens
-        # The current window: engine time with sequences running, sequence-seconds, tokens.
+        self.idle_ttft_s: float | None = None  # arrival to first token on a nearly idle engine
+        # Engine time is measured in one window per concurrency bin, so that a window never
+        # blends two levels (a bulk cap that drops and rises mixes them every few seconds).
         self._running = 0
         self._changed_at: float | None = None
-        self._busy_s = 0.0
-        self._sequence_s = 0.0
-        self._tokens = 0
+        self._windows: dict[int, _Window] = {}
+        self._window = self._windows.setdefault(0, _Window())
 
     def _blend(self, old: float, new: float) -> float:
         return old + self._weight * (new - old)
@@ -92,30 +147,38 @@ class RateEstimates:
         """The number of running sequences is `running` from `now` on."""
         self._advance(now)
         self._running = running
+        key = concurrency_bin(running)
+        self._window = self._windows.get(key) or self._windows.setdefault(key, _Window())
 
     def tokens_generated(self, tokens: int, now: float) -> None:
         """The engine produced `tokens` output tokens (across sequences) by `now`."""
-        if (self._busy_s >= STEP_WINDOW_S and self._tokens > 0
+        window = self._window
+        if (window.busy_s >= STEP_WINDOW_S and window.tokens > 0
                 and self._changed_at is not None and now > self._changed_at):
             # The window closes before the time moves on, so it holds whole engine steps.
             # Sequence-seconds per token is the step time; busy time gives the concurrency.
-            self.steps.observe(self._sequence_s / self._busy_s, self._sequence_s / self._tokens)
-            self._busy_s = self._sequence_s = 0.0
-            self._tokens = 0
+            self.steps.observe(window.sequence_s / window.busy_s,
+                               window.sequence_s / window.tokens)
+            window.busy_s = window.sequence_s = 0.0
+            window.tokens = 0
         self._advance(now)
-        self._tokens += tokens
+        window.tokens += tokens
 
     def _advance(self, now: float) -> None:
         if self._changed_at is not None and self._running > 0 and now > self._changed_at:
             elapsed = now - self._changed_at
-            self._busy_s += elapsed
-            self._sequence_s += elapsed * self._running
+            self._window.busy_s += elapsed
+            self._window.sequence_s += elapsed * self._running
         self._changed_at = now
 
     def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
         if prompt_tokens > 0 and seconds > 0:
             rate = prompt_tokens / seconds
             self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, rate)
+
+    def observe_idle_ttft(self, ttft_s: float) -> None:
+        old = self.idle_ttft_s
+        self.idle_ttft_s = ttft_s if old is None else self._blend(old, ttft_s)
 
     def observe_completion(self, output_tokens: int, ticket: Ticket) -> None:
         if ticket.open_ended:

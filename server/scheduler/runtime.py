@@ -18,8 +18,9 @@ from server import metrics
 from server.config import SluiceConfig
 from server.errors import DeadlineExceeded, EngineUnavailable
 from server.scheduler.budgets import BudgetLimits
+from server.scheduler.calibration import Calibration, calibrate
 from server.scheduler.core import Rejected, SchedulerCore
-from server.scheduler.types import Admission, Ticket, TrafficClass
+from server.scheduler.types import Admission, SloTargets, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
 
@@ -190,6 +191,7 @@ class SchedulerRuntime:
         self._preempt_on_start: set[str] = set()  # preempted before its stream object existed
         self._timer = WakeupTimer(self._dispatch)
         self._stopping = False
+        self.calibration: Calibration | None = None
 
     @property
     def core(self) -> SchedulerCore:
@@ -211,6 +213,10 @@ class SchedulerRuntime:
         )
         self._core = SchedulerCore(self.config, limits)
         self._stopping = False
+        if self.config.estimates.calibrate:
+            self.calibration = await calibrate(
+                self.engine, self._core.estimates, max_sequences=limits.sequences,
+                clock=self.clock)
         for name, limit in self._core.ledger.limits_by_name().items():
             metrics.BUDGET_LIMIT.labels(budget=name).set(limit)
         self._record_state()
@@ -223,6 +229,11 @@ class SchedulerRuntime:
             if not future.done():
                 future.set_exception(EngineUnavailable("the server is shutting down"))
         self._waiters.clear()
+
+    def slo_targets(self, traffic_class: TrafficClass) -> SloTargets | None:
+        if traffic_class is TrafficClass.BULK:
+            return None
+        return self.core.bulk_cap.targets()
 
     def generation(
         self, ticket: Ticket, request: GenerationRequest
@@ -274,29 +285,36 @@ class SchedulerRuntime:
         return waiter
 
     def _dispatch(self) -> None:
-        """Apply the core's decisions now: expire what is due, start what fits."""
+        """Apply the core's decisions now: start what fits, expire what is due, stop the bulk
+        it names; poll again if a started ticket's client had already left."""
         core = self.core
-        now = self.clock()
-        for ticket in core.dispatchable(now):
-            waiter = self._waiters.get(ticket.request_id)
-            if waiter is None or waiter.done():  # its client left in the meantime
-                core.release(ticket.request_id, now)
-                continue
-            waiter.set_result(now)
-        for ticket in core.expire(now):
-            waiter = self._waiters.get(ticket.request_id)
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(
-                    DeadlineExceeded("the request's deadline passed while it was queued")
-                )
-        for ticket in core.preemptions(now):
-            running = self._running.get(ticket.request_id)
-            if running is None:
-                self._preempt_on_start.add(ticket.request_id)
-            else:
-                running.preempt()
+        while True:
+            now = self.clock()
+            step = core.poll(now)
+            gone = False
+            for ticket in step.started:
+                waiter = self._waiters.get(ticket.request_id)
+                if waiter is None or waiter.done():  # its client left in the meantime
+                    core.release(ticket.request_id, now)
+                    gone = True
+                    continue
+                waiter.set_result(now)
+            for ticket in step.expired:
+                waiter = self._waiters.get(ticket.request_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_exception(
+                        DeadlineExceeded("the request's deadline passed while it was queued")
+                    )
+            for ticket in step.preempted:
+                running = self._running.get(ticket.request_id)
+                if running is None:
+                    self._preempt_on_start.add(ticket.request_id)
+                else:
+                    running.preempt()
+            if not gone:
+                break
         if not self._stopping:
-            self._timer.arm(self.core.next_wakeup(), now)
+            self._timer.arm(step.wake_at, now)
         self._record_state()
 
     def _record_state(self) -> None:
@@ -310,3 +328,8 @@ class SchedulerRuntime:
             metrics.AUTOSCALE_PRESSURE.labels(**labels).set(core.pressure(tc, now))
         for name, in_use in core.ledger.in_use().items():
             metrics.BUDGET_IN_USE.labels(budget=name).set(in_use)
+        targets = core.bulk_cap.targets()
+        metrics.SLO_TARGET.labels(self.model_name, "interactive", "ttft").set(targets.ttft_s)
+        metrics.SLO_TARGET.labels(self.model_name, "interactive", "itl").set(targets.itl_s)
+        metrics.BULK_CAP.labels(self.model_name).set(core.bulk_allowed(now))
+        metrics.KNEE.labels(self.model_name).set(core.bulk_cap.knee())

@@ -88,6 +88,10 @@ class TenantDirectory:
     def tenant(self, name: str) -> Tenant:
         return self._tenants[name]
 
+    def metric_labels(self) -> tuple[str, ...]:
+        """Every tenant label a metric may carry, besides "other"."""
+        return tuple(t.metric_label for t in self._tenants.values())
+
     def authenticate(self, api_key: str | None) -> Tenant:
         """The tenant an API key belongs to; the open tenant when no keys are configured."""
         if self._config.is_open:

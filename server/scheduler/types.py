@@ -15,6 +15,15 @@ class TrafficClass(StrEnum):
     BULK = "bulk"
 
 
+@dataclass(frozen=True, slots=True)
+class SloTargets:
+    """What an interactive request is promised: seconds to its first token, and between
+    tokens (the median gap of its stream)."""
+
+    ttft_s: float
+    itl_s: float
+
+
 @dataclass(slots=True)
 class Ticket:
     """An admitted request as the scheduler sees it. Times are seconds on the shell's clock."""
@@ -28,6 +37,9 @@ class Ticket:
     prompt_tokens: int
     max_tokens: int
     open_ended: bool = False  # the client set no max_tokens: it may run to the context's end
+    # A preempted request's continuation: the last `resumed_tokens` prompt tokens are its own
+    # earlier output (an engine with prefix caching holds all but the last partial block).
+    resumed_tokens: int = 0
 
     @property
     def reserved_tokens(self) -> int:
@@ -109,3 +121,7 @@ class Dispatcher(Protocol):
     async def stop(self) -> None: ...
 
     def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[Any]: ...
+
+    def slo_targets(self, traffic_class: TrafficClass) -> SloTargets | None:
+        """The latency targets a request of this class is judged by now (None: none)."""
+        ...

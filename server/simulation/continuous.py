@@ -69,7 +69,7 @@ class ContinuousSimulation:
         self.timelines: dict[str, Timeline] = {}
         self.peak_budget_in_use = dict.fromkeys(self.core.ledger.in_use(), 0)
         self._stepping = False
-        self._expiry: EventHandle | None = None
+        self._wakeup: EventHandle | None = None
         self._running_deadlines: dict[str, EventHandle] = {}
         self._engine_ids: dict[str, str] = {}  # request id -> its current engine request id
         self._requests: dict[str, str] = {}  # engine request id -> request id
@@ -107,19 +107,19 @@ class ContinuousSimulation:
         now = self.loop.now
         core = self.core
         while True:
-            for ticket in core.dispatchable(now):
+            step = core.poll(now)
+            for ticket in step.started:
                 self._start(ticket, now)
-            for ticket in core.expire(now):
+            for ticket in step.expired:
                 self._end(self.timelines[ticket.request_id], "expired", "queued")
-            victims = core.preemptions(now)
-            if not victims:
+            for ticket in step.preempted:
+                self._preempt(ticket.request_id)  # requeued at once: poll again
+            if not step.preempted:
                 break
-            for ticket in victims:
-                self._preempt(ticket.request_id)
         for name, value in core.ledger.in_use().items():
             if value > self.peak_budget_in_use[name]:
                 self.peak_budget_in_use[name] = value
-        self._arm_expiry()
+        self._arm_wakeup(step.wake_at)
         if not self._stepping and self.model.has_work:
             self._stepping = True
             self._step()
@@ -150,18 +150,17 @@ class ContinuousSimulation:
         timeline.outcome = "queued"
         timeline.preemptions += 1
 
-    def _arm_expiry(self) -> None:
-        wake = self.core.next_wakeup()
-        if self._expiry is not None:
-            if wake is not None and self._expiry.time == wake:
+    def _arm_wakeup(self, wake: float | None) -> None:
+        if self._wakeup is not None:
+            if wake is not None and self._wakeup.time == wake:
                 return
-            self._expiry.cancel()
-            self._expiry = None
+            self._wakeup.cancel()
+            self._wakeup = None
         if wake is not None:
-            self._expiry = self.loop.call_at(max(wake, self.loop.now), self._on_expiry)
+            self._wakeup = self.loop.call_at(max(wake, self.loop.now), self._on_wakeup)
 
-    def _on_expiry(self) -> None:
-        self._expiry = None
+    def _on_wakeup(self) -> None:
+        self._wakeup = None
         self._dispatch()
 
     def _step(self) -> None:

@@ -69,7 +69,9 @@ SLUICE_CONFIG = {
     "budgets": {"max_running_seqs": 4},
     # Rate priors far above the sim's real speed, never updated: Sluice admits requests whose
     # deadline it will then miss while they run (deadline misses, engine aborts "deadline").
-    "estimates": {"prefill_tokens_per_s": 1e7, "decode_tokens_per_s": 1e6, "smoothing": 0.0},
+    # (No start-up calibration: it would replace them with what the engine shows.)
+    "estimates": {"prefill_tokens_per_s": 1e7, "decode_tokens_per_s": 1e6, "smoothing": 0.0,
+                  "calibrate": False},
 }
 
 

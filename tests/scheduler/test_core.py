@@ -14,30 +14,30 @@ def test_dispatch_waits_for_the_token_budget_and_resumes_on_release() -> None:
     s = core(tokens=100)
     for rid in "abc":
         admit(s, ticket(rid, prompt=20, max_tokens=20))  # 40 tokens each
-    assert ids(s.dispatchable(0.0)) == ["a", "b"]
+    assert ids(s.poll(0.0).started) == ["a", "b"]
     assert s.ledger.in_use()["tokens"] == 80
     assert s.release("a", 0.5, completed=True) == "running"
-    assert ids(s.dispatchable(0.5)) == ["c"]
+    assert ids(s.poll(0.5).started) == ["c"]
 
 
 def test_dispatch_waits_for_kv_blocks() -> None:
     s = core(kv_blocks=5, block_size=16)  # 80 tokens of cache
     admit(s, ticket("a", prompt=30, max_tokens=10))  # 40 tokens -> 3 blocks
     admit(s, ticket("b", prompt=30, max_tokens=10))
-    assert ids(s.dispatchable(0.0)) == ["a"]
+    assert ids(s.poll(0.0).started) == ["a"]
     assert s.ledger.in_use()["kv_blocks"] == 3
     s.release("a", 1.0)
-    assert ids(s.dispatchable(1.0)) == ["b"]
+    assert ids(s.poll(1.0).started) == ["b"]
 
 
 def test_dispatch_waits_for_a_free_sequence() -> None:
     s = core(sequences=2)
     for rid in "abc":
         admit(s, ticket(rid))
-    assert ids(s.dispatchable(0.0)) == ["a", "b"]
-    assert s.dispatchable(0.1) == []
+    assert ids(s.poll(0.0).started) == ["a", "b"]
+    assert s.poll(0.1).started == []
     s.release("b", 0.2)
-    assert ids(s.dispatchable(0.2)) == ["c"]
+    assert ids(s.poll(0.2).started) == ["c"]
 
 
 def test_every_ending_returns_the_budgets_to_zero() -> None:
@@ -46,11 +46,11 @@ def test_every_ending_returns_the_budgets_to_zero() -> None:
     admit(s, ticket("aborted"))
     admit(s, ticket("cancelled-queued"))
     admit(s, ticket("expires", deadline=5.0))
-    assert ids(s.dispatchable(0.0)) == ["done", "aborted"]
+    assert ids(s.poll(0.0).started) == ["done", "aborted"]
     s.release("done", 1.0, completed=True)
     s.release("aborted", 1.0)
     assert s.release("cancelled-queued", 1.0) == "queued"
-    assert ids(s.expire(5.0)) == ["expires"]
+    assert ids(s.poll(5.0).expired) == ["expires"]
     assert s.is_idle()
     assert s.ledger.in_use() == {"tokens": 0, "kv_blocks": 0, "sequences": 0}
 
@@ -66,11 +66,11 @@ def test_a_request_larger_than_its_class_budget_is_refused() -> None:
 def test_interactive_is_dispatched_before_bulk_that_arrived_earlier() -> None:
     s = core(sequences=1)
     admit(s, ticket("running"))
-    s.dispatchable(0.0)
+    s.poll(0.0)
     admit(s, ticket("bulk", at=0.1, traffic_class=BULK))
     admit(s, ticket("chat", at=0.2))
     s.release("running", 0.3)
-    assert ids(s.dispatchable(0.3)) == ["chat"]
+    assert ids(s.poll(0.3).started) == ["chat"]
 
 
 def test_bulk_flood_leaves_the_interactive_reserve_free() -> None:
@@ -78,10 +78,10 @@ def test_bulk_flood_leaves_the_interactive_reserve_free() -> None:
     s = core(cfg, sequences=8)
     for n in range(20):
         admit(s, ticket(f"bulk{n}", traffic_class=BULK))
-    assert len(s.dispatchable(0.0)) == 6  # floor(8 * 0.75)
+    assert len(s.poll(0.0).started) == 6  # floor(8 * 0.75)
     admit(s, ticket("chat", at=0.004))
     # The chat starts at the next dispatch decision, with no bulk request finishing first.
-    assert ids(s.dispatchable(0.004)) == ["chat"]
+    assert ids(s.poll(0.004).started) == ["chat"]
 
 
 def test_interactive_flood_leaves_bulk_its_minimum_share() -> None:
@@ -91,7 +91,7 @@ def test_interactive_flood_leaves_bulk_its_minimum_share() -> None:
         admit(s, ticket(f"chat{n}"))
     admit(s, ticket("bulk0", traffic_class=BULK))
     admit(s, ticket("bulk1", traffic_class=BULK))
-    started = ids(s.dispatchable(0.0))
+    started = ids(s.poll(0.0).started)
     assert started.count("bulk0") + started.count("bulk1") == 2  # floor(8 * 0.25)
     assert len(started) == 8
 
@@ -117,7 +117,7 @@ def test_tenant_fair_share_holds_while_another_tenant_floods() -> None:
     dispatched: list[str] = []
     now = 1.0
     while len(dispatched) < 80:
-        started = s.dispatchable(now)
+        started = s.poll(now).started
         dispatched.extend(ids(started))
         for t in started:
             s.release(t.request_id, now + 0.05)
@@ -150,7 +150,7 @@ def test_fairness_is_by_tokens_not_requests() -> None:
     tokens = {"flood": 0, "steady": 0}
     now = 0.0
     for _ in range(44):
-        (started,) = s.dispatchable(now)
+        (started,) = s.poll(now).started
         tokens[started.tenant] += started.reserved_tokens
         s.release(started.request_id, now)
         now += 1.0
@@ -231,7 +231,7 @@ def test_queue_ahead_counts_toward_the_deadline_estimate() -> None:
                             "admission_margin": 0})
     s = core(cfg, sequences=1)
     admit(s, ticket("running", max_tokens=10, deadline=100.0))  # 1 s of service
-    s.dispatchable(0.0)
+    s.poll(0.0)
     admit(s, ticket("queued", max_tokens=10, deadline=100.0))
     # Ahead of a newcomer: ~1 s running + 1 s queued, then its own 1 s.
     decision = s.submit(ticket("new", max_tokens=10, deadline=2.5), 0.0)
@@ -253,7 +253,7 @@ def test_an_answer_without_max_tokens_is_judged_by_its_typical_length() -> None:
     decision = s.submit(ticket("tight", max_tokens=rest, open_ended=True, deadline=4.9), 0.0)
     assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
     # The typical length is learned from open-ended answers that finished.
-    s.dispatchable(0.0)
+    s.poll(0.0)
     s.generated("open", 150, 3.0)
     s.release("open", 3.0, completed=True)
     assert s.estimates.open_ended_output_tokens == pytest.approx(100)
@@ -273,23 +273,25 @@ def test_admission_keeps_a_margin_for_the_estimates_error() -> None:
 def test_queued_request_expires_exactly_at_its_deadline() -> None:
     s = core(sequences=1)
     admit(s, ticket("running"))
-    s.dispatchable(0.0)
+    s.poll(0.0)
     admit(s, ticket("e", at=0.001, deadline=0.150))
-    assert s.next_wakeup() == 0.150
-    assert s.expire(0.149) == []
-    assert ids(s.expire(0.150)) == ["e"]
+    assert s.poll(0.001).wake_at == 0.150
+    assert s.poll(0.149).expired == []
+    step = s.poll(0.150)
+    assert ids(step.expired) == ["e"]
     assert s.stage("e") is None
-    assert s.next_wakeup() is None
+    assert step.wake_at is None
 
 
 def test_expired_request_is_never_dispatched_and_late_release_is_a_no_op() -> None:
     s = core(sequences=1)
     admit(s, ticket("running"))
-    s.dispatchable(0.0)
+    s.poll(0.0)
     admit(s, ticket("e", deadline=0.15))
     s.release("running", 0.2)  # budget frees after e's deadline
-    assert s.dispatchable(0.2) == []
-    assert ids(s.expire(0.2)) == ["e"]
+    step = s.poll(0.2)
+    assert step.started == []
+    assert ids(step.expired) == ["e"]
     assert s.release("e", 0.3, completed=True) is None
     assert s.release("running", 0.3) is None
     assert s.is_idle()
@@ -305,12 +307,12 @@ def test_already_passed_deadline_is_unmeetable() -> None:
 def test_cancelled_queued_request_is_removed_without_dispatch() -> None:
     s = core(sequences=1)
     admit(s, ticket("running"))
-    s.dispatchable(0.0)
+    s.poll(0.0)
     admit(s, ticket("gone"))
     admit(s, ticket("next"))
     assert s.release("gone", 0.1) == "queued"
     s.release("running", 0.2)
-    assert ids(s.dispatchable(0.2)) == ["next"]
+    assert ids(s.poll(0.2).started) == ["next"]
 
 
 # --- estimates -----------------------------------------------------------------------------
@@ -319,7 +321,7 @@ def test_prefill_rate_is_learned_from_the_first_token() -> None:
                             "smoothing": 0.5})
     s = core(cfg)
     admit(s, ticket("a", prompt=100, max_tokens=11))
-    s.dispatchable(0.0)
+    s.poll(0.0)
     s.generated("a", 1, 0.05)  # 100 tokens in 0.05 s = 2000/s
     assert s.estimates.prefill_tokens_per_s == pytest.approx(1500)
 
@@ -340,12 +342,12 @@ def test_decode_step_time_is_learned_at_the_concurrency_it_ran_at() -> None:
                             "smoothing": 0.5})
     s = core(cfg)
     admit(s, ticket("solo", max_tokens=1000))
-    s.dispatchable(0.0)
+    s.poll(0.0)
     now = run_steps(s, ["solo"], 0.0, 0.01, 60)  # one sequence: 10 ms steps
     four = ["solo", "b", "c", "d"]
     for request_id in four[1:]:
         admit(s, ticket(request_id, max_tokens=1000), now)
-    s.dispatchable(now)
+    s.poll(now)
     run_steps(s, four, now, 0.025, 200)  # four sequences: 25 ms steps
     # (The window that spans the change blends into the 4-sequence estimate, then fades.)
     assert s.estimates.decode_tokens_per_s(1) == pytest.approx(100)
@@ -361,7 +363,7 @@ def test_admission_judges_queued_work_at_the_step_time_it_sees_now() -> None:
     running = [f"r{n}" for n in range(4)]
     for request_id in running:
         admit(s, ticket(request_id, max_tokens=100))
-    s.dispatchable(0.0)
+    s.poll(0.0)
     for n in range(4):
         admit(s, ticket(f"q{n}", max_tokens=100))  # queued while the estimate said 10 ms
     now = run_steps(s, running, 0.0, 0.04, 14)

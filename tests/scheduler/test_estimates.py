@@ -37,3 +37,32 @@ def test_each_concurrency_bin_is_a_moving_average() -> None:
     assert steps.at(16) == pytest.approx(0.025)
     steps.observe(17, 0.025)  # 16 and 17 share a half-octave bin
     assert steps.at(16.5) == pytest.approx(0.025)
+
+
+def test_within_finds_the_most_sequences_whose_step_fits() -> None:
+    steps = StepTimes(prior_step_s=0.01, weight=0.5)
+    assert steps.within(0.02) == float("inf")  # nothing observed: the flat prior fits any
+    assert steps.within(0.005) == 0.0
+    steps.observe(1, 0.002)
+    steps.observe(8, 0.004)
+    steps.observe(16, 0.008)
+    assert steps.within(0.001) == 0.0  # even one sequence is slower
+    assert steps.within(0.006) == pytest.approx(12)  # interpolated
+    assert steps.within(0.016) == pytest.approx(32)  # beyond: steps grow with concurrency
+
+
+def test_the_knee_is_where_more_sequences_stop_adding_throughput() -> None:
+    steps = StepTimes(prior_step_s=0.01, weight=0.5)
+    assert steps.knee(0.95) is None
+    # Tokens/s: 500, 2000, 2000, 2667, 2560.
+    for n, step in {1: 0.002, 8: 0.004, 16: 0.008, 32: 0.012, 64: 0.025}.items():
+        steps.observe(n, step)
+    assert steps.knee(0.95) == pytest.approx(32)
+    assert steps.knee(0.7) == pytest.approx(8)
+
+
+def test_while_throughput_still_grows_at_the_top_the_knee_lies_beyond_it() -> None:
+    steps = StepTimes(prior_step_s=0.01, weight=0.5)
+    steps.observe(8, 0.004)
+    steps.observe(16, 0.006)  # the best rate yet, at the most sequences seen: try twice that
+    assert steps.knee(0.95) == pytest.approx(32)

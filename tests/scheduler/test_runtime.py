@@ -14,8 +14,10 @@ from server.errors import DeadlineExceeded, Overloaded
 from server.scheduler.runtime import SchedulerRuntime
 from server.scheduler.types import Ticket, TrafficClass
 
-# Rate priors so optimistic that admission never predicts a miss: the deadline itself decides.
-OPTIMISTIC = {"estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9}}
+# Priors only (no start-up calibration), so optimistic that admission never predicts a miss:
+# the deadline itself decides.
+OPTIMISTIC = {"estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9,
+                            "calibrate": False}}
 
 
 def make_ticket(request_id: str, *, deadline_s: float = 30.0, max_tokens: int = 8,

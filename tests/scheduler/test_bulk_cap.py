@@ -1,0 +1,189 @@
+"""The bulk cap, in virtual time: bulk fills the engine to its knee while no chat runs, shrinks
+to the interactive gap target when one arrives (preempting the excess, cheapest to resume
+first), holds there for `bulk_hold_ms` after the last chat, then grows back."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from server.scheduler.core import SchedulerCore
+
+from .helpers import BULK, admit, config, core, ids, ticket
+
+# A CPU-shaped engine: step milliseconds by concurrency. Tokens/s: 500, 2000, 2000, 2667, 2560.
+# The knee (95% of the best, 2667) is 32 sequences. The gap target, 3 x the idle 2 ms step, is
+# 6 ms: 12 sequences (interpolated between 8 at 4 ms and 16 at 8 ms).
+CPU_STEPS_MS = {1: 2.0, 8: 4.0, 16: 8.0, 32: 12.0, 64: 25.0}
+IDLE_TTFT_S = 0.010  # TTFT target 30 ms: one step may take 20 ms, 51 sequences: not binding
+BLOCK = 16
+
+
+def calibrated(steps_ms: dict[int, float] = CPU_STEPS_MS, **slo: object) -> SchedulerCore:
+    # Bulk may use 80 of the 100 sequences (20% is the interactive reserve).
+    s = core(config(slo=slo), tokens=10**6, kv_blocks=10**6, sequences=100, block_size=BLOCK)
+    for n, step_ms in steps_ms.items():
+        s.estimates.steps.observe(n, step_ms / 1000)
+    s.estimates.observe_idle_ttft(IDLE_TTFT_S)
+    return s
+
+
+def flood(s: SchedulerCore, n: int, now: float = 0.0) -> list[str]:
+    for i in range(n):
+        admit(s, ticket(f"bulk{i}", at=now, traffic_class=BULK, max_tokens=500), now)
+    return ids(s.poll(now).started)
+
+
+def test_without_chats_bulk_fills_the_engine_to_its_knee() -> None:
+    s = calibrated()
+    assert s.bulk_cap.knee() == 32
+    assert len(flood(s, 40)) == 32
+    assert s.bulk_allowed(0.0) == 32
+    assert s.queue_depth(BULK) == 8
+
+
+def test_the_cap_falls_back_to_the_budget_when_it_is_switched_off() -> None:
+    s = calibrated(cap_bulk=False)
+    assert len(flood(s, 100)) == 80  # bulk's share of 100 sequences (20% is the reserve)
+
+
+def test_a_chat_stops_the_bulk_beyond_the_gap_target_cheapest_to_resume_first() -> None:
+    s = calibrated()
+    flood(s, 32)
+    # Each bulk request has generated i tokens: its prompt (10) plus those, past the last full
+    # 16-token block, is what the engine must compute again if it stops.
+    for i in range(32):
+        s.generated(f"bulk{i}", i, 0.5)
+    admit(s, ticket("chat", at=1.0))
+    step = s.poll(1.0)
+    assert ids(step.started) == ["chat"]
+    assert s.bulk_allowed(1.0) == 11  # 12 sequences fit the 6 ms target, less the chat
+    victims = ids(step.preempted)
+    assert len(victims) == 21
+    cost = {f"bulk{i}": (10 + i) % BLOCK for i in range(32)}
+    kept = set(cost) - set(victims)
+    assert max(cost[v] for v in victims) <= min(cost[k] for k in kept)
+    assert s.poll(1.0).preempted == []  # each named once
+
+
+def test_paused_bulk_waits_out_the_chats_and_the_hold_then_resumes_first() -> None:
+    s = calibrated(bulk_hold_ms=1000)
+    flood(s, 36)  # 32 run, 4 wait
+    admit(s, ticket("chat", at=1.0, max_tokens=32))
+    victims = ids(s.poll(1.0).preempted)
+    for rid in victims:
+        s.generated(rid, 7, 1.0)
+        continuation = s.requeue(rid, 1.0)
+        assert continuation is not None
+        assert (continuation.prompt_tokens, continuation.max_tokens) == (17, 493)
+        assert continuation.resumed_tokens == 7
+    assert s.poll(1.0).started == []  # capped while the chat runs
+    s.release("chat", 1.2, completed=True)
+    step = s.poll(1.2)
+    resumed = ids(step.started)
+    assert len(resumed) == 1  # the hold: 12 sequences (the gap target with no chat)
+    assert step.wake_at == pytest.approx(2.2)
+    assert s.poll(2.19).started == []
+    step = s.poll(2.2)
+    assert len(step.started) == 20  # back to the knee, the paused requests first
+    assert set(resumed + ids(step.started)) == set(victims)
+
+
+def test_the_hold_restarts_with_each_chat() -> None:
+    s = calibrated(bulk_hold_ms=1000)
+    flood(s, 40)
+    admit(s, ticket("chat1", at=1.0))
+    for rid in ids(s.poll(1.0).preempted):
+        s.requeue(rid, 1.0)
+    s.release("chat1", 1.5, completed=True)
+    admit(s, ticket("chat2", at=2.0))  # inside the hold: nothing to preempt, no growth
+    step = s.poll(2.0)
+    assert ids(step.started) == ["chat2"] and step.preempted == []
+    s.release("chat2", 2.3, completed=True)
+    assert len(s.poll(2.3).started) == 1  # the gap target with no chat: 12
+    assert s.poll(3.29).started == []
+    assert len(s.poll(3.3).started) == 32 - 12
+
+
+def test_bulk_just_over_the_cap_is_left_to_finish_rather_than_preempted() -> None:
+    s = calibrated()
+    flood(s, 11)  # exactly the cap with one chat
+    admit(s, ticket("chat1", at=1.0))
+    assert ids(s.poll(1.0).started) == ["chat1"]
+    admit(s, ticket("chat2", at=1.1))
+    step = s.poll(1.1)
+    # The cap is 10 now, but 13 sequences take 6.5 ms, within 20% of the 6 ms target: a
+    # preempted request would cost more in prefill than one step saves. No new bulk starts.
+    assert ids(step.started) == ["chat2"] and step.preempted == []
+    s.release("bulk0", 1.2, completed=True)
+    admit(s, ticket("bulk-new", at=1.2, traffic_class=BULK))
+    assert s.poll(1.2).started == []
+
+
+def test_bulk_keeps_its_minimum_share_however_many_chats_run() -> None:
+    s = calibrated()
+    flood(s, 32)
+    for n in range(30):
+        admit(s, ticket(f"chat{n}", at=1.0))
+    step = s.poll(1.0)
+    assert len(step.started) == 30
+    # 30 chats leave bulk nothing under the 6 ms target; it keeps 10% of its idle cap (32).
+    assert s.bulk_allowed(1.0) == 3
+    assert len(step.preempted) == 32 - 3
+
+
+def test_a_gap_target_in_milliseconds_overrides_the_idle_multiple() -> None:
+    s = calibrated()
+    assert s.bulk_cap.targets().itl_s == pytest.approx(0.006)
+    assert s.bulk_cap.targets().ttft_s == pytest.approx(0.030)
+    s = core(config(slo={"interactive": {"itl_ms": 8, "ttft_ms": 100}}), tokens=10**6,
+             kv_blocks=10**6, sequences=100, block_size=BLOCK)
+    for n, step_ms in CPU_STEPS_MS.items():
+        s.estimates.steps.observe(n, step_ms / 1000)
+    assert (s.bulk_cap.targets().itl_s, s.bulk_cap.targets().ttft_s) == (0.008, 0.1)
+    assert s.bulk_cap.with_chats(1) == 15  # 8 ms is 16 sequences, less the chat
+
+
+def test_the_ttft_target_bounds_how_far_bulk_grows_with_no_chat_about() -> None:
+    # A slow first token on an idle engine (2 ms): TTFT target 6 ms, so a step may take 4 ms at
+    # most, 8 sequences, though the knee is 32: a chat arriving mid-step still starts in time.
+    s = calibrated()
+    s.estimates.idle_ttft_s = 0.002
+    assert s.bulk_cap.idle() == 8
+
+
+def test_on_a_gpu_shaped_engine_chats_cap_nothing() -> None:
+    # Steps stay flat until compute saturates: the gap target (3 x 20 ms) fits every sequence
+    # the budget allows, and the knee lies beyond it.
+    gpu = {1: 20.0, 8: 20.5, 32: 21.0, 64: 22.0, 128: 30.0, 256: 58.0}
+    s = calibrated(gpu)
+    s.estimates.idle_ttft_s = 0.040  # a step and a prefill
+    assert s.bulk_cap.idle() == 80
+    assert s.bulk_cap.with_chats(5) == 80
+    flood(s, 80)
+    admit(s, ticket("chat", at=1.0))
+    step = s.poll(1.0)
+    assert ids(step.started) == ["chat"] and step.preempted == []
+
+
+def test_bulk_prefill_is_paced_to_what_one_step_has_room_for() -> None:
+    # Prompts of 100 tokens at 2,000 tokens/s: 50 ms of prefill each, more than the 20 ms a
+    # step may add with no chat about (TTFT target 30 ms, idle TTFT 10 ms). Beyond bulk's floor
+    # (3), each start waits until a step's headroom has been earned again: one per step.
+    s = calibrated()
+    s.estimates.prefill_tokens_per_s = 2000
+    for i in range(32):
+        admit(s, ticket(f"bulk{i}", traffic_class=BULK, prompt=100, max_tokens=400))
+    step = s.poll(0.0)
+    assert len(step.started) == 4  # the floor at once, then one paced start
+    now, starts = 0.0, []
+    while s.running_count(BULK) < 32:
+        assert step.wake_at is not None and step.wake_at > now
+        now = step.wake_at
+        step = s.poll(now)
+        starts.append((now, len(step.started)))
+    assert all(count == 1 for _, count in starts)
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(starts)]
+    # Each start waits for a full step's headroom (20 ms less the step) at the step's pace.
+    assert min(gaps) > 0.004

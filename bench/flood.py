@@ -1,23 +1,30 @@
-"""Chat latency under a bulk flood: vLLM's own server (priority, FCFS) against Sluice.
+"""Chats under a bulk flood: Sluice against vLLM's own server (FCFS and priority), in one run.
 
-One command starts each server in turn on the same model, offers the same load, and reports,
-side by side, interactive TTFT p50/p99 and bulk tokens/s:
+One command starts each system in turn on the same model and the same engine settings, offers
+the same load, and reports side by side what a person chatting feels (time to first token, the
+median gap between tokens, the whole answer) and what the flood gets (bulk tokens/s):
 
-* bulk: `--bulk-streams` closed-loop streams (default 96), each asking for `--bulk-tokens`
-  (512) tokens with `ignore_eos`, marked bulk (Sluice: `X-Traffic-Class: bulk`; vLLM priority
-  mode: `priority: 10`), a new request as soon as the previous one ends;
-* interactive: chats arriving as a Poisson process at `--chat-rate` per second (4), each for
-  `--chat-tokens` (32) tokens (vLLM priority mode: `priority: -10`).
+* idle: Sluice with chats only, no bulk. Its TTFT p99 and median gap set the SLO the others are
+  judged by: a chat meets it when its TTFT is at most `--slo-factor` (3) times the idle TTFT p99
+  and the median of its own gaps at most 3 times the idle median gap;
+* bulk: `--bulk-streams` closed-loop streams (96), each asking for `--bulk-tokens` (512) with
+  `ignore_eos`, marked bulk (Sluice: `X-Traffic-Class: bulk`; vLLM priority: `priority: 10`), a
+  new request as soon as the previous one ends;
+* chats: a Poisson process at `--chat-rate` per second (4), each for `--chat-tokens` (32),
+  read to the end (vLLM priority: `priority: -10`).
 
 The bulk flood runs in its own process and counts tokens without parsing JSON, so the chat
-client's stopwatch measures the server, not a load generator busy with 96 streams.
+client's stopwatch measures the server, not a load generator busy with 96 streams. Only what
+starts in the measurement window (after `--warmup` seconds, for `--duration` seconds) counts.
+Gaps are between streamed content chunks (one token each for these servers).
 
-Only what happens in the measurement window (after `--warmup` seconds, for `--duration`
-seconds) counts. Tokens are counted as streamed content chunks (one per token for these
-servers). Usage:
+`--variant 'LABEL=YAML'` (repeatable) adds a Sluice run with that scheduler configuration, and
+`--tradeoff` adds a ladder of interactive gap targets: bulk tokens/s against chat end-to-end
+time as the target varies. Usage:
 
-    python bench/flood.py                                    # all three, on the demo model
-    python bench/flood.py --systems sluice --duration 5 --bulk-streams 4
+    python bench/flood.py                                  # idle, vLLM FCFS, vLLM priority, Sluice
+    python bench/flood.py --tradeoff                       # ... and the trade-off curve
+    python bench/flood.py --systems idle,sluice --duration 5 --bulk-streams 4
 """
 
 from __future__ import annotations
@@ -25,28 +32,46 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 SERVED_NAME = "sluice-demo"
-SYSTEMS = ("vllm-priority", "vllm-fcfs", "sluice")
+SYSTEMS = ("idle", "vllm-fcfs", "vllm-priority", "sluice")
+# The gap targets of --tradeoff, as multiples of the idle step time (Sluice's itl_factor).
+TRADEOFF_ITL_FACTORS = (1.5, 2.0, 5.0, 10.0)
+
+
+@dataclass
+class Chat:
+    ttft_s: float
+    gaps_s: list[float]
+    total_s: float
+
+    @property
+    def median_gap_s(self) -> float | None:
+        return statistics.median(self.gaps_s) if self.gaps_s else None
 
 
 @dataclass
 class Measurements:
     window_start: float = 0.0
     window_end: float = float("inf")
-    chat_ttft_s: list[float] = field(default_factory=list)
+    chats: list[Chat] = field(default_factory=list)
     chat_failures: int = 0
     bulk_tokens: int = 0
     bulk_failures: int = 0
@@ -55,14 +80,30 @@ class Measurements:
         return self.window_start <= t < self.window_end
 
 
-def server_command(system: str, args: argparse.Namespace, port: int) -> list[str]:
-    if system == "sluice":
+@dataclass(frozen=True)
+class System:
+    name: str  # the row's label
+    kind: str  # idle | vllm-fcfs | vllm-priority | sluice
+    sluice_config: dict[str, Any] | None = None
+
+    @property
+    def bulk(self) -> bool:
+        return self.kind != "idle"
+
+    @property
+    def is_sluice(self) -> bool:
+        return self.kind in ("idle", "sluice")
+
+
+def server_command(system: System, args: argparse.Namespace, port: int,
+                   config_path: str | None) -> list[str]:
+    if system.is_sluice:
         command = [sys.executable, "-m", "server.cli", "serve", "--engine", args.sluice_engine,
                    "--model", args.model, "--served-model-name", SERVED_NAME, "--port", str(port)]
-        if args.sluice_config:
-            command += ["--config", args.sluice_config]
+        if config_path:
+            command += ["--config", config_path]
         return command
-    policy = "priority" if system == "vllm-priority" else "fcfs"
+    policy = "priority" if system.kind == "vllm-priority" else "fcfs"
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
             "--served-model-name", SERVED_NAME, "--port", str(port),
             "--scheduling-policy", policy, *args.vllm_arg]
@@ -82,42 +123,25 @@ async def wait_ready(
     raise RuntimeError("server not ready in time")
 
 
-def request_body(system: str, max_tokens: int, bulk: bool, text: str) -> tuple[dict, dict]:
+def request_body(kind: str, max_tokens: int, bulk: bool, text: str) -> tuple[dict, dict]:
     body: dict[str, Any] = {
         "model": SERVED_NAME, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
         "messages": [{"role": "user", "content": text}],
     }
     headers: dict[str, str] = {}
-    if system == "vllm-priority":
+    if kind == "vllm-priority":
         body["priority"] = 10 if bulk else -10
-    elif system == "sluice" and bulk:
+    elif kind == "sluice" and bulk:
         headers["X-Traffic-Class"] = "bulk"
     return body, headers
 
 
-async def stream_tokens(client: httpx.AsyncClient, body: dict, headers: dict):
-    """Yield once per streamed content chunk."""
-    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(str(chunk["error"]))
-            for choice in chunk.get("choices", ()):
-                if (choice.get("delta") or {}).get("content"):
-                    yield
-
-
-async def bulk_stream(client, system, args, window: tuple[float, float], counts: dict) -> None:
+async def bulk_stream(client, kind, args, window: tuple[float, float], counts: dict) -> None:
     """One closed-loop bulk stream. Tokens are counted from raw lines (no JSON parsing) so the
     load generator stays cheap; times are wall-clock (the window is shared across processes)."""
     start, end = window
     while time.time() < end:
-        body, headers = request_body(system, args.bulk_tokens, True, "summarise the report " * 8)
+        body, headers = request_body(kind, args.bulk_tokens, True, "summarise the report " * 8)
         try:
             async with client.stream("POST", "/v1/chat/completions", json=body,
                                      headers=headers) as r:
@@ -136,46 +160,62 @@ async def bulk_stream(client, system, args, window: tuple[float, float], counts:
             await asyncio.sleep(0.1)  # back off before reopening a refused stream
 
 
-async def _bulk_load(system, args, port, window, counts) -> None:
+async def _bulk_load(kind, args, port, window, counts) -> None:
     limits = httpx.Limits(max_connections=args.bulk_streams + 8)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
                                  timeout=httpx.Timeout(600.0)) as client:
-        await asyncio.gather(*(bulk_stream(client, system, args, window, counts)
+        await asyncio.gather(*(bulk_stream(client, kind, args, window, counts)
                                for _ in range(args.bulk_streams)))
 
 
-def bulk_load_process(system, args, port, window, results) -> None:
+def bulk_load_process(kind, args, port, window, results) -> None:
     """The bulk flood, in its own process so that its work cannot delay the chat client."""
     counts = {"tokens": 0, "failures": 0}
-    asyncio.run(_bulk_load(system, args, port, window, counts))
+    asyncio.run(_bulk_load(kind, args, port, window, counts))
     results.put(counts)
 
 
-async def one_chat(client, system, args, m: Measurements) -> None:
-    body, headers = request_body(system, args.chat_tokens, False, "hello, how are you today?")
+async def one_chat(client, kind, args, m: Measurements) -> None:
+    body, headers = request_body(kind, args.chat_tokens, False, "hello, how are you today?")
     started = time.monotonic()
+    stamps: list[float] = []
     try:
-        async for _ in stream_tokens(client, body, headers):
-            if m.in_window(started):
-                m.chat_ttft_s.append(time.monotonic() - started)
-            break  # TTFT is all we measure; closing the stream cancels the rest
+        async with client.stream("POST", "/v1/chat/completions", json=body,
+                                 headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(str(chunk["error"]))
+                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", ())):
+                    stamps.append(time.monotonic())
+        if not stamps:
+            raise RuntimeError("no content")
     except (httpx.HTTPError, RuntimeError):
         if m.in_window(started):
             m.chat_failures += 1
+        return
+    if m.in_window(started):
+        gaps = [b - a for a, b in itertools.pairwise(stamps)]
+        m.chats.append(Chat(stamps[0] - started, gaps, stamps[-1] - started))
 
 
-async def chat_arrivals(client, system, args, m: Measurements, stop: asyncio.Event) -> None:
+async def chat_arrivals(client, kind, args, m: Measurements, stop: asyncio.Event) -> None:
     rng = random.Random(args.seed)
     chats: set[asyncio.Task] = set()
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), rng.expovariate(args.chat_rate))
         if not stop.is_set():
-            task = asyncio.create_task(one_chat(client, system, args, m))
+            task = asyncio.create_task(one_chat(client, kind, args, m))
             chats.add(task)
             task.add_done_callback(chats.discard)
-    for task in list(chats):
-        task.cancel()
+    if chats:  # let the chats that started in the window finish
+        await asyncio.wait(chats, timeout=60)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -185,66 +225,165 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-async def measure(system: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
-    env = {**os.environ, "SLUICE_API_KEYS": ""} if system == "sluice" else dict(os.environ)
-    quiet = not args.verbose
+async def measure(system: System, args: argparse.Namespace, port: int,
+                  config_path: str | None, log: Any) -> Measurements:
+    env = {**os.environ, "SLUICE_API_KEYS": ""} if system.is_sluice else dict(os.environ)
     process = await asyncio.create_subprocess_exec(
-        *server_command(system, args, port), env=env,
-        stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.STDOUT if quiet else None)
+        *server_command(system, args, port, config_path), env=env,
+        stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, process_group=0)
     limits = httpx.Limits(max_connections=args.bulk_streams + 256)
+    m = Measurements()
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
                                      timeout=httpx.Timeout(600.0)) as client:
             await wait_ready(client, process, args.ready_timeout)
-            m = Measurements()
             now, wall = time.monotonic(), time.time()
             m.window_start, m.window_end = now + args.warmup, now + args.warmup + args.duration
             window = (wall + args.warmup, wall + args.warmup + args.duration)
-            context = multiprocessing.get_context("spawn")
-            results = context.Queue()
-            bulk = context.Process(target=bulk_load_process,
-                                   args=(system, args, port, window, results))
-            bulk.start()
+            bulk = None
+            if system.bulk:
+                context = multiprocessing.get_context("spawn")
+                results = context.Queue()
+                bulk = context.Process(target=bulk_load_process,
+                                       args=(system.kind, args, port, window, results))
+                bulk.start()
             stop = asyncio.Event()
-            chats = asyncio.create_task(chat_arrivals(client, system, args, m, stop))
+            chats = asyncio.create_task(chat_arrivals(client, system.kind, args, m, stop))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.warmup + args.duration)
             stop.set()
-            await asyncio.gather(chats, return_exceptions=True)
-            counts = await asyncio.to_thread(results.get, True, 120)
-            bulk.join(30)
-            m.bulk_tokens, m.bulk_failures = counts["tokens"], counts["failures"]
+            await chats
+            if bulk is not None:
+                counts = await asyncio.to_thread(results.get, True, 120)
+                bulk.join(30)
+                m.bulk_tokens, m.bulk_failures = counts["tokens"], counts["failures"]
     finally:
+        await stop_group(process)
+    return m
+
+
+async def stop_group(process: asyncio.subprocess.Process) -> None:
+    """SIGINT to the server's process group, then wait until every process in it (vLLM's
+    engine processes too) is gone, so that none of it runs into the next system's run."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
         if process.returncode is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(process.wait(), 30)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-    ms = [1000 * t for t in m.chat_ttft_s]
-    return {
-        "system": system,
-        "chats_measured": len(ms),
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), 0.5)
+        else:
+            await asyncio.sleep(0.5)  # the engine's processes outlive the server by seconds
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    await process.wait()
+
+
+def run_system(system: System, args: argparse.Namespace) -> Measurements:
+    """One system's run: its configuration file and log around `measure`."""
+    with contextlib.ExitStack() as stack:
+        config_path = None
+        if system.sluice_config:
+            config_file = stack.enter_context(
+                tempfile.NamedTemporaryFile("w", suffix=".yaml"))
+            yaml.safe_dump(system.sluice_config, config_file)
+            config_file.flush()
+            config_path = config_file.name
+        log = None
+        if args.log_dir:
+            log = stack.enter_context((Path(args.log_dir) / f"{system.name}.log").open("wb"))
+        return asyncio.run(measure(system, args, args.port, config_path, log))
+
+
+def summarise(system: System, m: Measurements, args: argparse.Namespace,
+              slo: tuple[float, float] | None) -> dict[str, Any]:
+    ms = 1000.0
+    ttfts = [c.ttft_s * ms for c in m.chats]
+    gaps = [g * ms for c in m.chats for g in c.gaps_s]
+    row: dict[str, Any] = {
+        "system": system.name,
+        "chats": len(m.chats),
         "chat_failures": m.chat_failures,
-        "chat_ttft_p50_ms": percentile(ms, 0.5),
-        "chat_ttft_p99_ms": percentile(ms, 0.99),
-        "bulk_tokens_per_s": round(m.bulk_tokens / args.duration, 1),
-        "bulk_failures": m.bulk_failures,
+        "ttft_p50_ms": percentile(ttfts, 0.5),
+        "ttft_p99_ms": percentile(ttfts, 0.99),
+        "gap_p50_ms": percentile(gaps, 0.5),
+        "chat_median_gap_p99_ms": percentile(
+            [c.median_gap_s * ms for c in m.chats if c.median_gap_s is not None], 0.99),
+        "e2e_p50_ms": percentile([c.total_s * ms for c in m.chats], 0.5),
+        "e2e_p99_ms": percentile([c.total_s * ms for c in m.chats], 0.99),
+        "bulk_tokens_per_s": round(m.bulk_tokens / args.duration, 1) if system.bulk else None,
+        "bulk_failures": m.bulk_failures if system.bulk else None,
+        "within_slo": None,
     }
+    if slo is not None:
+        ttft_limit, gap_limit = slo
+        met = sum(1 for c in m.chats if c.ttft_s <= ttft_limit
+                  and (c.median_gap_s is None or c.median_gap_s <= gap_limit))
+        total = len(m.chats) + m.chat_failures
+        row["within_slo"] = round(met / total, 4) if total else None
+    return row
+
+
+def idle_slo(m: Measurements, factor: float) -> tuple[float, float]:
+    """(TTFT limit, median-gap limit) in seconds: `factor` x the idle TTFT p99 and median gap."""
+    ttft_p99 = percentile([c.ttft_s for c in m.chats], 0.99)
+    gap_p50 = percentile([g for c in m.chats for g in c.gaps_s], 0.5)
+    if ttft_p99 is None or gap_p50 is None:
+        raise RuntimeError("the idle run measured no chats; the SLO cannot be set")
+    return factor * ttft_p99, factor * gap_p50
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     def cell(value: Any) -> str:
-        return "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+        if value is None:
+            return "-"
+        return f"{value:.1f}" if isinstance(value, float) else str(value)
 
-    header = ["system", "chat TTFT p50 ms", "chat TTFT p99 ms", "chats", "chat errors",
-              "bulk tok/s", "bulk errors"]
-    keys = ["system", "chat_ttft_p50_ms", "chat_ttft_p99_ms", "chats_measured",
-            "chat_failures", "bulk_tokens_per_s", "bulk_failures"]
-    lines = [" | ".join(header), " | ".join("---" for _ in header)]
-    lines += [" | ".join(cell(row[k]) for k in keys) for row in rows]
+    columns = [
+        ("system", "system"), ("chats", "chats"), ("chat_failures", "chat errors"),
+        ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+        ("gap_p50_ms", "gap p50 ms"), ("e2e_p50_ms", "chat e2e p50 ms"),
+        ("e2e_p99_ms", "chat e2e p99 ms"), ("within_slo", "chats within SLO"),
+        ("bulk_tokens_per_s", "bulk tok/s"), ("bulk_vs_fcfs", "bulk / vLLM FCFS"),
+    ]
+    lines = [" | ".join(title for _, title in columns),
+             " | ".join("---" for _ in columns)]
+    for row in rows:
+        values = dict(row)
+        if values.get("within_slo") is not None:
+            values["within_slo"] = f"{100 * values['within_slo']:.1f}%"
+        if values.get("bulk_vs_fcfs") is not None:
+            values["bulk_vs_fcfs"] = f"{values['bulk_vs_fcfs']:.2f}x"
+        lines.append(" | ".join(cell(values.get(key)) for key, _ in columns))
     return "\n".join(lines)
+
+
+def parse_variant(text: str) -> System:
+    label, sep, raw = text.partition("=")
+    config = yaml.safe_load(raw) if sep else None
+    if not label or not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"--variant expects LABEL=YAML mapping, got {text!r}")
+    return System(f"sluice[{label}]", "sluice", config)
+
+
+def plan(args: argparse.Namespace) -> list[System]:
+    systems = [System(name, name) for name in args.systems.split(",") if name.strip()]
+    unknown = {s.kind for s in systems} - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems: {sorted(unknown)}")
+    systems += args.variant
+    if args.tradeoff:
+        systems += [System(f"sluice[itl x{f:g}]", "sluice", {"slo": {"itl_factor": f}})
+                    for f in TRADEOFF_ITL_FACTORS]
+        systems.append(System("sluice[no cap]", "sluice", {"slo": {"cap_bulk": False}}))
+    if any(s.bulk for s in systems) and not any(s.kind == "idle" for s in systems):
+        systems.insert(0, System("idle", "idle"))  # the SLO is relative to it
+    return sorted(systems, key=lambda s: s.kind != "idle")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -252,22 +391,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help="model path (default: the demo model, built on first use)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
+    p.add_argument("--variant", action="append", default=[], type=parse_variant,
+                   metavar="LABEL=YAML", help="another Sluice run with this configuration")
+    p.add_argument("--tradeoff", action="store_true",
+                   help=f"add Sluice runs at gap targets of {TRADEOFF_ITL_FACTORS} x the idle "
+                   "step, and one without the bulk cap")
     p.add_argument("--bulk-streams", type=int, default=96)
     p.add_argument("--bulk-tokens", type=int, default=512)
     p.add_argument("--chat-rate", type=float, default=4.0, help="chats per second (Poisson)")
     p.add_argument("--chat-tokens", type=int, default=32)
+    p.add_argument("--slo-factor", type=float, default=3.0,
+                   help="a chat meets the SLO within this multiple of the idle TTFT p99 and "
+                   "median gap")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
     p.add_argument("--duration", type=float, default=60.0, help="seconds measured")
     p.add_argument("--port", type=int, default=8111)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=900.0)
-    p.add_argument("--sluice-config", default=None, help="YAML for Sluice's scheduler")
     p.add_argument("--sluice-engine", default="vllm", choices=("vllm", "sim"),
                    help="Sluice's engine; 'sim' only to smoke-test this script without a model")
     p.add_argument("--vllm-arg", action="append", default=[],
                    help="extra argument for vLLM's server, e.g. --vllm-arg=--max-model-len=2048")
+    p.add_argument("--log-dir", default=None, help="keep each server's output here")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--verbose", action="store_true", help="show the servers' output")
     return p.parse_args(argv)
 
 
@@ -281,12 +427,23 @@ def main(argv: list[str] | None = None) -> int:
         from server.cli import DEFAULT_CACHE
 
         args.model = str(build_demo_model(DEFAULT_CACHE / "demo-model"))
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        print(f"unknown systems: {sorted(unknown)}", file=sys.stderr)
-        return 2
-    rows = [asyncio.run(measure(system, args, args.port)) for system in systems]
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    slo: tuple[float, float] | None = None
+    for system in plan(args):
+        m = run_system(system, args)
+        if system.kind == "idle":
+            slo = idle_slo(m, args.slo_factor)
+        rows.append(summarise(system, m, args, slo))
+        print(f"# {system.name}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    fcfs = next((r["bulk_tokens_per_s"] for r in rows if r["system"] == "vllm-fcfs"), None)
+    for row in rows:
+        if fcfs and row["bulk_tokens_per_s"] is not None:
+            row["bulk_vs_fcfs"] = round(row["bulk_tokens_per_s"] / fcfs, 3)
+    if slo is not None:
+        print(f"SLO: TTFT <= {1000 * slo[0]:.1f} ms and median gap <= {1000 * slo[1]:.2f} ms "
+              f"({args.slo_factor:g} x the idle TTFT p99 and median gap)")
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
 

@@ -75,6 +75,7 @@ class Measurements:
     chat_failures: int = 0
     bulk_tokens: int = 0
     bulk_failures: int = 0
+    samples: dict[str, list[float]] = field(default_factory=dict)  # Sluice's gauges, sampled
 
     def in_window(self, t: float) -> bool:
         return self.window_start <= t < self.window_end
@@ -218,6 +219,26 @@ async def chat_arrivals(client, kind, args, m: Measurements, stop: asyncio.Event
         await asyncio.wait(chats, timeout=60)
 
 
+# Sluice gauges sampled through the window: what the bulk cap allowed and what bulk ran.
+SAMPLED = {
+    "bulk_cap": "sluice_bulk_cap_sequences{",
+    "bulk_running": 'sluice_running_requests{model="sluice-demo",traffic_class="bulk"}',
+}
+
+
+async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        if m.in_window(time.monotonic()):
+            with contextlib.suppress(httpx.HTTPError):
+                text = (await client.get("/metrics", timeout=2.0)).text
+                for line in text.splitlines():
+                    for key, prefix in SAMPLED.items():
+                        if line.startswith(prefix):
+                            m.samples.setdefault(key, []).append(float(line.rsplit(" ", 1)[1]))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -249,10 +270,14 @@ async def measure(system: System, args: argparse.Namespace, port: int,
                 bulk.start()
             stop = asyncio.Event()
             chats = asyncio.create_task(chat_arrivals(client, system.kind, args, m, stop))
+            sampler = (asyncio.create_task(sample_gauges(client, m, stop))
+                       if system.kind == "sluice" else None)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.warmup + args.duration)
             stop.set()
             await chats
+            if sampler is not None:
+                await sampler
             if bulk is not None:
                 counts = await asyncio.to_thread(results.get, True, 120)
                 bulk.join(30)
@@ -319,6 +344,8 @@ def summarise(system: System, m: Measurements, args: argparse.Namespace,
         "bulk_tokens_per_s": round(m.bulk_tokens / args.duration, 1) if system.bulk else None,
         "bulk_failures": m.bulk_failures if system.bulk else None,
         "within_slo": None,
+        **{f"{key}_mean": round(statistics.fmean(values), 1)
+           for key, values in m.samples.items() if values},
     }
     if slo is not None:
         ttft_limit, gap_limit = slo

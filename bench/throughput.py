@@ -5,7 +5,10 @@ Both servers run the demo model with the same engine settings. vLLM's own benchm
 streams) drives each in turn, alternating runs, and the medians are compared:
 output tokens/s (goal: Sluice >= 1.05x vLLM), and TTFT and ITL p50 (goal: no worse).
 
-    python bench/throughput.py [--rounds 5] [--num-prompts 512]
+    python bench/throughput.py [--rounds 5] [--num-prompts 512] [--traffic-class bulk]
+
+With `--traffic-class bulk` every request carries `X-Traffic-Class: bulk` (vLLM's server
+ignores the header): pure bulk, which Sluice runs under its bulk cap and up to the knee.
 
 Both servers are up for the whole benchmark (idle while the other is measured) so start-up
 cost is paid once; results go to bench/results/throughput-*.json and a summary is printed.
@@ -61,7 +64,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def bench_once(base_url: str, model_path: Path, num_prompts: int, concurrency: int,
-               result_name: str) -> dict:
+               result_name: str, traffic_class: str) -> dict:
     RESULTS.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, str(ROOT / "bench" / "vllm_bench_client.py"),
@@ -72,6 +75,7 @@ def bench_once(base_url: str, model_path: Path, num_prompts: int, concurrency: i
         "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(RESULTS),
         "--result-filename", result_name, "--disable-tqdm",
+        "--header", f"X-Traffic-Class={traffic_class}",
     ]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return json.loads((RESULTS / result_name).read_text())
@@ -84,6 +88,8 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--warmup-prompts", type=int, default=128)
+    parser.add_argument("--traffic-class", choices=("interactive", "bulk"),
+                        default="interactive", help="Sluice's class for every request")
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -113,13 +119,14 @@ def main() -> int:
     try:
         for name, (url, _, ready_path) in systems.items():
             wait_ready(url, procs[name], ready_path)
-            bench_once(url, model, args.warmup_prompts, args.concurrency, f"warmup-{name}.json")
+            bench_once(url, model, args.warmup_prompts, args.concurrency, f"warmup-{name}.json",
+                       args.traffic_class)
         for round_no in range(args.rounds):
             order = list(systems) if round_no % 2 == 0 else list(reversed(systems))
             for name in order:
                 url = systems[name][0]
                 result = bench_once(url, model, args.num_prompts, args.concurrency,
-                                    f"throughput-{name}-{round_no}.json")
+                                    f"throughput-{name}-{round_no}.json", args.traffic_class)
                 runs[name].append(result)
                 print(f"round {round_no} {name:6s}: {result['output_throughput']:8.0f} tok/s  "
                       f"TTFT p50 {result['p50_ttft_ms']:7.1f} ms  "

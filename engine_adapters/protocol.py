@@ -67,12 +67,15 @@ class TokenDelta:
     `token_ids` may hold several tokens when the consumer fell behind the engine; `text` is
     their detokenized text (possibly empty while a multi-byte character is incomplete).
     `finish_reason` is set on the last delta only: "stop", "length" or "abort".
+    `num_cached_tokens`, on the first delta, is how many prompt tokens the engine found in its
+    prefix cache (None when it does not say).
     """
 
     text: str
     token_ids: Sequence[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ class _Stream:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: BaseException | None = None
+    num_cached_tokens: int | None = None  # until the first delta takes it
 
 
 class SimEngine:
@@ -170,7 +171,9 @@ class SimEngine:
                     raise stream.error
                 token_ids, stream.token_ids = stream.token_ids, []
                 finish = stream.finish_reason
-                yield TokenDelta(detokenize(token_ids), token_ids, finish_reason=finish)
+                cached, stream.num_cached_tokens = stream.num_cached_tokens, None
+                yield TokenDelta(detokenize(token_ids), token_ids, finish_reason=finish,
+                                 num_cached_tokens=cached)
                 if finish is not None:
                     return
         finally:
@@ -216,6 +219,8 @@ class SimEngine:
                 continue  # aborted while the step ran
             stream.token_ids.extend(output.token_ids)
             stream.finish_reason = output.finish_reason
+            if output.num_cached_tokens is not None:
+                stream.num_cached_tokens = output.num_cached_tokens
             stream.ready.set()
 
     def _die(self, error: EngineDeadError) -> None:

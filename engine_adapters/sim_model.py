@@ -25,6 +25,11 @@ The model, one step at a time (`SimConfig` holds every parameter):
 3. If nothing was preempted this step, waiting sequences are admitted in FCFS order while
    `len(running) < max_num_seqs`, budget is left and the blocks for their first chunk fit; the
    first that does not fit blocks the ones behind it.
+   Prefix caching (as vLLM's, on by default): every full block a sequence computes is kept,
+   addressed by its content (the hash chain of its tokens), in an LRU of up to `kv_blocks`
+   blocks that outlives the sequence. A sequence admitted with computed = 0 (new, resumed, or
+   recomputing after preemption) starts from its longest cached prefix of whole blocks, and
+   computes at least its last token.
 4. Every sequence whose tokens are all computed after the step samples one new token. It
    finishes with "length" at `max_tokens` generated or `max_model_len` total tokens, otherwise
    with "stop" with probability `eos_probability` once it has `min_tokens` (and never with
@@ -47,7 +52,7 @@ import hashlib
 import logging
 import random
 import re
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -131,6 +136,7 @@ class SimConfig:
     max_model_len: int = 2048
     vocab_size: int = 2048
     eos_probability: float = 0.0
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if min(self.step_base_ms, self.decode_ms_per_token, self.prefill_ms_per_token) < 0:
@@ -194,6 +200,7 @@ class SequenceOutput:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
+    num_cached_tokens: int | None = None  # on a sequence's first output: its cached prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +225,9 @@ class _Sequence:
     prefill_until: int = 0  # tokens below this index are prefill; set on each admission
     blocks: int = 0
     finish_reason: str | None = None
+    cached_blocks: int = 0  # of its full blocks, those entered in the prefix cache
+    block_hash: int = 0  # the hash chain up to them
+    cache_hit: int = 0  # prompt tokens found in the prefix cache when first admitted
 
     @property
     def generated(self) -> int:
@@ -233,6 +243,7 @@ class SimTimingModel:
         self._running: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
         self._blocks_used = 0
+        self._prefix_cache: OrderedDict[int, None] = OrderedDict()  # block hashes, LRU
 
     @property
     def has_work(self) -> bool:
@@ -329,7 +340,11 @@ class SimTimingModel:
             not preempted and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs
         ):
             seq = self._waiting[0]
-            n = min(len(seq.tokens), budget)
+            if seq.computed == 0:
+                seq.computed = self._cached_prefix(seq)
+                if seq.generated == 0:
+                    seq.cache_hit = seq.computed
+            n = min(len(seq.tokens) - seq.computed, budget)
             if not self._allocate(seq, n):
                 break
             self._waiting.popleft()
@@ -345,9 +360,12 @@ class SimTimingModel:
             prefill_tokens += prefill
             decode_tokens += n - prefill
             seq.computed += n
+            self._cache_blocks(seq)
             if seq.computed == len(seq.tokens):
                 token = self._sample(seq)
-                outputs.append(SequenceOutput(seq.request_id, [token], seq.finish_reason))
+                outputs.append(SequenceOutput(
+                    seq.request_id, [token], seq.finish_reason,
+                    seq.cache_hit if seq.generated == 1 else None))
                 if seq.finish_reason is not None:
                     self._finish(seq)
 
@@ -359,6 +377,36 @@ class SimTimingModel:
         return StepResult(
             duration_ms / 1000.0, outputs, prefill_tokens, decode_tokens, tuple(preempted)
         )
+
+    def _cached_prefix(self, seq: _Sequence) -> int:
+        """Tokens of `seq` the prefix cache holds, in whole blocks, short of its last token."""
+        if not self.config.prefix_caching:
+            return 0
+        size = self.config.block_size
+        cache = self._prefix_cache
+        digest, blocks = 0, 0
+        while (blocks + 1) * size < len(seq.tokens):
+            digest = hash((digest, *seq.tokens[blocks * size:(blocks + 1) * size]))
+            if digest not in cache:
+                break
+            cache.move_to_end(digest)
+            blocks += 1
+        return blocks * size
+
+    def _cache_blocks(self, seq: _Sequence) -> None:
+        """Enter the full blocks `seq` has computed into the prefix cache."""
+        if not self.config.prefix_caching:
+            return
+        size = self.config.block_size
+        cache = self._prefix_cache
+        while (seq.cached_blocks + 1) * size <= seq.computed:
+            start = seq.cached_blocks * size
+            seq.block_hash = hash((seq.block_hash, *seq.tokens[start:start + size]))
+            cache[seq.block_hash] = None
+            cache.move_to_end(seq.block_hash)
+            seq.cached_blocks += 1
+        while len(cache) > self.config.kv_blocks:
+            cache.popitem(last=False)
 
     def _sample(self, seq: _Sequence) -> int:
         cfg = self.config

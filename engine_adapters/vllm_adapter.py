@@ -196,6 +196,7 @@ class VLLMEngine:
         stream = self._llm.generate(
             prompt, to_sampling_params(request.sampling), request.request_id
         )
+        first = True
         resumed = None
         if request.resumed_tokens:
             resumed = ResumedText(
@@ -217,7 +218,9 @@ class VLLMEngine:
                     token_ids=completion.token_ids,
                     finish_reason=completion.finish_reason if out.finished else None,
                     stop_reason=completion.stop_reason,
+                    num_cached_tokens=out.num_cached_tokens if first else None,
                 )
+                first = False
         except VLLMEngineDead as exc:
             raise EngineDeadError("vLLM engine died") from exc
         except ValueError as exc:  # vLLM's request validation

@@ -161,6 +161,13 @@ BULK_CAP = Gauge(
     "Bulk sequences allowed to run now (lower while chats run, the knee otherwise).",
     ["model"], registry=REGISTRY,
 )
+RESUMED_PREFILL_TOKENS = Counter(
+    "sluice_resumed_prefill_tokens",
+    "Prompt tokens the engine computed again to resume preempted requests (the rest of each "
+    "resumed prompt came from its prefix cache); with engine_aborts_total{reason=\"preempted\"}, "
+    "what a pause costs.",
+    ["model"], registry=REGISTRY,
+)
 KNEE = Gauge(
     "sluice_knee_sequences",
     "Learned concurrency past which more sequences add little throughput.",
@@ -202,5 +209,6 @@ def initialise(model: str, tenant_labels: tuple[str, ...] = ()) -> None:
     for tenant in tenant_labels:
         for outcome in OUTCOMES:
             TENANT_REQUESTS.labels(tenant, outcome)
+    RESUMED_PREFILL_TOKENS.labels(model)
     WORKER_FAILURES.labels(model)
     BATCH_RETRIES.labels(model)

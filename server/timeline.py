@@ -14,10 +14,8 @@ from typing import Any
 from server import metrics
 from server.access_log import AccessRecord, log_request, median
 from server.errors import SluiceError
+from server.scheduler.slo import slo_result
 from server.scheduler.types import Generation, SloTargets
-
-# Refusals that are the service's (capacity), not the tenant's own (key, class, quota).
-_CAPACITY_REFUSALS = frozenset({"overloaded", "deadline_unmeetable", "engine_unavailable"})
 
 
 def outcome_for(error: SluiceError) -> str:
@@ -28,31 +26,6 @@ def outcome_for(error: SluiceError) -> str:
     if error.status < 500:
         return "invalid"
     return "failed"
-
-
-def slo_result(
-    outcome: str, error: SluiceError | None, waited_s: float, ttft_s: float | None,
-    median_itl_s: float | None, targets: SloTargets | None,
-) -> tuple[str, str] | None:
-    """(result, reason) for sluice_slo_requests_total, or None when the request does not count:
-    invalid input, a tenant's own refusal (key, class, quota), or a client that left before
-    any target was broken. `targets` is None for a class without latency targets (bulk)."""
-    if outcome == "completed":
-        if targets is not None:
-            if ttft_s is not None and ttft_s > targets.ttft_s:
-                return ("missed", "ttft")
-            if median_itl_s is not None and median_itl_s > targets.itl_s:
-                return ("missed", "itl")
-        return ("met", "none")
-    if outcome in ("expired", "failed"):
-        return ("missed", outcome)
-    if outcome == "rejected" and error is not None and error.code in _CAPACITY_REFUSALS:
-        return ("missed", "refused")
-    if outcome == "cancelled" and targets is not None:
-        first_token_s = waited_s if ttft_s is None else ttft_s
-        if first_token_s > targets.ttft_s:  # it left after waiting longer than promised
-            return ("missed", "ttft")
-    return None
 
 
 @dataclass(slots=True)
@@ -148,7 +121,8 @@ class RequestTimeline:
             metrics.ENGINE_ABORTS.labels(model, reason).inc()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         median_itl = median(self.itl)
-        verdict = slo_result(outcome, error, now - self.arrival, ttft, median_itl, self.slo)
+        verdict = slo_result(outcome, error.code if error is not None else None,
+                             now - self.arrival, ttft, median_itl, self.slo)
         if verdict is not None:
             metrics.SLO_REQUESTS.labels(model, traffic_class, *verdict).inc()
         log_request(AccessRecord(

@@ -95,6 +95,94 @@ ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "Interactive SLO and the bulk cap",
+        (
+            Panel(
+                "SLO attainment",
+                "Share of ended requests that met their class's objective: interactive, completed "
+                "within the TTFT target and with its median gap within the inter-token target; "
+                "bulk, completed. Refusals for capacity and expiries count as misses; invalid "
+                "input and a tenant's own quota do not.",
+                (
+                    Target(
+                        "sum by (model, traffic_class) (rate(sluice_slo_requests_total"
+                        f'{{{CLASS_FILTER}, result="met"}}[$__rate_interval])) '
+                        "/ sum by (model, traffic_class) (rate(sluice_slo_requests_total"
+                        f"{{{CLASS_FILTER}}}[$__rate_interval]))",
+                        "{{traffic_class}} {{model}}",
+                    ),
+                ),
+                unit="percentunit",
+            ),
+            Panel(
+                "SLO misses by reason",
+                "Requests that missed their objective per second, by the first promise broken: "
+                "ttft, itl (median gap), refused, expired, failed.",
+                (
+                    Target(
+                        "sum by (traffic_class, reason) (rate(sluice_slo_requests_total"
+                        f'{{{CLASS_FILTER}, result="missed"}}[$__rate_interval]))',
+                        "{{reason}} ({{traffic_class}})",
+                    ),
+                ),
+                unit="reqps",
+            ),
+            Panel(
+                "Interactive latency against its targets",
+                "p99 time to first token and p50 inter-token latency of interactive requests, "
+                "with the targets in effect (a multiple of the idle engine unless set in ms).",
+                (
+                    Target(
+                        "histogram_quantile(0.99, sum by (le, model) (rate("
+                        f'sluice_time_to_first_token_seconds_bucket{{{MODEL_FILTER}, '
+                        'traffic_class="interactive"}[$__rate_interval])))',
+                        "TTFT p99 {{model}}",
+                    ),
+                    Target(
+                        "histogram_quantile(0.5, sum by (le, model) (rate("
+                        f'sluice_inter_token_latency_seconds_bucket{{{MODEL_FILTER}, '
+                        'traffic_class="interactive"}[$__rate_interval])))',
+                        "ITL p50 {{model}}",
+                    ),
+                    Target(
+                        f"max by (model, target) (sluice_slo_target_seconds{{{MODEL_FILTER}}})",
+                        "{{target}} target {{model}}",
+                    ),
+                ),
+                unit="s",
+            ),
+            Panel(
+                "Bulk cap, knee and running bulk",
+                "Bulk sequences allowed now (low while chats run, the knee otherwise), the "
+                "learned knee, and the bulk requests running.",
+                (
+                    Target(f"max by (model) (sluice_bulk_cap_sequences{{{MODEL_FILTER}}})",
+                           "cap {{model}}"),
+                    Target(f"max by (model) (sluice_knee_sequences{{{MODEL_FILTER}}})",
+                           "knee {{model}}"),
+                    Target(
+                        "sum by (model) (sluice_running_requests"
+                        f'{{{MODEL_FILTER}, traffic_class="bulk"}})',
+                        "running bulk {{model}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "Bulk preempted for chats",
+                "Running bulk requests stopped (and requeued as continuations) to keep chats "
+                "within their targets, per second.",
+                (
+                    Target(
+                        "sum by (model) (rate(sluice_engine_aborts_total"
+                        f'{{{MODEL_FILTER}, reason="preempted"}}[$__rate_interval]))',
+                        "{{model}}",
+                    ),
+                ),
+                unit="reqps",
+            ),
+        ),
+    ),
+    Row(
         "Throughput and outcomes",
         (
             Panel(
@@ -434,8 +522,9 @@ def build() -> dict[str, Any]:
     return {
         "title": "Sluice",
         "uid": "sluice-overview",
-        "description": "Sluice streaming token server: latency, throughput, queueing, budgets, "
-        "deadlines, cancellations and batching. Metrics are defined in server/metrics.py.",
+        "description": "Sluice streaming token server: latency, SLO attainment, the bulk cap, "
+        "throughput, queueing, budgets, deadlines, cancellations and batching. Metrics are "
+        "defined in server/metrics.py.",
         "tags": ["sluice", "llm"],
         "timezone": "browser",
         "editable": True,

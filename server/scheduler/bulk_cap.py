@@ -2,12 +2,13 @@
 
 One engine step serves every running sequence, so a chat's tokens arrive once per step, and a
 step over 96 sequences takes many times as long as a step over one. While interactive requests
-run or wait, bulk is capped so that the predicted step time stays within the interactive gap
-target: the most sequences whose step fits it (`StepTimes.within`), less the chats. When no chat
-has been about for `bulk_hold_s`, bulk may grow to the knee, the fewest sequences that reach
-`knee_share` of the best tokens/s seen, but not so far that one step would leave a chat that
-arrives in the middle of it less than its TTFT target. Bulk keeps `bulk_min_share` of that idle
-cap whatever the chats need, so it is never starved.
+run or wait (and for `bulk_hold_s` after the last one), bulk is capped so that the predicted
+step time stays within the interactive gap target: the most sequences whose step fits `AIM` of
+it (`StepTimes.within`), less the chats (at least one). Otherwise bulk may grow to the knee,
+the fewest sequences that reach `knee_share` of the best tokens/s seen, but not so far that
+one step would leave a chat that arrives in the middle of it less than its TTFT target.
+However many chats run, bulk keeps `bulk_min_share` of the sequences the gap target allows (at
+least one), so it is never starved. `PrefillPacer` bounds the bulk prefill one step takes in.
 
 The targets themselves are relative to the engine when nearly idle: the step time over one
 sequence and the time to first token of a request that found the engine (nearly) empty, both
@@ -24,6 +25,9 @@ from server.scheduler.types import SloTargets
 
 # The prompt of a typical chat, to guess the idle time to first token before one is observed.
 TYPICAL_CHAT_PROMPT_TOKENS = 64
+# The cap aims this far under the gap target: a chat arriving, a prefill in a step, spread
+# the steps around the aim, and the target is a limit, not a mean.
+AIM = 0.9
 
 
 class BulkCap:
@@ -69,16 +73,22 @@ class BulkCap:
         return max(1, min(self.knee(), within_ttft))
 
     def floor(self) -> int:
-        """What bulk keeps however many chats run: its minimum share of the idle cap."""
-        share = self._min_share * self.idle()
-        return max(1, math.floor(share)) if share > 0 else 0
+        """What bulk keeps however many chats run: its minimum share of the sequences the gap
+        target allows, and at least one (none if `bulk_min_share` is 0)."""
+        if self._min_share <= 0:
+            return 0
+        share = self._min_share * self._clamp(self._within_itl())
+        return max(1, math.floor(share))
 
     def with_chats(self, chats: int) -> int:
         """Bulk sequences allowed while `chats` interactive requests run or wait."""
         if not self._config.cap_bulk:
             return self._limit
-        within_itl = self._estimates.steps.within(self.targets().itl_s) - chats
+        within_itl = self._within_itl() - chats
         return max(self.floor(), min(self.idle(), self._clamp(within_itl)))
+
+    def _within_itl(self) -> float:
+        return self._estimates.steps.within(AIM * self.targets().itl_s)
 
     def _clamp(self, sequences: float) -> int:
         if sequences >= self._limit:
@@ -87,44 +97,49 @@ class BulkCap:
 
 
 class PrefillPacer:
-    """How much bulk prefill may enter the engine per step: a bucket of engine seconds that
-    holds one step's headroom (what the target leaves beyond the decode step) and refills once
-    per step. A start that needs more than the whole headroom goes when the bucket is full,
-    alone, so bulk always gets at least one start per step."""
+    """How much bulk prefill may enter the engine per step: a bucket that holds one step's
+    headroom (what the target leaves beyond the decode step) and refills over one step. It is
+    kept as a fraction of that headroom, so a headroom that changes (a chat arriving or
+    leaving) rescales it. A start that needs more than the whole headroom goes when the bucket
+    is full, alone: its step is longer by its prefill, and the next start waits for that step
+    and one more. It bounds what bulk adds to any one step, not bulk's share of the engine:
+    bulk must still be able to replace what finishes."""
 
     MIN_HEADROOM_SHARE = 0.1  # of the step, when the target leaves none
 
     def __init__(self) -> None:
-        self._credit_s = math.inf  # full, whatever the first capacity is
+        self._fill = 1.0  # share of one step's headroom available now
         self._at = -math.inf
-        self._capacity_s = math.inf
-        self._refill_per_s = 0.0
+        self._headroom_s = math.inf
+        self._step_s = 0.0
 
     def update(self, now: float, headroom_s: float, step_s: float) -> None:
-        """Refill up to `now` at the rate in force, then set the rate for what follows."""
-        self._refill(now)
-        self._capacity_s = max(headroom_s, self.MIN_HEADROOM_SHARE * step_s)
-        self._refill_per_s = self._capacity_s / step_s if step_s > 0 else math.inf
-        self._credit_s = min(self._credit_s, self._capacity_s)
+        """Refill up to `now` at the step time in force, then take the new headroom and step."""
+        if now > self._at:
+            if self._step_s > 0:
+                self._fill = min(1.0, self._fill + (now - self._at) / self._step_s)
+            self._at = now
+        self._headroom_s = max(headroom_s, self.MIN_HEADROOM_SHARE * step_s)
+        self._step_s = step_s
 
-    def _refill(self, now: float) -> None:
-        if now > self._at and self._refill_per_s > 0:
-            elapsed = now - self._at
-            self._credit_s = min(self._capacity_s, self._credit_s + elapsed * self._refill_per_s)
-        self._at = max(self._at, now)
+    # Fill reached through float arithmetic may fall short of a level by a few ulps: a start is
+    # allowed a millionth short, and `ready_at` aims at a billionth short, so that a poll at the
+    # time it names always finds the start allowed.
+    def _needed(self, prefill_s: float) -> float:
+        return min(1.0, prefill_s / self._headroom_s)
 
-    # Credit refilled through float arithmetic may fall short of a level by a few ulps: a start
-    # is allowed a millionth short, and `ready_at` aims at a billionth short, so that a poll at
-    # the time it names always finds the start allowed.
     def allows(self, prefill_s: float) -> bool:
-        return self._credit_s >= min(prefill_s, self._capacity_s) * (1.0 - 1e-6)
+        return self._fill >= self._needed(prefill_s) * (1.0 - 1e-6)
 
     def spend(self, prefill_s: float) -> None:
-        self._credit_s -= prefill_s
+        if prefill_s <= self._fill * self._headroom_s:
+            self._fill -= prefill_s / self._headroom_s
+        else:  # alone, in a step its prefill makes longer: wait for that step and one more
+            self._fill = -prefill_s / self._step_s if self._step_s > 0 else 0.0
 
     def ready_at(self, prefill_s: float) -> float:
         """When `allows(prefill_s)` turns true if nothing else changes."""
-        missing = min(prefill_s, self._capacity_s) * (1.0 - 1e-9) - self._credit_s
-        if missing <= 0:
+        missing = self._needed(prefill_s) * (1.0 - 1e-9) - self._fill
+        if missing <= 0 or self._step_s <= 0:
             return self._at
-        return self._at + missing / self._refill_per_s
+        return self._at + missing * self._step_s

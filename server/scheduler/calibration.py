@@ -1,15 +1,20 @@
-"""Start-up calibration: the engine's step time at several concurrencies, and its idle time to
-first token, measured before the server takes traffic.
+"""Start-up calibration: the engine's step time at several concurrencies, its prefill rate and
+its idle time to first token, measured before the server takes traffic.
 
 The interactive targets are relative to the engine when nearly idle, and the bulk cap reads the
 step time at each concurrency. Learned only online, a server that starts into a flood would
 never see its engine idle, and would meet its first chats with priors that fit no hardware. So
 the runtime runs a short probe first: one request to warm the engine up, then one request alone
-`SOLO_RUNS` times (the idle references are the median of those runs, so one disturbed run does
-not set them), then 2, 4, 8, ... requests together up to the sequence budget, each `tokens`
-long. A level's step time is the median gap between a stream's tokens (one gap per token), so
-the steps that prefill the other streams' prompts do not count. The online estimates go on
-from these values.
+`SOLO_RUNS` times, then 2, 4, 8, ... requests together up to the sequence budget, each `tokens`
+long, then one alone with a long prompt. The idle references are the fastest of the solo runs:
+on a shared machine interference only ever slows a run down, and one disturbed run would
+otherwise loosen every target. A level's step time is the median gap between a stream's tokens
+(one gap per token), so the steps that prefill the other streams' prompts do not count. The
+prefill rate is the long prompt's extra time to first token over the short one's. The online
+estimates go on from these values.
+
+`probe` drives a real engine; the simulator runs the same probe on its timing model in virtual
+time; `seed` turns either's timings into estimates.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from engine_adapters.protocol import EngineClient, GenerationRequest, SamplingOptions
@@ -27,14 +32,28 @@ from server.scheduler.estimates import RateEstimates
 logger = logging.getLogger("sluice.calibration")
 
 PROMPT = "Calibrating: one short prompt, about as long as a chat's first message."
-SOLO_RUNS = 3
+SOLO_RUNS = 5
+LONG_PROMPT_TOKENS = 512
+
+# One stream's timing: seconds to its first token, then the gap before each later token.
+StreamTiming = tuple[float, list[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What the probe measured."""
+
+    solo: list[StreamTiming]
+    together: dict[int, list[float]]  # concurrency -> every stream's gaps
+    short_prompt_tokens: int
+    long_prompt: tuple[int, float] | None  # (tokens, time to first token) of the long prompt
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
     idle_ttft_s: float
     step_s: dict[int, float]  # concurrency -> seconds per step
-    seconds: float  # how long the probe took
+    prefill_tokens_per_s: float | None
 
 
 def levels(max_sequences: int) -> list[int]:
@@ -47,57 +66,90 @@ def levels(max_sequences: int) -> list[int]:
     return out
 
 
+def long_prompt(prompt: list[int], max_model_len: int) -> list[int] | None:
+    length = min(LONG_PROMPT_TOKENS, max_model_len // 2)
+    if length <= 2 * len(prompt):
+        return None
+    return (prompt * (length // len(prompt) + 1))[:length]
+
+
+def stream_timing(sent: float, deltas: Iterable[tuple[float, int]]) -> StreamTiming:
+    """A stream's timing from (time, tokens) of each delta; the tokens of one delta share the
+    gap since the previous one."""
+    first: float | None = None
+    last = sent
+    gaps: list[float] = []
+    for at, count in deltas:
+        if count <= 0:
+            continue
+        if first is None:
+            first = at
+        else:
+            gaps.extend([(at - last) / count] * count)
+        last = at
+    return (first if first is not None else last) - sent, gaps
+
+
+def seed(estimates: RateEstimates, probe: Probe) -> Calibration:
+    """Seed `estimates` with what `probe` measured."""
+    ttft = min(t for t, _ in probe.solo)
+    step_s: dict[int, float] = {}
+    if all(gaps for _, gaps in probe.solo):
+        step_s[1] = min(statistics.median(gaps) for _, gaps in probe.solo)
+    for n, gaps in probe.together.items():
+        if gaps:
+            step_s[n] = statistics.median(gaps)
+    for n, step in sorted(step_s.items()):
+        estimates.steps.observe(n, step)
+    estimates.observe_idle_ttft(ttft)
+    rate = None
+    if probe.long_prompt is not None:
+        tokens, long_ttft = probe.long_prompt
+        if long_ttft > ttft:
+            rate = (tokens - probe.short_prompt_tokens) / (long_ttft - ttft)
+            estimates.prefill_tokens_per_s = rate
+    return Calibration(ttft, step_s, rate)
+
+
 async def calibrate(
     engine: EngineClient, estimates: RateEstimates, *, max_sequences: int, tokens: int = 16,
     clock: Callable[[], float] = time.monotonic,
 ) -> Calibration:
     """Probe the engine and seed `estimates` with what it showed."""
     started = clock()
-    prompt = engine.tokenize(PROMPT)
-    sampling = SamplingOptions(max_tokens=tokens, ignore_eos=True)
-    request = GenerationRequest("sluice-calibration", prompt, sampling)
-    await _stream(engine, replace(request, request_id="sluice-calibration-warmup"), clock)
-    solo = [await _stream(engine, replace(request, request_id=f"sluice-calibration-1-{i}"), clock)
-            for i in range(SOLO_RUNS)]
-    ttft = statistics.median(t for t, _ in solo)
-    step_s: dict[int, float] = {}
-    if all(gaps for _, gaps in solo):
-        step_s[1] = statistics.median(statistics.median(gaps) for _, gaps in solo)
-    for n in levels(max_sequences)[1:]:
-        results = await asyncio.gather(*(
-            _stream(engine, replace(request, request_id=f"sluice-calibration-{n}-{i}"), clock)
-            for i in range(n)))
-        gaps = [gap for _, stream_gaps in results for gap in stream_gaps]
-        if gaps:
-            step_s[n] = statistics.median(gaps)
-    for n, step in step_s.items():
-        estimates.steps.observe(n, step)
-    estimates.observe_idle_ttft(ttft)
-    result = Calibration(ttft, step_s, clock() - started)
+    result = seed(estimates, await probe(engine, max_sequences=max_sequences, tokens=tokens,
+                                         clock=clock))
     logger.info(
-        "engine calibrated in %.1fs: idle time to first token %.1f ms; step time %s",
-        result.seconds, 1000 * ttft,
-        ", ".join(f"{n}: {1000 * s:.1f} ms" for n, s in step_s.items()),
+        "engine calibrated in %.1fs: idle time to first token %.1f ms; prefill %s tokens/s; "
+        "step time %s", clock() - started, 1000 * result.idle_ttft_s,
+        "?" if result.prefill_tokens_per_s is None else f"{result.prefill_tokens_per_s:.0f}",
+        ", ".join(f"{n}: {1000 * s:.1f} ms" for n, s in result.step_s.items()),
     )
     return result
 
 
-async def _stream(
-    engine: EngineClient, request: GenerationRequest, clock: Callable[[], float]
-) -> tuple[float, list[float]]:
-    """One request's time to first token and its gaps between tokens (per token)."""
-    sent = clock()
-    first: float | None = None
-    last = sent
-    gaps: list[float] = []
-    async for delta in engine.generate(request):
-        now = clock()
-        count = len(delta.token_ids)
-        if count == 0:
-            continue
-        if first is None:
-            first = now
-        else:
-            gaps.extend([(now - last) / count] * count)
-        last = now
-    return (first if first is not None else last) - sent, gaps
+async def probe(
+    engine: EngineClient, *, max_sequences: int, tokens: int, clock: Callable[[], float],
+) -> Probe:
+    prompt = engine.tokenize(PROMPT)
+    request = GenerationRequest("sluice-calibration", prompt,
+                                SamplingOptions(max_tokens=tokens, ignore_eos=True))
+
+    async def run(request_id: str, prompt_ids: list[int] = prompt) -> StreamTiming:
+        sent = clock()
+        deltas = [(clock(), len(delta.token_ids)) async for delta in engine.generate(
+            replace(request, request_id=request_id, prompt_token_ids=prompt_ids))]
+        return stream_timing(sent, deltas)
+
+    await run("sluice-calibration-warmup")
+    solo = [await run(f"sluice-calibration-1-{i}") for i in range(SOLO_RUNS)]
+    together: dict[int, list[float]] = {}
+    for n in levels(max_sequences)[1:]:
+        timings = await asyncio.gather(*(run(f"sluice-calibration-{n}-{i}") for i in range(n)))
+        together[n] = [gap for _, gaps in timings for gap in gaps]
+    long_ids = long_prompt(prompt, engine.model.max_model_len)
+    long_result = None
+    if long_ids is not None:
+        long_ttft, _ = await run("sluice-calibration-prefill", long_ids)
+        long_result = (len(long_ids), long_ttft)
+    return Probe(solo, together, len(prompt), long_result)

@@ -15,13 +15,13 @@ the core's count of what it produced, and the rate estimates' input.
 
 Preemption has two causes and one mechanism. The bulk cap (`bulk_cap.py`) drops when chats
 arrive after a quiet spell: the bulk running beyond it stops at once, when the step time it
-causes is well over the gap target. And an interactive head that has waited
-`preempt_bulk_after_s` with no budget room stops just enough bulk to fit, never below bulk's
-minimum share. Victims are those cheapest to resume (the fewest tokens past their last full KV
-block, which an engine with prefix caching must compute again), then the most recently
+causes is over the gap target (the cap itself aims under it). And an interactive head that has
+waited `preempt_bulk_after_s` with no budget room stops just enough bulk to fit, never below
+bulk's minimum share. Victims are those cheapest to resume (the fewest tokens past their last
+full KV block, which an engine with prefix caching must compute again), then the most recently
 dispatched. The shell aborts their engine requests and calls `requeue`; the ticket returns to
-the front of its tenant's bulk line as a continuation (prompt plus generated tokens, the rest of
-max_tokens), keeping its arrival and deadline.
+the front of its tenant's bulk line as a continuation (prompt plus generated tokens, the rest
+of max_tokens), keeping its arrival and deadline.
 """
 
 from __future__ import annotations
@@ -52,11 +52,6 @@ RejectReason = Literal[
     "overloaded", "tenant_quota_exceeded", "deadline_unmeetable", "request_too_large"
 ]
 Stage = Literal["queued", "running"]
-
-# Bulk over the cap is preempted only when the step time it causes exceeds the gap target by
-# more than this share; closer than that, bulk ends by itself sooner than a resumed request
-# would repay the prefill it must redo.
-PREEMPT_SLACK = 0.2
 
 _ERRORS: dict[str, type[SluiceError]] = {
     "overloaded": Overloaded,
@@ -252,10 +247,12 @@ class SchedulerCore:
 
     def bulk_allowed(self, now: float) -> int:
         """Bulk sequences that may run now: capped while chats run or wait, and for
-        `bulk_hold_s` after the last one; the idle cap (the knee) otherwise."""
+        `bulk_hold_s` after the last one, leaving room for at least one chat (the next one
+        then starts within its gap target, with nothing to preempt); the idle cap (the knee)
+        otherwise."""
         hold_until = self._hold_until()
         if hold_until is None or now < hold_until:
-            return self.bulk_cap.with_chats(self._chats())
+            return self.bulk_cap.with_chats(max(1, self._chats()))
         return self.bulk_cap.idle()
 
     def _bulk_running(self) -> int:
@@ -331,6 +328,7 @@ class SchedulerCore:
         self._running_output_left += expected_output
         self._running_per_class[ticket.traffic_class] += 1
         self.estimates.running_changed(len(self._running), now)
+        self.estimates.prefill_dispatched(self._prefill_s(ticket))
         return ticket
 
     def _expire_due(self, now: float) -> list[Ticket]:
@@ -402,8 +400,10 @@ class SchedulerCore:
         excess = self._bulk_running() - self.bulk_allowed(now)
         if excess <= 0 or not self._chats():
             return []
+        # The cap aims under the target; between the two, bulk ends by itself sooner than a
+        # resumed request would repay the prefill it must redo.
         step = self.estimates.steps.at(len(self._running) - self._preempting)
-        if step <= (1.0 + PREEMPT_SLACK) * self.bulk_cap.targets().itl_s:
+        if step <= self.bulk_cap.targets().itl_s:
             return []
         return self._victims()[:excess]
 
@@ -467,7 +467,8 @@ class SchedulerCore:
             entry.first_token_at = now
             ticket = entry.ticket
             if not ticket.resumed_tokens:  # a continuation's prefix is mostly cached
-                self.estimates.observe_prefill(ticket.prompt_tokens, now - entry.dispatched_at)
+                self.estimates.observe_prefill(ticket.prompt_tokens, now - entry.dispatched_at,
+                                               entry.others_at_dispatch)
             if (ticket.traffic_class is TrafficClass.INTERACTIVE
                     and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS):
                 self.estimates.observe_idle_ttft(now - ticket.arrival)

@@ -22,10 +22,16 @@ from dataclasses import dataclass
 from server.config import EstimateConfig
 from server.scheduler.types import Ticket
 
-# Engine time (with sequences running at one concurrency level) per decode-step observation.
+# Engine time (with sequences running) per decode-step observation.
 STEP_WINDOW_S = 0.5
+# A window restarts when the running sequences move beyond this factor of its average.
+WINDOW_JUMP = 1.5
+# A window whose time was mostly prefill (an engine filling up) says little about decode steps.
+MIN_DECODE_SHARE = 0.5
 # Concurrency levels are grouped in half-octave bins (1, 1.4, 2, 2.8, 4, ... sequences).
 _BINS_PER_OCTAVE = 2
+# Prompts shorter than this do not update the prefill rate (see `observe_prefill`).
+PREFILL_SAMPLE_MIN_TOKENS = 256
 # A chat dispatched with at most this many other sequences running saw a nearly idle engine: its
 # time to first token is the idle reference the interactive SLO is relative to.
 NEARLY_IDLE_OTHERS = 1
@@ -117,11 +123,24 @@ class StepTimes:
 
 @dataclass(slots=True)
 class _Window:
-    """Engine time at one concurrency bin: busy seconds, sequence-seconds, tokens."""
+    """Engine time since the window opened: busy seconds, sequence-seconds, tokens, and the
+    prefill dispatched into it (engine seconds)."""
 
     busy_s: float = 0.0
     sequence_s: float = 0.0
     tokens: int = 0
+    prefill_s: float = 0.0
+
+    def concurrency(self) -> float:
+        return self.sequence_s / self.busy_s if self.busy_s > 0 else 0.0
+
+    def decode_step_s(self) -> float | None:
+        """Seconds per decode step: sequence-seconds per token, less what the prefills took
+        (every running sequence waited through them); None if prefill was most of it."""
+        decode_s = self.busy_s - self.prefill_s
+        if decode_s < MIN_DECODE_SHARE * self.busy_s or self.tokens == 0:
+            return None
+        return decode_s * self.concurrency() / self.tokens
 
 
 class RateEstimates:
@@ -132,12 +151,10 @@ class RateEstimates:
         self.output_fraction = 1.0  # generated tokens / max_tokens, of completed requests
         self.open_ended_output_tokens = config.open_ended_output_tokens
         self.idle_ttft_s: float | None = None  # arrival to first token on a nearly idle engine
-        # Engine time is measured in one window per concurrency bin, so that a window never
-        # blends two levels (a bulk cap that drops and rises mixes them every few seconds).
         self._running = 0
         self._changed_at: float | None = None
-        self._windows: dict[int, _Window] = {}
-        self._window = self._windows.setdefault(0, _Window())
+        self._window = _Window()
+        self._prefill_pending_s = 0.0  # dispatched, not yet run
 
     def _blend(self, old: float, new: float) -> float:
         return old + self._weight * (new - old)
@@ -147,8 +164,12 @@ class RateEstimates:
         """The number of running sequences is `running` from `now` on."""
         self._advance(now)
         self._running = running
-        key = concurrency_bin(running)
-        self._window = self._windows.get(key) or self._windows.setdefault(key, _Window())
+        level = self._window.concurrency()
+        if level and not level / WINDOW_JUMP <= running <= level * WINDOW_JUMP:
+            # A jump (a bulk cap falling from 96 sequences to 8, say): a window across it would
+            # blend two levels into a point that is neither. Small moves (chats coming and
+            # going) stay in one window, whose tokens and time then match.
+            self._window = _Window()
 
     def tokens_generated(self, tokens: int, now: float) -> None:
         """The engine produced `tokens` output tokens (across sequences) by `now`."""
@@ -157,23 +178,38 @@ class RateEstimates:
                 and self._changed_at is not None and now > self._changed_at):
             # The window closes before the time moves on, so it holds whole engine steps.
             # Sequence-seconds per token is the step time; busy time gives the concurrency.
-            self.steps.observe(window.sequence_s / window.busy_s,
-                               window.sequence_s / window.tokens)
-            window.busy_s = window.sequence_s = 0.0
-            window.tokens = 0
+            step = window.decode_step_s()
+            if step is not None:
+                self.steps.observe(window.concurrency(), step)
+            window = self._window = _Window()
         self._advance(now)
         window.tokens += tokens
+
+    def prefill_dispatched(self, seconds: float) -> None:
+        """A request was dispatched whose prefill will take the engine about `seconds`: its
+        step is that much longer for every sequence, and that is not decode time. It is
+        charged to the windows as engine time passes, where it runs."""
+        self._prefill_pending_s += seconds
 
     def _advance(self, now: float) -> None:
         if self._changed_at is not None and self._running > 0 and now > self._changed_at:
             elapsed = now - self._changed_at
             self._window.busy_s += elapsed
             self._window.sequence_s += elapsed * self._running
+            prefill = min(self._prefill_pending_s, elapsed)
+            self._window.prefill_s += prefill
+            self._prefill_pending_s -= prefill
         self._changed_at = now
 
-    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
-        if prompt_tokens > 0 and seconds > 0:
-            rate = prompt_tokens / seconds
+    def observe_prefill(self, prompt_tokens: int, seconds: float, others: int) -> None:
+        """A prompt's first token `seconds` after dispatch, its prefill sharing a step with
+        `others` decoding sequences. Only long prompts teach the rate: for a short one the
+        step it joined, and the one it waited for, are most of the time."""
+        if prompt_tokens < PREFILL_SAMPLE_MIN_TOKENS:
+            return
+        prefill_s = seconds - self.steps.at(others + 1)
+        if prefill_s > 0:
+            rate = prompt_tokens / prefill_s
             self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, rate)
 
     def observe_idle_ttft(self, ttft_s: float) -> None:

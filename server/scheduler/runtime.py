@@ -106,7 +106,7 @@ class RunningGeneration:
                             if self._must_yield_engine():
                                 break
                             return
-                        self._count(delta)
+                        self._count(delta, request)
                         yield delta
                 finally:
                     await deltas.aclose()  # type: ignore[attr-defined]
@@ -139,7 +139,10 @@ class RunningGeneration:
             self._waiting_on_engine = False
             del task  # (see _stream)
 
-    def _count(self, delta: TokenDelta) -> None:
+    def _count(self, delta: TokenDelta, request: GenerationRequest) -> None:
+        if request.resumed_tokens and delta.num_cached_tokens is not None:
+            metrics.RESUMED_PREFILL_TOKENS.labels(self._runtime.model_name).inc(
+                len(request.prompt_token_ids) - delta.num_cached_tokens)
         if delta.token_ids:
             self._runtime.core.generated(self._ticket.request_id, len(delta.token_ids),
                                          self._runtime.clock())

@@ -2,11 +2,16 @@
 on a virtual clock by the discrete-event loop.
 
 The same `SchedulerCore` as the server decides admission, dispatch and expiry; this shell only
-turns its decisions into events: an arrival submits, a dispatch adds the request to the
+applies each `Step` it returns: an arrival submits, a dispatch adds the request to the
 `SimTimingModel`, each engine step's outputs arrive `duration_s` later, a deadline expires a
 queued ticket or aborts a running one, and every ending releases the ticket in the core. A
 preempted bulk request is aborted in the model and requeued; it resumes under a new engine id,
-so outputs of the step that was running when it stopped are dropped.
+so outputs of the step that was running when it stopped are dropped. As the server calibrates
+on its engine, the simulator first runs the same probe on the timing model.
+
+Besides open arrivals, `add_bulk_streams` runs closed-loop bulk streams (each sends its next
+request when the previous one ends), the shape of the flood benchmark. Every request that ends
+gets the server's SLO verdict, against the targets in force when it arrived.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Iterable
@@ -22,11 +28,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from engine_adapters.sim_model import SimConfig, SimTimingModel, StepResult, add_sim_arguments
+from engine_adapters.sim_model import (
+    SPECIAL_TOKENS,
+    SimConfig,
+    SimTimingModel,
+    StepResult,
+    add_sim_arguments,
+    stable_hash,
+)
 from server.config import SluiceConfig, TenantConfig, load_config
 from server.scheduler.budgets import BudgetLimits
+from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
-from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.slo import slo_result
+from server.scheduler.types import SloTargets, Ticket, TrafficClass
 from server.simulation.continuous_workload import (
     RequestShape,
     WorkloadMix,
@@ -35,6 +50,7 @@ from server.simulation.continuous_workload import (
     poisson_mix,
 )
 from server.simulation.events import EventHandle, EventLoop
+from server.simulation.probe import probe_timing_model
 from server.simulation.workload import Arrival, TraceError, parse_trace
 
 
@@ -55,6 +71,19 @@ class Timeline:
     finished: float | None = None
     output_tokens: int = 0
     preemptions: int = 0
+    median_gap: float | None = None  # of its tokens' gaps, once completed
+    slo: str | None = None  # "met", "missed:<reason>", or None when it does not count
+
+
+@dataclass(frozen=True, slots=True)
+class BulkStreams:
+    """Closed-loop bulk streams: each sends its next request when the previous one ends."""
+
+    count: int
+    shape: RequestShape
+    until_s: float
+    tenant: str = "default"
+    retry_s: float = 0.1  # after a refusal
 
 
 class ContinuousSimulation:
@@ -66,8 +95,17 @@ class ContinuousSimulation:
             config.budgets, block_size=sim.block_size, num_blocks=sim.kv_blocks,
             max_model_len=sim.max_model_len, engine_max_seqs=sim.max_num_seqs,
         ))
+        if config.estimates.calibrate:
+            seed(self.core.estimates, probe_timing_model(
+                sim, max_sequences=self.core.ledger.limits.sequences))
         self.timelines: dict[str, Timeline] = {}
         self.peak_budget_in_use = dict.fromkeys(self.core.ledger.in_use(), 0)
+        self._targets: dict[str, SloTargets] = {}  # interactive requests' targets at arrival
+        self._gaps: dict[str, list[float]] = {}  # running requests' gaps so far
+        self._last_token_at: dict[str, float] = {}
+        self._tokens: dict[str, list[int]] = {}  # dispatched requests' prompt and output
+        self._streams: dict[str, int] = {}  # request id -> the bulk stream that sent it
+        self._bulk_streams: BulkStreams | None = None
         self._stepping = False
         self._wakeup: EventHandle | None = None
         self._running_deadlines: dict[str, EventHandle] = {}
@@ -78,6 +116,25 @@ class ContinuousSimulation:
     def add_arrivals(self, arrivals: Iterable[Arrival]) -> None:
         for arrival in arrivals:
             self.loop.call_at(arrival.time_s, partial(self._arrive, arrival))
+
+    def add_bulk_streams(self, streams: BulkStreams) -> None:
+        self._bulk_streams = streams
+        for n in range(streams.count):
+            self.loop.call_at(0.0, partial(self._next_in_stream, n, 0))
+
+    def _next_in_stream(self, stream: int, sequence: int) -> None:
+        streams = self._bulk_streams
+        assert streams is not None
+        now = self.loop.now
+        if now >= streams.until_s:
+            return
+        request_id = f"bulk{stream}.{sequence}"
+        self._streams[request_id] = stream
+        shape = streams.shape
+        self._arrive(Arrival(
+            request_id, now,
+            None if shape.deadline_s is None else now + shape.deadline_s,
+            TrafficClass.BULK, streams.tenant, shape.prompt_tokens, shape.max_tokens))
 
     def cancel_at(self, request_id: str, time_s: float) -> None:
         self.loop.call_at(time_s, partial(self._cancel, request_id))
@@ -96,10 +153,12 @@ class ContinuousSimulation:
                         arrival.prompt_tokens, arrival.max_tokens)
         timeline = Timeline(arrival.id, arrival.tenant, tc.value, now, deadline)
         self.timelines[arrival.id] = timeline
+        if tc is TrafficClass.INTERACTIVE:
+            self._targets[arrival.id] = self.core.bulk_cap.targets()
         decision = self.core.submit(ticket, now)
         if isinstance(decision, Rejected):
-            timeline.outcome, timeline.reason = "rejected", decision.reason
-            timeline.finished = now
+            timeline.reason = decision.reason
+            self._end(timeline, "rejected", None)
             return
         self._dispatch()
 
@@ -129,13 +188,23 @@ class ContinuousSimulation:
         timeline = self.timelines[rid]
         engine_id = rid if timeline.preemptions == 0 else f"{rid}~{timeline.preemptions}"
         self._engine_ids[rid], self._requests[engine_id] = engine_id, rid
-        self.model.add(engine_id, [7] * ticket.prompt_tokens, ticket.max_tokens,
-                       ignore_eos=True)
+        tokens = self._tokens.get(rid)
+        if tokens is None:  # its own prompt, so that the engine's prefix cache is honest
+            tokens = self._tokens[rid] = self._prompt(rid, ticket.prompt_tokens)
+        # A continuation's prompt is its first prompt and everything it generated since.
+        assert len(tokens) == ticket.prompt_tokens
+        self.model.add(engine_id, list(tokens), ticket.max_tokens, ignore_eos=True)
         if timeline.dispatched is None:
             timeline.dispatched = now
         timeline.outcome = "running"
         self._running_deadlines[rid] = self.loop.call_at(
             max(now, ticket.deadline), partial(self._running_deadline, rid))
+
+    def _prompt(self, request_id: str, length: int) -> list[int]:
+        first = len(SPECIAL_TOKENS)
+        span = self.model.config.vocab_size - first
+        offset = stable_hash(request_id)
+        return [first + (offset + i) % span for i in range(length)]
 
     def _stop_engine_request(self, request_id: str) -> None:
         engine_id = self._engine_ids.pop(request_id)
@@ -174,15 +243,21 @@ class ContinuousSimulation:
             if rid is None:
                 continue  # aborted while the step ran: a late output revives nothing
             timeline = self.timelines[rid]
-            self.core.generated(rid, len(output.token_ids), now)
+            count = len(output.token_ids)
+            self.core.generated(rid, count, now)
             if timeline.first_token is None:
                 timeline.first_token = now
-            timeline.output_tokens += len(output.token_ids)
+            else:
+                gap = (now - self._last_token_at[rid]) / count
+                self._gaps.setdefault(rid, []).extend([gap] * count)
+            self._last_token_at[rid] = now
+            timeline.output_tokens += count
+            self._tokens[rid].extend(output.token_ids)
             if output.finish_reason is not None:
                 self._running_deadlines.pop(rid).cancel()
                 del self._requests[self._engine_ids.pop(rid)]
                 self.core.release(rid, now, completed=True)
-                timeline.outcome, timeline.finished = "completed", now
+                self._end(timeline, "completed", None)
         self._stepping = False
         self._dispatch()
 
@@ -209,8 +284,25 @@ class ContinuousSimulation:
         self._end(timeline, "cancelled", "queued")
         self._dispatch()
 
-    def _end(self, timeline: Timeline, outcome: str, stage: str) -> None:
-        timeline.outcome, timeline.stage, timeline.finished = outcome, stage, self.loop.now
+    def _end(self, timeline: Timeline, outcome: str, stage: str | None) -> None:
+        now = self.loop.now
+        timeline.outcome, timeline.stage, timeline.finished = outcome, stage, now
+        self._last_token_at.pop(timeline.id, None)
+        self._tokens.pop(timeline.id, None)
+        gaps = self._gaps.pop(timeline.id, None)
+        if gaps:
+            timeline.median_gap = statistics.median(gaps)
+        ttft = None if timeline.first_token is None else timeline.first_token - timeline.arrival
+        verdict = slo_result(outcome, timeline.reason, now - timeline.arrival, ttft,
+                             timeline.median_gap, self._targets.pop(timeline.id, None))
+        timeline.slo = None if verdict is None else (
+            "met" if verdict[0] == "met" else f"missed:{verdict[1]}")
+        stream = self._streams.pop(timeline.id, None)
+        if stream is not None:
+            assert self._bulk_streams is not None
+            sequence = int(timeline.id.rsplit(".", 1)[1]) + 1
+            delay = self._bulk_streams.retry_s if outcome == "rejected" else 0.0
+            self.loop.call_at(now + delay, partial(self._next_in_stream, stream, sequence))
 
 
 # --- reporting ---------------------------------------------------------------------------
@@ -223,15 +315,20 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarize(simulation: ContinuousSimulation, wall_s: float) -> dict[str, Any]:
     timelines = list(simulation.timelines.values())
+    targets = simulation.core.bulk_cap.targets()
     end = max((t.finished or t.arrival for t in timelines), default=0.0)
     by_class: dict[str, Any] = {}
     for tc in TrafficClass:
         mine = [t for t in timelines if t.traffic_class == tc.value]
         done = [t for t in mine if t.outcome == "completed"]
         outcomes: dict[str, int] = {}
+        slo: dict[str, int] = {}
         for t in mine:
             key = t.outcome if t.reason is None else f"rejected:{t.reason}"
             outcomes[key] = outcomes.get(key, 0) + 1
+            if t.slo is not None:
+                slo[t.slo] = slo.get(t.slo, 0) + 1
+        judged = sum(slo.values())
         ms = _percentiles_ms
         by_class[tc.value] = {
             "requests": len(mine),
@@ -242,8 +339,11 @@ def summarize(simulation: ContinuousSimulation, wall_s: float) -> dict[str, Any]
             "latency_ms": ms([t.finished - t.arrival for t in done if t.finished is not None]),
             "completed_after_deadline": sum(
                 1 for t in done if t.finished is not None and t.finished > t.deadline),
+            "median_gap_ms": ms([t.median_gap for t in done if t.median_gap is not None]),
             "tokens_per_s": round(sum(t.output_tokens for t in done) / end, 1) if end else 0.0,
             "preemptions": sum(t.preemptions for t in mine),
+            "slo": dict(sorted(slo.items())),
+            "slo_met_share": round(slo.get("met", 0) / judged, 4) if judged else None,
         }
     tenants: dict[str, int] = {}
     for t in timelines:
@@ -258,6 +358,9 @@ def summarize(simulation: ContinuousSimulation, wall_s: float) -> dict[str, Any]
         "budget_limits": simulation.core.ledger.limits_by_name(),
         "budget_peak_in_use": simulation.peak_budget_in_use,
         "budget_in_use_at_end": simulation.core.ledger.in_use(),
+        "slo_targets_ms": {"ttft": round(1000 * targets.ttft_s, 3),
+                           "itl": round(1000 * targets.itl_s, 3)},
+        "bulk_knee": simulation.core.bulk_cap.knee(),
         "engine_unfinished_at_end": simulation.model.num_unfinished,
     }
 
@@ -292,6 +395,9 @@ def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     _add(g, "--deadline-ms", type=float, default=None,
          help="deadline of generated arrivals, relative to their arrival (default: class's)")
     _add(g, "--burst-size", type=int, default=20, help="arrivals per burst (--workload bursts)")
+    _add(g, "--bulk-streams", type=int, default=0, metavar="N",
+         help="besides the arrivals, N closed-loop bulk streams for --duration seconds (each "
+         "sends its next request when the previous ends; shaped by --bulk-*-tokens)")
     _add(g, "--cancel", action="append", default=[], metavar="ID@MS",
          help="the caller of request ID leaves at this time (repeatable)")
     existing = getattr(simulate_parser, "_option_string_actions", {})
@@ -335,9 +441,13 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ValueError) as exc:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2
-    config = with_tenants(load_config(args.config), {a.tenant for a in arrivals})
+    config = with_tenants(load_config(args.config), {a.tenant for a in arrivals} or {"default"})
     simulation = ContinuousSimulation(config, SimConfig.from_args(args))
     simulation.add_arrivals(arrivals)
+    if args.bulk_streams:
+        simulation.add_bulk_streams(BulkStreams(
+            args.bulk_streams, RequestShape(args.bulk_prompt_tokens, args.bulk_max_tokens, None),
+            until_s=args.duration, tenant=next(iter(config.tenants))))
     for item in args.cancel:
         rid, _, at = item.partition("@")
         simulation.cancel_at(rid, float(at) / 1000.0)

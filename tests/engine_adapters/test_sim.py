@@ -131,6 +131,31 @@ def test_kv_exhaustion_preempts_the_newest_and_everything_still_completes() -> N
     assert tokens_by_request(run_to_completion(roomy)) == tokens_by_request(results)
 
 
+def test_a_resumed_request_computes_only_what_follows_its_cached_blocks() -> None:
+    def first_step_prefill(config: SimConfig) -> tuple[int, int]:
+        model = SimTimingModel(config)
+        model.add("first", PROMPT, max_tokens=7)  # 8 + 6 tokens computed: 3 blocks of 4
+        generated = tokens_by_request(run_to_completion(model))["first"]
+        model.add("resumed", [*PROMPT, *generated], max_tokens=3)  # 15 tokens
+        resumed = model.step().prefill_tokens
+        model.add("other", [t + 1 for t in PROMPT] + generated, max_tokens=3)
+        return resumed, model.step().prefill_tokens
+
+    cached = SimConfig(block_size=4, max_batched_tokens=256)
+    assert first_step_prefill(cached) == (15 - 12, 15)  # a new prefix shares no block
+    assert first_step_prefill(SimConfig(block_size=4, prefix_caching=False)) == (15, 15)
+
+
+def test_a_prompt_held_whole_in_the_cache_still_computes_its_last_block() -> None:
+    model = SimTimingModel(SimConfig(block_size=4))
+    model.add("a", PROMPT, max_tokens=1)
+    run_to_completion(model)
+    # Both of its blocks are cached, but its last token must be computed to sample from: the
+    # block that holds it is computed again, as vLLM does.
+    model.add("b", PROMPT, max_tokens=1)
+    assert model.step().prefill_tokens == 4
+
+
 def test_a_new_sequence_waits_until_its_blocks_fit() -> None:
     model = SimTimingModel(SimConfig(block_size=4, kv_blocks=8, max_model_len=32))
     model.add("big", [7] * 28, max_tokens=2)  # 7 blocks

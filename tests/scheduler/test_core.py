@@ -316,14 +316,21 @@ def test_cancelled_queued_request_is_removed_without_dispatch() -> None:
 
 
 # --- estimates -----------------------------------------------------------------------------
-def test_prefill_rate_is_learned_from_the_first_token() -> None:
-    cfg = config(estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 10,
+def test_prefill_rate_is_learned_from_the_first_token_of_a_long_prompt() -> None:
+    cfg = config(estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 100,
                             "smoothing": 0.5})
     s = core(cfg)
-    admit(s, ticket("a", prompt=100, max_tokens=11))
+    admit(s, ticket("a", prompt=1000, max_tokens=11))
+    admit(s, ticket("b", prompt=1000, max_tokens=11))
     s.poll(0.0)
-    s.generated("a", 1, 0.05)  # 100 tokens in 0.05 s = 2000/s
-    assert s.estimates.prefill_tokens_per_s == pytest.approx(1500)
+    # 1000 tokens in 0.26 s, less the 10 ms step their prefill shared with "a": 4000/s.
+    s.generated("b", 1, 0.26)
+    assert s.estimates.prefill_tokens_per_s == pytest.approx(2500)
+    # A short prompt's first token says more about the steps around it than about prefill.
+    admit(s, ticket("c", prompt=10, max_tokens=11), 1.0)
+    s.poll(1.0)
+    s.generated("c", 1, 1.5)
+    assert s.estimates.prefill_tokens_per_s == pytest.approx(2500)
 
 
 def run_steps(s: SchedulerCore, request_ids: list[str], start: float, step_s: float,

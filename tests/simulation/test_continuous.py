@@ -20,8 +20,11 @@ BULK = TrafficClass.BULK
 # 10 ms per step, no per-token cost: every timestamp is a multiple of 10 ms.
 STEPS_OF_10MS = SimConfig(step_base_ms=10.0, decode_ms_per_token=0.0, prefill_ms_per_token=0.0,
                           max_num_seqs=1, kv_blocks=64, block_size=16, max_model_len=1024)
-EXACT_RATES = {"estimates": {"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 100.0}}
-OPTIMISTIC = {"estimates": {"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 1e9}}
+# Rates from these priors alone (no calibration probe): exact for STEPS_OF_10MS, or optimistic.
+EXACT_RATES = {"estimates": {"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 100.0,
+                             "calibrate": False}}
+OPTIMISTIC = {"estimates": {"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 1e9,
+                            "calibrate": False}}
 
 
 def simulate(config: SluiceConfig, sim: SimConfig, arrivals: Any) -> ContinuousSimulation:

@@ -1,0 +1,43 @@
+"""Whether a request that ended met its class's service-level objective.
+
+Interactive: completed, its first token within the TTFT target and the median gap of its
+stream within the inter-token target. Bulk (no latency targets): completed. Refusals for
+capacity, expiry and failure are misses; invalid input and a tenant's own refusals (key, class,
+quota) do not count, nor does a client that left before any target was broken. The server
+(`server/timeline.py`) and the simulator judge every request with this one function.
+"""
+
+from __future__ import annotations
+
+from server.scheduler.types import SloTargets
+
+# Refusals that are the service's (capacity), not the tenant's own (key, class, quota).
+CAPACITY_REFUSALS = frozenset({"overloaded", "deadline_unmeetable", "engine_unavailable"})
+
+
+def slo_result(
+    outcome: str, refusal: str | None, waited_s: float, ttft_s: float | None,
+    median_itl_s: float | None, targets: SloTargets | None,
+) -> tuple[str, str] | None:
+    """(result, reason) for sluice_slo_requests_total, or None when the request does not count.
+
+    `outcome` is the request's (completed, rejected, expired, failed, cancelled, invalid),
+    `refusal` the error code of a rejection, `waited_s` its time from arrival to its end, and
+    `targets` None for a class without latency targets.
+    """
+    if outcome == "completed":
+        if targets is not None:
+            if ttft_s is not None and ttft_s > targets.ttft_s:
+                return ("missed", "ttft")
+            if median_itl_s is not None and median_itl_s > targets.itl_s:
+                return ("missed", "itl")
+        return ("met", "none")
+    if outcome in ("expired", "failed"):
+        return ("missed", outcome)
+    if outcome == "rejected" and refusal in CAPACITY_REFUSALS:
+        return ("missed", "refused")
+    if outcome == "cancelled" and targets is not None:
+        first_token_s = waited_s if ttft_s is None else ttft_s
+        if first_token_s > targets.ttft_s:  # it left after waiting longer than promised
+            return ("missed", "ttft")
+    return None

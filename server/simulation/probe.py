@@ -1,0 +1,41 @@
+"""The server's start-up calibration probe (`server/scheduler/calibration.py`), run on the `sim`
+timing model in virtual time, so that the simulator's scheduler starts from what the simulated
+engine shows, as the server's does from its real engine."""
+
+from __future__ import annotations
+
+from engine_adapters.sim_model import SimConfig, SimTimingModel
+from server.scheduler.calibration import (
+    SOLO_RUNS,
+    Probe,
+    StreamTiming,
+    levels,
+    long_prompt,
+    stream_timing,
+)
+
+PROMPT_TOKENS = 14  # what the server's calibration prompt tokenizes to
+
+
+def probe_timing_model(sim: SimConfig, *, max_sequences: int, tokens: int = 16) -> Probe:
+    prompt = [7] * PROMPT_TOKENS
+
+    def run(n: int, prompt_ids: list[int]) -> list[StreamTiming]:
+        model = SimTimingModel(sim)
+        deltas: dict[str, list[tuple[float, int]]] = {f"p{i}": [] for i in range(n)}
+        for request_id in deltas:
+            model.add(request_id, prompt_ids, tokens, ignore_eos=True)
+        now = 0.0
+        while model.has_work:
+            result = model.step()
+            now += result.duration_s
+            for output in result.outputs:
+                deltas[output.request_id].append((now, len(output.token_ids)))
+        return [stream_timing(0.0, stream) for stream in deltas.values()]
+
+    solo = run(1, prompt) * SOLO_RUNS  # deterministic: every solo run is the same
+    together = {n: [gap for _, gaps in run(n, prompt) for gap in gaps]
+                for n in levels(max_sequences)[1:]}
+    long_ids = long_prompt(prompt, sim.max_model_len)
+    long_result = None if long_ids is None else (len(long_ids), run(1, long_ids)[0][0])
+    return Probe(solo, together, len(prompt), long_result)

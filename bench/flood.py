@@ -58,6 +58,7 @@ TRADEOFF_ITL_FACTORS = (1.5, 2.0, 5.0, 10.0)
 
 @dataclass
 class Chat:
+    started: float  # on the bench's monotonic clock
     ttft_s: float
     gaps_s: list[float]
     total_s: float
@@ -202,7 +203,7 @@ async def one_chat(client, kind, args, m: Measurements) -> None:
         return
     if m.in_window(started):
         gaps = [b - a for a, b in itertools.pairwise(stamps)]
-        m.chats.append(Chat(stamps[0] - started, gaps, stamps[-1] - started))
+        m.chats.append(Chat(started, stamps[0] - started, gaps, stamps[-1] - started))
 
 
 async def chat_arrivals(client, kind, args, m: Measurements, stop: asyncio.Event) -> None:
@@ -236,7 +237,7 @@ async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asynci
                         if line.startswith(prefix):
                             m.samples.setdefault(key, []).append(float(line.rsplit(" ", 1)[1]))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
+            await asyncio.wait_for(stop.wait(), 2.0)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -439,7 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Sluice's engine; 'sim' only to smoke-test this script without a model")
     p.add_argument("--vllm-arg", action="append", default=[],
                    help="extra argument for vLLM's server, e.g. --vllm-arg=--max-model-len=2048")
-    p.add_argument("--log-dir", default=None, help="keep each server's output here")
+    p.add_argument("--log-dir", default=None,
+                   help="keep each server's output here, and each chat's timings (JSON lines)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p.parse_args(argv)
 
@@ -460,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     slo: tuple[float, float] | None = None
     for system in plan(args):
         m = run_system(system, args)
+        if args.log_dir:
+            with (Path(args.log_dir) / f"{system.name}.chats.jsonl").open("w") as out:
+                for chat in m.chats:
+                    out.write(json.dumps(vars(chat)) + "\n")
         if system.kind == "idle":
             slo = idle_slo(m, args.slo_factor)
         rows.append(summarise(system, m, args, slo))

@@ -183,3 +183,41 @@ async def test_preempted_bulk_stream_resumes_and_delivers_every_token() -> None:
         assert engine.num_unfinished_requests() == 0
     finally:
         await engine.stop()
+
+
+async def test_a_resumed_request_computes_again_only_what_follows_its_cached_blocks() -> None:
+    from server import metrics
+
+    def resumed_prefill() -> float:
+        value = metrics.REGISTRY.get_sample_value(
+            "sluice_resumed_prefill_tokens_total", {"model": "sim"})
+        return value or 0.0
+
+    config = parse_config({**OPTIMISTIC, "budgets": {
+        "max_running_seqs": 1, "interactive_reserve_share": 0.0, "bulk_min_share": 0.0,
+        "preempt_bulk_after_ms": 1}})
+    engine, runtime = await started_runtime(config, SimConfig(block_size=16))
+    before = resumed_prefill()
+    try:
+        bulk = make_ticket("bulk", max_tokens=400, traffic_class=TrafficClass.BULK)
+        past_two_blocks = asyncio.Event()
+
+        async def stream_bulk() -> int:
+            count = 0
+            async with runtime.generation(bulk, make_request(bulk)) as generation:
+                async for delta in generation:
+                    count += len(delta.token_ids)
+                    if count >= 40:
+                        past_two_blocks.set()
+            return count
+
+        streaming = asyncio.create_task(stream_bulk())
+        await past_two_blocks.wait()
+        assert len(await collect(runtime, make_ticket("chat", max_tokens=4))) == 4
+        assert runtime.core.preemptions_total == 1
+        assert await streaming == 400
+        # It had 4 prompt and 40+ generated tokens: without the cache it would compute them
+        # all again; with it, only the block that holds its last token.
+        assert 0 < resumed_prefill() - before <= 16
+    finally:
+        await engine.stop()

@@ -69,6 +69,9 @@ def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
             assert page.input_value("#model") == "sluice-demo"
 
             page.fill("#max-tokens", "1500")
+            # A minute of answer: more than the interactive default deadline (30 s), which the
+            # calibrated scheduler would refuse as unmeetable. The page sets its own.
+            page.fill("#timeout-ms", "600000")
             page.fill("#prompt", "How does a sluice gate control the flow of water?")
             page.click("#send")
 

@@ -98,8 +98,17 @@ async def test_a_chat_preempts_bulk_and_the_bulk_stream_continues_unbroken(
     assert server.metric("sluice_engine_aborts_total", reason="preempted") == 1
     assert server.metric("sluice_budget_in_use", budget="sequences") == 0
     assert server.metric("sluice_engine_unfinished_requests") == 0
-    # The access log says which request was stopped: b2 of the first run, once; nobody else.
+    # The access log says which request was stopped: one bulk request of the first run, once
+    # (the one cheaper to resume); nobody else.
     records = [json.loads(line) for line in server.log_path.read_text().splitlines()
                if line.startswith('{"ts"')]
-    preempted = sorted((r["request_id"].rsplit("-", 1)[1], r["preemptions"]) for r in records)
-    assert preempted == [("b1", 0), ("b1", 0), ("b2", 0), ("b2", 1), ("chat", 0)]
+    stopped = [r["request_id"].rsplit("-", 1)[1] for r in records if r["preemptions"]]
+    assert len(stopped) == 1 and stopped[0] in BULK
+    assert [r["preemptions"] for r in records if r["preemptions"]] == [1]
+    assert sorted(r["request_id"].rsplit("-", 1)[1] for r in records) == [
+        "b1", "b1", "b2", "b2", "chat"]
+    # Its resume was counted through vLLM's num_cached_tokens: what it computed again, here
+    # all of its short prompt and output, under one KV block (the sim-engine runtime test
+    # checks that a longer one recomputes only what follows its cached blocks).
+    block = 128  # vLLM's CPU default
+    assert 0 < server.metric("sluice_resumed_prefill_tokens_total") < block

@@ -234,6 +234,7 @@ class SchedulerCore:
                 + len(self._queues[TrafficClass.INTERACTIVE]))
 
     def _chats_changed(self, now: float) -> None:
+        self.estimates.chats_changed(self._chats(), now)
         if self._chats():
             self._chats_quiet_since = None
         elif self._chats_quiet_since is None:
@@ -247,12 +248,14 @@ class SchedulerCore:
 
     def bulk_allowed(self, now: float) -> int:
         """Bulk sequences that may run now: capped while chats run or wait, and for
-        `bulk_hold_s` after the last one, leaving room for at least one chat (the next one
-        then starts within its gap target, with nothing to preempt); the idle cap (the knee)
-        otherwise."""
+        `bulk_hold_s` after the last one; the idle cap (the knee) otherwise. The cap leaves
+        room for the chats there are (at least one) and for as many more as usually arrive
+        while one runs, so that chats arriving together start within their gap target with
+        nothing to preempt."""
         hold_until = self._hold_until()
         if hold_until is None or now < hold_until:
-            return self.bulk_cap.with_chats(max(1, self._chats()))
+            expected = round(self.estimates.chats_together)
+            return self.bulk_cap.with_chats(max(1, self._chats()) + expected)
         return self.bulk_cap.idle()
 
     def _bulk_running(self) -> int:

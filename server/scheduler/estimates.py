@@ -30,6 +30,8 @@ WINDOW_JUMP = 1.5
 MIN_DECODE_SHARE = 0.5
 # Concurrency levels are grouped in half-octave bins (1, 1.4, 2, 2.8, 4, ... sequences).
 _BINS_PER_OCTAVE = 2
+# Time constant of the average number of chats running or waiting together.
+CHATS_TOGETHER_WINDOW_S = 10.0
 # Prompts shorter than this do not update the prefill rate (see `observe_prefill`).
 PREFILL_SAMPLE_MIN_TOKENS = 256
 # A chat dispatched with at most this many other sequences running saw a nearly idle engine: its
@@ -155,6 +157,11 @@ class RateEstimates:
         self._changed_at: float | None = None
         self._window = _Window()
         self._prefill_pending_s = 0.0  # dispatched, not yet run
+        # Interactive requests running or waiting, averaged over time (idle time included):
+        # by Little's law, how many more a chat can expect to arrive while it runs.
+        self.chats_together = 0.0
+        self._chats = 0
+        self._chats_at: float | None = None
 
     def _blend(self, old: float, new: float) -> float:
         return old + self._weight * (new - old)
@@ -184,6 +191,13 @@ class RateEstimates:
             window = self._window = _Window()
         self._advance(now)
         window.tokens += tokens
+
+    def chats_changed(self, chats: int, now: float) -> None:
+        """`chats` interactive requests run or wait from `now` on."""
+        if self._chats_at is not None and now > self._chats_at:
+            weight = 1.0 - math.exp(-(now - self._chats_at) / CHATS_TOGETHER_WINDOW_S)
+            self.chats_together += weight * (self._chats - self.chats_together)
+        self._chats, self._chats_at = chats, now
 
     def prefill_dispatched(self, seconds: float) -> None:
         """A request was dispatched whose prefill will take the engine about `seconds`: its

@@ -211,3 +211,22 @@ def test_small_prefills_share_a_step() -> None:
     s.release("chat", 1.1, completed=True)
     s.poll(1.1)
     assert len(s.poll(2.1).started) > 15  # of the 23 paused
+
+
+def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
+    s = calibrated()
+    flood(s, 9)
+    # For a minute, two chats at a time, back to back: on average two run together.
+    now = 1.0
+    for n in range(600):
+        admit(s, ticket(f"chat{n}a", at=now))
+        admit(s, ticket(f"chat{n}b", at=now))
+        s.poll(now)
+        now += 0.1
+        s.release(f"chat{n}a", now, completed=True)
+        s.release(f"chat{n}b", now, completed=True)
+    assert round(s.estimates.chats_together) == 2
+    admit(s, ticket("one", at=now))
+    s.poll(now)
+    # 10 sequences fit the cap's aim; the chat running, and two more expected: 7 for bulk.
+    assert s.bulk_allowed(now) == 10 - 1 - 2

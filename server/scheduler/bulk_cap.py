@@ -68,8 +68,7 @@ class BulkCap:
         outlast what a chat's TTFT target leaves beyond the idle time to first token."""
         if not self._config.cap_bulk:
             return self._limit
-        headroom = self.targets().ttft_s - self.idle_ttft()
-        within_ttft = self._clamp(self._estimates.steps.within(headroom))
+        within_ttft = self._clamp(self._estimates.steps.within(self._ttft_headroom()))
         return max(1, min(self.knee(), within_ttft))
 
     def floor(self) -> int:
@@ -86,6 +85,18 @@ class BulkCap:
             return self._limit
         within_itl = self._within_itl() - chats
         return max(self.floor(), min(self.idle(), self._clamp(within_itl)))
+
+    def prefill_headroom(self, step_s: float, *, chats_about: bool) -> float:
+        """Engine seconds of prefill one step of `step_s` may add: up to the gap target while
+        chats are about; else up to what the TTFT target leaves beyond the idle TTFT."""
+        if chats_about:
+            return self.targets().itl_s - step_s
+        return self._ttft_headroom() - step_s
+
+    def _ttft_headroom(self) -> float:
+        """What the TTFT target leaves beyond the idle time to first token: the longest step
+        a chat arriving in its middle can sit out."""
+        return self.targets().ttft_s - self.idle_ttft()
 
     def _within_itl(self) -> float:
         return self._estimates.steps.within(AIM * self.targets().itl_s)

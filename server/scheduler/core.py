@@ -246,14 +246,17 @@ class SchedulerCore:
         quiet = self._chats_quiet_since
         return None if quiet is None else quiet + self.config.slo.bulk_hold_s
 
-    def bulk_allowed(self, now: float) -> int:
-        """Bulk sequences that may run now: capped while chats run or wait, and for
-        `bulk_hold_s` after the last one; the idle cap (the knee) otherwise. The cap leaves
-        room for the chats there are (at least one) and for as many more as usually arrive
-        while one runs, so that chats arriving together start within their gap target with
-        nothing to preempt."""
+    def _chats_about(self, now: float) -> bool:
+        """Chats run or wait, or the last one ended less than `bulk_hold_s` ago."""
         hold_until = self._hold_until()
-        if hold_until is None or now < hold_until:
+        return hold_until is None or now < hold_until
+
+    def bulk_allowed(self, now: float) -> int:
+        """Bulk sequences that may run now: capped while chats are about, the idle cap (the
+        knee) otherwise. The cap leaves room for the chats there are (at least one) and for
+        as many more as usually arrive while one runs, so that chats arriving together start
+        within their gap target with nothing to preempt."""
+        if self._chats_about(now):
             expected = round(self.estimates.chats_together)
             return self.bulk_cap.with_chats(max(1, self._chats()) + expected)
         return self.bulk_cap.idle()
@@ -306,12 +309,7 @@ class SchedulerCore:
 
     def _pace(self, now: float) -> None:
         step = self.estimates.steps.at(len(self._running) + 1)
-        hold_until = self._hold_until()
-        targets = self.bulk_cap.targets()
-        if hold_until is None or now < hold_until:
-            headroom = targets.itl_s - step
-        else:
-            headroom = targets.ttft_s - self.bulk_cap.idle_ttft() - step
+        headroom = self.bulk_cap.prefill_headroom(step, chats_about=self._chats_about(now))
         self._pacer.update(now, headroom, step)
 
     def _prefill_s(self, ticket: Ticket) -> float:
@@ -384,11 +382,13 @@ class SchedulerCore:
         """Running bulk to stop now: what exceeds the cap while chats run, and what a chat
         that waited its threshold without room needs. Each ticket is named once; it keeps its
         budgets until the shell calls `requeue` (or `release`, if it ended meanwhile)."""
-        chosen = self._over_cap(now) + self._for_waiting_chat(now)
-        for entry in chosen:
-            entry.preempting = True
-        self._preempting += len(chosen)
-        return [entry.ticket for entry in chosen]
+        chosen: list[Ticket] = []
+        for pick in (self._over_cap, self._for_waiting_chat):
+            for entry in pick(now):  # named before the next pick, so named once
+                entry.preempting = True
+                self._preempting += 1
+                chosen.append(entry.ticket)
+        return chosen
 
     def _victims(self) -> list[_Running]:
         """Running bulk not yet named, the cheapest to resume first."""

@@ -230,3 +230,18 @@ def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
     s.poll(now)
     # 10 sequences fit the cap's aim; the chat running, and two more expected: 7 for bulk.
     assert s.bulk_allowed(now) == 10 - 1 - 2
+
+
+def test_a_request_is_named_once_when_both_causes_preempt_in_one_poll() -> None:
+    # One bulk sequence budget beyond the chats', no reserve, preemption for a waiting chat
+    # after 0 ms: a chat arriving when bulk fills every seat is over the cap and waiting.
+    s = core(config(budgets={"interactive_reserve_share": 0.0, "bulk_min_share": 0.0,
+                             "preempt_bulk_after_ms": 0}),
+             tokens=10**6, kv_blocks=10**6, sequences=32, block_size=BLOCK)
+    for n, step_ms in CPU_STEPS_MS.items():
+        s.estimates.steps.observe(n, step_ms / 1000)
+    s.estimates.observe_idle_ttft(IDLE_TTFT_S)
+    assert len(flood(s, 32)) == 32
+    admit(s, ticket("chat", at=1.0))
+    victims = ids(s.poll(1.0).preempted)
+    assert len(victims) == len(set(victims)) == 32 - s.bulk_allowed(1.0)

@@ -104,7 +104,8 @@ class ContinuousSimulation:
         self._gaps: dict[str, list[float]] = {}  # running requests' gaps so far
         self._last_token_at: dict[str, float] = {}
         self._tokens: dict[str, list[int]] = {}  # dispatched requests' prompt and output
-        self._streams: dict[str, int] = {}  # request id -> the bulk stream that sent it
+        # request id -> (the bulk stream that sent it, its number in that stream)
+        self._streams: dict[str, tuple[int, int]] = {}
         self._bulk_streams: BulkStreams | None = None
         self._stepping = False
         self._wakeup: EventHandle | None = None
@@ -129,7 +130,7 @@ class ContinuousSimulation:
         if now >= streams.until_s:
             return
         request_id = f"bulk{stream}.{sequence}"
-        self._streams[request_id] = stream
+        self._streams[request_id] = (stream, sequence)
         shape = streams.shape
         self._arrive(Arrival(
             request_id, now,
@@ -297,12 +298,12 @@ class ContinuousSimulation:
                              timeline.median_gap, self._targets.pop(timeline.id, None))
         timeline.slo = None if verdict is None else (
             "met" if verdict[0] == "met" else f"missed:{verdict[1]}")
-        stream = self._streams.pop(timeline.id, None)
-        if stream is not None:
+        sent_by = self._streams.pop(timeline.id, None)
+        if sent_by is not None:
             assert self._bulk_streams is not None
-            sequence = int(timeline.id.rsplit(".", 1)[1]) + 1
+            stream, sequence = sent_by
             delay = self._bulk_streams.retry_s if outcome == "rejected" else 0.0
-            self.loop.call_at(now + delay, partial(self._next_in_stream, stream, sequence))
+            self.loop.call_at(now + delay, partial(self._next_in_stream, stream, sequence + 1))
 
 
 # --- reporting ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -64,7 +65,7 @@ def metric(text: str, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-async def post(port: int, body: bytes, deadline_ms: int) -> tuple[int, bytes]:
+async def post(port: int, body: bytes, deadline_ms: int, request_id: str) -> tuple[int, bytes]:
     """One non-streamed POST on its own loopback connection, with no client library: the load
     generator shares two cores with the server, so every microsecond it spends is the server's
     loss. The whole request goes out in one write, so the server never waits for a body."""
@@ -73,7 +74,8 @@ async def post(port: int, body: bytes, deadline_ms: int) -> tuple[int, bytes]:
         writer.write(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n"
             b"Content-Type: application/json\r\nX-Request-Timeout-Ms: %d\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (deadline_ms, len(body), body)
+            b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s"
+            % (deadline_ms, request_id.encode(), len(body), body)
         )
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
@@ -84,10 +86,14 @@ async def post(port: int, body: bytes, deadline_ms: int) -> tuple[int, bytes]:
         writer.close()
 
 
-async def one(port: int, body: bytes, deadline_ms: int, log: list) -> None:
+_SEQUENCE = itertools.count()
+
+
+async def one(port: int, body: bytes, deadline_ms: int, log: list, phase: str) -> None:
+    """One request; its id names its phase ("probe" or "overload") in the server's log."""
     start = time.monotonic()
     try:
-        status, payload = await post(port, body, deadline_ms)
+        status, payload = await post(port, body, deadline_ms, f"{phase}-{next(_SEQUENCE)}")
         code = "ok" if status == 200 else json.loads(payload)["error"]["code"]
         log.append((status, code, time.monotonic() - start))
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -104,7 +110,7 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> dict:
 
         async def closed_loop() -> None:
             while time.monotonic() < stop_at:
-                await one(port, body, 600_000, probe)
+                await one(port, body, 600_000, probe, "probe")
 
         await asyncio.gather(*(closed_loop() for _ in range(args.probe_streams)))
         done = sum(1 for status, _, _ in probe if status == 200)
@@ -123,7 +129,7 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> dict:
             delay = arrival - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(port, body, args.deadline_ms, log)))
+            tasks.append(asyncio.create_task(one(port, body, args.deadline_ms, log, "overload")))
             if time.monotonic() >= next_rss:
                 rss.append(rss_mib(pid))
                 next_rss += 1
@@ -160,11 +166,13 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> dict:
 
 
 def server_completed_after_deadline(log_path: Path, deadline_s: float) -> dict:
-    """Completions the server itself timed past the deadline (its access log's duration runs
-    from arrival to the last byte handed to the socket)."""
+    """Overload-phase completions the server itself timed past the deadline (its access log's
+    duration runs from arrival to the last byte handed to the socket). The capacity probe's
+    requests have a longer deadline and are left out."""
     durations = [json.loads(line)["duration_s"]
                  for line in log_path.read_text(errors="replace").splitlines()
-                 if line.startswith("{") and '"outcome":"completed"' in line]
+                 if line.startswith("{") and '"outcome":"completed"' in line
+                 and '"request_id":"overload-' in line]
     late = [d for d in durations if d > deadline_s]
     return {"completed": len(durations), "late": len(late),
             "max_s": round(max(durations), 3) if durations else None}

@@ -91,8 +91,11 @@ class KVCacheInfo:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
+    """`vocab_size` 0: the engine does not say, so token ids reach it unchecked."""
+
     name: str
     max_model_len: int
+    vocab_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -119,8 +122,13 @@ class EngineClient(Protocol):
     @property
     def is_healthy(self) -> bool: ...
 
-    def tokenize(self, text: str) -> list[int]:
-        """Prompt token ids for raw text, with the engine's own tokenizer."""
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Prompt token ids for raw text, with the engine's own tokenizer (and its BOS, say,
+        when `add_special_tokens`)."""
+        ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids; each id is below `model.vocab_size` when that is known."""
         ...
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:

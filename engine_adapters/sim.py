@@ -65,7 +65,8 @@ class SimEngine:
         self.config = config or SimConfig()
         self._model = SimTimingModel(self.config)
         self._model_info = ModelInfo(
-            name=model_name, max_model_len=self.config.max_model_len, extra={"engine": "sim"}
+            name=model_name, max_model_len=self.config.max_model_len,
+            vocab_size=self.config.vocab_size, extra={"engine": "sim"},
         )
         self._streams: dict[str, _Stream] = {}
         self._finishing: set[str] = set()  # finished by the step now passing, not yet delivered
@@ -113,8 +114,9 @@ class SimEngine:
     def is_healthy(self) -> bool:
         return self._task is not None and self._dead is None
 
-    def tokenize(self, text: str) -> list[int]:
-        """Known words (case-insensitive) to their ids, others to a stable hash in the vocab."""
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Known words (case-insensitive) to their ids, others to a stable hash in the vocab.
+        Raw text gets no special tokens added, whatever `add_special_tokens` says."""
         vocab = self.config.vocab_size
         ids = []
         for piece in TOKEN_PATTERN.findall(text):
@@ -128,6 +130,9 @@ class SimEngine:
                     )
                 ids.append(word_id)
         return ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return detokenize(token_ids)
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         ids = [BOS_ID]

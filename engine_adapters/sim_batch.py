@@ -115,7 +115,7 @@ class SimBatchEngine:
         seed: int = 0,
     ) -> None:
         self.batch_model = model
-        self._info = ModelInfo(name=name, max_model_len=max_model_len)
+        self._info = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=256)  # bytes
         self._fail_rate = fail_rate
         self._rng = random.Random(seed)
         self._kills: dict[int, asyncio.Event] = {}
@@ -176,8 +176,11 @@ class SimBatchEngine:
     def is_healthy(self) -> bool:
         return self._started
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return tokenize(text)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return bytes(token_ids).decode("utf-8", "replace")
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         text = "".join(f"<{m.get('role', 'user')}>{m.get('content', '')}\n" for m in messages)

@@ -154,6 +154,7 @@ class VLLMEngine:
         self._info = ModelInfo(
             name=self._served_name,
             max_model_len=config.model_config.max_model_len,
+            vocab_size=config.model_config.get_vocab_size(),
             extra={"path": self._model_path, "max_num_seqs": config.scheduler_config.max_num_seqs},
         )
         if cache.num_gpu_blocks:
@@ -178,8 +179,11 @@ class VLLMEngine:
         except Exception as exc:
             raise EngineDeadError(f"vLLM engine is dead: {exc!r}") from exc
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids)))
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         text = self._tokenizer.apply_chat_template(

@@ -34,6 +34,7 @@ from server.openai_routes import JSONResponse, chat_completions, completions, er
 from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import Dispatcher
 from server.send_guard import SendGuard
+from server.tokenizer_routes import detokenize, tokenize, version
 from server.ws_routes import websocket_endpoint
 
 logger = logging.getLogger("sluice.server")
@@ -140,6 +141,9 @@ def build_app(
             Route("/ready", ready),
             Route("/metrics", prometheus_metrics),
             Route("/v1/models", models),
+            Route("/version", version),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             WebSocketRoute("/v1/ws", websocket_endpoint),

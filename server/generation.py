@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,17 @@ from server.send_guard import SendGuard
 from server.timeline import RequestTimeline
 
 _REQUEST_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+def check_in_vocabulary(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """A 400 naming the first token id at or above `vocab_size` (0: the engine did not say)."""
+    if vocab_size:
+        bad = next((t for t in token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} in '{param}' is out of the vocabulary (size {vocab_size})",
+                param=param,
+            )
 
 
 def request_id_from(header: str | None) -> str:
@@ -72,12 +83,9 @@ class Sluice:
         timeline.traffic_class = str(self.tenants.traffic_class(
             tenant, parsed.service_tier, headers.get("x-traffic-class")
         ))
-        if parsed.model is not None and parsed.model != self.served_model:
-            raise ModelNotFound(
-                f"the model '{parsed.model}' does not exist; this server serves "
-                f"'{self.served_model}'", param="model",
-            )
+        self.check_model(parsed.model)
         prompt_ids = self._prompt_ids(parsed)
+        self._check_token_ids(parsed)
         max_len = self.engine.model.max_model_len
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -111,15 +119,33 @@ class Sluice:
         )
         return ticket, request
 
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model:
+            raise ModelNotFound(
+                f"the model '{model}' does not exist; this server serves "
+                f"'{self.served_model}'", param="model",
+            )
+
+    def _check_token_ids(self, parsed: ParsedRequest) -> None:
+        """Token ids from the client must be in the vocabulary: a 400 here, not an engine error."""
+        vocab = self.engine.model.vocab_size
+        if isinstance(parsed.prompt, list):
+            check_in_vocabulary(parsed.prompt, vocab, "prompt")
+        check_in_vocabulary(parsed.sampling.get("stop_token_ids", ()), vocab, "stop_token_ids")
+        check_in_vocabulary(parsed.sampling.get("logit_bias") or (), vocab, "logit_bias")
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            return self.engine.render_chat(messages)
+        except Exception as exc:  # template errors are the client's messages' fault
+            raise InvalidRequest(f"cannot apply the chat template: {exc}",
+                                 param="messages") from None
+
     def _prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         if parsed.messages is not None:
-            try:
-                return self.engine.render_chat(parsed.messages)
-            except Exception as exc:  # template errors are the client's messages' fault
-                raise InvalidRequest(f"cannot apply the chat template: {exc}",
-                                     param="messages") from None
+            return self.render_chat(parsed.messages)
         if isinstance(parsed.prompt, str):
-            return self.engine.tokenize(parsed.prompt)
+            return self.engine.tokenize(parsed.prompt, parsed.add_special_tokens)
         assert parsed.prompt is not None
         return list(parsed.prompt)
 

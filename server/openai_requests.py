@@ -16,6 +16,7 @@ from engine_adapters.protocol import SamplingOptions
 from server.errors import InvalidRequest, UnsupportedParameter
 
 # Parameters that change nothing Sluice does when left at these values; other values refused.
+# Compared by type as well as value: `logprobs: 0` asks for logprobs, though `0 == False`.
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
@@ -29,10 +30,9 @@ _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "function_call": ("none", "auto"),
     "suffix": ("",),
     "use_beam_search": (False,),
-    "prompt_logprobs": (0,),
+    "prompt_logprobs": (),
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
-    "add_special_tokens": (False, True),
 }
 # Parameters accepted and with no effect on generation (metadata, hints).
 _IGNORED = {"user", "metadata", "store", "spaces_between_special_tokens", "request_id",
@@ -43,10 +43,11 @@ _SAMPLING = {
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "max_tokens",
 }
-_COMMON = {"model", "stream", "service_tier", *_SAMPLING, *_ONLY_DEFAULT, *_IGNORED}
+_COMMON = {"model", "stream", "service_tier", "add_special_tokens", *_SAMPLING, *_ONLY_DEFAULT,
+           *_IGNORED}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "response_format"}
 _COMPLETION_ONLY = {"prompt"}
-_ROLES = {"system", "user", "assistant", "developer", "tool"}
+_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     service_tier: str | None
+    add_special_tokens: bool = True  # for a text prompt (chat templates bring their own)
 
     def sampling_options(self, max_tokens: int) -> SamplingOptions:
         return SamplingOptions(max_tokens=max_tokens, **self.sampling)
@@ -88,10 +90,11 @@ def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int | None = None) 
     value = body.get(key)
     if value is None:
         return None
-    _check(isinstance(value, int) and not isinstance(value, bool),
-           f"'{key}' must be an integer", key)
-    _check(value >= lo and (hi is None or value <= hi),
-           f"'{key}' must be at least {lo}" + (f" and at most {hi}" if hi else ""), key)
+    # One message for both failures: orjson reads an integer beyond 64 bits as a float.
+    _check(isinstance(value, int) and not isinstance(value, bool)
+           and value >= lo and (hi is None or value <= hi),
+           f"'{key}' must be an integer, at least {lo}"
+           + (f" and at most {hi}" if hi is not None else ""), key)
     return int(value)
 
 
@@ -116,7 +119,7 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     return tuple(value)
 
 
-def _int_list(body: Mapping[str, Any], key: str) -> tuple[int, ...] | None:
+def token_ids_from(body: Mapping[str, Any], key: str) -> tuple[int, ...] | None:
     value = body.get(key)
     if value is None:
         return None
@@ -133,12 +136,14 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
     if value is None:
         return None
     _check(isinstance(value, dict), "'logit_bias' must be an object", "logit_bias")
-    try:
-        return {int(k): float(v) for k, v in value.items()}
-    except (TypeError, ValueError):
-        raise InvalidRequest(
-            "'logit_bias' maps token ids to numbers", param="logit_bias"
-        ) from None
+    bias = {}
+    for key, number in value.items():
+        _check(key.strip().isdigit(), f"'logit_bias' key {key!r} is not a token id",
+               "logit_bias")
+        _check(isinstance(number, int | float) and not isinstance(number, bool),
+               f"'logit_bias' value for {key!r} must be a number", "logit_bias")
+        bias[int(key)] = min(100.0, max(-100.0, float(number)))  # OpenAI's range, as vLLM clamps
+    return bias
 
 
 _SAMPLING_READERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
@@ -152,7 +157,7 @@ _SAMPLING_READERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "repetition_penalty": lambda b: _number(b, "repetition_penalty", 1e-9, 10.0),
     "seed": lambda b: _integer(b, "seed", -(2**63), 2**63 - 1),
     "stop": _stop,
-    "stop_token_ids": lambda b: _int_list(b, "stop_token_ids"),
+    "stop_token_ids": lambda b: token_ids_from(b, "stop_token_ids"),
     "ignore_eos": lambda b: _bool(b, "ignore_eos"),
     "skip_special_tokens": lambda b: _bool(b, "skip_special_tokens"),
     "include_stop_str_in_output": lambda b: _bool(b, "include_stop_str_in_output"),
@@ -160,7 +165,7 @@ _SAMPLING_READERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
 }
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+def messages_from(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     _check(isinstance(messages, list) and len(messages) > 0,
            "'messages' must be a non-empty list", "messages")
@@ -168,8 +173,9 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         _check(isinstance(message, dict), "each message must be an object", param)
-        _check(message.get("role") in _ROLES,
-               f"'role' must be one of {sorted(_ROLES)}", f"{param}.role")
+        # Any role the chat template accepts, as vLLM's server does.
+        _check(isinstance(message.get("role"), str) and message["role"] != "",
+               "'role' must be a non-empty string", f"{param}.role")
         content = message.get("content")
         if isinstance(content, list):
             for part in content:
@@ -208,7 +214,9 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     for key, value in body.items():
         if key not in allowed:
             raise UnsupportedParameter(f"unsupported parameter '{key}'", param=key)
-        if key in _ONLY_DEFAULT and value is not None and value not in _ONLY_DEFAULT[key]:
+        if key in _ONLY_DEFAULT and value is not None and not any(
+            type(value) is type(default) and value == default for default in _ONLY_DEFAULT[key]
+        ):
             raise UnsupportedParameter(
                 f"'{key}'={value!r} is not supported by this server", param=key
             )
@@ -223,6 +231,10 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     max_tokens = _integer(body, "max_tokens", 1)
     if kind == "chat":
         max_tokens = _integer(body, "max_completion_tokens", 1) or max_tokens
+        if _bool(body, "add_special_tokens"):
+            raise UnsupportedParameter("'add_special_tokens' is not supported for chat: the chat "
+                                       "template adds the model's special tokens",
+                                       param="add_special_tokens")
         response_format = body.get("response_format")
         if response_format is not None and response_format != {"type": "text"}:
             raise UnsupportedParameter("only response_format {'type': 'text'} is supported",
@@ -236,18 +248,27 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     if options is not None:
         _check(isinstance(options, dict), "'stream_options' must be an object", "stream_options")
         _check(stream, "'stream_options' is only allowed when 'stream' is true", "stream_options")
-        include_usage = bool(options.get("include_usage", False))
+        for key in options:
+            if key not in _STREAM_OPTIONS:
+                raise UnsupportedParameter(f"unsupported stream option '{key}'",
+                                           param=f"stream_options.{key}")
+        if options.get("continuous_usage_stats"):
+            raise UnsupportedParameter("usage in every chunk is not supported; usage comes in "
+                                       "the last chunk with 'include_usage'",
+                                       param="stream_options.continuous_usage_stats")
+        include_usage = _bool(options, "include_usage") or False
     tier = body.get("service_tier")
     _check(tier is None or tier in ("auto", "default", "flex", "priority"),
            "'service_tier' must be one of auto, default, flex, priority", "service_tier")
     return ParsedRequest(
         kind=kind,
         model=model,
-        messages=_messages(body) if kind == "chat" else None,
+        messages=messages_from(body) if kind == "chat" else None,
         prompt=_prompt(body) if kind == "completion" else None,
         max_tokens=max_tokens,
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         service_tier=tier,
+        add_special_tokens=_bool(body, "add_special_tokens") is not False,
     )

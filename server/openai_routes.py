@@ -65,6 +65,9 @@ def engine_failure(exc: EngineError) -> SluiceError:
 
 
 async def read_json(request: Request, limit: int) -> Any:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise InvalidRequest("the request body must be sent as 'Content-Type: application/json'")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the request body exceeds {limit} bytes")

@@ -32,7 +32,7 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
     [
         ({"messages": "hello"}, "invalid_request", "messages"),
         ({"messages": []}, "invalid_request", "messages"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, "invalid_request", "messages[0].role"),
+        ({"messages": [{"role": 7, "content": "x"}]}, "invalid_request", "messages[0].role"),
         ({**CHAT, "max_tokens": "many"}, "invalid_request", "max_tokens"),
         ({**CHAT, "max_tokens": 0}, "invalid_request", "max_tokens"),
         ({**CHAT, "temperature": 9}, "invalid_request", "temperature"),
@@ -40,6 +40,20 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "stop": [1, 2]}, "invalid_request", "stop"),
         ({**CHAT, "n": 2}, "unsupported_parameter", "n"),
         ({**CHAT, "logprobs": True}, "unsupported_parameter", "logprobs"),
+        ({**CHAT, "logprobs": 0}, "unsupported_parameter", "logprobs"),  # 0 == False, yet asks
+        ({**CHAT, "prompt_logprobs": 0}, "unsupported_parameter", "prompt_logprobs"),
+        ({**CHAT, "add_special_tokens": True}, "unsupported_parameter", "add_special_tokens"),
+        ({**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+         "unsupported_parameter", "stream_options.continuous_usage_stats"),
+        ({**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}},
+         "invalid_request", "include_usage"),
+        ({**CHAT, "stream": True, "stream_options": {"sparkle": True}},
+         "unsupported_parameter", "stream_options.sparkle"),
+        ({**CHAT, "logit_bias": {"hello": 5}}, "invalid_request", "logit_bias"),
+        ({**CHAT, "logit_bias": {"5": "high"}}, "invalid_request", "logit_bias"),
+        ({**CHAT, "logit_bias": {"999999": 5}}, "invalid_request", "logit_bias"),
+        ({**CHAT, "stop_token_ids": [3, 999999]}, "invalid_request", "stop_token_ids"),
+        ({**CHAT, "seed": -(2**63) - 1}, "invalid_request", "seed"),
         ({**CHAT, "tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),
         ({**CHAT, "frobnicate": 1}, "unsupported_parameter", "frobnicate"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
@@ -51,11 +65,37 @@ def test_chat_body_errors(sim_server: SluiceProcess, body: dict, code: str, para
     assert error["param"] == param
 
 
+def test_error_messages_name_what_is_wrong(sim_server: SluiceProcess) -> None:
+    bias = _post(sim_server, "/v1/chat/completions", json={**CHAT, "logit_bias": {"hello": 5}})
+    assert "'hello'" in bias.json()["error"]["message"]
+    vocab = _post(sim_server, "/v1/completions", json={"prompt": [5, 2048], "max_tokens": 2})
+    assert _assert_error(vocab, 400, "invalid_request")["param"] == "prompt"
+    assert "2048" in vocab.json()["error"]["message"]
+    seed = _post(sim_server, "/v1/chat/completions", json={**CHAT, "seed": -(2**63) - 1})
+    assert "at least -9223372036854775808" in seed.json()["error"]["message"]
+
+
+def test_any_role_the_template_takes_is_accepted(sim_server: SluiceProcess) -> None:
+    body = {"messages": [{"role": "narrator", "content": "once upon a time"}], "max_tokens": 3}
+    response = _post(sim_server, "/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
 def test_transport_level_errors(sim_server: SluiceProcess) -> None:
-    _assert_error(_post(sim_server, "/v1/chat/completions", content=b"{not json"),
-                  400, "invalid_request")
-    _assert_error(_post(sim_server, "/v1/chat/completions", content=b"[1, 2]"),
-                  400, "invalid_request")
+    as_json = {"Content-Type": "application/json"}
+    _assert_error(_post(sim_server, "/v1/chat/completions", content=b"{not json",
+                        headers=as_json), 400, "invalid_request")
+    _assert_error(_post(sim_server, "/v1/chat/completions", content=b"[1, 2]",
+                        headers=as_json), 400, "invalid_request")
+    for content_type in (None, "text/plain", "application/x-www-form-urlencoded"):
+        headers = {"Content-Type": content_type} if content_type else {}
+        wrong = _post(sim_server, "/v1/chat/completions", content=json.dumps(CHAT).encode(),
+                      headers=headers)
+        assert "application/json" in _assert_error(wrong, 400, "invalid_request")["message"]
+    charset = {"Content-Type": "application/json; charset=utf-8"}
+    assert _post(sim_server, "/v1/chat/completions", content=json.dumps(CHAT).encode(),
+                 headers=charset).status_code == 200
     _assert_error(_post(sim_server, "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}),
                   404, "model_not_found")
     huge = {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}
@@ -104,10 +144,11 @@ async def test_garbage_on_the_websocket_gets_errors_and_the_connection_survives(
 
 
 def test_nothing_leaks_after_bad_input(sim_server: SluiceProcess) -> None:
-    for body in ({**CHAT, "n": 2}, {**CHAT, "max_tokens": 100_000}, {"messages": 1}):
+    for body in ({**CHAT, "n": 2}, {**CHAT, "max_tokens": 100_000}, {"messages": 1},
+                 {**CHAT, "stop_token_ids": [10**6]}):
         _post(sim_server, "/v1/chat/completions", json=body)
     assert sim_server.metric("sluice_running_requests") == 0
     assert sim_server.metric("sluice_queue_depth") == 0
     assert sim_server.metric("sluice_budget_in_use") == 0
     assert sim_server.metric("sluice_engine_unfinished_requests") == 0
-    assert sim_server.metric("sluice_requests_total", outcome="invalid") >= 3
+    assert sim_server.metric("sluice_requests_total", outcome="invalid") >= 4

@@ -1,0 +1,93 @@
+"""vLLM's tokenizer endpoints and `/version`, so tools written for vLLM's server find them.
+
+`POST /tokenize` takes a text `prompt` (with `add_special_tokens`, default true) or chat
+`messages` (through the chat template, generation prompt included) and answers
+`{count, max_model_len, tokens, token_strs}`; `POST /detokenize` takes `tokens` and answers
+`{prompt}`. Both use the engine's own tokenizer and never reach the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.errors import InvalidRequest, UnsupportedParameter
+from server.generation import Sluice, api_key_from, check_in_vocabulary
+from server.openai_requests import messages_from, token_ids_from
+from server.openai_routes import JSONResponse, read_json
+
+_TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "return_token_strs"}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("sluice-server")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+VERSION = _version()
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
+
+
+async def _body(request: Request, allowed: Callable[[dict[str, Any]], set[str]]
+                ) -> tuple[Sluice, dict[str, Any]]:
+    """The authenticated JSON body; `allowed(body)` names the keys it may have."""
+    sluice: Sluice = request.app.state.sluice
+    sluice.tenants.authenticate(api_key_from(request.headers))
+    body = await read_json(request, sluice.max_body_bytes)
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    unknown = sorted(body.keys() - allowed(body))
+    if unknown:
+        raise UnsupportedParameter(f"unsupported parameter '{unknown[0]}'", param=unknown[0])
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string", param="model")
+    sluice.check_model(model)
+    return sluice, body
+
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{key}' must be a boolean", param=key)
+    return value
+
+
+async def tokenize(request: Request) -> Response:
+    sluice, body = await _body(
+        request, lambda body: _TOKENIZE_CHAT if "messages" in body else _TOKENIZE_TEXT
+    )
+    if _flag(body, "return_token_strs", False):
+        raise UnsupportedParameter("'return_token_strs' is not supported",
+                                   param="return_token_strs")
+    if "messages" in body:
+        if not _flag(body, "add_generation_prompt", True):
+            raise UnsupportedParameter("the chat template is always rendered with the "
+                                       "generation prompt", param="add_generation_prompt")
+        tokens = sluice.render_chat(messages_from(body))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise InvalidRequest("'prompt' must be a string", param="prompt")
+        tokens = sluice.engine.tokenize(prompt, _flag(body, "add_special_tokens", True))
+    return JSONResponse({"count": len(tokens), "max_model_len": sluice.engine.model.max_model_len,
+                         "tokens": tokens, "token_strs": None})
+
+
+async def detokenize(request: Request) -> Response:
+    sluice, body = await _body(request, lambda body: {"model", "tokens"})
+    tokens = token_ids_from(body, "tokens")
+    if tokens is None:
+        raise InvalidRequest("'tokens' is required", param="tokens")
+    check_in_vocabulary(tokens, sluice.engine.model.vocab_size, "tokens")
+    return JSONResponse({"prompt": sluice.engine.detokenize(tokens)})

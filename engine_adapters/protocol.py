@@ -131,6 +131,10 @@ class EngineClient(Protocol):
         """The text of token ids; each id is below `model.vocab_size` when that is known."""
         ...
 
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token id's own string in the tokenizer's vocabulary (e.g. 'Ġword')."""
+        ...
+
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Prompt token ids for chat messages, through the model's chat template."""
         ...

@@ -31,6 +31,7 @@ from engine_adapters.sim_model import (
     add_sim_arguments,
     detokenize,
     stable_hash,
+    token_text,
 )
 
 __all__ = ["SimConfig", "SimEngine", "SimTimingModel", "add_sim_arguments"]
@@ -133,6 +134,10 @@ class SimEngine:
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return detokenize(token_ids)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [SPECIAL_TOKENS[t] if t < len(SPECIAL_TOKENS) else token_text(t)
+                for t in token_ids]
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         ids = [BOS_ID]

@@ -182,6 +182,9 @@ class SimBatchEngine:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return bytes(token_ids).decode("utf-8", "replace")
 
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return [bytes([t]).decode("latin-1") for t in token_ids]
+
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         text = "".join(f"<{m.get('role', 'user')}>{m.get('content', '')}\n" for m in messages)
         return tokenize(text)

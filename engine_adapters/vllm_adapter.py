@@ -185,6 +185,9 @@ class VLLMEngine:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids)))
 
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        return list(self._tokenizer.convert_ids_to_tokens(list(token_ids)))
+
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         text = self._tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True

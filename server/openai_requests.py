@@ -63,6 +63,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     service_tier: str | None
+    continuous_usage: bool = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
     add_special_tokens: bool = True  # for a text prompt (chat templates bring their own)
 
     def sampling_options(self, max_tokens: int) -> SamplingOptions:
@@ -244,7 +245,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
 
     stream = _bool(body, "stream") or False
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         _check(isinstance(options, dict), "'stream_options' must be an object", "stream_options")
         _check(stream, "'stream_options' is only allowed when 'stream' is true", "stream_options")
@@ -252,11 +253,11 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
             if key not in _STREAM_OPTIONS:
                 raise UnsupportedParameter(f"unsupported stream option '{key}'",
                                            param=f"stream_options.{key}")
-        if options.get("continuous_usage_stats"):
-            raise UnsupportedParameter("usage in every chunk is not supported; usage comes in "
-                                       "the last chunk with 'include_usage'",
-                                       param="stream_options.continuous_usage_stats")
         include_usage = _bool(options, "include_usage") or False
+        continuous_usage = _bool(options, "continuous_usage_stats") or False
+        _check(include_usage or not continuous_usage,
+               "'continuous_usage_stats' needs 'include_usage'",
+               "stream_options.continuous_usage_stats")
     tier = body.get("service_tier")
     _check(tier is None or tier in ("auto", "default", "flex", "priority"),
            "'service_tier' must be one of auto, default, flex, priority", "service_tier")
@@ -269,6 +270,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         service_tier=tier,
         add_special_tokens=_bool(body, "add_special_tokens") is not False,
     )

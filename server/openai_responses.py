@@ -25,13 +25,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class ChunkEncoder:
     """Renders `data: {...}\\n\\n` events for one streamed chat or text completion."""
 
-    def __init__(self, kind: str, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, kind: str, request_id: str, model: str, include_usage: bool,
+        continuous_usage: bool = False, prompt_tokens: int = 0,
+    ) -> None:
         self.kind = kind
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.prompt_tokens = prompt_tokens
         head = orjson.dumps(
             {"id": self.id, "object": self.object, "created": self.created, "model": model}
         )[:-1]
@@ -41,6 +46,7 @@ class ChunkEncoder:
         else:
             self._prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
             self._suffix = b',"logprobs":null,"finish_reason":null}]'
+        self._choice_end = self._suffix
         self._suffix += (b',"usage":null}\n\n' if include_usage else b"}\n\n")
 
     def _event(self, payload: dict[str, Any]) -> bytes:
@@ -49,19 +55,27 @@ class ChunkEncoder:
     def _base(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
 
+    def _usage(self, completion_tokens: int) -> dict[str, int] | None:
+        """A chunk's `usage`: null, or the counts so far with continuous usage."""
+        return usage(self.prompt_tokens, completion_tokens) if self.continuous_usage else None
+
     def role(self) -> bytes:
         """The first chat chunk: the assistant role, empty content (as OpenAI sends it)."""
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
-            payload["usage"] = None
+            payload["usage"] = self._usage(0)
         return self._event(payload)
 
-    def text(self, text: str) -> bytes:
+    def text(self, text: str, completion_tokens: int) -> bytes:
+        if self.continuous_usage:
+            return (self._prefix + orjson.dumps(text) + self._choice_end + b',"usage":'
+                    + orjson.dumps(self._usage(completion_tokens)) + b"}\n\n")
         return self._prefix + orjson.dumps(text) + self._suffix
 
-    def finish(self, finish_reason: str, stop_reason: Any, last: dict[str, Any] | None) -> bytes:
+    def finish(self, finish_reason: str, stop_reason: Any, last: dict[str, Any] | None,
+               completion_tokens: int) -> bytes:
         """The chunk carrying finish_reason; `last` adds usage/timings when it ends the stream."""
         if self.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
@@ -71,7 +85,7 @@ class ChunkEncoder:
         choice["stop_reason"] = stop_reason
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
-            payload["usage"] = None
+            payload["usage"] = self._usage(completion_tokens)
         if last:
             payload.update(last)
         return self._event(payload)

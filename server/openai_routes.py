@@ -203,7 +203,8 @@ class GenerationResponse:
     async def _events(self, generation: Generation) -> AsyncIterator[bytes]:
         timeline, parsed = self.timeline, self.parsed
         encoder = ChunkEncoder(parsed.kind, timeline.request_id, self.sluice.served_model,
-                               parsed.include_usage)
+                               parsed.include_usage, parsed.continuous_usage,
+                               timeline.prompt_tokens)
         outcome, status, failure = "cancelled", 499, None
         try:
             if parsed.kind == "chat":
@@ -215,7 +216,7 @@ class GenerationResponse:
                     if delta.token_ids:
                         timeline.wrote_tokens(len(delta.token_ids))
                     if delta.text:
-                        yield encoder.text(delta.text)
+                        yield encoder.text(delta.text, timeline.generated_tokens)
                     if delta.finish_reason is not None:
                         finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
                 if finish_reason == "abort" or finish_reason is None:
@@ -226,11 +227,13 @@ class GenerationResponse:
                 "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
                 "timings": timeline.timings(),
             }
+            generated = timeline.generated_tokens
             if parsed.include_usage:
-                yield encoder.finish(finish_reason, stop_reason, None)
+                yield encoder.finish(finish_reason, stop_reason, None, generated)
                 yield encoder.usage_chunk(summary)
             else:
-                yield encoder.finish(finish_reason, stop_reason, {"timings": summary["timings"]})
+                yield encoder.finish(finish_reason, stop_reason, {"timings": summary["timings"]},
+                                     generated)
             yield DONE
             outcome, status = "completed", 200
         except SluiceError as error:

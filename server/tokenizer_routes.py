@@ -2,8 +2,9 @@
 
 `POST /tokenize` takes a text `prompt` (with `add_special_tokens`, default true) or chat
 `messages` (through the chat template, generation prompt included) and answers
-`{count, max_model_len, tokens, token_strs}`; `POST /detokenize` takes `tokens` and answers
-`{prompt}`. Both use the engine's own tokenizer and never reach the scheduler.
+`{count, max_model_len, tokens, token_strs}` (`token_strs` null unless `return_token_strs`);
+`POST /detokenize` takes `tokens` and answers `{prompt}`. Both use the engine's own tokenizer
+and never reach the scheduler.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ async def _body(request: Request, allowed: Callable[[dict[str, Any]], set[str]]
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key, default)
+    value = body.get(key)
+    if value is None:
+        return default
     if not isinstance(value, bool):
         raise InvalidRequest(f"'{key}' must be a boolean", param=key)
     return value
@@ -67,9 +70,6 @@ async def tokenize(request: Request) -> Response:
     sluice, body = await _body(
         request, lambda body: _TOKENIZE_CHAT if "messages" in body else _TOKENIZE_TEXT
     )
-    if _flag(body, "return_token_strs", False):
-        raise UnsupportedParameter("'return_token_strs' is not supported",
-                                   param="return_token_strs")
     if "messages" in body:
         if not _flag(body, "add_generation_prompt", True):
             raise UnsupportedParameter("the chat template is always rendered with the "
@@ -80,8 +80,10 @@ async def tokenize(request: Request) -> Response:
         if not isinstance(prompt, str):
             raise InvalidRequest("'prompt' must be a string", param="prompt")
         tokens = sluice.engine.tokenize(prompt, _flag(body, "add_special_tokens", True))
+    strings = (sluice.engine.token_strings(tokens)
+               if _flag(body, "return_token_strs", False) else None)
     return JSONResponse({"count": len(tokens), "max_model_len": sluice.engine.model.max_model_len,
-                         "tokens": tokens, "token_strs": None})
+                         "tokens": tokens, "token_strs": strings})
 
 
 async def detokenize(request: Request) -> Response:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
 
@@ -90,6 +92,28 @@ async def test_async_client_streams_concurrently(vllm_server) -> None:  # type: 
     reply = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3)
     assert reply.usage is not None and reply.usage.completion_tokens <= 3
     await client.close()
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_continuous_usage_counts_tokens_in_every_chunk(client: openai.OpenAI, kind: str) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if kind == "chat":
+        stream: Any = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=20, stream=True, stream_options=options,
+            extra_body={"ignore_eos": True})
+    else:
+        stream = client.completions.create(
+            model=MODEL, prompt="Tell me about schedulers.", max_tokens=20, stream=True,
+            stream_options=options, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 20  # so far, never backwards
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    with_text = [c for c in chunks if c.choices and (
+        c.choices[0].delta.content if kind == "chat" else c.choices[0].text)]
+    assert with_text and all(c.usage.completion_tokens >= 1 for c in with_text)
+    assert chunks[-1].choices == []  # the usage chunk still comes last
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:

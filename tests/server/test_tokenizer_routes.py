@@ -22,6 +22,11 @@ def test_tokenize_and_detokenize_with_the_models_tokenizer(vllm_server: SluicePr
                                                    "add_special_tokens": special}).json()
         assert counted["count"] == len(counted["tokens"]) > 3
         assert counted["max_model_len"] > 0 and counted["token_strs"] is None
+        strings = _post(vllm_server, "/tokenize", {"prompt": text, "return_token_strs": True,
+                                                   "add_special_tokens": special}).json()
+        assert strings["tokens"] == counted["tokens"]
+        # Byte-level BPE spells a leading space 'Ġ'; the strings join back to the text.
+        assert "".join(strings["token_strs"]).replace("Ġ", " ") == text
         back = _post(vllm_server, "/detokenize", {"model": MODEL, "tokens": counted["tokens"]})
         assert back.json() == {"prompt": text}
         usage = httpx.post(vllm_server.url + "/v1/completions", timeout=60, json={
@@ -64,7 +69,7 @@ def test_version(sim_server: SluiceProcess) -> None:
     [
         ("/tokenize", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
-        ("/tokenize", {"prompt": "hi", "return_token_strs": True}, 400, "return_token_strs"),
+        ("/tokenize", {"prompt": "hi", "return_token_strs": 1}, 400, "return_token_strs"),
         ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, 400,
          "add_generation_prompt"),
         ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
@@ -88,3 +93,6 @@ def test_sim_round_trip(sim_server: SluiceProcess) -> None:
     assert len(tokens) == 3
     assert _post(sim_server, "/detokenize", {"tokens": tokens}).json() == {
         "prompt": " the old horse"}
+    strings = _post(sim_server, "/tokenize", {"prompt": "the old horse",
+                                              "return_token_strs": True}).json()["token_strs"]
+    assert strings == [" the", " old", " horse"]

@@ -43,6 +43,17 @@ class SamplingOptions:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # None: none; k: each token's and the k most likely ones'
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's text and log-probability, and the `logprobs` most likely tokens at
+    its position as (text, log-probability), best first."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +79,8 @@ class TokenDelta:
     their detokenized text (possibly empty while a multi-byte character is incomplete).
     `finish_reason` is set on the last delta only: "stop", "length" or "abort".
     `num_cached_tokens`, on the first delta, is how many prompt tokens the engine found in its
-    prefix cache (None when it does not say).
+    prefix cache (None when it does not say). `logprobs`, when the request asked for them,
+    has one entry per token id.
     """
 
     text: str
@@ -76,6 +88,7 @@ class TokenDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int | None = None
+    logprobs: Sequence[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +104,14 @@ class KVCacheInfo:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """`vocab_size` 0: the engine does not say, so token ids reach it unchecked."""
+    """`vocab_size` 0: the engine does not say, so token ids reach it unchecked.
+    `engine` names the engine in errors; `logprobs`: whether it can return them."""
 
     name: str
     max_model_len: int
     vocab_size: int = 0
+    engine: str = "vllm"
+    logprobs: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -17,6 +17,7 @@ from engine_adapters.protocol import (
     KVCacheInfo,
     ModelInfo,
     TokenDelta,
+    TokenLogprob,
 )
 from engine_adapters.sim_model import (
     BOS_ID,
@@ -67,7 +68,7 @@ class SimEngine:
         self._model = SimTimingModel(self.config)
         self._model_info = ModelInfo(
             name=model_name, max_model_len=self.config.max_model_len,
-            vocab_size=self.config.vocab_size, extra={"engine": "sim"},
+            vocab_size=self.config.vocab_size, engine="sim", extra={"engine": "sim"},
         )
         self._streams: dict[str, _Stream] = {}
         self._finishing: set[str] = set()  # finished by the step now passing, not yet delivered
@@ -139,6 +140,16 @@ class SimEngine:
         return [SPECIAL_TOKENS[t] if t < len(SPECIAL_TOKENS) else token_text(t)
                 for t in token_ids]
 
+    def _logprob(self, token_id: int, k: int) -> TokenLogprob:
+        """Made-up but consistent: the sampled token is the likeliest, at a log-probability
+        set by its id; the next ids follow, one nat apart each (the k together under 1)."""
+        logprob = -0.5 - (token_id % 7) * 0.1
+        ids = [token_id] + [len(SPECIAL_TOKENS) + (token_id + i) % (self.config.vocab_size
+                                                                     - len(SPECIAL_TOKENS))
+                            for i in range(1, k)]
+        return TokenLogprob(token_text(token_id), logprob,
+                            tuple((token_text(t), logprob - i) for i, t in enumerate(ids[:k])))
+
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         ids = [BOS_ID]
         for message in messages:
@@ -183,7 +194,9 @@ class SimEngine:
                 finish = stream.finish_reason
                 cached, stream.num_cached_tokens = stream.num_cached_tokens, None
                 yield TokenDelta(detokenize(token_ids), token_ids, finish_reason=finish,
-                                 num_cached_tokens=cached)
+                                 num_cached_tokens=cached,
+                                 logprobs=None if sampling.logprobs is None else [
+                                     self._logprob(t, sampling.logprobs) for t in token_ids])
                 if finish is not None:
                     return
         finally:

@@ -115,7 +115,8 @@ class SimBatchEngine:
         seed: int = 0,
     ) -> None:
         self.batch_model = model
-        self._info = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=256)  # bytes
+        self._info = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=256,  # bytes
+                               engine="sim-batch", logprobs=False)
         self._fail_rate = fail_rate
         self._rng = random.Random(seed)
         self._kills: dict[int, asyncio.Event] = {}

@@ -23,6 +23,7 @@ from engine_adapters.protocol import (
     ModelInfo,
     SamplingOptions,
     TokenDelta,
+    TokenLogprob,
 )
 
 logger = logging.getLogger("sluice.engine.vllm")
@@ -73,6 +74,7 @@ def to_sampling_params(options: SamplingOptions) -> Any:
         skip_special_tokens=options.skip_special_tokens,
         include_stop_str_in_output=options.include_stop_str_in_output,
         logit_bias=options.logit_bias,
+        logprobs=options.logprobs,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -226,6 +228,8 @@ class VLLMEngine:
                     finish_reason=completion.finish_reason if out.finished else None,
                     stop_reason=completion.stop_reason,
                     num_cached_tokens=out.num_cached_tokens if first else None,
+                    logprobs=None if request.sampling.logprobs is None else self._logprobs(
+                        completion.token_ids, completion.logprobs, request.sampling.logprobs),
                 )
                 first = False
         except VLLMEngineDead as exc:
@@ -241,6 +245,26 @@ class VLLMEngine:
         finally:
             # Closing vLLM's generator aborts the request if it has not finished.
             await stream.aclose()
+
+    def _logprobs(self, token_ids: Sequence[int], positions: Any, k: int) -> list[TokenLogprob]:
+        """vLLM's per-position {token id: Logprob} (the sampled token and the k best, ranked)
+        as engine-neutral entries."""
+        entries = []
+        for token_id, candidates in zip(token_ids, positions or (), strict=False):
+            ranked = sorted((c for c in candidates.items() if c[1].rank is not None
+                             and c[1].rank <= k), key=lambda c: c[1].rank)[:k]
+            entries.append(TokenLogprob(
+                token=self._token_text(token_id, candidates[token_id]),
+                logprob=max(candidates[token_id].logprob, -9999.0),
+                top=tuple((self._token_text(t, lp), max(lp.logprob, -9999.0))
+                          for t, lp in ranked),
+            ))
+        return entries
+
+    def _token_text(self, token_id: int, logprob: Any) -> str:
+        if logprob.decoded_token is not None:
+            return str(logprob.decoded_token)
+        return str(self._tokenizer.decode([token_id]))
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:

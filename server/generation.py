@@ -21,6 +21,7 @@ from server.errors import (
     EngineUnavailable,
     InvalidRequest,
     ModelNotFound,
+    UnsupportedParameter,
 )
 from server.openai_requests import ParsedRequest
 from server.scheduler.tenants import TenantDirectory
@@ -84,6 +85,10 @@ class Sluice:
             tenant, parsed.service_tier, headers.get("x-traffic-class")
         ))
         self.check_model(parsed.model)
+        if "logprobs" in parsed.sampling and not self.engine.model.logprobs:
+            raise UnsupportedParameter(
+                f"the {self.engine.model.engine} engine does not return logprobs",
+                param="logprobs")
         prompt_ids = self._prompt_ids(parsed)
         self._check_token_ids(parsed)
         max_len = self.engine.model.max_model_len

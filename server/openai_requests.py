@@ -20,8 +20,6 @@ from server.errors import InvalidRequest, UnsupportedParameter
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
-    "logprobs": (False, None),
-    "top_logprobs": (0, None),
     "echo": (False,),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
@@ -43,9 +41,10 @@ _SAMPLING = {
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "max_tokens",
 }
-_COMMON = {"model", "stream", "service_tier", "add_special_tokens", *_SAMPLING, *_ONLY_DEFAULT,
-           *_IGNORED}
-_CHAT_ONLY = {"messages", "max_completion_tokens", "response_format"}
+_COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", *_SAMPLING,
+           *_ONLY_DEFAULT, *_IGNORED}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "response_format", "top_logprobs"}
+MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`
 _COMPLETION_ONLY = {"prompt"}
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
@@ -166,6 +165,20 @@ _SAMPLING_READERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
 }
 
 
+def _logprobs(body: Mapping[str, Any], kind: str) -> int | None:
+    """How many top tokens each generated token's logprobs list; None: no logprobs.
+
+    Chat: `logprobs: true` and `top_logprobs: k`. Completions: `logprobs: k` (0 is the sampled
+    token's alone, and still asks for logprobs)."""
+    if kind == "completion":
+        return _integer(body, "logprobs", 0, MAX_LOGPROBS)
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        _check(not top, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
+
+
 def messages_from(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     _check(isinstance(messages, list) and len(messages) > 0,
@@ -229,6 +242,9 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         value = read(body)
         if value is not None:
             sampling[key] = value
+    logprobs = _logprobs(body, kind)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
     max_tokens = _integer(body, "max_tokens", 1)
     if kind == "chat":
         max_tokens = _integer(body, "max_completion_tokens", 1) or max_tokens

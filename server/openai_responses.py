@@ -7,11 +7,34 @@ constant prefix once per request and encodes only the token text per chunk (orjs
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
+from engine_adapters.protocol import TokenLogprob
+
 DONE = b"data: [DONE]\n\n"
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's chat `logprobs.content` entries."""
+    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                              for t, lp in e.top]}
+            for e in entries]
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """OpenAI's completions `logprobs`; `text_offset` is where the first token's text starts.
+    Each `top_logprobs` holds the sampled token and the k best, as OpenAI's does."""
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {"text_offset": offsets, "token_logprobs": [e.logprob for e in entries],
+            "tokens": [e.token for e in entries],
+            "top_logprobs": [{e.token: e.logprob, **dict(e.top)} for e in entries]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -37,6 +60,7 @@ class ChunkEncoder:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.prompt_tokens = prompt_tokens
+        self._text_offset = 0  # characters of text sent so far (completions' text_offset)
         head = orjson.dumps(
             {"id": self.id, "object": self.object, "created": self.created, "model": model}
         )[:-1]
@@ -46,7 +70,6 @@ class ChunkEncoder:
         else:
             self._prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
             self._suffix = b',"logprobs":null,"finish_reason":null}]'
-        self._choice_end = self._suffix
         self._suffix += (b',"usage":null}\n\n' if include_usage else b"}\n\n")
 
     def _event(self, payload: dict[str, Any]) -> bytes:
@@ -68,11 +91,25 @@ class ChunkEncoder:
             payload["usage"] = self._usage(0)
         return self._event(payload)
 
-    def text(self, text: str, completion_tokens: int) -> bytes:
-        if self.continuous_usage:
-            return (self._prefix + orjson.dumps(text) + self._choice_end + b',"usage":'
-                    + orjson.dumps(self._usage(completion_tokens)) + b"}\n\n")
-        return self._prefix + orjson.dumps(text) + self._suffix
+    def text(self, text: str, completion_tokens: int,
+             logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
+        """A chunk of generated text (and its tokens' logprobs when the request asked)."""
+        offset = self._text_offset
+        self._text_offset += len(text)
+        if logprobs is None and not self.continuous_usage:
+            return self._prefix + orjson.dumps(text) + self._suffix
+        choice: dict[str, Any]
+        if self.kind == "chat":
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None
+                      if logprobs is None else {"content": chat_logprobs(logprobs)}}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None
+                      if logprobs is None else completion_logprobs(logprobs, offset)}
+        choice["finish_reason"] = None
+        payload = {**self._base(), "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = self._usage(completion_tokens)
+        return self._event(payload)
 
     def finish(self, finish_reason: str, stop_reason: Any, last: dict[str, Any] | None,
                completion_tokens: int) -> bytes:
@@ -101,6 +138,7 @@ class ChunkEncoder:
 def whole_response(
     kind: str, request_id: str, model: str, text: str, finish_reason: str | None,
     stop_reason: Any, prompt_tokens: int, completion_tokens: int, timings: dict[str, Any],
+    logprobs: Sequence[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     """A non-streamed chat.completion or text_completion object."""
     if kind == "chat":
@@ -108,14 +146,15 @@ def whole_response(
             "index": 0,
             "message": {"role": "assistant", "content": text, "refusal": None,
                         "tool_calls": [], "annotations": []},
-            "logprobs": None,
+            "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
         object_name, prefix = "chat.completion", "chatcmpl-"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
+        choice = {"index": 0, "text": text, "logprobs": None
+                  if logprobs is None else completion_logprobs(logprobs, 0),
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
         object_name, prefix = "text_completion", "cmpl-"
     return {
         "id": prefix + request_id,

@@ -13,7 +13,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine_adapters.protocol import EngineDeadError, EngineError, EngineRequestError
+from engine_adapters.protocol import (
+    EngineDeadError,
+    EngineError,
+    EngineRequestError,
+    TokenLogprob,
+)
 from server.errors import (
     EngineUnavailable,
     GenerationFailed,
@@ -164,7 +169,7 @@ class GenerationResponse:
             if not collecting.done():
                 collecting.cancel()
         try:
-            text, finish_reason, stop_reason = await collecting
+            text, finish_reason, stop_reason, logprobs = await collecting
         except asyncio.CancelledError:
             timeline.finish("cancelled", status=499)
             return Response(status_code=499)
@@ -179,18 +184,24 @@ class GenerationResponse:
         body = whole_response(
             self.parsed.kind, timeline.request_id, self.sluice.served_model, text,
             finish_reason, stop_reason, timeline.prompt_tokens, timeline.generated_tokens,
-            timeline.timings(),
+            timeline.timings(), logprobs,
         )
         timeline.finish("completed")
         return JSONResponse(body, headers={"X-Request-Id": timeline.request_id})
 
-    async def _collect(self, generation: Generation) -> tuple[str, str | None, Any]:
+    async def _collect(
+        self, generation: Generation
+    ) -> tuple[str, str | None, Any, list[TokenLogprob] | None]:
         parts: list[str] = []
+        logprobs: list[TokenLogprob] | None = (
+            None if self.parsed.sampling.get("logprobs") is None else [])
         finish_reason: str | None = None
         stop_reason: Any = None
         try:
             async for delta in generation:
                 parts.append(delta.text)
+                if logprobs is not None and delta.logprobs:
+                    logprobs.extend(delta.logprobs)
                 self.timeline.wrote_tokens(len(delta.token_ids))
                 if delta.finish_reason is not None:
                     finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
@@ -198,7 +209,7 @@ class GenerationResponse:
             raise engine_failure(exc) from exc
         if finish_reason == "abort":
             raise GenerationFailed("the engine aborted the request")
-        return "".join(parts), finish_reason, stop_reason
+        return "".join(parts), finish_reason, stop_reason, logprobs
 
     async def _events(self, generation: Generation) -> AsyncIterator[bytes]:
         timeline, parsed = self.timeline, self.parsed
@@ -215,8 +226,9 @@ class GenerationResponse:
                 async for delta in generation:
                     if delta.token_ids:
                         timeline.wrote_tokens(len(delta.token_ids))
-                    if delta.text:
-                        yield encoder.text(delta.text, timeline.generated_tokens)
+                    if delta.text or delta.logprobs:
+                        yield encoder.text(delta.text, timeline.generated_tokens,
+                                           delta.logprobs)
                     if delta.finish_reason is not None:
                         finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
                 if finish_reason == "abort" or finish_reason is None:

@@ -2,7 +2,8 @@
 
 Client → server: `{"type": "generate", "id": ID, "request": {chat-completion body},
 "traffic_class"?: "interactive"|"bulk", "timeout_ms"?: N}` and `{"type": "cancel", "id": ID}`.
-Server → client: `{"type": "delta", "id", "text", "tokens"}`, exactly one
+Server → client: `{"type": "delta", "id", "text", "tokens"}` (with "logprobs" when asked),
+exactly one
 `{"type": "final", "id", "finish_reason", "usage", "timings"}` per generation that started
 (finish_reason "cancelled" after a cancel), and `{"type": "error", "id", "error": {...}}`
 (id null for a message that could not be attributed). The README documents the protocol.
@@ -23,7 +24,7 @@ from engine_adapters.protocol import EngineError
 from server.errors import GenerationFailed, InvalidRequest, SluiceError
 from server.generation import Sluice, api_key_from
 from server.openai_requests import parse_request
-from server.openai_responses import usage
+from server.openai_responses import chat_logprobs, usage
 from server.openai_routes import engine_failure
 from server.timeline import RequestTimeline, outcome_for
 
@@ -179,8 +180,11 @@ class Connection:
                     async for delta in generation:
                         if delta.token_ids:
                             timeline.wrote_tokens(len(delta.token_ids))
-                            await self._send({"type": "delta", "id": gen_id, "text": delta.text,
-                                              "tokens": len(delta.token_ids)})
+                            message = {"type": "delta", "id": gen_id, "text": delta.text,
+                                       "tokens": len(delta.token_ids)}
+                            if delta.logprobs is not None:
+                                message["logprobs"] = chat_logprobs(delta.logprobs)
+                            await self._send(message)
                         if delta.finish_reason is not None:
                             finish_reason = delta.finish_reason
                 except EngineError as exc:

@@ -48,3 +48,12 @@ def test_a_poison_prompt_fails_with_a_clear_error(batch_server: SluiceProcess) -
     error = response.json()["error"]
     assert error["code"] == "generation_failed" and "alone" in error["message"]
     assert batch_server.metric("sluice_worker_failures_total", model="sluice-demo") > failures
+
+
+def test_logprobs_are_refused_naming_the_engine(batch_server: SluiceProcess) -> None:
+    response = httpx.post(batch_server.url + "/v1/completions", timeout=30, json={
+        "model": "sluice-demo", "prompt": "hello", "max_tokens": 5, "logprobs": 1})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_parameter" and error["param"] == "logprobs"
+    assert "sim-batch" in error["message"]

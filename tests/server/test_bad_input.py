@@ -39,8 +39,10 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "stream": "yes"}, "invalid_request", "stream"),
         ({**CHAT, "stop": [1, 2]}, "invalid_request", "stop"),
         ({**CHAT, "n": 2}, "unsupported_parameter", "n"),
-        ({**CHAT, "logprobs": True}, "unsupported_parameter", "logprobs"),
-        ({**CHAT, "logprobs": 0}, "unsupported_parameter", "logprobs"),  # 0 == False, yet asks
+        ({**CHAT, "logprobs": 0}, "invalid_request", "logprobs"),  # chat's is a boolean
+        ({**CHAT, "top_logprobs": 3}, "invalid_request", "top_logprobs"),  # needs logprobs
+        ({**CHAT, "logprobs": True, "top_logprobs": 21}, "invalid_request", "top_logprobs"),
+        ({**CHAT, "echo": True}, "unsupported_parameter", "echo"),
         ({**CHAT, "prompt_logprobs": 0}, "unsupported_parameter", "prompt_logprobs"),
         ({**CHAT, "add_special_tokens": True}, "unsupported_parameter", "add_special_tokens"),
         ({**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
@@ -152,3 +154,29 @@ def test_nothing_leaks_after_bad_input(sim_server: SluiceProcess) -> None:
     assert sim_server.metric("sluice_budget_in_use") == 0
     assert sim_server.metric("sluice_engine_unfinished_requests") == 0
     assert sim_server.metric("sluice_requests_total", outcome="invalid") >= 4
+
+
+def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -> None:
+    chat = _post(sim_server, "/v1/chat/completions", json={
+        **CHAT, "logprobs": True, "top_logprobs": 2}).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert len(content) == 4 and "".join(e["token"] for e in content) == chat["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 for e in content)
+    text = _post(sim_server, "/v1/completions", json={
+        "prompt": "hello", "max_tokens": 5, "logprobs": 0}).json()["choices"][0]
+    assert "".join(text["logprobs"]["tokens"]) == text["text"]
+    assert [list(top) for top in text["logprobs"]["top_logprobs"]] == [
+        [token] for token in text["logprobs"]["tokens"]]  # logprobs 0: the sampled token alone
+
+    async def over_websocket() -> list[dict]:
+        url = sim_server.url.replace("http://", "ws://") + "/v1/ws"
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "lp", "request": {
+                **CHAT, "logprobs": True}}))
+            messages = []
+            while not messages or messages[-1]["type"] != "final":
+                messages.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+            return messages
+
+    deltas = [m for m in asyncio.run(over_websocket()) if m["type"] == "delta"]
+    assert sum(len(m["logprobs"]) for m in deltas) == sum(m["tokens"] for m in deltas) == 4

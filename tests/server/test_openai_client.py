@@ -116,6 +116,36 @@ def test_continuous_usage_counts_tokens_in_every_chunk(client: openai.OpenAI, ki
     assert chunks[-1].choices == []  # the usage chunk still comes last
 
 
+def test_chat_logprobs_are_consistent_streamed_or_not(client: openai.OpenAI) -> None:
+    ask: dict[str, Any] = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(**ask)
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 8  # one per generated token
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        # Greedy: the sampled token is the likeliest one.
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(tops[0])
+        assert entry.bytes == list(entry.token.encode())
+    streamed = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    entries = [e for c in streamed if c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content or []]
+    assert [e.token for e in entries] == [e.token for e in content]
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model=MODEL, prompt="Tell me about schedulers.",
+                                      max_tokens=8, logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and len(logprobs.tokens) == 8
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs or [])
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs or [], strict=True):
+        assert token in top and 1 <= len(top) <= 3  # the sampled token and the 2 best
+
+
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 

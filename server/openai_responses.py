@@ -94,10 +94,11 @@ class ChunkEncoder:
     def text(self, text: str, completion_tokens: int,
              logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
         """A chunk of generated text (and its tokens' logprobs when the request asked)."""
-        offset = self._text_offset
-        self._text_offset += len(text)
         if logprobs is None and not self.continuous_usage:
             return self._prefix + orjson.dumps(text) + self._suffix
+        # With logprobs every chunk takes this path, so the offset counts all the text.
+        offset = self._text_offset
+        self._text_offset += len(text)
         choice: dict[str, Any]
         if self.kind == "chat":
             choice = {"index": 0, "delta": {"content": text}, "logprobs": None

@@ -162,7 +162,16 @@ class VLLMEngine:
         if cache.num_gpu_blocks:
             self._kv = KVCacheInfo(block_size=cache.block_size, num_blocks=cache.num_gpu_blocks)
         self._tokenizer = self._llm.get_tokenizer()
+        await self._warm_up()
         logger.info("vLLM engine up: %s, kv cache %s", self._info, self._kv)
+
+    async def _warm_up(self) -> None:
+        """vLLM sets up logprobs on the first request that asks for them (about 150 ms here on
+        CPU): one token with logprobs now, so no user's first token pays for it."""
+        request = GenerationRequest("sluice-warm-up", self.tokenize("warm up"),
+                                    SamplingOptions(max_tokens=1, logprobs=0))
+        async for _ in self.generate(request):
+            pass
 
     async def stop(self) -> None:
         if self._llm is not None:

@@ -45,10 +45,12 @@ def preempting_server(
         server.stop()
 
 
-async def generate_all(server: SluiceProcess, generations: dict[str, dict[str, Any]]
+async def generate_all(server: SluiceProcess, generations: dict[str, dict[str, Any]],
+                       logprobs: dict[str, list[str]] | None = None,
                        ) -> tuple[dict[str, str], dict[str, dict[str, Any]], list[str]]:
     """Send every generation at once on one WebSocket; read to the end. Returns each
-    generation's text and final message, and the order the finals came in."""
+    generation's text and final message, and the order the finals came in; `logprobs`
+    collects the tokens of the logprobs entries of those that asked for them."""
     ws_url = server.url.replace("http://", "ws://") + "/v1/ws"
     texts = dict.fromkeys(generations, "")
     finals: dict[str, dict[str, Any]] = {}
@@ -60,6 +62,9 @@ async def generate_all(server: SluiceProcess, generations: dict[str, dict[str, A
             assert message["type"] in ("delta", "final"), message
             if message["type"] == "delta":
                 texts[message["id"]] += message["text"]
+                if logprobs is not None and "logprobs" in message:
+                    logprobs.setdefault(message["id"], []).extend(
+                        entry["token"] for entry in message["logprobs"])
             else:
                 finals[message["id"]] = message
     return texts, finals, list(finals)
@@ -70,11 +75,11 @@ def chat(content: str, max_tokens: int) -> dict[str, Any]:
             "temperature": 0.0, "ignore_eos": True}
 
 
-BULK = {
-    "b1": {"request": chat("The first bulk job reads", BULK_TOKENS), "traffic_class": "bulk",
-           "timeout_ms": 600_000},
-    "b2": {"request": chat("A second bulk job writes", BULK_TOKENS), "traffic_class": "bulk",
-           "timeout_ms": 600_000},
+BULK = {  # with logprobs, which must survive the pause of whichever one is paused
+    "b1": {"request": {**chat("The first bulk job reads", BULK_TOKENS), "logprobs": True},
+           "traffic_class": "bulk", "timeout_ms": 600_000},
+    "b2": {"request": {**chat("A second bulk job writes", BULK_TOKENS), "logprobs": True},
+           "traffic_class": "bulk", "timeout_ms": 600_000},
 }
 
 
@@ -83,8 +88,9 @@ async def test_a_chat_preempts_bulk_and_the_bulk_stream_continues_unbroken(
 ) -> None:
     server = preempting_server
     # Sent together: b1 and b2 take both seats, the chat waits 100 ms and then stops b2.
+    logprobs: dict[str, list[str]] = {}
     texts, finals, order = await generate_all(
-        server, {**BULK, "chat": {"request": chat("hi", 8)}})
+        server, {**BULK, "chat": {"request": chat("hi", 8)}}, logprobs)
     assert order[0] == "chat"  # it did not wait for a bulk request to end
     assert finals["chat"]["usage"]["completion_tokens"] == 8
     assert server.metric("sluice_engine_aborts_total", reason="preempted") == 1
@@ -93,8 +99,14 @@ async def test_a_chat_preempts_bulk_and_the_bulk_stream_continues_unbroken(
         assert finals[gen_id]["usage"]["completion_tokens"] == BULK_TOKENS
     # Greedy decoding resumed from prompt + generated tokens gives the same answer as an
     # uninterrupted run: the continuation lost and repeated nothing.
-    alone, _, _ = await generate_all(server, BULK)
+    logprobs_alone: dict[str, list[str]] = {}
+    alone, _, _ = await generate_all(server, BULK, logprobs_alone)
     assert [texts[g] for g in BULK] == [alone[g] for g in BULK]
+    # One logprobs entry per token, paused or not, and the same tokens either way.
+    assert sorted(logprobs) == sorted(logprobs_alone) == ["b1", "b2"]
+    for gen_id in BULK:
+        assert len(logprobs[gen_id]) == BULK_TOKENS
+        assert logprobs[gen_id] == logprobs_alone[gen_id]
     assert server.metric("sluice_engine_aborts_total", reason="preempted") == 1
     assert server.metric("sluice_budget_in_use", budget="sequences") == 0
     assert server.metric("sluice_engine_unfinished_requests") == 0

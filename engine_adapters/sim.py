@@ -68,7 +68,7 @@ class SimEngine:
         self._model = SimTimingModel(self.config)
         self._model_info = ModelInfo(
             name=model_name, max_model_len=self.config.max_model_len,
-            vocab_size=self.config.vocab_size, engine="sim", extra={"engine": "sim"},
+            vocab_size=self.config.vocab_size, engine="sim",
         )
         self._streams: dict[str, _Stream] = {}
         self._finishing: set[str] = set()  # finished by the step now passing, not yet delivered

@@ -98,7 +98,7 @@ def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int | None = None) 
     return int(value)
 
 
-def _bool(body: Mapping[str, Any], key: str) -> bool | None:
+def boolean_from(body: Mapping[str, Any], key: str) -> bool | None:
     value = body.get(key)
     if value is None:
         return None
@@ -158,9 +158,9 @@ _SAMPLING_READERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "seed": lambda b: _integer(b, "seed", -(2**63), 2**63 - 1),
     "stop": _stop,
     "stop_token_ids": lambda b: token_ids_from(b, "stop_token_ids"),
-    "ignore_eos": lambda b: _bool(b, "ignore_eos"),
-    "skip_special_tokens": lambda b: _bool(b, "skip_special_tokens"),
-    "include_stop_str_in_output": lambda b: _bool(b, "include_stop_str_in_output"),
+    "ignore_eos": lambda b: boolean_from(b, "ignore_eos"),
+    "skip_special_tokens": lambda b: boolean_from(b, "skip_special_tokens"),
+    "include_stop_str_in_output": lambda b: boolean_from(b, "include_stop_str_in_output"),
     "logit_bias": _logit_bias,
 }
 
@@ -173,7 +173,7 @@ def _logprobs(body: Mapping[str, Any], kind: str) -> int | None:
     if kind == "completion":
         return _integer(body, "logprobs", 0, MAX_LOGPROBS)
     top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
-    if not _bool(body, "logprobs"):
+    if not boolean_from(body, "logprobs"):
         _check(not top, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return None
     return top or 0
@@ -248,7 +248,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     max_tokens = _integer(body, "max_tokens", 1)
     if kind == "chat":
         max_tokens = _integer(body, "max_completion_tokens", 1) or max_tokens
-        if _bool(body, "add_special_tokens"):
+        if boolean_from(body, "add_special_tokens"):
             raise UnsupportedParameter("'add_special_tokens' is not supported for chat: the chat "
                                        "template adds the model's special tokens",
                                        param="add_special_tokens")
@@ -259,7 +259,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     elif max_tokens is None:
         max_tokens = 16  # OpenAI's default for completions
 
-    stream = _bool(body, "stream") or False
+    stream = boolean_from(body, "stream") or False
     options = body.get("stream_options")
     include_usage = continuous_usage = False
     if options is not None:
@@ -269,8 +269,8 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
             if key not in _STREAM_OPTIONS:
                 raise UnsupportedParameter(f"unsupported stream option '{key}'",
                                            param=f"stream_options.{key}")
-        include_usage = _bool(options, "include_usage") or False
-        continuous_usage = _bool(options, "continuous_usage_stats") or False
+        include_usage = boolean_from(options, "include_usage") or False
+        continuous_usage = boolean_from(options, "continuous_usage_stats") or False
         _check(include_usage or not continuous_usage,
                "'continuous_usage_stats' needs 'include_usage'",
                "stream_options.continuous_usage_stats")
@@ -288,5 +288,5 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         service_tier=tier,
-        add_special_tokens=_bool(body, "add_special_tokens") is not False,
+        add_special_tokens=boolean_from(body, "add_special_tokens") is not False,
     )

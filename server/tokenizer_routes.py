@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from server.errors import InvalidRequest, UnsupportedParameter
 from server.generation import Sluice, api_key_from, check_in_vocabulary
-from server.openai_requests import messages_from, token_ids_from
+from server.openai_requests import boolean_from, messages_from, token_ids_from
 from server.openai_routes import JSONResponse, read_json
 
 _TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -57,21 +57,12 @@ async def _body(request: Request, allowed: Callable[[dict[str, Any]], set[str]]
     return sluice, body
 
 
-def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"'{key}' must be a boolean", param=key)
-    return value
-
-
 async def tokenize(request: Request) -> Response:
     sluice, body = await _body(
         request, lambda body: _TOKENIZE_CHAT if "messages" in body else _TOKENIZE_TEXT
     )
     if "messages" in body:
-        if not _flag(body, "add_generation_prompt", True):
+        if boolean_from(body, "add_generation_prompt") is False:
             raise UnsupportedParameter("the chat template is always rendered with the "
                                        "generation prompt", param="add_generation_prompt")
         tokens = sluice.render_chat(messages_from(body))
@@ -79,9 +70,10 @@ async def tokenize(request: Request) -> Response:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise InvalidRequest("'prompt' must be a string", param="prompt")
-        tokens = sluice.engine.tokenize(prompt, _flag(body, "add_special_tokens", True))
+        tokens = sluice.engine.tokenize(prompt,
+                                        boolean_from(body, "add_special_tokens") is not False)
     strings = (sluice.engine.token_strings(tokens)
-               if _flag(body, "return_token_strs", False) else None)
+               if boolean_from(body, "return_token_strs") else None)
     return JSONResponse({"count": len(tokens), "max_model_len": sluice.engine.model.max_model_len,
                          "tokens": tokens, "token_strs": strings})
 

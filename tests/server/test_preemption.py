@@ -47,20 +47,29 @@ def preempting_server(
 
 async def generate_all(server: SluiceProcess, generations: dict[str, dict[str, Any]],
                        logprobs: dict[str, list[str]] | None = None,
+                       then: dict[str, dict[str, Any]] | None = None,
                        ) -> tuple[dict[str, str], dict[str, dict[str, Any]], list[str]]:
-    """Send every generation at once on one WebSocket; read to the end. Returns each
-    generation's text and final message, and the order the finals came in; `logprobs`
-    collects the tokens of the logprobs entries of those that asked for them."""
+    """Send every generation at once on one WebSocket, and those of `then` once every one of
+    the first has streamed a token; read to the end. Returns each generation's text and final
+    message, and the order the finals came in; `logprobs` collects the tokens of the logprobs
+    entries of those that asked for them."""
     ws_url = server.url.replace("http://", "ws://") + "/v1/ws"
-    texts = dict.fromkeys(generations, "")
+    pending = dict(then or {})
+    texts = dict.fromkeys([*generations, *pending], "")
     finals: dict[str, dict[str, Any]] = {}
+    streaming: set[str] = set()
     async with websockets.connect(ws_url, max_size=None) as ws:
         for gen_id, fields in generations.items():
             await ws.send(json.dumps({"type": "generate", "id": gen_id, **fields}))
-        while len(finals) < len(generations):
+        while len(finals) < len(texts):
+            if pending and streaming >= set(generations):
+                for gen_id, fields in pending.items():
+                    await ws.send(json.dumps({"type": "generate", "id": gen_id, **fields}))
+                pending = {}
             message = json.loads(await asyncio.wait_for(ws.recv(), 120))
             assert message["type"] in ("delta", "final"), message
             if message["type"] == "delta":
+                streaming.add(message["id"])
                 texts[message["id"]] += message["text"]
                 if logprobs is not None and "logprobs" in message:
                     logprobs.setdefault(message["id"], []).extend(
@@ -87,10 +96,12 @@ async def test_a_chat_preempts_bulk_and_the_bulk_stream_continues_unbroken(
     preempting_server: SluiceProcess,
 ) -> None:
     server = preempting_server
-    # Sent together: b1 and b2 take both seats, the chat waits 100 ms and then stops b2.
+    # b1 and b2 take both seats; the chat, sent once both stream, waits 100 ms and then stops
+    # one of them. (Sent all at once, the chat could be queued before either bulk request
+    # started, and simply go first.)
     logprobs: dict[str, list[str]] = {}
     texts, finals, order = await generate_all(
-        server, {**BULK, "chat": {"request": chat("hi", 8)}}, logprobs)
+        server, BULK, logprobs, then={"chat": {"request": chat("hi", 8)}})
     assert order[0] == "chat"  # it did not wait for a bulk request to end
     assert finals["chat"]["usage"]["completion_tokens"] == 8
     assert server.metric("sluice_engine_aborts_total", reason="preempted") == 1

@@ -6,7 +6,7 @@ continuous-batching model `sim`, the fixed-batch model `sim-batch`) implements `
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,7 +20,16 @@ class EngineDeadError(EngineError):
 
 
 class EngineRequestError(EngineError):
-    """The engine refused one request (bad parameters it alone could check)."""
+    """The engine refused one request (bad parameters it alone could check); `param` names the
+    request field at fault when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineUnsupported(EngineRequestError):
+    """A well-formed request asks for something this engine cannot do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +53,9 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: none; k: each token's and the k most likely ones'
+    # What the output must match (a JSON schema, a grammar...), in the engine's own form: from
+    # `EngineClient.plan_output`, carried by the server without looking inside.
+    constraint: object | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +127,68 @@ class ModelInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class OutputRequest:
+    """How the client wants a generation's output shaped, in the request's own OpenAI/vLLM
+    fields (`response_format`, vLLM's `structured_outputs`; on chat also `tools`,
+    `tool_choice`, `parallel_tool_calls`, `include_reasoning`), for `kind` "chat" (with its
+    `messages`) or "completion". Empty `fields`: plain text, as the engine would give it."""
+
+    kind: str
+    fields: Mapping[str, Any]
+    messages: Sequence[dict[str, Any]] | None = None
+
+
+class OutputParser(Protocol):
+    """Reads one chat choice's generated text into OpenAI message fields (`content`,
+    `reasoning`, `tool_calls`), as the engine's tool and reasoning parsers understand it.
+    Stateful: one per choice."""
+
+    def delta(self, text: str, token_ids: Sequence[int], finished: bool
+              ) -> dict[str, Any] | None:
+        """A stream chunk's `delta` for new text; None while nothing can be sent yet."""
+        ...
+
+    def message(self, text: str, token_ids: Sequence[int]) -> dict[str, Any]:
+        """The whole message's fields for the whole text."""
+        ...
+
+    def finish_reason(self, reason: str, called_tools: bool) -> str:
+        """The choice's finish_reason ("tool_calls" where OpenAI says so) for the engine's."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    """The engine's answer to an OutputRequest: the `constraint` for SamplingOptions, the
+    `tools` to show the chat template, and a maker of parsers for the output, given the prompt
+    token ids (None: the text is the content)."""
+
+    constraint: object | None = None
+    tools: Sequence[dict[str, Any]] | None = None
+    parser: Callable[[Sequence[int]], OutputParser] | None = None
+
+
+PLAIN_TEXT = OutputPlan()
+
+
+def plain_text_only(request: OutputRequest, engine: str) -> OutputPlan:
+    """The plan of an engine that only generates free text: tools are shown to the template
+    only with `tool_choice` "none"; anything else is refused naming the engine."""
+    fields = request.fields
+    for key, value in fields.items():
+        if key == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+            continue
+        if key in ("tools", "parallel_tool_calls", "include_reasoning") or (
+                key == "tool_choice" and value == "none"):
+            continue
+        raise EngineUnsupported(f"the {engine} engine does not support '{key}'", param=key)
+    if fields.get("tools") and fields.get("tool_choice") != "none":
+        raise EngineUnsupported(f"the {engine} engine does not call tools; send "
+                                "'tool_choice': 'none' with 'tools'", param="tools")
+    return OutputPlan(tools=fields.get("tools"))
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """What the server needs from an engine, and nothing more."""
@@ -151,8 +225,15 @@ class EngineClient(Protocol):
         """Each token id's own string in the tokenizer's vocabulary (e.g. 'Ġword')."""
         ...
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """Prompt token ids for chat messages, through the model's chat template."""
+    def render_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt token ids for chat messages (and the tools on offer), through the model's
+        chat template."""
+        ...
+
+    def plan_output(self, request: OutputRequest) -> OutputPlan:
+        """How this engine shapes the output a request asks for; EngineRequestError (a 400)
+        for what it cannot do or what is malformed. Cheap: called before queueing."""
         ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:

@@ -16,8 +16,11 @@ from engine_adapters.protocol import (
     GenerationRequest,
     KVCacheInfo,
     ModelInfo,
+    OutputPlan,
+    OutputRequest,
     TokenDelta,
     TokenLogprob,
+    plain_text_only,
 )
 from engine_adapters.sim_model import (
     BOS_ID,
@@ -150,7 +153,11 @@ class SimEngine:
         return TokenLogprob(token_text(token_id), logprob,
                             tuple((token_text(t), logprob - i) for i, t in enumerate(ids[:k])))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def plan_output(self, request: OutputRequest) -> OutputPlan:
+        return plain_text_only(request, self.model.engine)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         ids = [BOS_ID]
         for message in messages:
             role = str(message.get("role", "user"))

@@ -26,7 +26,10 @@ from engine_adapters.protocol import (
     GenerationRequest,
     KVCacheInfo,
     ModelInfo,
+    OutputPlan,
+    OutputRequest,
     TokenDelta,
+    plain_text_only,
 )
 
 VOCABULARY = (
@@ -186,7 +189,11 @@ class SimBatchEngine:
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return [bytes([t]).decode("latin-1") for t in token_ids]
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def plan_output(self, request: OutputRequest) -> OutputPlan:
+        return plain_text_only(request, self.model.engine)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         text = "".join(f"<{m.get('role', 'user')}>{m.get('content', '')}\n" for m in messages)
         return tokenize(text)
 

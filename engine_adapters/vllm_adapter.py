@@ -21,10 +21,13 @@ from engine_adapters.protocol import (
     GenerationRequest,
     KVCacheInfo,
     ModelInfo,
+    OutputPlan,
+    OutputRequest,
     SamplingOptions,
     TokenDelta,
     TokenLogprob,
 )
+from engine_adapters.vllm_output import ParserOptions, VLLMOutputPlanner
 
 logger = logging.getLogger("sluice.engine.vllm")
 
@@ -75,6 +78,8 @@ def to_sampling_params(options: SamplingOptions) -> Any:
         include_stop_str_in_output=options.include_stop_str_in_output,
         logit_bias=options.logit_bias,
         logprobs=options.logprobs,
+        # From VLLMOutputPlanner: vLLM's own StructuredOutputsParams.
+        structured_outputs=options.constraint,  # type: ignore[arg-type]
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -121,13 +126,16 @@ class VLLMEngine:
     """EngineClient over vLLM's AsyncLLM, running in this process (core in a subprocess)."""
 
     def __init__(
-        self, model: str, served_model_name: str, engine_args: dict[str, Any] | None = None
+        self, model: str, served_model_name: str, engine_args: dict[str, Any] | None = None,
+        parsers: ParserOptions | None = None,
     ) -> None:
         self._model_path = model
         self._served_name = served_model_name
         self._engine_args = dict(engine_args or {})
+        self._parsers = parsers or ParserOptions()
         self._llm: Any = None
         self._tokenizer: Any = None
+        self._planner: VLLMOutputPlanner | None = None
         self._info = ModelInfo(name=served_model_name, max_model_len=0)
         self._kv: KVCacheInfo | None = None
 
@@ -162,6 +170,7 @@ class VLLMEngine:
         if cache.num_gpu_blocks:
             self._kv = KVCacheInfo(block_size=cache.block_size, num_blocks=cache.num_gpu_blocks)
         self._tokenizer = self._llm.get_tokenizer()
+        self._planner = VLLMOutputPlanner(self._parsers, self._tokenizer, config)
         await self._warm_up()
         logger.info("vLLM engine up: %s, kv cache %s", self._info, self._kv)
 
@@ -199,13 +208,21 @@ class VLLMEngine:
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return list(self._tokenizer.convert_ids_to_tokens(list(token_ids)))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def render_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         text = self._tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
+            list(messages), tools=None if tools is None else list(tools), tokenize=False,
+            add_generation_prompt=True,
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def plan_output(self, request: OutputRequest) -> OutputPlan:
+        if self._planner is None:
+            raise EngineDeadError("engine not started")
+        return self._planner.plan(request)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDead
 
         if self._llm is None or self._llm.errored:
@@ -243,7 +260,7 @@ class VLLMEngine:
                 first = False
         except VLLMEngineDead as exc:
             raise EngineDeadError("vLLM engine died") from exc
-        except ValueError as exc:  # vLLM's request validation
+        except (ValueError, VLLMClientError) as exc:  # vLLM's request validation
             raise EngineRequestError(str(exc)) from exc
         except EngineError:
             raise

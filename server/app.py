@@ -179,6 +179,7 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
         name = args.served_model_name or "sim"
         return SimEngine(SimConfig.from_args(args), model_name=name), name
     from engine_adapters.vllm_adapter import VLLMEngine, parse_engine_args
+    from engine_adapters.vllm_output import ParserOptions
 
     engine_args = parse_engine_args(args.engine_arg)
     if args.model is None:
@@ -189,7 +190,9 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
     else:
         model = args.model
         name = args.served_model_name or model
-    return VLLMEngine(model, name, engine_args), name
+    parsers = ParserOptions(args.tool_call_parser, args.enable_auto_tool_choice,
+                            args.reasoning_parser)
+    return VLLMEngine(model, name, engine_args, parsers), name
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -198,6 +201,10 @@ def serve(args: argparse.Namespace) -> int:
     )
     install_handler()
     config = load_config(args.config)
+    if args.engine != "vllm" and (args.tool_call_parser or args.enable_auto_tool_choice
+                                  or args.reasoning_parser):
+        raise SystemExit("--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
+                         "read vLLM's output: they need --engine vllm")
     engine: EngineClient
     dispatcher: Dispatcher
     if args.engine == "sim-batch":

@@ -42,6 +42,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "tensor_parallel_size=8 (repeatable)",
     )
     p.add_argument(
+        "--tool-call-parser", default=None, metavar="NAME",
+        help="vLLM's tool-call parser for the model's output (e.g. hermes, pythonic), as for "
+        "vLLM's server; needed for any tool_choice but 'none'",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="let the model choose to call tools (tool_choice 'auto'), as for vLLM's server",
+    )
+    p.add_argument(
+        "--reasoning-parser", default=None, metavar="NAME",
+        help="vLLM's reasoning parser: the model's reasoning goes to 'reasoning', apart from "
+        "'content'",
+    )
+    p.add_argument(
         "--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the demo model lives"
     )
     p.add_argument(

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import Receive
 
-from engine_adapters.protocol import EngineClient, GenerationRequest
+from engine_adapters.protocol import (
+    PLAIN_TEXT,
+    EngineClient,
+    EngineRequestError,
+    EngineUnsupported,
+    GenerationRequest,
+    OutputPlan,
+    OutputRequest,
+)
 from server.errors import (
     ContextLengthExceeded,
     EngineUnavailable,
@@ -71,8 +79,9 @@ class Sluice:
 
     def prepare(
         self, parsed: ParsedRequest, timeline: RequestTimeline, headers: Mapping[str, str]
-    ) -> tuple[Ticket, GenerationRequest]:
-        """Authenticate, check the model, count the prompt and build the ticket.
+    ) -> tuple[Ticket, GenerationRequest, OutputPlan]:
+        """Authenticate, check the model, plan the output, count the prompt and build the
+        ticket.
 
         Raises a SluiceError for anything wrong; nothing is held when it does.
         """
@@ -89,7 +98,8 @@ class Sluice:
             raise UnsupportedParameter(
                 f"the {self.engine.model.engine} engine does not return logprobs",
                 param="logprobs")
-        prompt_ids = self._prompt_ids(parsed)
+        plan = self.plan_output(parsed)
+        prompt_ids = self._prompt_ids(parsed, plan)
         self._check_token_ids(parsed)
         max_len = self.engine.model.max_model_len
         if not prompt_ids:
@@ -115,14 +125,28 @@ class Sluice:
             max_tokens=max_tokens,
             open_ended=parsed.max_tokens is None,
             arrival=timeline.arrival,
+            # A constrained generation resumed as a continuation would restart its grammar.
+            preemptible=plan.constraint is None,
         )
         timeline.slo = self.dispatcher.slo_targets(ticket.traffic_class)
         request = GenerationRequest(
             request_id=timeline.request_id,
             prompt_token_ids=prompt_ids,
-            sampling=parsed.sampling_options(max_tokens),
+            sampling=parsed.sampling_options(max_tokens, plan.constraint),
         )
-        return ticket, request
+        return ticket, request, plan
+
+    def plan_output(self, parsed: ParsedRequest) -> OutputPlan:
+        """The engine's plan for the output's shape; what it cannot do is the client's 400."""
+        if not parsed.output and parsed.kind != "chat":
+            return PLAIN_TEXT
+        try:
+            return self.engine.plan_output(
+                OutputRequest(parsed.kind, parsed.output, parsed.messages))
+        except EngineUnsupported as exc:
+            raise UnsupportedParameter(str(exc), param=exc.param) from None
+        except EngineRequestError as exc:
+            raise InvalidRequest(str(exc), param=exc.param) from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model:
@@ -139,16 +163,17 @@ class Sluice:
         check_in_vocabulary(parsed.sampling.get("stop_token_ids", ()), vocab, "stop_token_ids")
         check_in_vocabulary(parsed.sampling.get("logit_bias") or (), vocab, "logit_bias")
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         try:
-            return self.engine.render_chat(messages)
+            return self.engine.render_chat(messages, tools)
         except Exception as exc:  # template errors are the client's messages' fault
             raise InvalidRequest(f"cannot apply the chat template: {exc}",
                                  param="messages") from None
 
-    def _prompt_ids(self, parsed: ParsedRequest) -> list[int]:
+    def _prompt_ids(self, parsed: ParsedRequest, plan: OutputPlan) -> list[int]:
         if parsed.messages is not None:
-            return self.render_chat(parsed.messages)
+            return self.render_chat(parsed.messages, plan.tools)
         if isinstance(parsed.prompt, str):
             return self.engine.tokenize(parsed.prompt, parsed.add_special_tokens)
         assert parsed.prompt is not None

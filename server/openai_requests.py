@@ -9,7 +9,7 @@ Anything else is refused with 400 `unsupported_parameter` rather than silently i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapters.protocol import SamplingOptions
@@ -21,9 +21,6 @@ _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
     "echo": (False,),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
-    "parallel_tool_calls": (True, False),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "suffix": ("",),
@@ -41,9 +38,16 @@ _SAMPLING = {
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "max_tokens",
 }
+# How the output is shaped (structured outputs, tools, reasoning): the engine's to apply, each
+# checked here for its JSON type only (see EngineClient.plan_output).
+_OUTPUT: dict[str, tuple[type, ...]] = {"response_format": (dict,), "structured_outputs": (dict,)}
+_CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
+    **_OUTPUT, "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
+    "include_reasoning": (bool,)}
 _COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", *_SAMPLING,
-           *_ONLY_DEFAULT, *_IGNORED}
-_CHAT_ONLY = {"messages", "max_completion_tokens", "response_format", "top_logprobs"}
+           *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", *_CHAT_OUTPUT}
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
 MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`
 _COMPLETION_ONLY = {"prompt"}
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
@@ -64,9 +68,11 @@ class ParsedRequest:
     service_tier: str | None
     continuous_usage: bool = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
     add_special_tokens: bool = True  # for a text prompt (chat templates bring their own)
+    output: dict[str, Any] = field(default_factory=dict)  # the output-shaping fields sent
 
-    def sampling_options(self, max_tokens: int) -> SamplingOptions:
-        return SamplingOptions(max_tokens=max_tokens, **self.sampling)
+    def sampling_options(self, max_tokens: int, constraint: object | None = None
+                         ) -> SamplingOptions:
+        return SamplingOptions(max_tokens=max_tokens, constraint=constraint, **self.sampling)
 
 
 def _check(cond: bool, message: str, param: str) -> None:
@@ -252,10 +258,6 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
             raise UnsupportedParameter("'add_special_tokens' is not supported for chat: the chat "
                                        "template adds the model's special tokens",
                                        param="add_special_tokens")
-        response_format = body.get("response_format")
-        if response_format is not None and response_format != {"type": "text"}:
-            raise UnsupportedParameter("only response_format {'type': 'text'} is supported",
-                                       param="response_format")
     elif max_tokens is None:
         max_tokens = 16  # OpenAI's default for completions
 
@@ -274,6 +276,12 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         _check(include_usage or not continuous_usage,
                "'continuous_usage_stats' needs 'include_usage'",
                "stream_options.continuous_usage_stats")
+    output = {}
+    for key, types in (_CHAT_OUTPUT if kind == "chat" else _OUTPUT).items():
+        if body.get(key) is not None:
+            _check(isinstance(body[key], types),
+                   f"'{key}' must be " + " or ".join(_JSON_NAMES[t] for t in types), key)
+            output[key] = body[key]
     tier = body.get("service_tier")
     _check(tier is None or tier in ("auto", "default", "flex", "priority"),
            "'service_tier' must be one of auto, default, flex, priority", "service_tier")
@@ -289,4 +297,5 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         continuous_usage=continuous_usage,
         service_tier=tier,
         add_special_tokens=boolean_from(body, "add_special_tokens") is not False,
+        output=output,
     )

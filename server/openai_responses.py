@@ -96,17 +96,25 @@ class ChunkEncoder:
         """A chunk of generated text (and its tokens' logprobs when the request asked)."""
         if logprobs is None and not self.continuous_usage:
             return self._prefix + orjson.dumps(text) + self._suffix
+        if self.kind == "chat":
+            return self.delta({"content": text}, completion_tokens, logprobs)
         # With logprobs every chunk takes this path, so the offset counts all the text.
         offset = self._text_offset
         self._text_offset += len(text)
-        choice: dict[str, Any]
-        if self.kind == "chat":
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None
-                      if logprobs is None else {"content": chat_logprobs(logprobs)}}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None
-                      if logprobs is None else completion_logprobs(logprobs, offset)}
-        choice["finish_reason"] = None
+        choice = {"index": 0, "text": text, "logprobs": None
+                  if logprobs is None else completion_logprobs(logprobs, offset),
+                  "finish_reason": None}
+        return self._chunk(choice, completion_tokens)
+
+    def delta(self, delta: dict[str, Any], completion_tokens: int,
+              logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
+        """A chat chunk with `delta`'s fields (content, reasoning, tool calls)."""
+        choice = {"index": 0, "delta": delta, "logprobs": None
+                  if logprobs is None else {"content": chat_logprobs(logprobs)},
+                  "finish_reason": None}
+        return self._chunk(choice, completion_tokens)
+
+    def _chunk(self, choice: dict[str, Any], completion_tokens: int) -> bytes:
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
             payload["usage"] = self._usage(completion_tokens)
@@ -139,14 +147,15 @@ class ChunkEncoder:
 def whole_response(
     kind: str, request_id: str, model: str, text: str, finish_reason: str | None,
     stop_reason: Any, prompt_tokens: int, completion_tokens: int, timings: dict[str, Any],
-    logprobs: Sequence[TokenLogprob] | None = None,
+    logprobs: Sequence[TokenLogprob] | None = None, message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A non-streamed chat.completion or text_completion object."""
+    """A non-streamed chat.completion or text_completion object; a chat's `message` fields
+    (content, reasoning, tool calls) from an output parser, else `text` is the content."""
     if kind == "chat":
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "refusal": None,
-                        "tool_calls": [], "annotations": []},
+                        "tool_calls": [], "annotations": [], **(message or {})},
             "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -17,6 +18,7 @@ from engine_adapters.protocol import (
     EngineDeadError,
     EngineError,
     EngineRequestError,
+    OutputParser,
     TokenLogprob,
 )
 from server.errors import (
@@ -65,7 +67,7 @@ def engine_failure(exc: EngineError) -> SluiceError:
         return EngineUnavailable("the engine stopped while generating; retry shortly",
                                  retry_after=5)
     if isinstance(exc, EngineRequestError):
-        return InvalidRequest(str(exc))
+        return InvalidRequest(str(exc), param=exc.param)
     return GenerationFailed(f"generation failed: {exc}")
 
 
@@ -105,13 +107,15 @@ async def _generate(request: Request, kind: str) -> ASGIApp:
     )
     try:
         parsed = parse_request(await read_json(request, sluice.max_body_bytes), kind)
-        ticket, engine_request = sluice.prepare(parsed, timeline, request.headers)
+        ticket, engine_request, plan = sluice.prepare(parsed, timeline, request.headers)
         # Refusals are decided here, before anything awaits: answered in one pass.
         admission = sluice.dispatcher.generation(ticket, engine_request)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, timeline.request_id)
-    return GenerationResponse(sluice, parsed, timeline, admission)
+    new_parser = None if plan.parser is None else functools.partial(
+        plan.parser, engine_request.prompt_token_ids)
+    return GenerationResponse(sluice, parsed, timeline, admission, new_parser)
 
 
 class GenerationResponse:
@@ -123,12 +127,13 @@ class GenerationResponse:
 
     def __init__(
         self, sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
-        admission: Admission[Any],
+        admission: Admission[Any], new_parser: Callable[[], OutputParser] | None = None,
     ) -> None:
         self.sluice = sluice
         self.parsed = parsed
         self.timeline = timeline
         self.admission = admission
+        self.new_parser = new_parser  # one per choice, when the engine parses the output
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timeline = self.timeline
@@ -169,7 +174,7 @@ class GenerationResponse:
             if not collecting.done():
                 collecting.cancel()
         try:
-            text, finish_reason, stop_reason, logprobs = await collecting
+            text, token_ids, finish_reason, stop_reason, logprobs = await collecting
         except asyncio.CancelledError:
             timeline.finish("cancelled", status=499)
             return Response(status_code=499)
@@ -181,18 +186,25 @@ class GenerationResponse:
             # task: a reference cycle that would keep the request's connection, timeline and
             # ticket alive until the next full GC pass (under overload, thousands of them).
             del collecting
+        message = None
+        if self.new_parser is not None:
+            parser = self.new_parser()
+            message = parser.message(text, token_ids)
+            assert finish_reason is not None
+            finish_reason = parser.finish_reason(finish_reason, bool(message["tool_calls"]))
         body = whole_response(
             self.parsed.kind, timeline.request_id, self.sluice.served_model, text,
             finish_reason, stop_reason, timeline.prompt_tokens, timeline.generated_tokens,
-            timeline.timings(), logprobs,
+            timeline.timings(), logprobs, message,
         )
         timeline.finish("completed")
         return JSONResponse(body, headers={"X-Request-Id": timeline.request_id})
 
     async def _collect(
         self, generation: Generation
-    ) -> tuple[str, str | None, Any, list[TokenLogprob] | None]:
+    ) -> tuple[str, list[int], str | None, Any, list[TokenLogprob] | None]:
         parts: list[str] = []
+        token_ids: list[int] = []  # for an output parser
         logprobs: list[TokenLogprob] | None = (
             None if self.parsed.sampling.get("logprobs") is None else [])
         finish_reason: str | None = None
@@ -200,6 +212,8 @@ class GenerationResponse:
         try:
             async for delta in generation:
                 parts.append(delta.text)
+                if self.new_parser is not None:
+                    token_ids.extend(delta.token_ids)
                 if logprobs is not None and delta.logprobs:
                     logprobs.extend(delta.logprobs)
                 self.timeline.wrote_tokens(len(delta.token_ids))
@@ -209,13 +223,15 @@ class GenerationResponse:
             raise engine_failure(exc) from exc
         if finish_reason == "abort":
             raise GenerationFailed("the engine aborted the request")
-        return "".join(parts), finish_reason, stop_reason, logprobs
+        return "".join(parts), token_ids, finish_reason, stop_reason, logprobs
 
     async def _events(self, generation: Generation) -> AsyncIterator[bytes]:
         timeline, parsed = self.timeline, self.parsed
         encoder = ChunkEncoder(parsed.kind, timeline.request_id, self.sluice.served_model,
                                parsed.include_usage, parsed.continuous_usage,
                                timeline.prompt_tokens)
+        parser = None if self.new_parser is None else self.new_parser()
+        called_tools = False
         outcome, status, failure = "cancelled", 499, None
         try:
             if parsed.kind == "chat":
@@ -226,7 +242,14 @@ class GenerationResponse:
                 async for delta in generation:
                     if delta.token_ids:
                         timeline.wrote_tokens(len(delta.token_ids))
-                    if delta.text or delta.logprobs:
+                    if parser is not None:
+                        fields = parser.delta(delta.text, delta.token_ids,
+                                              delta.finish_reason is not None)
+                        called_tools = called_tools or bool(fields and "tool_calls" in fields)
+                        if fields or delta.logprobs:
+                            yield encoder.delta(fields or {}, timeline.generated_tokens,
+                                                delta.logprobs)
+                    elif delta.text or delta.logprobs:
                         yield encoder.text(delta.text, timeline.generated_tokens,
                                            delta.logprobs)
                     if delta.finish_reason is not None:
@@ -235,6 +258,8 @@ class GenerationResponse:
                     raise GenerationFailed("the engine aborted the request")
             except EngineError as exc:
                 raise engine_failure(exc) from exc
+            if parser is not None:
+                finish_reason = parser.finish_reason(finish_reason, called_tools)
             summary = {
                 "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
                 "timings": timeline.timings(),

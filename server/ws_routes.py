@@ -2,8 +2,8 @@
 
 Client → server: `{"type": "generate", "id": ID, "request": {chat-completion body},
 "traffic_class"?: "interactive"|"bulk", "timeout_ms"?: N}` and `{"type": "cancel", "id": ID}`.
-Server → client: `{"type": "delta", "id", "text", "tokens"}` (with "logprobs" when asked),
-exactly one
+Server → client: `{"type": "delta", "id", "text", "tokens"}` (with "logprobs" when asked,
+and "tool_calls" / "reasoning" as in a chat chunk's delta when the output is parsed), exactly one
 `{"type": "final", "id", "finish_reason", "usage", "timings"}` per generation that started
 (finish_reason "cancelled" after a cancel), and `{"type": "error", "id", "error": {...}}`
 (id null for a message that could not be attributed). The README documents the protocol.
@@ -170,9 +170,12 @@ class Connection:
             if isinstance(request_body, dict) and request_body.get("stream") is False:
                 raise InvalidRequest("WebSocket generations always stream", param="stream")
             parsed = parse_request(request_body, "chat")
-            ticket, engine_request = sluice.prepare(
+            ticket, engine_request, plan = sluice.prepare(
                 parsed, timeline, self._headers_for(message)
             )
+            parser = (None if plan.parser is None
+                      else plan.parser(engine_request.prompt_token_ids))
+            called_tools = False
             async with sluice.dispatcher.generation(ticket, engine_request) as generation:
                 timeline.dispatched(generation)
                 finish_reason = None
@@ -182,6 +185,12 @@ class Connection:
                             timeline.wrote_tokens(len(delta.token_ids))
                             message = {"type": "delta", "id": gen_id, "text": delta.text,
                                        "tokens": len(delta.token_ids)}
+                            if parser is not None:  # its content is the text
+                                fields = parser.delta(delta.text, delta.token_ids,
+                                                      delta.finish_reason is not None) or {}
+                                called_tools = called_tools or "tool_calls" in fields
+                                message["text"] = fields.pop("content", "")
+                                message.update(fields)
                             if delta.logprobs is not None:
                                 message["logprobs"] = chat_logprobs(delta.logprobs)
                             await self._send(message)
@@ -191,6 +200,8 @@ class Connection:
                     raise engine_failure(exc) from exc
                 if finish_reason in (None, "abort"):
                     raise GenerationFailed("the engine aborted the request")
+                if parser is not None:
+                    finish_reason = parser.finish_reason(finish_reason, called_tools)
             outcome, status = "completed", 200
             await self._send({
                 "type": "final", "id": gen_id, "finish_reason": finish_reason,

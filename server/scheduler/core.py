@@ -391,11 +391,12 @@ class SchedulerCore:
         return chosen
 
     def _victims(self) -> list[_Running]:
-        """Running bulk not yet named, the cheapest to resume first."""
+        """Running preemptible bulk not yet named, the cheapest to resume first."""
         block = self.ledger.limits.block_size
         return sorted(
             (e for e in self._running.values()
-             if e.ticket.traffic_class is TrafficClass.BULK and not e.preempting),
+             if e.ticket.traffic_class is TrafficClass.BULK and e.ticket.preemptible
+             and not e.preempting),
             key=lambda e: (e.resume_cost(block), -e.dispatched_at),
         )
 

@@ -124,6 +124,7 @@ class TenantDirectory:
         max_tokens: int,
         open_ended: bool = False,
         arrival: float,
+        preemptible: bool = True,
     ) -> Ticket:
         traffic_class = self.traffic_class(tenant, service_tier, traffic_class_header)
         timeout = timeout_from_header(timeout_ms_header)
@@ -139,4 +140,5 @@ class TenantDirectory:
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             open_ended=open_ended,
+            preemptible=preemptible,
         )

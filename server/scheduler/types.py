@@ -40,6 +40,7 @@ class Ticket:
     # A preempted request's continuation: the last `resumed_tokens` prompt tokens are its own
     # earlier output (an engine with prefix caching holds all but the last partial block).
     resumed_tokens: int = 0
+    preemptible: bool = True  # False: never stopped to make room (it could not resume as is)
 
     @property
     def reserved_tokens(self) -> int:

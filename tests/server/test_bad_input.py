@@ -56,7 +56,12 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "logit_bias": {"999999": 5}}, "invalid_request", "logit_bias"),
         ({**CHAT, "stop_token_ids": [3, 999999]}, "invalid_request", "stop_token_ids"),
         ({**CHAT, "seed": -(2**63) - 1}, "invalid_request", "seed"),
-        ({**CHAT, "tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),  # sim
+        ({**CHAT, "tools": 5}, "invalid_request", "tools"),
+        ({**CHAT, "tool_choice": ["auto"]}, "invalid_request", "tool_choice"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, "unsupported_parameter",
+         "response_format"),  # the sim engine generates free text only
+        ({**CHAT, "structured_outputs": "json"}, "invalid_request", "structured_outputs"),
         ({**CHAT, "frobnicate": 1}, "unsupported_parameter", "frobnicate"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
         ({**CHAT, "max_tokens": 100_000}, "context_length_exceeded", "max_tokens"),
@@ -75,6 +80,15 @@ def test_error_messages_name_what_is_wrong(sim_server: SluiceProcess) -> None:
     assert "2048" in vocab.json()["error"]["message"]
     seed = _post(sim_server, "/v1/chat/completions", json={**CHAT, "seed": -(2**63) - 1})
     assert "at least -9223372036854775808" in seed.json()["error"]["message"]
+    schema = _post(sim_server, "/v1/completions", json={
+        "prompt": "x", "structured_outputs": {"regex": "[ab]+"}})
+    assert _assert_error(schema, 400, "unsupported_parameter")["param"] == "structured_outputs"
+    assert "sim engine" in schema.json()["error"]["message"]
+    # Tools shown to the template but never called: accepted by an engine that cannot call.
+    shown = _post(sim_server, "/v1/chat/completions", json={
+        **CHAT, "max_tokens": 2, "tool_choice": "none",
+        "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert shown.status_code == 200, shown.text
 
 
 def test_any_role_the_template_takes_is_accepted(sim_server: SluiceProcess) -> None:

@@ -33,7 +33,13 @@ class ParserOptions:
     reasoning_parser: str | None = None
 
 
-def _validated(model: Any, body: dict[str, Any]) -> Any:
+def _blamed(request: OutputRequest) -> str | None:
+    """The field to name when vLLM does not say: the constraint the request sent."""
+    return next((key for key in ("response_format", "structured_outputs", "tool_choice",
+                                 "tools") if key in request.fields), None)
+
+
+def _validated(model: Any, body: dict[str, Any], request: OutputRequest) -> Any:
     """vLLM's request model for `body`; its complaints as a 400 naming the field."""
     from pydantic import ValidationError
     from vllm.exceptions import VLLMValidationError
@@ -42,7 +48,7 @@ def _validated(model: Any, body: dict[str, Any]) -> Any:
         return model.model_validate(body)
     except VLLMValidationError as exc:
         raise EngineRequestError(str(exc.args[0] if exc.args else exc),
-                                 param=exc.parameter) from None
+                                 param=exc.parameter or _blamed(request)) from None
     except ValidationError as exc:
         error = exc.errors()[0]
         path = ".".join(str(part) for part in error["loc"])
@@ -75,7 +81,8 @@ class VLLMOutputPlanner:
             from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
             # The prompt is checked elsewhere; vLLM's model only wants one there.
-            completion = _validated(CompletionRequest, {"prompt": "-", **request.fields})
+            completion = _validated(CompletionRequest, {"prompt": "-", **request.fields},
+                                    request)
             return OutputPlan(constraint=self._checked(completion.extract_structured_outputs(),
                                                          request))
         if not request.fields and self._parser_cls is None:
@@ -83,7 +90,7 @@ class VLLMOutputPlanner:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         chat = _validated(ChatCompletionRequest,
-                          {"messages": list(request.messages or ()), **request.fields})
+                          {"messages": list(request.messages or ()), **request.fields}, request)
         self._check_tool_choice(chat)
         parser_cls = self._parser_cls
         if parser_cls is not None and (parser_cls.reasoning_parser_cls is not None
@@ -116,9 +123,7 @@ class VLLMOutputPlanner:
                 config.model_config, config.speculative_config,
                 config.structured_outputs_config, self._tokenizer)
         except (VLLMValidationError, ValueError) as exc:
-            param = next((key for key in ("response_format", "structured_outputs", "tools")
-                          if key in request.fields), None)
-            raise EngineRequestError(str(exc), param=param) from None
+            raise EngineRequestError(str(exc), param=_blamed(request)) from None
         return constraint
 
     def _check_tool_choice(self, chat: Any) -> None:

@@ -22,6 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "240"))
 
 
+# Tool calls read by vLLM's pythonic parser (plain text: the demo tokenizer has no tool-call
+# tokens), and JSON without free whitespace, which a random-weight model would emit forever.
+VLLM_OUTPUT_FLAGS = [
+    "--tool-call-parser", "pythonic", "--enable-auto-tool-choice",
+    "--engine-arg", 'structured_outputs_config={"backend": "xgrammar", '
+    '"disable_any_whitespace": true}',
+]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,7 +123,7 @@ def vllm_server(
 ) -> Iterator[SluiceProcess]:
     server = SluiceProcess(
         ["--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name",
-         "sluice-demo"],
+         "sluice-demo", *VLLM_OUTPUT_FLAGS],
         tmp_path_factory.mktemp("vllm") / "server.log",
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )

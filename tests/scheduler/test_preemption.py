@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from server.config import ConfigError, parse_config
@@ -46,6 +48,19 @@ def test_a_chat_preempts_the_latest_bulk_once_it_has_waited_the_threshold() -> N
     assert ids(s.poll(2.0).started) == ["bulk3"]
     assert s.running_tickets()[-1].max_tokens == 60
     assert s.preemptions_total == 1
+
+
+def test_bulk_that_could_not_resume_is_never_preempted() -> None:
+    # bulk3, the cheapest to stop, is constrained (a grammar would restart on resuming): the
+    # chat gets bulk2's seat instead, and bulk3 runs on.
+    cfg = config(budgets=FULL_OF_BULK["budgets"])
+    s = core(cfg, sequences=4)
+    for i in range(4):
+        admit(s, replace(ticket(f"bulk{i}", at=0.25 * i, traffic_class=BULK, max_tokens=100),
+                         preemptible=i != 3))
+        s.poll(0.25 * i)
+    admit(s, ticket("chat", at=1.0))
+    assert ids(s.poll(1.5).preempted) == ["bulk2"]
 
 
 def test_just_enough_bulk_is_preempted_for_the_chat_to_fit() -> None:

@@ -36,7 +36,8 @@ class EngineUnsupported(EngineRequestError):
 class SamplingOptions:
     """Engine-neutral sampling parameters; adapters convert them to their engine's form."""
 
-    max_tokens: int
+    max_tokens: int  # per choice
+    n: int = 1  # choices: independent samples of the same prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -89,7 +90,8 @@ class TokenDelta:
 
     `token_ids` may hold several tokens when the consumer fell behind the engine; `text` is
     their detokenized text (possibly empty while a multi-byte character is incomplete).
-    `finish_reason` is set on the last delta only: "stop", "length" or "abort".
+    `index` is the choice it belongs to (0 to n - 1); `finish_reason` is set on the last delta
+    of its choice only: "stop", "length" or "abort".
     `num_cached_tokens`, on the first delta, is how many prompt tokens the engine found in its
     prefix cache (None when it does not say). `logprobs`, when the request asked for them,
     has one entry per token id.
@@ -101,6 +103,7 @@ class TokenDelta:
     stop_reason: int | str | None = None
     num_cached_tokens: int | None = None
     logprobs: Sequence[TokenLogprob] | None = None
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,13 +120,15 @@ class KVCacheInfo:
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     """`vocab_size` 0: the engine does not say, so token ids reach it unchecked.
-    `engine` names the engine in errors; `logprobs`: whether it can return them."""
+    `engine` names the engine in errors; `logprobs`: whether it can return them; `choices`:
+    whether it can sample n > 1 choices of one prompt."""
 
     name: str
     max_model_len: int
     vocab_size: int = 0
     engine: str = "vllm"
     logprobs: bool = True
+    choices: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine_adapters.protocol import (
@@ -174,6 +174,48 @@ class SimEngine:
         return ids
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """One choice, or n side by side as n requests in the model (seeds seed, seed + 1,
+        ...), their deltas interleaved as they come."""
+        n = request.sampling.n
+        if n == 1:
+            one = self._generate_one(request)
+            try:
+                async for delta in one:
+                    yield delta
+            finally:
+                await one.aclose()  # type: ignore[attr-defined]  # aborts it at once
+            return
+        seed = request.sampling.seed
+        news: asyncio.Queue[TokenDelta | BaseException | None] = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            choice = replace(request, request_id=f"{request.request_id}#{index}",
+                             sampling=replace(request.sampling, n=1,
+                                              seed=None if seed is None else seed + index))
+            try:
+                async for delta in self._generate_one(choice):
+                    news.put_nowait(replace(delta, index=index))
+                news.put_nowait(None)
+            except Exception as exc:
+                news.put_nowait(exc)
+
+        tasks = [asyncio.create_task(run(index)) for index in range(n)]
+        try:
+            ended = 0
+            while ended < n:
+                item = await news.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    ended += 1
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate_one(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         await self.check_health()
         if self._task is None:
             raise EngineDeadError("the sim engine is not started")

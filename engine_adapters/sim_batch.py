@@ -119,7 +119,8 @@ class SimBatchEngine:
     ) -> None:
         self.batch_model = model
         self._info = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=256,  # bytes
-                               engine="sim-batch", logprobs=False)
+                               engine="sim-batch", logprobs=False,
+                               choices=False)
         self._fail_rate = fail_rate
         self._rng = random.Random(seed)
         self._kills: dict[int, asyncio.Event] = {}

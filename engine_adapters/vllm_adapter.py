@@ -60,7 +60,7 @@ def to_sampling_params(options: SamplingOptions) -> Any:
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
-        n=1,
+        n=options.n,
         max_tokens=options.max_tokens,
         temperature=options.temperature,
         top_p=options.top_p,
@@ -240,24 +240,26 @@ class VLLMEngine:
             )
         try:
             async for out in stream:
-                completion = out.outputs[0]
-                text = completion.text
-                if resumed is not None:
-                    text = resumed.add(completion.token_ids, finished=out.finished)
-                    stop = completion.stop_reason
-                    if (isinstance(stop, str) and stop in text
-                            and not request.sampling.include_stop_str_in_output):
-                        text = text[:text.index(stop)]  # vLLM cuts its own text there too
-                yield TokenDelta(
-                    text=text,
-                    token_ids=completion.token_ids,
-                    finish_reason=completion.finish_reason if out.finished else None,
-                    stop_reason=completion.stop_reason,
-                    num_cached_tokens=out.num_cached_tokens if first else None,
-                    logprobs=None if request.sampling.logprobs is None else self._logprobs(
-                        completion.token_ids, completion.logprobs, request.sampling.logprobs),
-                )
-                first = False
+                for completion in out.outputs:  # the choices with news (n > 1: several)
+                    text = completion.text
+                    if resumed is not None:
+                        text = resumed.add(completion.token_ids, finished=out.finished)
+                        stop = completion.stop_reason
+                        if (isinstance(stop, str) and stop in text
+                                and not request.sampling.include_stop_str_in_output):
+                            text = text[:text.index(stop)]  # vLLM cuts its own text there too
+                    yield TokenDelta(
+                        text=text,
+                        token_ids=completion.token_ids,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                        num_cached_tokens=out.num_cached_tokens if first else None,
+                        logprobs=None if request.sampling.logprobs is None else self._logprobs(
+                            completion.token_ids, completion.logprobs,
+                            request.sampling.logprobs),
+                        index=completion.index,
+                    )
+                    first = False
         except VLLMEngineDead as exc:
             raise EngineDeadError("vLLM engine died") from exc
         except (ValueError, VLLMClientError) as exc:  # vLLM's request validation

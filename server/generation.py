@@ -98,6 +98,9 @@ class Sluice:
             raise UnsupportedParameter(
                 f"the {self.engine.model.engine} engine does not return logprobs",
                 param="logprobs")
+        if parsed.n > 1 and not self.engine.model.choices:
+            raise UnsupportedParameter(
+                f"the {self.engine.model.engine} engine samples one choice only", param="n")
         plan = self.plan_output(parsed)
         prompt_ids = self._prompt_ids(parsed, plan)
         self._check_token_ids(parsed)
@@ -125,8 +128,10 @@ class Sluice:
             max_tokens=max_tokens,
             open_ended=parsed.max_tokens is None,
             arrival=timeline.arrival,
-            # A constrained generation resumed as a continuation would restart its grammar.
-            preemptible=plan.constraint is None,
+            # A constrained generation resumed as a continuation would restart its grammar;
+            # one of several choices cannot resume alone.
+            preemptible=plan.constraint is None and parsed.n == 1,
+            n=parsed.n,
         )
         timeline.slo = self.dispatcher.slo_targets(ticket.traffic_class)
         request = GenerationRequest(

@@ -112,7 +112,8 @@ QUEUE_OLDEST_AGE = Gauge(
     ["model", "traffic_class"], registry=REGISTRY,
 )
 RUNNING_REQUESTS = Gauge(
-    "sluice_running_requests", "Requests dispatched to the engine and not yet ended.",
+    "sluice_running_requests",
+    "Sequences dispatched to the engine and not yet ended (a request with n choices runs n).",
     ["model", "traffic_class"], registry=REGISTRY,
 )
 BUDGET_IN_USE = Gauge(

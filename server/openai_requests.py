@@ -18,7 +18,6 @@ from server.errors import InvalidRequest, UnsupportedParameter
 # Parameters that change nothing Sluice does when left at these values; other values refused.
 # Compared by type as well as value: `logprobs: 0` asks for logprobs, though `0 == False`.
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "functions": ([],),
@@ -44,11 +43,12 @@ _OUTPUT: dict[str, tuple[type, ...]] = {"response_format": (dict,), "structured_
 _CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
     **_OUTPUT, "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "include_reasoning": (bool,)}
-_COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", *_SAMPLING,
+_COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n", *_SAMPLING,
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", *_CHAT_OUTPUT}
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
-MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`
+MAX_LOGPROBS = 20
+MAX_CHOICES = 128  # OpenAI's limit on n  # vLLM's default `max_logprobs`
 _COMPLETION_ONLY = {"prompt"}
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
@@ -69,6 +69,10 @@ class ParsedRequest:
     continuous_usage: bool = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
     add_special_tokens: bool = True  # for a text prompt (chat templates bring their own)
     output: dict[str, Any] = field(default_factory=dict)  # the output-shaping fields sent
+
+    @property
+    def n(self) -> int:
+        return int(self.sampling.get("n", 1))
 
     def sampling_options(self, max_tokens: int, constraint: object | None = None
                          ) -> SamplingOptions:
@@ -251,6 +255,9 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     logprobs = _logprobs(body, kind)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    n = _integer(body, "n", 1, MAX_CHOICES)
+    if n is not None and n > 1:
+        sampling["n"] = n
     max_tokens = _integer(body, "max_tokens", 1)
     if kind == "chat":
         max_tokens = _integer(body, "max_completion_tokens", 1) or max_tokens

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from engine_adapters.protocol import TokenLogprob
+from server.choices import Choice, Choices
 
 DONE = b"data: [DONE]\n\n"
 
@@ -60,17 +61,21 @@ class ChunkEncoder:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.prompt_tokens = prompt_tokens
-        self._text_offset = 0  # characters of text sent so far (completions' text_offset)
-        head = orjson.dumps(
+        # Characters of text sent so far, per choice (completions' text_offset).
+        self._text_offset: dict[int, int] = {}
+        self._head = b"data: " + orjson.dumps(
             {"id": self.id, "object": self.object, "created": self.created, "model": model}
-        )[:-1]
+        )[:-1] + b',"choices":[{"index":'
+        self._prefixes = [self._prefix(0)]  # per choice index, made when first needed
         if kind == "chat":
-            self._prefix = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":'
             self._suffix = b'},"logprobs":null,"finish_reason":null}]'
         else:
-            self._prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
             self._suffix = b',"logprobs":null,"finish_reason":null}]'
         self._suffix += (b',"usage":null}\n\n' if include_usage else b"}\n\n")
+
+    def _prefix(self, index: int) -> bytes:
+        return self._head + str(index).encode() + (
+            b',"delta":{"content":' if self.kind == "chat" else b',"text":')
 
     def _event(self, payload: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps(payload) + b"\n\n"
@@ -82,9 +87,9 @@ class ChunkEncoder:
         """A chunk's `usage`: null, or the counts so far with continuous usage."""
         return usage(self.prompt_tokens, completion_tokens) if self.continuous_usage else None
 
-    def role(self) -> bytes:
-        """The first chat chunk: the assistant role, empty content (as OpenAI sends it)."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+    def role(self, index: int = 0) -> bytes:
+        """A chat choice's first chunk: the assistant role, empty content (as OpenAI sends it)."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
@@ -92,24 +97,26 @@ class ChunkEncoder:
         return self._event(payload)
 
     def text(self, text: str, completion_tokens: int,
-             logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
-        """A chunk of generated text (and its tokens' logprobs when the request asked)."""
+             logprobs: Sequence[TokenLogprob] | None = None, index: int = 0) -> bytes:
+        """A chunk of a choice's generated text (and its tokens' logprobs when asked)."""
         if logprobs is None and not self.continuous_usage:
-            return self._prefix + orjson.dumps(text) + self._suffix
+            while index >= len(self._prefixes):
+                self._prefixes.append(self._prefix(len(self._prefixes)))
+            return self._prefixes[index] + orjson.dumps(text) + self._suffix
         if self.kind == "chat":
-            return self.delta({"content": text}, completion_tokens, logprobs)
+            return self.delta({"content": text}, completion_tokens, logprobs, index)
         # With logprobs every chunk takes this path, so the offset counts all the text.
-        offset = self._text_offset
-        self._text_offset += len(text)
-        choice = {"index": 0, "text": text, "logprobs": None
+        offset = self._text_offset.get(index, 0)
+        self._text_offset[index] = offset + len(text)
+        choice = {"index": index, "text": text, "logprobs": None
                   if logprobs is None else completion_logprobs(logprobs, offset),
                   "finish_reason": None}
         return self._chunk(choice, completion_tokens)
 
     def delta(self, delta: dict[str, Any], completion_tokens: int,
-              logprobs: Sequence[TokenLogprob] | None = None) -> bytes:
+              logprobs: Sequence[TokenLogprob] | None = None, index: int = 0) -> bytes:
         """A chat chunk with `delta`'s fields (content, reasoning, tool calls)."""
-        choice = {"index": 0, "delta": delta, "logprobs": None
+        choice = {"index": index, "delta": delta, "logprobs": None
                   if logprobs is None else {"content": chat_logprobs(logprobs)},
                   "finish_reason": None}
         return self._chunk(choice, completion_tokens)
@@ -121,13 +128,15 @@ class ChunkEncoder:
         return self._event(payload)
 
     def finish(self, finish_reason: str, stop_reason: Any, last: dict[str, Any] | None,
-               completion_tokens: int) -> bytes:
-        """The chunk carrying finish_reason; `last` adds usage/timings when it ends the stream."""
+               completion_tokens: int, index: int = 0) -> bytes:
+        """The chunk carrying a choice's finish_reason; `last` adds usage/timings when it ends
+        the stream."""
         if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None,
+            choice: dict[str, Any] = {"index": index, "delta": {}, "logprobs": None,
                                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": "", "logprobs": None,
+                      "finish_reason": finish_reason}
         choice["stop_reason"] = stop_reason
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
@@ -145,33 +154,40 @@ class ChunkEncoder:
 
 
 def whole_response(
-    kind: str, request_id: str, model: str, text: str, finish_reason: str | None,
-    stop_reason: Any, prompt_tokens: int, completion_tokens: int, timings: dict[str, Any],
-    logprobs: Sequence[TokenLogprob] | None = None, message: dict[str, Any] | None = None,
+    kind: str, request_id: str, model: str, choices: Sequence[Choice], prompt_tokens: int,
+    completion_tokens: int, timings: dict[str, Any],
 ) -> dict[str, Any]:
-    """A non-streamed chat.completion or text_completion object; a chat's `message` fields
-    (content, reasoning, tool calls) from an output parser, else `text` is the content."""
-    if kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None,
-                        "tool_calls": [], "annotations": [], **(message or {})},
-            "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},
-            "finish_reason": finish_reason,
-            "stop_reason": stop_reason,
-        }
-        object_name, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None
-                  if logprobs is None else completion_logprobs(logprobs, 0),
-                  "finish_reason": finish_reason, "stop_reason": stop_reason}
-        object_name, prefix = "text_completion", "cmpl-"
+    """A non-streamed chat.completion or text_completion object. A chat choice's message is
+    its parser's fields (content, reasoning, tool calls), or else its text is the content."""
+    shaped = []
+    for choice in choices:
+        logprobs = choice.logprobs
+        if kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text,
+                                       "refusal": None, "tool_calls": [], "annotations": []}
+            called = None
+            if choice.parser is not None:
+                message.update(choice.parser.message(choice.text, choice.token_ids))
+                called = bool(message["tool_calls"])
+            shaped.append({
+                "index": choice.index, "message": message,
+                "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},
+                "finish_reason": Choices.finish_reason(choice, called),
+                "stop_reason": choice.stop_reason,
+            })
+        else:
+            shaped.append({"index": choice.index, "text": choice.text, "logprobs": None
+                           if logprobs is None else completion_logprobs(logprobs, 0),
+                           "finish_reason": choice.finish_reason,
+                           "stop_reason": choice.stop_reason})
+    object_name, prefix = (("chat.completion", "chatcmpl-") if kind == "chat"
+                           else ("text_completion", "cmpl-"))
     return {
         "id": prefix + request_id,
         "object": object_name,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": shaped,
         "usage": usage(prompt_tokens, completion_tokens),
         "timings": timings,
     }

@@ -19,8 +19,8 @@ from engine_adapters.protocol import (
     EngineError,
     EngineRequestError,
     OutputParser,
-    TokenLogprob,
 )
+from server.choices import Choices
 from server.errors import (
     EngineUnavailable,
     GenerationFailed,
@@ -174,7 +174,7 @@ class GenerationResponse:
             if not collecting.done():
                 collecting.cancel()
         try:
-            text, token_ids, finish_reason, stop_reason, logprobs = await collecting
+            choices = await collecting
         except asyncio.CancelledError:
             timeline.finish("cancelled", status=499)
             return Response(status_code=499)
@@ -186,91 +186,77 @@ class GenerationResponse:
             # task: a reference cycle that would keep the request's connection, timeline and
             # ticket alive until the next full GC pass (under overload, thousands of them).
             del collecting
-        message = None
-        if self.new_parser is not None:
-            parser = self.new_parser()
-            message = parser.message(text, token_ids)
-            assert finish_reason is not None
-            finish_reason = parser.finish_reason(finish_reason, bool(message["tool_calls"]))
         body = whole_response(
-            self.parsed.kind, timeline.request_id, self.sluice.served_model, text,
-            finish_reason, stop_reason, timeline.prompt_tokens, timeline.generated_tokens,
-            timeline.timings(), logprobs, message,
+            self.parsed.kind, timeline.request_id, self.sluice.served_model,
+            choices.in_order(), timeline.prompt_tokens, timeline.generated_tokens,
+            timeline.timings(),
         )
         timeline.finish("completed")
         return JSONResponse(body, headers={"X-Request-Id": timeline.request_id})
 
-    async def _collect(
-        self, generation: Generation
-    ) -> tuple[str, list[int], str | None, Any, list[TokenLogprob] | None]:
-        parts: list[str] = []
-        token_ids: list[int] = []  # for an output parser
-        logprobs: list[TokenLogprob] | None = (
-            None if self.parsed.sampling.get("logprobs") is None else [])
-        finish_reason: str | None = None
-        stop_reason: Any = None
+    def _choices(self, *, keep: bool) -> Choices:
+        return Choices(self.parsed.n, self.new_parser, keep=keep,
+                       logprobs=self.parsed.sampling.get("logprobs") is not None)
+
+    async def _collect(self, generation: Generation) -> Choices:
+        choices = self._choices(keep=True)
         try:
             async for delta in generation:
-                parts.append(delta.text)
-                if self.new_parser is not None:
-                    token_ids.extend(delta.token_ids)
-                if logprobs is not None and delta.logprobs:
-                    logprobs.extend(delta.logprobs)
                 self.timeline.wrote_tokens(len(delta.token_ids))
-                if delta.finish_reason is not None:
-                    finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+                choices.add(delta)
         except EngineError as exc:
             raise engine_failure(exc) from exc
-        if finish_reason == "abort":
-            raise GenerationFailed("the engine aborted the request")
-        return "".join(parts), token_ids, finish_reason, stop_reason, logprobs
+        choices.check_all_finished()
+        return choices
 
     async def _events(self, generation: Generation) -> AsyncIterator[bytes]:
         timeline, parsed = self.timeline, self.parsed
         encoder = ChunkEncoder(parsed.kind, timeline.request_id, self.sluice.served_model,
                                parsed.include_usage, parsed.continuous_usage,
                                timeline.prompt_tokens)
-        parser = None if self.new_parser is None else self.new_parser()
-        called_tools = False
+        choices = self._choices(keep=False)
         outcome, status, failure = "cancelled", 499, None
         try:
             if parsed.kind == "chat":
-                yield encoder.role()
-            finish_reason: str | None = None
-            stop_reason: Any = None
+                for index in range(choices.n):
+                    yield encoder.role(index)
+            last = None  # the choice that finishes last: its chunk ends the stream
             try:
                 async for delta in generation:
                     if delta.token_ids:
                         timeline.wrote_tokens(len(delta.token_ids))
-                    if parser is not None:
-                        fields = parser.delta(delta.text, delta.token_ids,
-                                              delta.finish_reason is not None)
-                        called_tools = called_tools or bool(fields and "tool_calls" in fields)
+                    choice, fields = choices.add(delta)
+                    if choices.parsed:
                         if fields or delta.logprobs:
                             yield encoder.delta(fields or {}, timeline.generated_tokens,
-                                                delta.logprobs)
+                                                delta.logprobs, choice.index)
                     elif delta.text or delta.logprobs:
                         yield encoder.text(delta.text, timeline.generated_tokens,
-                                           delta.logprobs)
-                    if delta.finish_reason is not None:
-                        finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
-                if finish_reason == "abort" or finish_reason is None:
-                    raise GenerationFailed("the engine aborted the request")
+                                           delta.logprobs, choice.index)
+                    if delta.finish_reason is None:
+                        continue
+                    if choices.left:  # not the last to finish: its own finishing chunk now
+                        yield encoder.finish(Choices.finish_reason(choice), choice.stop_reason,
+                                             None, timeline.generated_tokens, choice.index)
+                    else:
+                        last = choice
             except EngineError as exc:
                 raise engine_failure(exc) from exc
-            if parser is not None:
-                finish_reason = parser.finish_reason(finish_reason, called_tools)
+            choices.check_all_finished()
+            assert last is not None
+            finish_reason = Choices.finish_reason(last)
             summary = {
                 "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
                 "timings": timeline.timings(),
             }
             generated = timeline.generated_tokens
             if parsed.include_usage:
-                yield encoder.finish(finish_reason, stop_reason, None, generated)
+                yield encoder.finish(finish_reason, last.stop_reason, None, generated,
+                                     last.index)
                 yield encoder.usage_chunk(summary)
             else:
-                yield encoder.finish(finish_reason, stop_reason, {"timings": summary["timings"]},
-                                     generated)
+                yield encoder.finish(finish_reason, last.stop_reason,
+                                     {"timings": summary["timings"]}, generated, last.index)
             yield DONE
             outcome, status = "completed", 200
         except SluiceError as error:

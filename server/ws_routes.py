@@ -3,8 +3,9 @@
 Client → server: `{"type": "generate", "id": ID, "request": {chat-completion body},
 "traffic_class"?: "interactive"|"bulk", "timeout_ms"?: N}` and `{"type": "cancel", "id": ID}`.
 Server → client: `{"type": "delta", "id", "text", "tokens"}` (with "logprobs" when asked,
-and "tool_calls" / "reasoning" as in a chat chunk's delta when the output is parsed), exactly one
-`{"type": "final", "id", "finish_reason", "usage", "timings"}` per generation that started
+"tool_calls" / "reasoning" as in a chat chunk's delta when the output is parsed, and the
+choice's "index" when n > 1), exactly one `{"type": "final", "id", "finish_reason", "usage",
+"timings"}` (and "choices": [{"index", "finish_reason"}] when n > 1) per generation that started
 (finish_reason "cancelled" after a cancel), and `{"type": "error", "id", "error": {...}}`
 (id null for a message that could not be attributed). The README documents the protocol.
 """
@@ -21,7 +22,8 @@ import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine_adapters.protocol import EngineError
-from server.errors import GenerationFailed, InvalidRequest, SluiceError
+from server.choices import Choices
+from server.errors import InvalidRequest, SluiceError
 from server.generation import Sluice, api_key_from
 from server.openai_requests import parse_request
 from server.openai_responses import chat_logprobs, usage
@@ -173,39 +175,39 @@ class Connection:
             ticket, engine_request, plan = sluice.prepare(
                 parsed, timeline, self._headers_for(message)
             )
-            parser = (None if plan.parser is None
-                      else plan.parser(engine_request.prompt_token_ids))
-            called_tools = False
+            choices = Choices(parsed.n, None if plan.parser is None else functools.partial(
+                plan.parser, engine_request.prompt_token_ids), keep=False,
+                logprobs="logprobs" in parsed.sampling)
             async with sluice.dispatcher.generation(ticket, engine_request) as generation:
                 timeline.dispatched(generation)
-                finish_reason = None
                 try:
                     async for delta in generation:
                         if delta.token_ids:
                             timeline.wrote_tokens(len(delta.token_ids))
-                            message = {"type": "delta", "id": gen_id, "text": delta.text,
-                                       "tokens": len(delta.token_ids)}
-                            if parser is not None:  # its content is the text
-                                fields = parser.delta(delta.text, delta.token_ids,
-                                                      delta.finish_reason is not None) or {}
-                                called_tools = called_tools or "tool_calls" in fields
-                                message["text"] = fields.pop("content", "")
-                                message.update(fields)
-                            if delta.logprobs is not None:
-                                message["logprobs"] = chat_logprobs(delta.logprobs)
-                            await self._send(message)
-                        if delta.finish_reason is not None:
-                            finish_reason = delta.finish_reason
+                        choice, fields = choices.add(delta)
+                        if not (delta.token_ids or fields):
+                            continue
+                        message = {"type": "delta", "id": gen_id, "text": delta.text,
+                                   "tokens": len(delta.token_ids)}
+                        if choices.n > 1:
+                            message["index"] = choice.index
+                        if choices.parsed:  # the parsed content is the text
+                            fields = dict(fields or {})
+                            message["text"] = fields.pop("content", "")
+                            message.update(fields)
+                        if delta.logprobs is not None:
+                            message["logprobs"] = chat_logprobs(delta.logprobs)
+                        await self._send(message)
                 except EngineError as exc:
                     raise engine_failure(exc) from exc
-                if finish_reason in (None, "abort"):
-                    raise GenerationFailed("the engine aborted the request")
-                if parser is not None:
-                    finish_reason = parser.finish_reason(finish_reason, called_tools)
+                choices.check_all_finished()
             outcome, status = "completed", 200
+            ended = [(c.index, Choices.finish_reason(c)) for c in choices.in_order()]
+            final: dict[str, Any] = {"type": "final", "id": gen_id, "finish_reason": ended[0][1]}
+            if choices.n > 1:
+                final["choices"] = [{"index": i, "finish_reason": r} for i, r in ended]
             await self._send({
-                "type": "final", "id": gen_id, "finish_reason": finish_reason,
-                "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
+                **final, "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
                 "timings": timeline.timings(),
             })
         except SluiceError as error:

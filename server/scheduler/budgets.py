@@ -57,7 +57,7 @@ class BudgetLimits:
 def demand_of(ticket: Ticket, block_size: int) -> tuple[int, int, int]:
     """What one running ticket holds of (tokens, kv_blocks, sequences)."""
     tokens = ticket.reserved_tokens
-    return (tokens, -(-tokens // block_size), 1)
+    return (tokens, -(-tokens // block_size), ticket.n)
 
 
 class BudgetLedger:

@@ -114,7 +114,7 @@ class SchedulerCore:
         self._backlog = Backlog()  # the queued tickets' expected work
         self._running: dict[str, _Running] = {}
         self._running_output_left = 0.0  # expected output tokens minus generated, of running
-        self._running_per_class = dict.fromkeys(TrafficClass, 0)
+        self._running_per_class = dict.fromkeys(TrafficClass, 0)  # sequences, not requests
         self._preempting = 0  # running tickets named for preemption, not yet requeued
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
@@ -136,8 +136,11 @@ class SchedulerCore:
         tc = ticket.traffic_class
         if not self.ledger.ever_fits(ticket):
             return Rejected(ticket, "request_too_large", (
-                f"the request reserves {ticket.reserved_tokens} tokens (prompt + max_tokens), "
-                f"more than the {tc} budget allows; lower max_tokens"
+                f"the request reserves {ticket.reserved_tokens} tokens (prompt + max_tokens"
+                + (f" for each of {ticket.n} choices) and {ticket.n} sequences, "
+                   if ticket.n > 1 else "), ")
+                + f"more than the {tc} budget allows; lower max_tokens"
+                + (" or n" if ticket.n > 1 else "")
             ))
         refusal = self._check_tenant(ticket, now)
         if refusal is not None:
@@ -153,7 +156,7 @@ class SchedulerCore:
                             retry_after=max(1.0, drain))
         wait = self.predicted_wait(ticket, now)
         # It runs among as many sequences as run now, or, if it must queue, as many as fit.
-        concurrency = (len(self._running) + 1 if wait == 0.0
+        concurrency = (self._sequences() + ticket.n if wait == 0.0
                        else self._concurrency(ticket.traffic_class))
         predicted_start = now + wait
         predicted_end = predicted_start + self.estimates.service_seconds(ticket, concurrency)
@@ -308,7 +311,7 @@ class SchedulerCore:
         return self._pacer.allows(self._prefill_s(ticket))
 
     def _pace(self, now: float) -> None:
-        step = self.estimates.steps.at(len(self._running) + 1)
+        step = self.estimates.steps.at(self._sequences() + 1)
         headroom = self.bulk_cap.prefill_headroom(step, chats_about=self._chats_about(now))
         self._pacer.update(now, headroom, step)
 
@@ -325,10 +328,10 @@ class SchedulerCore:
         expected_output = self._backlog.remove(ticket)
         self.ledger.acquire(ticket)
         self._running[ticket.request_id] = _Running(
-            ticket, now, expected_output, others_at_dispatch=len(self._running))
+            ticket, now, expected_output, others_at_dispatch=self._sequences())
         self._running_output_left += expected_output
-        self._running_per_class[ticket.traffic_class] += 1
-        self.estimates.running_changed(len(self._running), now)
+        self._running_per_class[ticket.traffic_class] += ticket.n
+        self.estimates.running_changed(self._sequences(), now)
         self.estimates.prefill_dispatched(self._prefill_s(ticket))
         return ticket
 
@@ -406,7 +409,7 @@ class SchedulerCore:
             return []
         # The cap aims under the target; between the two, bulk ends by itself sooner than a
         # resumed request would repay the prefill it must redo.
-        step = self.estimates.steps.at(len(self._running) - self._preempting)
+        step = self.estimates.steps.at(self._sequences() - self._preempting)
         if step <= self.bulk_cap.targets().itl_s:
             return []
         return self._victims()[:excess]
@@ -501,11 +504,11 @@ class SchedulerCore:
         self._running_output_left -= entry.expected_output - entry.generated
         if not self._running:
             self._running_output_left = 0.0  # no rounding drift survives an idle engine
-        self._running_per_class[entry.ticket.traffic_class] -= 1
+        self._running_per_class[entry.ticket.traffic_class] -= entry.ticket.n
         if entry.preempting:
             self._preempting -= 1
         self.ledger.release(entry.ticket)
-        self.estimates.running_changed(len(self._running), now)
+        self.estimates.running_changed(self._sequences(), now)
         if entry.ticket.traffic_class is TrafficClass.INTERACTIVE:
             self._chats_changed(now)
 
@@ -531,9 +534,13 @@ class SchedulerCore:
         return 0.0 if oldest is None else max(0.0, now - oldest)
 
     def running_count(self, traffic_class: TrafficClass | None = None) -> int:
+        """Running sequences (a request with n choices runs n), of one class or all."""
         if traffic_class is None:
-            return len(self._running)
+            return self._sequences()
         return self._running_per_class[traffic_class]
+
+    def _sequences(self) -> int:
+        return sum(self._running_per_class.values())
 
     def running_tickets(self) -> list[Ticket]:
         return [e.ticket for e in self._running.values()]

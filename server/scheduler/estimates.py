@@ -240,11 +240,12 @@ class RateEstimates:
 
     # --- predictions ---------------------------------------------------------------------
     def expected_output_tokens(self, ticket: Ticket) -> float:
-        """What `ticket` will likely generate: a share of max_tokens, or, when the client set
-        none, the typical length of such answers (not the whole context it reserves)."""
+        """What `ticket` will likely generate, all its choices together: a share of max_tokens,
+        or, when the client set none, the typical length of such answers (not the whole
+        context it reserves)."""
         if ticket.open_ended:
-            return min(float(ticket.max_tokens), self.open_ended_output_tokens)
-        return ticket.max_tokens * self.output_fraction
+            return ticket.n * min(float(ticket.max_tokens), self.open_ended_output_tokens)
+        return ticket.n * ticket.max_tokens * self.output_fraction
 
     def decode_tokens_per_s(self, concurrency: float) -> float:
         """Tokens per second of one sequence among `concurrency` running together."""
@@ -252,8 +253,8 @@ class RateEstimates:
 
     def service_seconds(self, ticket: Ticket, concurrency: float) -> float:
         """Expected time from dispatch to the last token of `ticket`, running among
-        `concurrency` sequences."""
-        expected_output = max(1.0, self.expected_output_tokens(ticket))
+        `concurrency` sequences (its choices run side by side)."""
+        expected_output = max(1.0, self.expected_output_tokens(ticket) / ticket.n)
         return (
             ticket.prompt_tokens / self.prefill_tokens_per_s
             + expected_output * self.steps.at(concurrency)

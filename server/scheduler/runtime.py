@@ -42,9 +42,10 @@ class RunningGeneration:
         self._request = request
         self._dispatched_at = dispatched_at
         self.output_tokens = 0  # across every engine request of this generation
-        self.completed = False
+        self.completed = False  # every choice finished
+        self._choices_left = request.sampling.n
         self.preemptions = 0
-        self._generated: list[int] = []
+        self._generated: list[int] = []  # to resume from (preemptible: one choice only)
         self._stream_iter: AsyncGenerator[TokenDelta, None] | None = None
         self._task: asyncio.Task[object] | None = None
         self._waiting_on_engine = False
@@ -149,7 +150,8 @@ class RunningGeneration:
             self.output_tokens += len(delta.token_ids)
             self._generated.extend(delta.token_ids)
         if delta.finish_reason is not None and delta.finish_reason != "abort":
-            self.completed = True
+            self._choices_left -= 1
+            self.completed = self._choices_left == 0
 
     async def _resume(self) -> GenerationRequest:
         """Back to the queue as a continuation; the engine request that resumes the stream."""

@@ -125,6 +125,7 @@ class TenantDirectory:
         open_ended: bool = False,
         arrival: float,
         preemptible: bool = True,
+        n: int = 1,
     ) -> Ticket:
         traffic_class = self.traffic_class(tenant, service_tier, traffic_class_header)
         timeout = timeout_from_header(timeout_ms_header)
@@ -141,4 +142,5 @@ class TenantDirectory:
             max_tokens=max_tokens,
             open_ended=open_ended,
             preemptible=preemptible,
+            n=n,
         )

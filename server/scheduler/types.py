@@ -41,11 +41,12 @@ class Ticket:
     # earlier output (an engine with prefix caching holds all but the last partial block).
     resumed_tokens: int = 0
     preemptible: bool = True  # False: never stopped to make room (it could not resume as is)
+    n: int = 1  # choices: sequences the engine runs for it, each up to max_tokens
 
     @property
     def reserved_tokens(self) -> int:
         """Tokens held in the budget while running: the prompt plus every token it may emit."""
-        return self.prompt_tokens + self.max_tokens
+        return self.prompt_tokens + self.n * self.max_tokens
 
 
 class Generation(Protocol):

@@ -50,10 +50,14 @@ def test_a_poison_prompt_fails_with_a_clear_error(batch_server: SluiceProcess) -
     assert batch_server.metric("sluice_worker_failures_total", model="sluice-demo") > failures
 
 
-def test_logprobs_are_refused_naming_the_engine(batch_server: SluiceProcess) -> None:
+@pytest.mark.parametrize(("field", "value"), [
+    ("logprobs", 1), ("n", 2), ("response_format", {"type": "json_object"})])
+def test_what_fixed_batches_cannot_do_is_refused_naming_the_engine(
+    batch_server: SluiceProcess, field: str, value: object,
+) -> None:
     response = httpx.post(batch_server.url + "/v1/completions", timeout=30, json={
-        "model": "sluice-demo", "prompt": "hello", "max_tokens": 5, "logprobs": 1})
+        "model": "sluice-demo", "prompt": "hello", "max_tokens": 5, field: value})
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["code"] == "unsupported_parameter" and error["param"] == "logprobs"
+    assert error["code"] == "unsupported_parameter" and error["param"] == field
     assert "sim-batch" in error["message"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from server.scheduler.core import Admitted, Rejected, SchedulerCore
@@ -38,6 +40,20 @@ def test_dispatch_waits_for_a_free_sequence() -> None:
     assert s.poll(0.1).started == []
     s.release("b", 0.2)
     assert ids(s.poll(0.2).started) == ["c"]
+
+
+def test_n_choices_hold_n_sequences_and_n_times_max_tokens() -> None:
+    s = core(sequences=4, tokens=1000)
+    admit(s, replace(ticket("three", prompt=20, max_tokens=30), n=3))
+    admit(s, replace(ticket("two"), n=2))
+    assert ids(s.poll(0.0).started) == ["three"]  # 3 of 4 sequences: two more do not fit
+    assert s.ledger.in_use()["sequences"] == 3 and s.running_count() == 3
+    assert s.ledger.in_use()["tokens"] == 20 + 3 * 30  # one prompt, three answers
+    s.release("three", 1.0, completed=True)
+    assert ids(s.poll(1.0).started) == ["two"]
+    refused = s.submit(replace(ticket("five"), n=5), 1.0)
+    assert isinstance(refused, Rejected) and refused.reason == "request_too_large"
+    assert "5 sequences" in refused.message
 
 
 def test_every_ending_returns_the_budgets_to_zero() -> None:

@@ -38,7 +38,9 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "temperature": 9}, "invalid_request", "temperature"),
         ({**CHAT, "stream": "yes"}, "invalid_request", "stream"),
         ({**CHAT, "stop": [1, 2]}, "invalid_request", "stop"),
-        ({**CHAT, "n": 2}, "unsupported_parameter", "n"),
+        ({**CHAT, "n": 0}, "invalid_request", "n"),
+        ({**CHAT, "n": 129}, "invalid_request", "n"),
+        ({**CHAT, "best_of": 2}, "unsupported_parameter", "best_of"),
         ({**CHAT, "logprobs": 0}, "invalid_request", "logprobs"),  # chat's is a boolean
         ({**CHAT, "top_logprobs": 3}, "invalid_request", "top_logprobs"),  # needs logprobs
         ({**CHAT, "logprobs": True, "top_logprobs": 21}, "invalid_request", "top_logprobs"),
@@ -194,3 +196,32 @@ def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -
 
     deltas = [m for m in asyncio.run(over_websocket()) if m["type"] == "delta"]
     assert sum(len(m["logprobs"]) for m in deltas) == sum(m["tokens"] for m in deltas) == 4
+
+
+def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: SluiceProcess) -> None:
+    body = {"prompt": "hello", "max_tokens": 3, "n": 2, "seed": 1, "stream": True}
+    with httpx.stream("POST", sim_server.url + "/v1/completions", json=body,
+                      timeout=10) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    texts = ["", ""]
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert all(texts) and texts[0] != texts[1]  # seeds 1 and 2
+    assert sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"]) == [0, 1]
+
+    async def over_websocket() -> list[dict]:
+        url = sim_server.url.replace("http://", "ws://") + "/v1/ws"
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "n", "request": {
+                **CHAT, "n": 3}}))
+            messages = []
+            while not messages or messages[-1]["type"] != "final":
+                messages.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+            return messages
+
+    *deltas, final = asyncio.run(over_websocket())
+    assert {m["index"] for m in deltas} == {0, 1, 2}
+    assert final["choices"] == [{"index": i, "finish_reason": "length"} for i in range(3)]
+    assert final["usage"]["completion_tokens"] == 3 * CHAT["max_tokens"]

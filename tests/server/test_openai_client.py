@@ -146,6 +146,35 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
         assert token in top and 1 <= len(top) <= 3  # the sampled token and the 2 best
 
 
+def test_n_streams_three_indexed_choices(client: openai.OpenAI) -> None:
+    ask: dict[str, Any] = dict(model=MODEL, messages=CHAT, max_tokens=6, n=3, temperature=1.0,
+                               seed=11, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(
+        **ask, stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    finished = []
+    roles = []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.delta.role:
+                roles.append(choice.index)
+            if choice.finish_reason:
+                finished.append((choice.index, choice.finish_reason))
+    assert sorted(roles) == [0, 1, 2]  # each choice opens with its role
+    assert sorted(finished) == [(0, "length"), (1, "length"), (2, "length")]
+    assert all(texts) and len(set(texts)) > 1  # three samples, not one sent three times
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3 * 6
+    whole = client.chat.completions.create(**ask)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == texts  # seeded: the same samples
+    assert whole.usage is not None and whole.usage.completion_tokens == 18
+    completions = client.completions.create(model=MODEL, prompt="The queue", max_tokens=4, n=2,
+                                            extra_body={"ignore_eos": True})
+    assert [c.index for c in completions.choices] == [0, 1]
+    assert all(c.finish_reason == "length" and c.text for c in completions.choices)
+
+
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 
@@ -158,5 +187,5 @@ def test_errors_arrive_as_openai_errors(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10**6)
     assert too_long.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as unsupported:
-        client.chat.completions.create(model=MODEL, messages=CHAT, n=3)
+        client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"echo": True})
     assert unsupported.value.code == "unsupported_parameter"

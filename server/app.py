@@ -31,6 +31,7 @@ from server.config import SluiceConfig, load_config
 from server.errors import EngineUnavailable, MethodNotAllowed, RouteNotFound, SluiceError
 from server.generation import Sluice
 from server.openai_routes import JSONResponse, chat_completions, completions, error_response
+from server.openapi import openapi_json
 from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import Dispatcher
 from server.send_guard import SendGuard
@@ -142,6 +143,7 @@ def build_app(
             Route("/metrics", prometheus_metrics),
             Route("/v1/models", models),
             Route("/version", version),
+            Route("/openapi.json", openapi_json),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),

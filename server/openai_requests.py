@@ -47,10 +47,15 @@ _COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", 
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", *_CHAT_OUTPUT}
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
-MAX_LOGPROBS = 20
-MAX_CHOICES = 128  # OpenAI's limit on n  # vLLM's default `max_logprobs`
+MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`
+MAX_CHOICES = 128  # OpenAI's limit on n
 _COMPLETION_ONLY = {"prompt"}
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
+
+
+def accepted_fields(kind: str) -> set[str]:
+    """Every top-level field a `kind` ("chat" or "completion") body may have."""
+    return _COMMON | (_CHAT_ONLY if kind == "chat" else _COMPLETION_ONLY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +239,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     """Validate a decoded JSON body for `kind` ("chat" or "completion")."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
-    allowed = _COMMON | (_CHAT_ONLY if kind == "chat" else _COMPLETION_ONLY)
+    allowed = accepted_fields(kind)
     for key, value in body.items():
         if key not in allowed:
             raise UnsupportedParameter(f"unsupported parameter '{key}'", param=key)

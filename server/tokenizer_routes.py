@@ -21,8 +21,8 @@ from server.generation import Sluice, api_key_from, check_in_vocabulary
 from server.openai_requests import boolean_from, messages_from, token_ids_from
 from server.openai_routes import JSONResponse, read_json
 
-_TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-_TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "return_token_strs"}
+TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "return_token_strs"}
 
 
 def _version() -> str:
@@ -59,7 +59,7 @@ async def _body(request: Request, allowed: Callable[[dict[str, Any]], set[str]]
 
 async def tokenize(request: Request) -> Response:
     sluice, body = await _body(
-        request, lambda body: _TOKENIZE_CHAT if "messages" in body else _TOKENIZE_TEXT
+        request, lambda body: TOKENIZE_CHAT if "messages" in body else TOKENIZE_TEXT
     )
     if "messages" in body:
         if boolean_from(body, "add_generation_prompt") is False:

@@ -1,0 +1,312 @@
+"""vLLM's own OpenAI-server tests against vLLM's server and against Sluice, side by side.
+
+    python bench/vllm_suite.py                      # both servers, every selected file
+    python bench/vllm_suite.py --systems sluice -k logprobs
+
+The tests come from vLLM's source distribution for the installed vLLM version, fetched from
+PyPI at run time (cached under ~/.cache/sluice) and never copied into this repository. Only the
+tests that talk HTTP run: those whose fixtures start vLLM's test server (`RemoteOpenAIServer`).
+Instead of starting `vllm serve`, that class is pointed at a server already running on the
+demo model, served under the name the test module asks for: first vLLM's own server, then
+Sluice, with the same engine settings. Tests that need a real model's words (its tokenizer,
+its LoRA adapters, its reasoning format) fail on both alike; the comparison is the point.
+
+Writes a JSON report (per test: the outcome on each server, and Sluice's failure message
+where vLLM's server passed) and prints the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from contextlib import contextmanager
+from datetime import date
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path.home() / ".cache" / "sluice"
+sys.path.insert(0, str(ROOT))
+
+# The chat, completion and models tests of tests/entrypoints/openai whose fixtures start a
+# server. Left out: the Responses API, gpt-oss/Harmony, multimodal, prompt embeds, LoRA
+# resolvers, tensorizer and lm-eval, which need a particular real model or feature.
+FILES = (
+    "chat_completion/test_chat.py",
+    "chat_completion/test_chat_completion.py",
+    "chat_completion/test_completion_with_function_calling.py",
+    "chat_completion/test_chat_logit_bias_validation.py",
+    "chat_completion/test_chat_echo.py",
+    "chat_completion/test_logprob_token_ids.py",
+    "chat_completion/test_include_reasoning.py",
+    "chat_completion/test_batched_chat_completions.py",
+    "chat_completion/test_root_path.py",
+    "chat_completion/test_enable_force_include_usage.py",
+    "completion/test_completion.py",
+    "completion/test_prompt_validation.py",
+    "completion/test_token_in_token_out.py",
+    "models/test_models.py",
+    "test_return_token_ids.py",
+    "test_return_tokens_as_ids.py",
+    "test_chunked_prompt.py",
+)
+DEFAULT_MODEL_NAME = "tiny"  # for a module that names no MODEL_NAME
+# Both servers: the demo model, as the issue's comparison ran it, plus tool calls read by
+# vLLM's pythonic parser (the demo tokenizer has no tool-call tokens).
+ENGINE = {"max_model_len": 1024, "dtype": "bfloat16", "enforce_eager": True}
+TOOLS = ["--tool-call-parser", "pythonic", "--enable-auto-tool-choice"]
+
+# Written over vLLM's tests/conftest.py (whose imports need vLLM's whole test environment).
+CONFTEST = '''
+"""By bench/vllm_suite.py: RemoteOpenAIServer points at the server already running at
+SLUICE_SUITE_URL; only tests whose fixtures start that server run."""
+import inspect
+import os
+import tempfile
+
+import huggingface_hub
+import pytest
+
+import tests.utils as vllm_test_utils
+
+_URL = os.environ["SLUICE_SUITE_URL"]
+# Server arguments are the running server's business; LoRA files it would load are not
+# needed (and cannot be downloaded here).
+huggingface_hub.snapshot_download = lambda *args, **kwargs: tempfile.mkdtemp()
+
+
+class RunningServer(vllm_test_utils.RemoteOpenAIServer):
+    def __init__(self, model, vllm_serve_args, *args, **kwargs):
+        host, port = _URL.rsplit("/", 1)[1].rsplit(":", 1)
+        self.host, self.port, self.uds = host, int(port), None
+        self.show_hidden_metrics = False
+        self._shutdown_complete = True
+
+    def _shutdown(self):
+        pass
+
+
+vllm_test_utils.RemoteOpenAIServer = RunningServer
+_MARKS = ("RemoteOpenAIServer", ".get_async_client(", ".get_client(", ".url_for(")
+
+
+def _talks_http(item):
+    sources = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for definition in (info.name2fixturedefs.get(name, ()) if info else ()):
+            sources.append(definition.func)
+    for function in sources:
+        try:
+            text = inspect.getsource(function)
+        except (OSError, TypeError):
+            continue
+        if any(mark in text for mark in _MARKS):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    keep = [item for item in items if _talks_http(item)]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+'''
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__).split("+")[0]
+
+
+def fetch_sdist(version: str) -> Path:
+    """vLLM's source distribution from PyPI (its sha256 checked), cached."""
+    target = CACHE / f"vllm-{version}.tar.gz"
+    if target.is_file():
+        return target
+    request = urllib.request.Request("https://pypi.org/simple/vllm/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        index = json.load(response)
+    entry = next(f for f in index["files"] if f["filename"] == f"vllm-{version}.tar.gz")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".part")
+    with urllib.request.urlopen(entry["url"], timeout=600) as response, open(partial, "wb") as f:
+        shutil.copyfileobj(response, f)
+    digest = hashlib.sha256(partial.read_bytes()).hexdigest()
+    if digest != entry["hashes"]["sha256"]:
+        raise SystemExit(f"vllm-{version}.tar.gz: sha256 {digest} does not match PyPI's")
+    partial.rename(target)
+    return target
+
+
+def extract_tests(sdist: Path, where: Path) -> Path:
+    """vLLM's tests/__init__.py, utils.py and entrypoints/ into `where`/tests, our conftest
+    in place of theirs."""
+    prefix = sdist.name.removesuffix(".tar.gz") + "/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix + "tests/") and (
+            m.name in (prefix + "tests/__init__.py", prefix + "tests/utils.py")
+            or m.name.startswith(prefix + "tests/entrypoints/"))]
+        for member in members:
+            member.name = member.name[len(prefix):]
+        tar.extractall(where, members=members, filter="data")
+    (where / "tests" / "conftest.py").write_text(CONFTEST)
+    return where / "tests" / "entrypoints" / "openai"
+
+
+def model_name(test_file: Path) -> str:
+    found = re.search(r'^MODEL_NAME = "([^"]+)"', test_file.read_text(), re.M)
+    return found.group(1) if found else DEFAULT_MODEL_NAME
+
+
+def server_command(system: str, model: Path, name: str, port: int) -> list[str]:
+    if system == "vllm":
+        flags = [f"--{key.replace('_', '-')}" + ("" if value is True else f"={value}")
+                 for key, value in ENGINE.items()]
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--served-model-name", name, "--port", str(port), *flags, *TOOLS]
+    engine_args = [arg for key, value in ENGINE.items()
+                   for arg in ("--engine-arg", f"{key}={str(value).lower()}")]
+    return [sys.executable, "-m", "server.cli", "serve", "--model", str(model),
+            "--served-model-name", name, "--port", str(port), *engine_args, *TOOLS]
+
+
+@contextmanager
+def running(system: str, model: Path, name: str, log: Path):  # type: ignore[no-untyped-def]
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    with open(log, "ab") as out:
+        # Its own process group, not its own session (see tests/conftest.py).
+        proc = subprocess.Popen(server_command(system, model, name, port), cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, process_group=0,
+                                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{system} exited with {proc.returncode}; see {log}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200 and httpx.get(
+                        url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{system} not up in 300 s; see {log}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_pytest(where: Path, files: list[Path], url: str, junit: Path, keyword: str | None
+               ) -> None:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "--rootdir", str(where), "--timeout", "180", "--junitxml", str(junit),
+               "-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=module",
+               *(["-k", keyword] if keyword else []), *map(str, files)]
+    subprocess.run(command, cwd=where, env={**os.environ, "SLUICE_SUITE_URL": url,
+                                            "PYTHONPATH": str(where)}, check=False)
+
+
+def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
+    """Per test id: (passed|failed|skipped, the first line of the failure)."""
+    results = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        test = f"{case.get('classname')}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            element = case.find(tag)
+            if element is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                message = (element.get("message") or "").splitlines()[0][:300] if (
+                    element.get("message")) else ""
+                break
+        results[test] = (outcome, message)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", nargs="+", default=["vllm", "sluice"],
+                        choices=["vllm", "sluice"])
+    parser.add_argument("--files", nargs="+", default=list(FILES),
+                        help="paths under vLLM's tests/entrypoints/openai")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/sluice-vllm-suite"))
+    parser.add_argument("--out", type=Path,
+                        default=ROOT / "bench" / "results" / f"vllm-suite-{date.today()}.json")
+    args = parser.parse_args()
+
+    from engine_adapters.demo_model import build_demo_model
+
+    version = vllm_version()
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    suite = extract_tests(fetch_sdist(version), args.work)
+    model = build_demo_model(CACHE / "demo-model")
+    groups: dict[str, list[Path]] = defaultdict(list)
+    for name in args.files:
+        groups[model_name(suite / name)].append(suite / name)
+
+    results: dict[str, dict[str, tuple[str, str]]] = {s: {} for s in args.systems}
+    for name, files in groups.items():
+        for system in args.systems:
+            junit = args.work / f"{system}-{len(results[system])}.xml"
+            print(f"== {system}, served as {name}: {len(files)} file(s)", flush=True)
+            with running(system, model, name, args.work / f"{system}.log") as url:
+                run_pytest(args.work, files, url, junit, args.keyword)
+            if junit.is_file():
+                results[system].update(outcomes(junit))
+
+    tests = sorted(set().union(*(r.keys() for r in results.values())))
+    report: dict[str, Any] = {
+        "vllm_version": version, "sluice_version": metadata.version("sluice-server"),
+        "date": str(date.today()), "files": args.files, "keyword": args.keyword,
+        "passed": {s: sum(1 for o, _ in r.values() if o == "passed")
+                   for s, r in results.items()},
+        "tests": {t: {s: results[s].get(t, ("absent", ""))[0] for s in args.systems}
+                  for t in tests},
+    }
+    if {"vllm", "sluice"} <= set(args.systems):
+        report["sluice_fails_where_vllm_passes"] = {
+            t: results["sluice"].get(t, ("absent", ""))[1] for t in tests
+            if results["vllm"].get(t, ("",))[0] == "passed"
+            and results["sluice"].get(t, ("",))[0] != "passed"}
+        report["sluice_passes_where_vllm_fails"] = [
+            t for t in tests if results["sluice"].get(t, ("",))[0] == "passed"
+            and results["vllm"].get(t, ("",))[0] != "passed"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("vllm_version", "passed")}, indent=1))
+    for test, message in report.get("sluice_fails_where_vllm_passes", {}).items():
+        print(f"  sluice fails, vllm passes: {test}: {message}")
+    print(f"report: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

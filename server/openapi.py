@@ -1,0 +1,181 @@
+"""`GET /openapi.json`: the API as OpenAPI 3.1, its request bodies built from the request parser.
+
+Every field `server.openai_requests` accepts has its JSON Schema in `PARAMETERS`; building the
+document fails if the two ever disagree, so a field cannot be accepted without being documented
+or documented without being accepted. The schemas describe what is well-formed; what the
+engine then accepts (a tool choice needing a parser, logprobs on an engine without them) is
+answered with a 400 naming the field, as everywhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.openai_requests import MAX_CHOICES, MAX_LOGPROBS, accepted_fields
+from server.openai_routes import JSONResponse
+from server.tokenizer_routes import TOKENIZE_CHAT, TOKENIZE_TEXT, VERSION
+
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_BOOL = {"type": "boolean"}
+_STR = {"type": "string"}
+_OBJ = {"type": "object"}
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": _STR}}
+_MESSAGE = {
+    "type": "object", "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "minLength": 1},
+        "content": {"anyOf": [_STR, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
+        "name": _STR, "tool_calls": {"type": "array", "items": _OBJ}, "tool_call_id": _STR,
+    },
+}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _STR, "description": _STR, "parameters": _OBJ, "strict": _BOOL}}}}
+
+
+def _between(schema: dict[str, Any], lo: float, hi: float | None = None) -> dict[str, Any]:
+    return {**schema, "minimum": lo, **({} if hi is None else {"maximum": hi})}
+
+
+PARAMETERS: dict[str, dict[str, Any]] = {
+    "model": _STR,
+    "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+    "prompt": {"anyOf": [_STR, {**_TOKENS, "minItems": 1},
+                         {"type": "array", "minItems": 1, "maxItems": 1,
+                          "items": {"anyOf": [_STR, _TOKENS]}}]},
+    "stream": _BOOL,
+    "stream_options": {"type": "object", "properties": {
+        "include_usage": _BOOL, "continuous_usage_stats": _BOOL}},
+    "max_tokens": _between(_INT, 1),
+    "max_completion_tokens": _between(_INT, 1),
+    "n": _between(_INT, 1, MAX_CHOICES),
+    "temperature": _between(_NUM, 0, 2),
+    "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": _between(_INT, -1),
+    "min_p": _between(_NUM, 0, 1),
+    "min_tokens": _between(_INT, 0),
+    "presence_penalty": _between(_NUM, -2, 2),
+    "frequency_penalty": _between(_NUM, -2, 2),
+    "repetition_penalty": {**_NUM, "exclusiveMinimum": 0, "maximum": 10},
+    "seed": _between(_INT, -(2**63), 2**63 - 1),
+    "stop": {"anyOf": [_STR, {"type": "array", "maxItems": 16, "items": _STR}]},
+    "stop_token_ids": _TOKENS,
+    "ignore_eos": _BOOL,
+    "skip_special_tokens": _BOOL,
+    "include_stop_str_in_output": _BOOL,
+    "logit_bias": {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                   "additionalProperties": _NUM},
+    "logprobs": {"anyOf": [_BOOL, _between(_INT, 0, MAX_LOGPROBS)],
+                 "description": "chat: a boolean; completions: how many top tokens (0-20)"},
+    "top_logprobs": _between(_INT, 0, MAX_LOGPROBS),
+    "add_special_tokens": _BOOL,
+    "service_tier": {"enum": ["auto", "default", "flex", "priority"]},
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {
+            "name": _STR, "schema": _OBJ, "strict": _BOOL}}}},
+    "structured_outputs": {"type": "object", "description": "vLLM's: one of json, regex, "
+                           "choice, grammar, json_object, structural_tag"},
+    "tools": {"type": "array", "items": _TOOL},
+    "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
+                              {"type": "object", "required": ["type", "function"]}]},
+    "parallel_tool_calls": _BOOL,
+    "include_reasoning": _BOOL,
+    # Accepted at their defaults only (another value is a 400 unsupported_parameter).
+    "best_of": {"const": 1}, "echo": {"const": False}, "functions": {"const": []},
+    "function_call": {"enum": ["none", "auto"]}, "suffix": {"const": ""},
+    "use_beam_search": {"const": False}, "prompt_logprobs": {"type": "null"},
+    "add_generation_prompt": {"const": True}, "continue_final_message": {"const": False},
+    # Accepted, with no effect on generation.
+    "user": _STR, "metadata": _OBJ, "store": _BOOL, "spaces_between_special_tokens": _BOOL,
+    "request_id": _STR, "priority": _INT, "length_penalty": _NUM,
+}
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
+                   "code": {"type": ["string", "null"]}}}}}
+
+
+def _body(kind: str, required: list[str]) -> dict[str, Any]:
+    fields = accepted_fields(kind)
+    missing, extra = fields - PARAMETERS.keys(), required and set(required) - fields
+    if missing or extra:
+        raise RuntimeError(f"the {kind} request schema and parser disagree: {missing or extra}")
+    return {"type": "object", "required": required, "additionalProperties": False,
+            "properties": {name: PARAMETERS[name] for name in sorted(fields)}}
+
+
+def _generation(summary: str, kind: str, required: list[str]) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": _body(kind, required)}}},
+        "responses": {
+            "200": {"description": "a whole response, or with `stream` an SSE stream",
+                    "content": {"application/json": {"schema": _OBJ},
+                                "text/event-stream": {"schema": _STR}}},
+            **_ERRORS,
+        },
+    }}
+
+
+_ERRORS = {status: {"description": description,
+                    "content": {"application/json": {"schema": _ERROR}}}
+           for status, description in (
+               ("400", "bad input, named in `param`"), ("401", "a missing or unknown key"),
+               ("404", "an unknown model"), ("413", "a body over --max-body-bytes"),
+               ("429", "over a quota or the queue's bound (Retry-After)"),
+               ("503", "the engine is unavailable (Retry-After)"),
+               ("504", "the deadline passed while queued"))}
+
+
+def _get(summary: str) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": {"description": summary}}}}
+
+
+def _post_json(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": schema}}},
+        "responses": {"200": {"description": summary, "content": {
+            "application/json": {"schema": _OBJ}}}, **_ERRORS}}}
+
+
+@functools.cache
+def document(version: str) -> dict[str, Any]:
+    """The OpenAPI document (built once per process)."""
+    fields = {**PARAMETERS, "prompt": _STR, "return_token_strs": _BOOL}
+    tokenize = {"anyOf": [
+        {"type": "object", "required": [required], "additionalProperties": False,
+         "properties": {name: fields[name] for name in sorted(accepted)}}
+        for required, accepted in (("prompt", TOKENIZE_TEXT), ("messages", TOKENIZE_CHAT))]}
+    detokenize = {"type": "object", "required": ["tokens"], "additionalProperties": False,
+                  "properties": {"model": _STR, "tokens": _TOKENS}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Sluice", "version": version,
+                 "description": "OpenAI-compatible streaming token server with a scheduler"},
+        "paths": {
+            "/v1/chat/completions": _generation("a chat completion", "chat", ["messages"]),
+            "/v1/completions": _generation("a text completion", "completion", ["prompt"]),
+            "/v1/models": _get("the served model"),
+            "/tokenize": _post_json("token ids of a prompt or chat", tokenize),
+            "/detokenize": _post_json("the text of token ids", detokenize),
+            "/version": _get("Sluice's version"),
+            "/health": _get("200 while the process is alive"),
+            "/ready": _get("200 when the engine is ready, else 503"),
+            "/openapi.json": _get("this document"),
+        },
+    }
+
+
+async def openapi_json(request: Request) -> Response:
+    return JSONResponse(document(VERSION))

@@ -1,0 +1,61 @@
+"""`/openapi.json`, and schemathesis fuzzing every operation it lists: no input, well-formed or
+not, gets a server error. Against the sim engine (a generation costs microseconds there)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from conftest import SluiceProcess
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+
+from server.openai_requests import accepted_fields
+
+
+@pytest.fixture(scope="module")
+def api_schema(sim_server: SluiceProcess) -> schemathesis.BaseSchema:
+    return schemathesis.openapi.from_url(sim_server.url + "/openapi.json")
+
+
+def test_the_document_lists_every_accepted_field(sim_server: SluiceProcess) -> None:
+    document = httpx.get(sim_server.url + "/openapi.json", timeout=10).json()
+    assert document["openapi"].startswith("3.1")
+    for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completion")):
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert set(body["schema"]["properties"]) == accepted_fields(kind)
+        assert body["schema"]["additionalProperties"] is False
+
+
+# The paths /openapi.json lists (schemathesis leaves out the document's own), each fuzzed
+# with well-formed and with malformed input.
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
+              ("GET", "/version"), ("GET", "/health"), ("GET", "/ready")]
+
+
+def test_the_fuzzed_operations_are_the_documented_ones(api_schema: schemathesis.BaseSchema
+                                                        ) -> None:
+    documented = {(op.ok().method.upper(), op.ok().path)
+                  for op in api_schema.get_all_operations()}
+    assert documented == set(OPERATIONS)
+
+
+@pytest.mark.parametrize(("method", "path", "mode"), [
+    (method, path, mode) for method, path in OPERATIONS for mode in schemathesis.GenerationMode
+    if method == "POST" or mode is schemathesis.GenerationMode.POSITIVE])  # GETs take no input
+def test_no_input_gets_a_server_error(
+    api_schema: schemathesis.BaseSchema, sim_server: SluiceProcess, method: str, path: str,
+    mode: schemathesis.GenerationMode,
+) -> None:
+    # schemathesis's own pytest integration does not run on pytest 9: hypothesis drives it.
+    operation = api_schema[path][method]
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=40, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    def fuzz(case: schemathesis.Case) -> None:
+        case.call_and_validate(base_url=sim_server.url, checks=[not_a_server_error],
+                               timeout=30)
+
+    fuzz()

@@ -87,6 +87,7 @@ _URL = os.environ["SLUICE_SUITE_URL"]
 # Server arguments are the running server's business; LoRA files it would load are not
 # needed (and cannot be downloaded here).
 huggingface_hub.snapshot_download = lambda *args, **kwargs: tempfile.mkdtemp()
+huggingface_hub.HfApi.snapshot_download = lambda *args, **kwargs: tempfile.mkdtemp()
 
 
 class RunningServer(vllm_test_utils.RemoteOpenAIServer):
@@ -227,7 +228,6 @@ def run_pytest(where: Path, files: list[Path], url: str, junit: Path, keyword: s
                ) -> None:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                "--rootdir", str(where), "--timeout", "180", "--junitxml", str(junit),
-               "-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=module",
                *(["-k", keyword] if keyword else []), *map(str, files)]
     subprocess.run(command, cwd=where, env={**os.environ, "SLUICE_SUITE_URL": url,
                                             "PYTHONPATH": str(where)}, check=False)

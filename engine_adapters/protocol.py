@@ -54,6 +54,7 @@ class SamplingOptions:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: none; k: each token's and the k most likely ones'
+    prompt_logprobs: int | None = None  # the same for each prompt token (on the first delta)
     # What the output must match (a JSON schema, a grammar...), in the engine's own form: from
     # `EngineClient.plan_output`, carried by the server without looking inside.
     constraint: object | None = None
@@ -67,6 +68,17 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """A candidate token at a prompt position: its id, text, log-probability and rank (1: the
+    likeliest)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +106,9 @@ class TokenDelta:
     of its choice only: "stop", "length" or "abort".
     `num_cached_tokens`, on the first delta, is how many prompt tokens the engine found in its
     prefix cache (None when it does not say). `logprobs`, when the request asked for them,
-    has one entry per token id.
+    has one entry per token id. `prompt_logprobs`, on the first delta when asked: per prompt
+    position, its token and the k likeliest (None at the first position, which has no
+    context).
     """
 
     text: str
@@ -104,6 +118,7 @@ class TokenDelta:
     num_cached_tokens: int | None = None
     logprobs: Sequence[TokenLogprob] | None = None
     index: int = 0
+    prompt_logprobs: Sequence[Sequence[PromptLogprob] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from engine_adapters.protocol import (
     ModelInfo,
     OutputPlan,
     OutputRequest,
+    PromptLogprob,
     TokenDelta,
     TokenLogprob,
     plain_text_only,
@@ -143,15 +144,23 @@ class SimEngine:
         return [SPECIAL_TOKENS[t] if t < len(SPECIAL_TOKENS) else token_text(t)
                 for t in token_ids]
 
-    def _logprob(self, token_id: int, k: int) -> TokenLogprob:
-        """Made-up but consistent: the sampled token is the likeliest, at a log-probability
+    def _candidates(self, token_id: int, k: int) -> list[tuple[int, float]]:
+        """Made-up but consistent: the token itself is the likeliest, at a log-probability
         set by its id; the next ids follow, one nat apart each (the k together under 1)."""
         logprob = -0.5 - (token_id % 7) * 0.1
-        ids = [token_id] + [len(SPECIAL_TOKENS) + (token_id + i) % (self.config.vocab_size
-                                                                     - len(SPECIAL_TOKENS))
-                            for i in range(1, k)]
-        return TokenLogprob(token_text(token_id), logprob,
-                            tuple((token_text(t), logprob - i) for i, t in enumerate(ids[:k])))
+        vocab = self.config.vocab_size - len(SPECIAL_TOKENS)
+        ids = [token_id] + [len(SPECIAL_TOKENS) + (token_id + i) % vocab for i in range(1, k)]
+        return [(t, logprob - i) for i, t in enumerate(ids)]
+
+    def _logprob(self, token_id: int, k: int) -> TokenLogprob:
+        best = self._candidates(token_id, max(1, k))
+        return TokenLogprob(token_text(token_id), best[0][1],
+                            tuple((token_text(t), lp) for t, lp in best[:k]))
+
+    def _prompt_logprob(self, token_id: int, k: int) -> list[PromptLogprob]:
+        """A prompt position: its token ranked first, and the k likeliest (at least it)."""
+        return [PromptLogprob(t, token_text(t), lp, rank)
+                for rank, (t, lp) in enumerate(self._candidates(token_id, max(1, k)), start=1)]
 
     def plan_output(self, request: OutputRequest) -> OutputPlan:
         return plain_text_only(request, self.model.engine)
@@ -233,6 +242,9 @@ class SimEngine:
             raise EngineRequestError(str(exc)) from exc
         stream = self._streams[rid] = _Stream()
         self._wakeup.set()
+        prompt_logprobs = None if sampling.prompt_logprobs is None else [None, *(
+            self._prompt_logprob(t, sampling.prompt_logprobs)
+            for t in request.prompt_token_ids[1:])]
         try:
             while True:
                 await stream.ready.wait()
@@ -245,7 +257,9 @@ class SimEngine:
                 yield TokenDelta(detokenize(token_ids), token_ids, finish_reason=finish,
                                  num_cached_tokens=cached,
                                  logprobs=None if sampling.logprobs is None else [
-                                     self._logprob(t, sampling.logprobs) for t in token_ids])
+                                     self._logprob(t, sampling.logprobs) for t in token_ids],
+                                 prompt_logprobs=prompt_logprobs)
+                prompt_logprobs = None  # on the first delta only
                 if finish is not None:
                     return
         finally:

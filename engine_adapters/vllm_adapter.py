@@ -23,6 +23,7 @@ from engine_adapters.protocol import (
     ModelInfo,
     OutputPlan,
     OutputRequest,
+    PromptLogprob,
     SamplingOptions,
     TokenDelta,
     TokenLogprob,
@@ -78,6 +79,7 @@ def to_sampling_params(options: SamplingOptions) -> Any:
         include_stop_str_in_output=options.include_stop_str_in_output,
         logit_bias=options.logit_bias,
         logprobs=options.logprobs,
+        prompt_logprobs=options.prompt_logprobs,
         # From VLLMOutputPlanner: vLLM's own StructuredOutputsParams.
         structured_outputs=options.constraint,  # type: ignore[arg-type]
         output_kind=RequestOutputKind.DELTA,
@@ -258,6 +260,8 @@ class VLLMEngine:
                             completion.token_ids, completion.logprobs,
                             request.sampling.logprobs),
                         index=completion.index,
+                        prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs)
+                        if first and request.sampling.prompt_logprobs is not None else None,
                     )
                     first = False
         except VLLMEngineDead as exc:
@@ -288,6 +292,15 @@ class VLLMEngine:
                           for t, lp in ranked),
             ))
         return entries
+
+    def _prompt_logprobs(self, positions: Any) -> list[list[PromptLogprob] | None]:
+        """vLLM's per-position {token id: Logprob} as engine-neutral entries, likeliest
+        first (the prompt's own token, whatever its rank, among them)."""
+        return [None if candidates is None else sorted(
+            (PromptLogprob(token_id, self._token_text(token_id, lp),
+                           max(lp.logprob, -9999.0), lp.rank)
+             for token_id, lp in candidates.items()), key=lambda p: p.rank)
+            for candidates in positions or ()]
 
     def _token_text(self, token_id: int, logprob: Any) -> str:
         if logprob.decoded_token is not None:

@@ -30,7 +30,13 @@ from server.access_log import install_handler
 from server.config import SluiceConfig, load_config
 from server.errors import EngineUnavailable, MethodNotAllowed, RouteNotFound, SluiceError
 from server.generation import Sluice
-from server.openai_routes import JSONResponse, chat_completions, completions, error_response
+from server.openai_routes import (
+    JSONResponse,
+    chat_completions,
+    completions,
+    error_response,
+    invocations,
+)
 from server.openapi import openapi_json
 from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import Dispatcher
@@ -148,6 +154,7 @@ def build_app(
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/invocations", invocations, methods=["POST"]),
             WebSocketRoute("/v1/ws", websocket_endpoint),
         ],
         exception_handlers={HTTPException: http_error, SluiceError: sluice_error},

@@ -8,11 +8,11 @@ that the generation ends only once every choice has.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_adapters.protocol import OutputParser, TokenDelta, TokenLogprob
+from engine_adapters.protocol import OutputParser, PromptLogprob, TokenDelta, TokenLogprob
 from server.errors import GenerationFailed
 
 
@@ -45,6 +45,7 @@ class Choices:
         self._logprobs = logprobs
         self.by_index: dict[int, Choice] = {}
         self._left = n
+        self.prompt_logprobs: Sequence[Sequence[PromptLogprob] | None] | None = None
 
     @property
     def parsed(self) -> bool:
@@ -61,6 +62,8 @@ class Choices:
                 logprobs=[] if self._logprobs and self._keep else None)
         finished = delta.finish_reason is not None
         fields = None
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if self._keep:
             choice.parts.append(delta.text)
             if choice.parser is not None:

@@ -94,10 +94,11 @@ class Sluice:
             tenant, parsed.service_tier, headers.get("x-traffic-class")
         ))
         self.check_model(parsed.model)
-        if "logprobs" in parsed.sampling and not self.engine.model.logprobs:
-            raise UnsupportedParameter(
-                f"the {self.engine.model.engine} engine does not return logprobs",
-                param="logprobs")
+        for key in ("logprobs", "prompt_logprobs"):
+            if key in parsed.sampling and not self.engine.model.logprobs:
+                raise UnsupportedParameter(
+                    f"the {self.engine.model.engine} engine does not return logprobs",
+                    param=key)
         if parsed.n > 1 and not self.engine.model.choices:
             raise UnsupportedParameter(
                 f"the {self.engine.model.engine} engine samples one choice only", param="n")
@@ -107,15 +108,15 @@ class Sluice:
         max_len = self.engine.model.max_model_len
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        max_tokens = parsed.max_tokens
-        if max_tokens is None:
-            max_tokens = max_len - len(prompt_ids)
-        if len(prompt_ids) + max_tokens > max_len:
+        room = max_len - len(prompt_ids)
+        if room < 1:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {max_len} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens asks for {max_tokens} more",
-                param="max_tokens" if len(prompt_ids) < max_len else "messages",
+                f"{len(prompt_ids)}, which leaves no room for an answer",
+                param="messages" if parsed.kind == "chat" else "prompt",
             )
+        # As vLLM's server: a max_tokens beyond the context left is lowered to what is left.
+        max_tokens = room if parsed.max_tokens is None else min(parsed.max_tokens, room)
         timeline.prompt_tokens = len(prompt_ids)
         ticket = self.tenants.make_ticket(
             tenant=tenant,

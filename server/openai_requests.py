@@ -24,7 +24,6 @@ _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "function_call": ("none", "auto"),
     "suffix": ("",),
     "use_beam_search": (False,),
-    "prompt_logprobs": (),
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
 }
@@ -43,7 +42,8 @@ _OUTPUT: dict[str, tuple[type, ...]] = {"response_format": (dict,), "structured_
 _CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
     **_OUTPUT, "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "include_reasoning": (bool,)}
-_COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n", *_SAMPLING,
+_COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n",
+           "prompt_logprobs", *_SAMPLING,
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", *_CHAT_OUTPUT}
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
@@ -106,10 +106,14 @@ def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int | None = None) 
     if value is None:
         return None
     # One message for both failures: orjson reads an integer beyond 64 bits as a float.
-    _check(isinstance(value, int) and not isinstance(value, bool)
-           and value >= lo and (hi is None or value <= hi),
-           f"'{key}' must be an integer, at least {lo}"
-           + (f" and at most {hi}" if hi is not None else ""), key)
+    bounds = f"at least {lo}" + (f" and at most {hi}" if hi is not None else "")
+    _check(isinstance(value, int | float) and not isinstance(value, bool),
+           f"'{key}' must be an integer, {bounds}", key)
+    # Named as pydantic names them too (vLLM's server answers with pydantic's messages).
+    _check(value >= lo, f"'{key}' must be an integer, {bounds} (greater_than_equal)", key)
+    _check(hi is None or value <= hi,
+           f"'{key}' must be an integer, {bounds} (less_than_equal)", key)
+    _check(isinstance(value, int), f"'{key}' must be an integer, {bounds}", key)
     return int(value)
 
 
@@ -260,6 +264,11 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     logprobs = _logprobs(body, kind)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    prompt_logprobs = _integer(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None:
+        _check(not boolean_from(body, "stream"),
+               "'prompt_logprobs' are not available when streaming", "prompt_logprobs")
+        sampling["prompt_logprobs"] = prompt_logprobs
     n = _integer(body, "n", 1, MAX_CHOICES)
     if n is not None and n > 1:
         sampling["n"] = n

@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from engine_adapters.protocol import TokenLogprob
-from server.choices import Choice, Choices
+from engine_adapters.protocol import PromptLogprob, TokenLogprob
+from server.choices import Choices
 
 DONE = b"data: [DONE]\n\n"
 
@@ -153,14 +153,27 @@ class ChunkEncoder:
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+def prompt_logprobs(positions: Sequence[Sequence[PromptLogprob] | None] | None
+                    ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position, {token id: {logprob, rank,
+    decoded_token}} (null at the first position)."""
+    if positions is None:
+        return None
+    return [None if candidates is None else {
+        str(c.token_id): {"logprob": c.logprob, "rank": c.rank, "decoded_token": c.token}
+        for c in candidates} for candidates in positions]
+
+
 def whole_response(
-    kind: str, request_id: str, model: str, choices: Sequence[Choice], prompt_tokens: int,
+    kind: str, request_id: str, model: str, choices: Choices, prompt_tokens: int,
     completion_tokens: int, timings: dict[str, Any],
 ) -> dict[str, Any]:
     """A non-streamed chat.completion or text_completion object. A chat choice's message is
-    its parser's fields (content, reasoning, tool calls), or else its text is the content."""
+    its parser's fields (content, reasoning, tool calls), or else its text is the content.
+    `prompt_logprobs` (vLLM's) is top-level on chat, in each choice on completions."""
+    prompt = prompt_logprobs(choices.prompt_logprobs)
     shaped = []
-    for choice in choices:
+    for choice in choices.in_order():
         logprobs = choice.logprobs
         if kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": choice.text,
@@ -179,10 +192,10 @@ def whole_response(
             shaped.append({"index": choice.index, "text": choice.text, "logprobs": None
                            if logprobs is None else completion_logprobs(logprobs, 0),
                            "finish_reason": choice.finish_reason,
-                           "stop_reason": choice.stop_reason})
+                           "stop_reason": choice.stop_reason, "prompt_logprobs": prompt})
     object_name, prefix = (("chat.completion", "chatcmpl-") if kind == "chat"
                            else ("text_completion", "cmpl-"))
-    return {
+    body = {
         "id": prefix + request_id,
         "object": object_name,
         "created": int(time.time()),
@@ -191,3 +204,6 @@ def whole_response(
         "usage": usage(prompt_tokens, completion_tokens),
         "timings": timings,
     }
+    if kind == "chat":
+        body["prompt_logprobs"] = prompt
+    return body

@@ -97,8 +97,15 @@ async def completions(request: Request) -> ASGIApp:
     return await _generate(request, "completion")
 
 
-async def _generate(request: Request, kind: str) -> ASGIApp:
-    """An error response at once, or a GenerationResponse that waits, then streams/replies."""
+async def invocations(request: Request) -> ASGIApp:
+    """`POST /invocations` (SageMaker's), as vLLM's server has it: a chat body (`messages`)
+    or a completion body (`prompt`), answered as its own endpoint would."""
+    return await _generate(request, None)
+
+
+async def _generate(request: Request, kind: str | None) -> ASGIApp:
+    """An error response at once, or a GenerationResponse that waits, then streams/replies.
+    `kind` None: "chat" or "completion" by what the body holds."""
     sluice: Sluice = request.app.state.sluice
     timeline = RequestTimeline(
         request_id=request_id_from(request.headers.get("x-request-id")),
@@ -106,7 +113,11 @@ async def _generate(request: Request, kind: str) -> ASGIApp:
         api="chat" if kind == "chat" else "completions",
     )
     try:
-        parsed = parse_request(await read_json(request, sluice.max_body_bytes), kind)
+        body = await read_json(request, sluice.max_body_bytes)
+        if kind is None:
+            kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
+            timeline.api = "chat" if kind == "chat" else "completions"
+        parsed = parse_request(body, kind)
         ticket, engine_request, plan = sluice.prepare(parsed, timeline, request.headers)
         # Refusals are decided here, before anything awaits: answered in one pass.
         admission = sluice.dispatcher.generation(ticket, engine_request)
@@ -188,7 +199,7 @@ class GenerationResponse:
             del collecting
         body = whole_response(
             self.parsed.kind, timeline.request_id, self.sluice.served_model,
-            choices.in_order(), timeline.prompt_tokens, timeline.generated_tokens,
+            choices, timeline.prompt_tokens, timeline.generated_tokens,
             timeline.timings(),
         )
         timeline.finish("completed")

@@ -76,6 +76,9 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "logprobs": {"anyOf": [_BOOL, _between(_INT, 0, MAX_LOGPROBS)],
                  "description": "chat: a boolean; completions: how many top tokens (0-20)"},
     "top_logprobs": _between(_INT, 0, MAX_LOGPROBS),
+    "prompt_logprobs": {**_between(_INT, 0, MAX_LOGPROBS),
+                        "description": "vLLM's: each prompt token's and the k likeliest (not "
+                        "with `stream`)"},
     "add_special_tokens": _BOOL,
     "service_tier": {"enum": ["auto", "default", "flex", "priority"]},
     "response_format": {"type": "object", "required": ["type"], "properties": {
@@ -92,7 +95,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     # Accepted at their defaults only (another value is a 400 unsupported_parameter).
     "best_of": {"const": 1}, "echo": {"const": False}, "functions": {"const": []},
     "function_call": {"enum": ["none", "auto"]}, "suffix": {"const": ""},
-    "use_beam_search": {"const": False}, "prompt_logprobs": {"type": "null"},
+    "use_beam_search": {"const": False},
     "add_generation_prompt": {"const": True}, "continue_final_message": {"const": False},
     # Accepted, with no effect on generation.
     "user": _STR, "metadata": _OBJ, "store": _BOOL, "spaces_between_special_tokens": _BOOL,
@@ -114,11 +117,10 @@ def _body(kind: str, required: list[str]) -> dict[str, Any]:
             "properties": {name: PARAMETERS[name] for name in sorted(fields)}}
 
 
-def _generation(summary: str, kind: str, required: list[str]) -> dict[str, Any]:
+def _generation(summary: str, body: dict[str, Any]) -> dict[str, Any]:
     return {"post": {
         "summary": summary,
-        "requestBody": {"required": True, "content": {
-            "application/json": {"schema": _body(kind, required)}}},
+        "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
         "responses": {
             "200": {"description": "a whole response, or with `stream` an SSE stream",
                     "content": {"application/json": {"schema": _OBJ},
@@ -152,6 +154,7 @@ def _post_json(summary: str, schema: dict[str, Any]) -> dict[str, Any]:
 @functools.cache
 def document(version: str) -> dict[str, Any]:
     """The OpenAPI document (built once per process)."""
+    chat, completion = _body("chat", ["messages"]), _body("completion", ["prompt"])
     fields = {**PARAMETERS, "prompt": _STR, "return_token_strs": _BOOL}
     tokenize = {"anyOf": [
         {"type": "object", "required": [required], "additionalProperties": False,
@@ -164,8 +167,10 @@ def document(version: str) -> dict[str, Any]:
         "info": {"title": "Sluice", "version": version,
                  "description": "OpenAI-compatible streaming token server with a scheduler"},
         "paths": {
-            "/v1/chat/completions": _generation("a chat completion", "chat", ["messages"]),
-            "/v1/completions": _generation("a text completion", "completion", ["prompt"]),
+            "/v1/chat/completions": _generation("a chat completion", chat),
+            "/v1/completions": _generation("a text completion", completion),
+            "/invocations": _generation("SageMaker's: a chat or a text completion, by the body",
+                                        {"anyOf": [chat, completion]}),
             "/v1/models": _get("the served model"),
             "/tokenize": _post_json("token ids of a prompt or chat", tokenize),
             "/detokenize": _post_json("the text of token ids", detokenize),

@@ -172,6 +172,9 @@ class Connection:
             if isinstance(request_body, dict) and request_body.get("stream") is False:
                 raise InvalidRequest("WebSocket generations always stream", param="stream")
             parsed = parse_request(request_body, "chat")
+            if "prompt_logprobs" in parsed.sampling:
+                raise InvalidRequest("'prompt_logprobs' are not available when streaming",
+                                     param="prompt_logprobs")
             ticket, engine_request, plan = sluice.prepare(
                 parsed, timeline, self._headers_for(message)
             )

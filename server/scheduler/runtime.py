@@ -167,6 +167,7 @@ class RunningGeneration:
             original.sampling,
             max_tokens=original.sampling.max_tokens - self.output_tokens,
             min_tokens=max(0, original.sampling.min_tokens - self.output_tokens),
+            prompt_logprobs=None,  # the client has the prompt's; this prompt is longer
         )
         return GenerationRequest(
             request_id=f"{original.request_id}~{self.preemptions}",

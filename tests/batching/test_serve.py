@@ -51,7 +51,8 @@ def test_a_poison_prompt_fails_with_a_clear_error(batch_server: SluiceProcess) -
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("logprobs", 1), ("n", 2), ("response_format", {"type": "json_object"})])
+    ("logprobs", 1), ("prompt_logprobs", 0), ("n", 2),
+    ("response_format", {"type": "json_object"})])
 def test_what_fixed_batches_cannot_do_is_refused_naming_the_engine(
     batch_server: SluiceProcess, field: str, value: object,
 ) -> None:

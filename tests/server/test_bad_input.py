@@ -45,7 +45,8 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "top_logprobs": 3}, "invalid_request", "top_logprobs"),  # needs logprobs
         ({**CHAT, "logprobs": True, "top_logprobs": 21}, "invalid_request", "top_logprobs"),
         ({**CHAT, "echo": True}, "unsupported_parameter", "echo"),
-        ({**CHAT, "prompt_logprobs": 0}, "unsupported_parameter", "prompt_logprobs"),
+        ({**CHAT, "prompt_logprobs": -1}, "invalid_request", "prompt_logprobs"),
+        ({**CHAT, "stream": True, "prompt_logprobs": 1}, "invalid_request", "prompt_logprobs"),
         ({**CHAT, "add_special_tokens": True}, "unsupported_parameter", "add_special_tokens"),
         ({**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
          "invalid_request", "stream_options.continuous_usage_stats"),  # needs include_usage
@@ -66,7 +67,8 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "structured_outputs": "json"}, "invalid_request", "structured_outputs"),
         ({**CHAT, "frobnicate": 1}, "unsupported_parameter", "frobnicate"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
-        ({**CHAT, "max_tokens": 100_000}, "context_length_exceeded", "max_tokens"),
+        ({"messages": [{"role": "user", "content": "word " * 5000}]},
+         "context_length_exceeded", "messages"),
     ],
 )
 def test_chat_body_errors(sim_server: SluiceProcess, body: dict, code: str, param: str) -> None:
@@ -162,8 +164,8 @@ async def test_garbage_on_the_websocket_gets_errors_and_the_connection_survives(
 
 
 def test_nothing_leaks_after_bad_input(sim_server: SluiceProcess) -> None:
-    for body in ({**CHAT, "n": 2}, {**CHAT, "max_tokens": 100_000}, {"messages": 1},
-                 {**CHAT, "stop_token_ids": [10**6]}):
+    for body in ({**CHAT, "n": 0}, {"messages": [{"role": "user", "content": "word " * 5000}]},
+                 {"messages": 1}, {**CHAT, "stop_token_ids": [10**6]}):
         _post(sim_server, "/v1/chat/completions", json=body)
     assert sim_server.metric("sluice_running_requests") == 0
     assert sim_server.metric("sluice_queue_depth") == 0
@@ -196,6 +198,20 @@ def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -
 
     deltas = [m for m in asyncio.run(over_websocket()) if m["type"] == "delta"]
     assert sum(len(m["logprobs"]) for m in deltas) == sum(m["tokens"] for m in deltas) == 4
+
+    # vLLM's prompt_logprobs: each prompt token's (null for the first) and the k likeliest.
+    prompt_ids = [5, 6, 7, 8]
+    body = _post(sim_server, "/v1/completions", json={
+        "prompt": prompt_ids, "max_tokens": 2, "prompt_logprobs": 2}).json()
+    positions = body["choices"][0]["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(prompt_ids)
+    for token_id, candidates in zip(prompt_ids[1:], positions[1:], strict=True):
+        assert str(token_id) in candidates and len(candidates) == 2
+        assert sorted(c["rank"] for c in candidates.values()) == [1, 2]
+    chat = _post(sim_server, "/v1/chat/completions", json={**CHAT, "prompt_logprobs": 0}).json()
+    assert all(p is None or len(p) == 1 for p in chat["prompt_logprobs"])
+    plain = _post(sim_server, "/v1/chat/completions", json=CHAT).json()
+    assert plain["prompt_logprobs"] is None  # present, as vLLM's server has it
 
 
 def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: SluiceProcess) -> None:

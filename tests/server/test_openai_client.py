@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -175,17 +176,40 @@ def test_n_streams_three_indexed_choices(client: openai.OpenAI) -> None:
     assert all(c.finish_reason == "length" and c.text for c in completions.choices)
 
 
+def test_prompt_logprobs_as_vllm_gives_them(client: openai.OpenAI, vllm_server: Any) -> None:
+    prompt = "Tell me about schedulers."
+    ids = httpx.post(vllm_server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                      extra_body={"prompt_logprobs": 1})
+    positions = reply.choices[0].model_extra["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None
+    for token_id, candidates in zip(ids[1:], positions[1:], strict=True):
+        assert str(token_id) in candidates and 1 <= len(candidates) <= 2  # it, and the best
+        assert all(c["logprob"] <= 0 and c["rank"] >= 1 for c in candidates.values())
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    assert all(len(p) == 1 for p in chat.model_extra["prompt_logprobs"][1:])
+
+
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
-def test_errors_arrive_as_openai_errors(client: openai.OpenAI) -> None:
+def test_errors_arrive_as_openai_errors(client: openai.OpenAI, vllm_server: Any) -> None:
     with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="no-such-model", messages=CHAT)
     assert not_found.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as too_long:
-        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10**6)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "word " * 5000}], max_tokens=4)
     assert too_long.value.code == "context_length_exceeded"
+    # A max_tokens beyond the context left is lowered to what is left, as vLLM's server does.
+    context = httpx.post(vllm_server.url + "/tokenize", json={"prompt": "x"}).json()
+    prompt = [5] * (context["max_model_len"] - 3)
+    clamped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10**6,
+                                        extra_body={"ignore_eos": True})
+    assert clamped.usage is not None and clamped.usage.completion_tokens == 3
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"echo": True})
     assert unsupported.value.code == "unsupported_parameter"

@@ -33,6 +33,7 @@ from server.generation import Sluice
 from server.openai_routes import (
     JSONResponse,
     chat_completions,
+    chat_completions_batch,
     completions,
     error_response,
     invocations,
@@ -155,6 +156,7 @@ def build_app(
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/invocations", invocations, methods=["POST"]),
+            Route("/v1/chat/completions/batch", chat_completions_batch, methods=["POST"]),
             WebSocketRoute("/v1/ws", websocket_endpoint),
         ],
         exception_handlers={HTTPException: http_error, SluiceError: sluice_error},

@@ -66,8 +66,7 @@ class Choices:
             self.prompt_logprobs = delta.prompt_logprobs
         if self._keep:
             choice.parts.append(delta.text)
-            if choice.parser is not None:
-                choice.token_ids.extend(delta.token_ids)
+            choice.token_ids.extend(delta.token_ids)
             if choice.logprobs is not None and delta.logprobs:
                 choice.logprobs.extend(delta.logprobs)
         elif choice.parser is not None:

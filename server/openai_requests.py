@@ -43,7 +43,7 @@ _CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
     **_OUTPUT, "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "include_reasoning": (bool,)}
 _COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n",
-           "prompt_logprobs", *_SAMPLING,
+           "prompt_logprobs", "return_token_ids", *_SAMPLING,
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", *_CHAT_OUTPUT}
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
@@ -73,6 +73,7 @@ class ParsedRequest:
     service_tier: str | None
     continuous_usage: bool = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
     add_special_tokens: bool = True  # for a text prompt (chat templates bring their own)
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids too
     output: dict[str, Any] = field(default_factory=dict)  # the output-shaping fields sent
 
     @property
@@ -155,10 +156,11 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
     if value is None:
         return None
     _check(isinstance(value, dict), "'logit_bias' must be an object", "logit_bias")
+    bad = [key for key in value if not key.strip().isdigit()]
+    _check(not bad, "'logit_bias' keys must be token ids; not: "
+           + ", ".join(repr(key) for key in bad), "logit_bias")
     bias = {}
     for key, number in value.items():
-        _check(key.strip().isdigit(), f"'logit_bias' key {key!r} is not a token id",
-               "logit_bias")
         _check(isinstance(number, int | float) and not isinstance(number, bool),
                f"'logit_bias' value for {key!r} must be a number", "logit_bias")
         bias[int(key)] = min(100.0, max(-100.0, float(number)))  # OpenAI's range, as vLLM clamps
@@ -318,5 +320,6 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         continuous_usage=continuous_usage,
         service_tier=tier,
         add_special_tokens=boolean_from(body, "add_special_tokens") is not False,
+        return_token_ids=boolean_from(body, "return_token_ids") or False,
         output=output,
     )

@@ -52,7 +52,10 @@ class ChunkEncoder:
     def __init__(
         self, kind: str, request_id: str, model: str, include_usage: bool,
         continuous_usage: bool = False, prompt_tokens: int = 0,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> None:
+        """`prompt_token_ids`: vLLM's `return_token_ids` asked for them (in the first chunk)
+        and for each chunk's `token_ids`."""
         self.kind = kind
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -61,6 +64,9 @@ class ChunkEncoder:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.prompt_tokens = prompt_tokens
+        self._prompt_ids = None if prompt_token_ids is None else list(prompt_token_ids)
+        self._ids = prompt_token_ids is not None
+        self._plain = not (continuous_usage or self._ids)  # text alone changes per chunk
         # Characters of text sent so far, per choice (completions' text_offset).
         self._text_offset: dict[int, int] = {}
         self._head = b"data: " + orjson.dumps(
@@ -94,34 +100,43 @@ class ChunkEncoder:
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
             payload["usage"] = self._usage(0)
+        if self._prompt_ids is not None:  # vLLM's place for them: the first chunk
+            payload["prompt_token_ids"], self._prompt_ids = self._prompt_ids, None
         return self._event(payload)
 
     def text(self, text: str, completion_tokens: int,
-             logprobs: Sequence[TokenLogprob] | None = None, index: int = 0) -> bytes:
+             logprobs: Sequence[TokenLogprob] | None = None, index: int = 0,
+             token_ids: Sequence[int] = ()) -> bytes:
         """A chunk of a choice's generated text (and its tokens' logprobs when asked)."""
-        if logprobs is None and not self.continuous_usage:
+        if logprobs is None and self._plain:
             while index >= len(self._prefixes):
                 self._prefixes.append(self._prefix(len(self._prefixes)))
             return self._prefixes[index] + orjson.dumps(text) + self._suffix
         if self.kind == "chat":
-            return self.delta({"content": text}, completion_tokens, logprobs, index)
+            return self.delta({"content": text}, completion_tokens, logprobs, index, token_ids)
         # With logprobs every chunk takes this path, so the offset counts all the text.
         offset = self._text_offset.get(index, 0)
         self._text_offset[index] = offset + len(text)
         choice = {"index": index, "text": text, "logprobs": None
                   if logprobs is None else completion_logprobs(logprobs, offset),
                   "finish_reason": None}
-        return self._chunk(choice, completion_tokens)
+        if self._prompt_ids is not None:  # a completion's first chunk
+            choice["prompt_token_ids"], self._prompt_ids = self._prompt_ids, None
+        return self._chunk(choice, completion_tokens, token_ids)
 
     def delta(self, delta: dict[str, Any], completion_tokens: int,
-              logprobs: Sequence[TokenLogprob] | None = None, index: int = 0) -> bytes:
+              logprobs: Sequence[TokenLogprob] | None = None, index: int = 0,
+              token_ids: Sequence[int] = ()) -> bytes:
         """A chat chunk with `delta`'s fields (content, reasoning, tool calls)."""
         choice = {"index": index, "delta": delta, "logprobs": None
                   if logprobs is None else {"content": chat_logprobs(logprobs)},
                   "finish_reason": None}
-        return self._chunk(choice, completion_tokens)
+        return self._chunk(choice, completion_tokens, token_ids)
 
-    def _chunk(self, choice: dict[str, Any], completion_tokens: int) -> bytes:
+    def _chunk(self, choice: dict[str, Any], completion_tokens: int,
+               token_ids: Sequence[int]) -> bytes:
+        if self._ids:
+            choice["token_ids"] = list(token_ids)
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
             payload["usage"] = self._usage(completion_tokens)
@@ -167,10 +182,13 @@ def prompt_logprobs(positions: Sequence[Sequence[PromptLogprob] | None] | None
 def whole_response(
     kind: str, request_id: str, model: str, choices: Choices, prompt_tokens: int,
     completion_tokens: int, timings: dict[str, Any],
+    prompt_token_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """A non-streamed chat.completion or text_completion object. A chat choice's message is
     its parser's fields (content, reasoning, tool calls), or else its text is the content.
-    `prompt_logprobs` (vLLM's) is top-level on chat, in each choice on completions."""
+    vLLM's `prompt_logprobs` and `prompt_token_ids` are top-level on chat, in each choice on
+    completions; with `prompt_token_ids` (return_token_ids) each choice has its `token_ids`."""
+    ids = None if prompt_token_ids is None else list(prompt_token_ids)
     prompt = prompt_logprobs(choices.prompt_logprobs)
     shaped = []
     for choice in choices.in_order():
@@ -187,12 +205,15 @@ def whole_response(
                 "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},
                 "finish_reason": Choices.finish_reason(choice, called),
                 "stop_reason": choice.stop_reason,
+                "token_ids": None if ids is None else choice.token_ids,
             })
         else:
             shaped.append({"index": choice.index, "text": choice.text, "logprobs": None
                            if logprobs is None else completion_logprobs(logprobs, 0),
                            "finish_reason": choice.finish_reason,
-                           "stop_reason": choice.stop_reason, "prompt_logprobs": prompt})
+                           "stop_reason": choice.stop_reason, "prompt_logprobs": prompt,
+                           "prompt_token_ids": ids,
+                           "token_ids": None if ids is None else choice.token_ids})
     object_name, prefix = (("chat.completion", "chatcmpl-") if kind == "chat"
                            else ("text_completion", "cmpl-"))
     body = {
@@ -206,4 +227,5 @@ def whole_response(
     }
     if kind == "chat":
         body["prompt_logprobs"] = prompt
+        body["prompt_token_ids"] = ids
     return body

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -27,6 +27,7 @@ from server.errors import (
     InvalidRequest,
     PayloadTooLarge,
     SluiceError,
+    UnsupportedParameter,
 )
 from server.generation import Sluice, admit_unless_gone, receive_disconnect, request_id_from
 from server.openai_requests import ParsedRequest, parse_request
@@ -117,16 +118,105 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
         if kind is None:
             kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
             timeline.api = "chat" if kind == "chat" else "completions"
-        parsed = parse_request(body, kind)
-        ticket, engine_request, plan = sluice.prepare(parsed, timeline, request.headers)
-        # Refusals are decided here, before anything awaits: answered in one pass.
-        admission = sluice.dispatcher.generation(ticket, engine_request)
+        return _admitted(sluice, parse_request(body, kind), timeline, request.headers)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, timeline.request_id)
+
+
+def _admitted(sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
+              headers: Mapping[str, str]) -> GenerationResponse:
+    """Prepared and admitted (refusals are decided here, before anything awaits)."""
+    ticket, engine_request, plan = sluice.prepare(parsed, timeline, headers)
+    admission = sluice.dispatcher.generation(ticket, engine_request)
     new_parser = None if plan.parser is None else functools.partial(
         plan.parser, engine_request.prompt_token_ids)
-    return GenerationResponse(sluice, parsed, timeline, admission, new_parser)
+    return GenerationResponse(sluice, parsed, timeline, admission, new_parser,
+                              engine_request.prompt_token_ids if parsed.return_token_ids
+                              else None)
+
+
+async def chat_completions_batch(request: Request) -> ASGIApp:
+    """vLLM's `POST /v1/chat/completions/batch`: a chat body whose `messages` is a list of
+    conversations, answered whole with one choice per conversation (index i for the i-th).
+    Each conversation is a generation of its own in the scheduler; like vLLM's, no streaming,
+    no tools and n = 1."""
+    sluice: Sluice = request.app.state.sluice
+    request_id = request_id_from(request.headers.get("x-request-id"))
+    timeline = RequestTimeline(request_id=request_id, model=sluice.served_model, api="chat")
+    admitted: list[GenerationResponse] = []
+    try:
+        body = await read_json(request, sluice.max_body_bytes)
+        conversations = body.get("messages") if isinstance(body, dict) else None
+        if not (isinstance(conversations, list) and conversations
+                and all(isinstance(c, list) and c for c in conversations)):
+            raise InvalidRequest("'messages' must be a non-empty list of conversations, each "
+                                 "a non-empty list of messages", param="messages")
+        for key, allowed in (("stream", (None, False)), ("n", (None, 1)), ("tools", (None,))):
+            if body.get(key) not in allowed:
+                raise UnsupportedParameter(f"'{key}' is not supported on the batch endpoint",
+                                           param=key)
+        for i, conversation in enumerate(conversations):
+            parsed = parse_request({**body, "messages": conversation}, "chat")
+            one = RequestTimeline(request_id=f"{request_id}-{i}", model=sluice.served_model,
+                                  api="chat")
+            try:
+                admitted.append(_admitted(sluice, parsed, one, request.headers))
+            except SluiceError as error:
+                one.finish(outcome_for(error), status=error.status, error=error)
+                raise
+    except SluiceError as error:
+        for response in admitted:  # the conversations before the refused one
+            await response.admission.leave()
+            response.timeline.finish("cancelled", status=499)
+        if not admitted:
+            timeline.finish(outcome_for(error), status=error.status, error=error)
+        return error_response(error, request_id)
+    return BatchResponse(request_id, sluice.served_model, admitted)
+
+
+class BatchResponse:
+    """ASGI response: the batch's generations run side by side; one reply when all are done
+    (an error response if any failed), or all cancelled when the client leaves."""
+
+    def __init__(self, request_id: str, model: str, parts: list[GenerationResponse]) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.parts = parts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        parts = [asyncio.ensure_future(part.whole_body()) for part in self.parts]
+        leaving = asyncio.ensure_future(receive_disconnect(receive)())
+        waiting: set[asyncio.Future[Any]] = {*parts, leaving}
+        try:
+            while not leaving.done() and not all(part.done() for part in parts):
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if any(not f.cancelled() and f.exception() for f in done if f is not leaving):
+                    break  # one failed: the batch has failed
+        finally:
+            for future in (*parts, leaving):
+                future.cancel()
+            await asyncio.gather(*parts, leaving, return_exceptions=True)
+        if leaving.done() and not leaving.cancelled():
+            return  # the client left; each part finished as cancelled
+        failed = next((p.exception() for p in parts if not p.cancelled() and p.exception()),
+                      None)
+        if isinstance(failed, SluiceError):
+            await error_response(failed, self.request_id)(scope, receive, send)
+            return
+        if failed is not None:
+            raise failed
+        bodies = [part.result() for part in parts]
+        choices = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
+        totals = {key: sum(body["usage"][key] for body in bodies)
+                  for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        reply = {**bodies[0], "id": "chatcmpl-" + self.request_id, "choices": choices,
+                 "usage": totals}
+        for key in ("timings", "prompt_logprobs", "prompt_token_ids"):  # per conversation
+            each = [body[key] for body in bodies]
+            reply[key] = each if any(value is not None for value in each) else None
+        await JSONResponse(reply, headers={"X-Request-Id": self.request_id})(
+            scope, receive, send)
 
 
 class GenerationResponse:
@@ -139,12 +229,14 @@ class GenerationResponse:
     def __init__(
         self, sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
         admission: Admission[Any], new_parser: Callable[[], OutputParser] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.sluice = sluice
         self.parsed = parsed
         self.timeline = timeline
         self.admission = admission
         self.new_parser = new_parser  # one per choice, when the engine parses the output
+        self.prompt_token_ids = prompt_token_ids  # with vLLM's return_token_ids
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timeline = self.timeline
@@ -174,6 +266,32 @@ class GenerationResponse:
             if not timeline.ended:  # the stream was cut before its generator ran
                 timeline.finish("cancelled", status=499)
 
+    async def whole_body(self) -> dict[str, Any]:
+        """Queue, generate and collect the whole response body, without watching the
+        connection (the caller does). Raises the SluiceError that ended it."""
+        timeline = self.timeline
+        try:
+            async with self.admission as generation:
+                timeline.dispatched(generation)
+                choices = await self._collect(generation)
+        except SluiceError as error:
+            timeline.finish(outcome_for(error), status=error.status, error=error)
+            raise
+        except asyncio.CancelledError:
+            timeline.finish("cancelled", status=499)
+            raise
+        body = self._body(choices)
+        timeline.finish("completed")
+        return body
+
+    def _body(self, choices: Choices) -> dict[str, Any]:
+        timeline = self.timeline
+        return whole_response(
+            self.parsed.kind, timeline.request_id, self.sluice.served_model,
+            choices, timeline.prompt_tokens, timeline.generated_tokens,
+            timeline.timings(), self.prompt_token_ids,
+        )
+
     async def _whole(self, generation: Generation, receive: Receive) -> Response:
         timeline = self.timeline
         collecting = asyncio.ensure_future(self._collect(generation))
@@ -197,11 +315,7 @@ class GenerationResponse:
             # task: a reference cycle that would keep the request's connection, timeline and
             # ticket alive until the next full GC pass (under overload, thousands of them).
             del collecting
-        body = whole_response(
-            self.parsed.kind, timeline.request_id, self.sluice.served_model,
-            choices, timeline.prompt_tokens, timeline.generated_tokens,
-            timeline.timings(),
-        )
+        body = self._body(choices)
         timeline.finish("completed")
         return JSONResponse(body, headers={"X-Request-Id": timeline.request_id})
 
@@ -224,7 +338,8 @@ class GenerationResponse:
         timeline, parsed = self.timeline, self.parsed
         encoder = ChunkEncoder(parsed.kind, timeline.request_id, self.sluice.served_model,
                                parsed.include_usage, parsed.continuous_usage,
-                               timeline.prompt_tokens)
+                               timeline.prompt_tokens, self.prompt_token_ids)
+        ids = self.prompt_token_ids is not None  # each chunk carries its token ids
         choices = self._choices(keep=False)
         outcome, status, failure = "cancelled", 499, None
         try:
@@ -238,12 +353,12 @@ class GenerationResponse:
                         timeline.wrote_tokens(len(delta.token_ids))
                     choice, fields = choices.add(delta)
                     if choices.parsed:
-                        if fields or delta.logprobs:
+                        if fields or delta.logprobs or (ids and delta.token_ids):
                             yield encoder.delta(fields or {}, timeline.generated_tokens,
-                                                delta.logprobs, choice.index)
-                    elif delta.text or delta.logprobs:
+                                                delta.logprobs, choice.index, delta.token_ids)
+                    elif delta.text or delta.logprobs or (ids and delta.token_ids):
                         yield encoder.text(delta.text, timeline.generated_tokens,
-                                           delta.logprobs, choice.index)
+                                           delta.logprobs, choice.index, delta.token_ids)
                     if delta.finish_reason is None:
                         continue
                     if choices.left:  # not the last to finish: its own finishing chunk now

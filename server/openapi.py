@@ -80,6 +80,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
                         "description": "vLLM's: each prompt token's and the k likeliest (not "
                         "with `stream`)"},
     "add_special_tokens": _BOOL,
+    "return_token_ids": _BOOL,
     "service_tier": {"enum": ["auto", "default", "flex", "priority"]},
     "response_format": {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},
@@ -102,6 +103,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "request_id": _STR, "priority": _INT, "length_penalty": _NUM,
 }
 
+_NOT_IN_BATCH = {"stream", "stream_options", "n", "tools"}
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
@@ -171,6 +173,12 @@ def document(version: str) -> dict[str, Any]:
             "/v1/completions": _generation("a text completion", completion),
             "/invocations": _generation("SageMaker's: a chat or a text completion, by the body",
                                         {"anyOf": [chat, completion]}),
+            "/v1/chat/completions/batch": _generation(
+                "vLLM's: one chat completion per conversation (no stream, tools or n)",
+                {**chat, "properties": {
+                    **{k: v for k, v in chat["properties"].items() if k not in _NOT_IN_BATCH},
+                    "messages": {"type": "array", "minItems": 1,
+                                 "items": PARAMETERS["messages"]}}}),
             "/v1/models": _get("the served model"),
             "/tokenize": _post_json("token ids of a prompt or chat", tokenize),
             "/detokenize": _post_json("the text of token ids", detokenize),

@@ -3,9 +3,10 @@
 Client → server: `{"type": "generate", "id": ID, "request": {chat-completion body},
 "traffic_class"?: "interactive"|"bulk", "timeout_ms"?: N}` and `{"type": "cancel", "id": ID}`.
 Server → client: `{"type": "delta", "id", "text", "tokens"}` (with "logprobs" when asked,
-"tool_calls" / "reasoning" as in a chat chunk's delta when the output is parsed, and the
-choice's "index" when n > 1), exactly one `{"type": "final", "id", "finish_reason", "usage",
-"timings"}` (and "choices": [{"index", "finish_reason"}] when n > 1) per generation that started
+"tool_calls" / "reasoning" as in a chat chunk's delta when the output is parsed, the
+choice's "index" when n > 1, and "token_ids" with vLLM's return_token_ids), exactly one
+`{"type": "final", "id", "finish_reason", "usage", "timings"}` (and "choices": [{"index",
+"finish_reason"}] when n > 1) per generation that started
 (finish_reason "cancelled" after a cancel), and `{"type": "error", "id", "error": {...}}`
 (id null for a message that could not be attributed). The README documents the protocol.
 """
@@ -200,6 +201,8 @@ class Connection:
                             message.update(fields)
                         if delta.logprobs is not None:
                             message["logprobs"] = chat_logprobs(delta.logprobs)
+                        if parsed.return_token_ids:
+                            message["token_ids"] = list(delta.token_ids)
                         await self._send(message)
                 except EngineError as exc:
                     raise engine_failure(exc) from exc

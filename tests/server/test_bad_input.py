@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 import websockets
-from conftest import SluiceProcess
+from conftest import SluiceProcess, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -241,3 +241,70 @@ def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: SluiceProcess) 
     assert {m["index"] for m in deltas} == {0, 1, 2}
     assert final["choices"] == [{"index": i, "finish_reason": "length"} for i in range(3)]
     assert final["usage"]["completion_tokens"] == 3 * CHAT["max_tokens"]
+
+
+def test_sim_engine_return_token_ids_streamed_and_whole(sim_server: SluiceProcess) -> None:
+    prompt = _post(sim_server, "/tokenize", json={"prompt": "hello there"}).json()["tokens"]
+    whole = _post(sim_server, "/v1/completions", json={
+        "prompt": "hello there", "max_tokens": 5, "return_token_ids": True}).json()["choices"][0]
+    assert whole["prompt_token_ids"] == prompt and len(whole["token_ids"]) == 5
+    detokenized = _post(sim_server, "/detokenize", json={"tokens": whole["token_ids"]}).json()
+    assert detokenized["prompt"] == whole["text"]
+    body = {**CHAT, "seed": 3, "return_token_ids": True}
+    chat = _post(sim_server, "/v1/chat/completions", json=body).json()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 4
+    with httpx.stream("POST", sim_server.url + "/v1/chat/completions",
+                      json={**body, "stream": True}, timeout=10) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]  # the first chunk only
+    assert all("prompt_token_ids" not in e for e in events[1:])
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids") or ()]
+    assert streamed == chat["choices"][0]["token_ids"]  # seeded: the same tokens
+    plain = _post(sim_server, "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert plain.json()["choices"][0]["token_ids"] is None  # present, as vLLM's server has it
+
+
+def test_batched_chat_completions_one_choice_per_conversation(sim_server: SluiceProcess) -> None:
+    conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
+    body = {"messages": conversations, "max_tokens": 4, "seed": 9}
+    batch = _post(sim_server, "/v1/chat/completions/batch", json=body)
+    assert batch.status_code == 200, batch.text
+    reply = batch.json()
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    singles = [_post(sim_server, "/v1/chat/completions", json={
+        **body, "messages": conversation}).json() for conversation in conversations]
+    # Each conversation is answered as it would be alone (seeded), and usage adds up.
+    assert [c["message"]["content"] for c in reply["choices"]] == [
+        s["choices"][0]["message"]["content"] for s in singles]
+    assert reply["usage"]["completion_tokens"] == 12
+    assert reply["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert len(reply["timings"]) == 3
+
+
+@pytest.mark.parametrize(("body", "code", "param"), [
+    ({"messages": [{"role": "user", "content": "flat"}]}, "invalid_request", "messages"),
+    ({"messages": [[]]}, "invalid_request", "messages"),
+    ({"messages": [[{"role": "user", "content": "x"}]], "stream": True},
+     "unsupported_parameter", "stream"),
+    ({"messages": [[{"role": "user", "content": "x"}]], "n": 2}, "unsupported_parameter", "n"),
+    ({"messages": [[{"role": "user", "content": "x"}],
+                   [{"role": "user", "content": "word " * 5000}]]},
+     "context_length_exceeded", "messages"),  # the second refused: the first is let go
+])
+def test_a_refused_batch_holds_nothing(sim_server: SluiceProcess, body: dict, code: str,
+                                       param: str) -> None:
+    error = _assert_error(_post(sim_server, "/v1/chat/completions/batch", json=body), 400, code)
+    assert error["param"] == param
+    assert sim_server.metric("sluice_budget_in_use") == 0
+    assert sim_server.metric("sluice_queue_depth") == 0
+
+
+def test_a_batch_whose_client_leaves_is_cancelled(sim_server: SluiceProcess) -> None:
+    body = {"messages": [[{"role": "user", "content": "go on"}]] * 2, "max_tokens": 1000,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(sim_server.url + "/v1/chat/completions/batch", json=body, timeout=0.3)
+    wait_until(lambda: sim_server.metric("sluice_engine_unfinished_requests") == 0
+               and sim_server.metric("sluice_budget_in_use") == 0, 10,
+               message="the batch's generations were not cancelled")

@@ -30,7 +30,7 @@ def test_the_document_lists_every_accepted_field(sim_server: SluiceProcess) -> N
 # The paths /openapi.json lists (schemathesis leaves out the document's own), each fuzzed
 # with well-formed and with malformed input.
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-              ("POST", "/invocations"),
+              ("POST", "/invocations"), ("POST", "/v1/chat/completions/batch"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
               ("GET", "/version"), ("GET", "/health"), ("GET", "/ready")]
 

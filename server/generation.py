@@ -116,7 +116,8 @@ class Sluice:
                 param="messages" if parsed.kind == "chat" else "prompt",
             )
         # As vLLM's server: a max_tokens beyond the context left is lowered to what is left.
-        max_tokens = room if parsed.max_tokens is None else min(parsed.max_tokens, room)
+        # (An echo with max_tokens 0 still generates one token, dropped, as vLLM's does.)
+        max_tokens = room if parsed.max_tokens is None else min(max(1, parsed.max_tokens), room)
         timeline.prompt_tokens = len(prompt_ids)
         ticket = self.tenants.make_ticket(
             tenant=tenant,

@@ -74,6 +74,7 @@ class ParsedRequest:
     continuous_usage: bool = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
     add_special_tokens: bool = True  # for a text prompt (chat templates bring their own)
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids too
+    echo: bool = False  # completions: the prompt comes first in the text (and logprobs)
     output: dict[str, Any] = field(default_factory=dict)  # the output-shaping fields sent
 
     @property
@@ -249,6 +250,8 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     for key, value in body.items():
         if key not in allowed:
             raise UnsupportedParameter(f"unsupported parameter '{key}'", param=key)
+        if key == "echo" and kind == "completion":
+            continue  # completions echo; chat's needs continue_final_message (refused)
         if key in _ONLY_DEFAULT and value is not None and not any(
             type(value) is type(default) and value == default for default in _ONLY_DEFAULT[key]
         ):
@@ -274,7 +277,13 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     n = _integer(body, "n", 1, MAX_CHOICES)
     if n is not None and n > 1:
         sampling["n"] = n
-    max_tokens = _integer(body, "max_tokens", 1)
+    echo = kind == "completion" and bool(boolean_from(body, "echo"))
+    if echo and logprobs is not None:  # the prompt's tokens' logprobs come first
+        _check(not boolean_from(body, "stream"), "'echo' with 'logprobs' needs the prompt's "
+               "logprobs, which are not available when streaming", "echo")
+        sampling.setdefault("prompt_logprobs", logprobs)
+    # With echo, 0 asks for the prompt alone (vLLM then generates one token and drops it).
+    max_tokens = _integer(body, "max_tokens", 0 if echo else 1)
     if kind == "chat":
         max_tokens = _integer(body, "max_completion_tokens", 1) or max_tokens
         if boolean_from(body, "add_special_tokens"):
@@ -321,5 +330,6 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         service_tier=tier,
         add_special_tokens=boolean_from(body, "add_special_tokens") is not False,
         return_token_ids=boolean_from(body, "return_token_ids") or False,
+        echo=echo,
         output=output,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -36,6 +37,38 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> di
     return {"text_offset": offsets, "token_logprobs": [e.logprob for e in entries],
             "tokens": [e.token for e in entries],
             "top_logprobs": [{e.token: e.logprob, **dict(e.top)} for e in entries]}
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """A completion's prompt, to come first in its text (and logprobs): `echo`. The text of its
+    first token names that token in the logprobs (no logprob there: nothing precedes it);
+    `prompt_only` when max_tokens was 0, so the one token generated is left out."""
+
+    text: str
+    token_ids: Sequence[int]
+    first_token: str
+    prompt_only: bool
+
+
+def echoed_logprobs(echo: Echo, positions: Sequence[Sequence[PromptLogprob] | None]
+                    ) -> dict[str, list[Any]]:
+    """The prompt's part of a completion's `logprobs`, from its prompt logprobs."""
+    part: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [],
+                                  "top_logprobs": []}
+    offset = 0
+    for token_id, candidates in zip(echo.token_ids, positions, strict=True):
+        if candidates is None:
+            token, logprob, top = echo.first_token, None, None
+        else:
+            own = next(c for c in candidates if c.token_id == token_id)
+            token, logprob = own.token, own.logprob
+            top = {c.token: c.logprob for c in candidates}
+        for key, value in (("text_offset", offset), ("token_logprobs", logprob),
+                           ("tokens", token), ("top_logprobs", top)):
+            part[key].append(value)
+        offset += len(token)
+    return part
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -182,7 +215,7 @@ def prompt_logprobs(positions: Sequence[Sequence[PromptLogprob] | None] | None
 def whole_response(
     kind: str, request_id: str, model: str, choices: Choices, prompt_tokens: int,
     completion_tokens: int, timings: dict[str, Any],
-    prompt_token_ids: Sequence[int] | None = None,
+    prompt_token_ids: Sequence[int] | None = None, echo: Echo | None = None,
 ) -> dict[str, Any]:
     """A non-streamed chat.completion or text_completion object. A chat choice's message is
     its parser's fields (content, reasoning, tool calls), or else its text is the content.
@@ -208,8 +241,17 @@ def whole_response(
                 "token_ids": None if ids is None else choice.token_ids,
             })
         else:
-            shaped.append({"index": choice.index, "text": choice.text, "logprobs": None
-                           if logprobs is None else completion_logprobs(logprobs, 0),
+            text = choice.text
+            shaped_logprobs = None if logprobs is None else completion_logprobs(logprobs, 0)
+            if echo is not None:
+                text = echo.text + ("" if echo.prompt_only else choice.text)
+                if logprobs is not None:
+                    assert choices.prompt_logprobs is not None
+                    answer = completion_logprobs([] if echo.prompt_only else logprobs,
+                                                 len(echo.text))
+                    shaped_logprobs = {key: value + answer[key] for key, value in
+                                       echoed_logprobs(echo, choices.prompt_logprobs).items()}
+            shaped.append({"index": choice.index, "text": text, "logprobs": shaped_logprobs,
                            "finish_reason": choice.finish_reason,
                            "stop_reason": choice.stop_reason, "prompt_logprobs": prompt,
                            "prompt_token_ids": ids,

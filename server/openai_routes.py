@@ -31,7 +31,7 @@ from server.errors import (
 )
 from server.generation import Sluice, admit_unless_gone, receive_disconnect, request_id_from
 from server.openai_requests import ParsedRequest, parse_request
-from server.openai_responses import DONE, ChunkEncoder, usage, whole_response
+from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
 from server.scheduler.types import Admission, Generation
 from server.timeline import RequestTimeline, outcome_for
 
@@ -129,11 +129,16 @@ def _admitted(sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
     """Prepared and admitted (refusals are decided here, before anything awaits)."""
     ticket, engine_request, plan = sluice.prepare(parsed, timeline, headers)
     admission = sluice.dispatcher.generation(ticket, engine_request)
-    new_parser = None if plan.parser is None else functools.partial(
-        plan.parser, engine_request.prompt_token_ids)
+    prompt_ids = engine_request.prompt_token_ids
+    new_parser = None if plan.parser is None else functools.partial(plan.parser, prompt_ids)
+    echo = None
+    if parsed.echo:
+        text = parsed.prompt if isinstance(parsed.prompt, str) else sluice.engine.detokenize(
+            prompt_ids)
+        echo = Echo(text, prompt_ids, sluice.engine.detokenize(prompt_ids[:1]),
+                    prompt_only=parsed.max_tokens == 0)
     return GenerationResponse(sluice, parsed, timeline, admission, new_parser,
-                              engine_request.prompt_token_ids if parsed.return_token_ids
-                              else None)
+                              prompt_ids if parsed.return_token_ids else None, echo)
 
 
 async def chat_completions_batch(request: Request) -> ASGIApp:
@@ -229,7 +234,7 @@ class GenerationResponse:
     def __init__(
         self, sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
         admission: Admission[Any], new_parser: Callable[[], OutputParser] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
+        prompt_token_ids: Sequence[int] | None = None, echo: Echo | None = None,
     ) -> None:
         self.sluice = sluice
         self.parsed = parsed
@@ -237,6 +242,7 @@ class GenerationResponse:
         self.admission = admission
         self.new_parser = new_parser  # one per choice, when the engine parses the output
         self.prompt_token_ids = prompt_token_ids  # with vLLM's return_token_ids
+        self.echo = echo  # a completion's prompt, to come first
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         timeline = self.timeline
@@ -289,7 +295,7 @@ class GenerationResponse:
         return whole_response(
             self.parsed.kind, timeline.request_id, self.sluice.served_model,
             choices, timeline.prompt_tokens, timeline.generated_tokens,
-            timeline.timings(), self.prompt_token_ids,
+            timeline.timings(), self.prompt_token_ids, self.echo,
         )
 
     async def _whole(self, generation: Generation, receive: Receive) -> Response:
@@ -340,12 +346,17 @@ class GenerationResponse:
                                parsed.include_usage, parsed.continuous_usage,
                                timeline.prompt_tokens, self.prompt_token_ids)
         ids = self.prompt_token_ids is not None  # each chunk carries its token ids
+        echo = self.echo
+        answer = echo is None or not echo.prompt_only  # whether the text generated is sent
         choices = self._choices(keep=False)
         outcome, status, failure = "cancelled", 499, None
         try:
             if parsed.kind == "chat":
                 for index in range(choices.n):
                     yield encoder.role(index)
+            elif echo is not None:
+                for index in range(choices.n):
+                    yield encoder.text(echo.text, 0, None, index)
             last = None  # the choice that finishes last: its chunk ends the stream
             try:
                 async for delta in generation:
@@ -356,7 +367,7 @@ class GenerationResponse:
                         if fields or delta.logprobs or (ids and delta.token_ids):
                             yield encoder.delta(fields or {}, timeline.generated_tokens,
                                                 delta.logprobs, choice.index, delta.token_ids)
-                    elif delta.text or delta.logprobs or (ids and delta.token_ids):
+                    elif answer and (delta.text or delta.logprobs or (ids and delta.token_ids)):
                         yield encoder.text(delta.text, timeline.generated_tokens,
                                            delta.logprobs, choice.index, delta.token_ids)
                     if delta.finish_reason is None:

@@ -94,7 +94,8 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "parallel_tool_calls": _BOOL,
     "include_reasoning": _BOOL,
     # Accepted at their defaults only (another value is a 400 unsupported_parameter).
-    "best_of": {"const": 1}, "echo": {"const": False}, "functions": {"const": []},
+    "echo": {**_BOOL, "description": "completions: the prompt first; chat: false only"},
+    "best_of": {"const": 1}, "functions": {"const": []},
     "function_call": {"enum": ["none", "auto"]}, "suffix": {"const": ""},
     "use_beam_search": {"const": False},
     "add_generation_prompt": {"const": True}, "continue_final_message": {"const": False},

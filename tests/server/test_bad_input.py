@@ -308,3 +308,34 @@ def test_a_batch_whose_client_leaves_is_cancelled(sim_server: SluiceProcess) -> 
     wait_until(lambda: sim_server.metric("sluice_engine_unfinished_requests") == 0
                and sim_server.metric("sluice_budget_in_use") == 0, 10,
                message="the batch's generations were not cancelled")
+
+
+def test_sim_engine_echo_puts_the_prompt_first(sim_server: SluiceProcess) -> None:
+    # Token ids: the sim tokenizer maps unknown words to others, so text would not round-trip.
+    ids = _post(sim_server, "/tokenize", json={"prompt": "hello there"}).json()["tokens"]
+    prompt = _post(sim_server, "/detokenize", json={"tokens": ids}).json()["prompt"]
+    body = {"prompt": ids, "max_tokens": 3, "echo": True, "seed": 4}
+    echoed = _post(sim_server, "/v1/completions", json=body).json()["choices"][0]
+    plain = _post(sim_server, "/v1/completions", json={**body, "echo": False}).json()
+    assert echoed["text"] == prompt + plain["choices"][0]["text"]
+    # With logprobs, the prompt's tokens come first; the first has no logprob.
+    scored = _post(sim_server, "/v1/completions", json={**body, "logprobs": 1}).json()
+    logprobs = scored["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 3
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    assert "".join(logprobs["tokens"]) == scored["choices"][0]["text"]
+    assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    # max_tokens 0: the prompt alone, scored (how eval harnesses ask for a loglikelihood).
+    alone = _post(sim_server, "/v1/completions", json={**body, "max_tokens": 0, "logprobs": 0})
+    choice = alone.json()["choices"][0]
+    assert choice["text"] == prompt and len(choice["logprobs"]["tokens"]) == len(ids)
+    with httpx.stream("POST", sim_server.url + "/v1/completions",
+                      json={**body, "stream": True}, timeout=10) as response:
+        texts = [json.loads(line[6:])["choices"][0]["text"] for line in response.iter_lines()
+                 if line.startswith("data: {") and '"choices":[{' in line]
+    assert texts[0] == prompt and "".join(texts) == echoed["text"]
+    refused = _post(sim_server, "/v1/completions", json={**body, "stream": True, "logprobs": 1})
+    assert _assert_error(refused, 400, "invalid_request")["param"] == "echo"
+    chat = _post(sim_server, "/v1/chat/completions", json={**CHAT, "echo": True})
+    assert _assert_error(chat, 400, "unsupported_parameter")["param"] == "echo"

@@ -192,6 +192,27 @@ def test_prompt_logprobs_as_vllm_gives_them(client: openai.OpenAI, vllm_server: 
     assert all(len(p) == 1 for p in chat.model_extra["prompt_logprobs"][1:])
 
 
+def test_echo_scores_a_prompt_as_eval_harnesses_ask(client: openai.OpenAI,
+                                                    vllm_server: Any) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = httpx.post(vllm_server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    # lm-eval's loglikelihood request: the prompt alone, echoed, each token scored.
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                       logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == prompt
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert len(logprobs.tokens) == len(ids) and "".join(logprobs.tokens) == prompt
+    assert logprobs.token_logprobs is not None and logprobs.token_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
+    with_answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
+                                            echo=True, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert with_answer.choices[0].text.startswith(prompt)
+    assert len(with_answer.choices[0].text) > len(prompt)
+
+
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 

@@ -157,6 +157,7 @@ class OutputRequest:
     kind: str
     fields: Mapping[str, Any]
     messages: Sequence[dict[str, Any]] | None = None
+    template_kwargs: Mapping[str, Any] | None = None  # the chat template's (a parser's too)
 
 
 class OutputParser(Protocol):
@@ -246,9 +247,12 @@ class EngineClient(Protocol):
         ...
 
     def render_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Prompt token ids for chat messages (and the tools on offer), through the model's
-        chat template."""
+        chat template, given `template_kwargs` as extra variables (vLLM's
+        `chat_template_kwargs`: `enable_thinking`, say; a template ignores what it does not
+        use)."""
         ...
 
     def plan_output(self, request: OutputRequest) -> OutputPlan:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -166,7 +166,8 @@ class SimEngine:
         return plain_text_only(request, self.model.engine)
 
     def render_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         ids = [BOS_ID]
         for message in messages:
             role = str(message.get("role", "user"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,7 +194,8 @@ class SimBatchEngine:
         return plain_text_only(request, self.model.engine)
 
     def render_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         text = "".join(f"<{m.get('role', 'user')}>{m.get('content', '')}\n" for m in messages)
         return tokenize(text)
 

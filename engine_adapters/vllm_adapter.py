@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from engine_adapters.protocol import (
@@ -211,10 +211,11 @@ class VLLMEngine:
         return list(self._tokenizer.convert_ids_to_tokens(list(token_ids)))
 
     def render_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         text = self._tokenizer.apply_chat_template(
             list(messages), tools=None if tools is None else list(tools), tokenize=False,
-            add_generation_prompt=True,
+            **{**(template_kwargs or {}), "add_generation_prompt": True},
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 

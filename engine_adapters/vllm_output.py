@@ -93,19 +93,21 @@ class VLLMOutputPlanner:
                           {"messages": list(request.messages or ()), **request.fields}, request)
         self._check_tool_choice(chat)
         parser_cls = self._parser_cls
+        kwargs = dict(request.template_kwargs or {})
         if parser_cls is not None and (parser_cls.reasoning_parser_cls is not None
                                        or chat.tool_choice != "none"):
             # As vLLM's renderer does: the parser may constrain the output (a named or
             # required tool choice becomes a JSON schema).
-            chat = parser_cls(self._tokenizer, chat.tools,
-                              model_config=self._model_config).adjust_request(chat)
+            chat = parser_cls(self._tokenizer, chat.tools, model_config=self._model_config,
+                              chat_template_kwargs=kwargs).adjust_request(chat)
         tools = None if chat.tools is None else [tool.model_dump() for tool in chat.tools]
         return OutputPlan(
             constraint=self._checked(chat.extract_structured_outputs(), request),
             tools=tools,
             parser=None if parser_cls is None else (
                 lambda prompt_token_ids: VLLMOutputParser(
-                    parser_cls(self._tokenizer, chat.tools, model_config=self._model_config),
+                    parser_cls(self._tokenizer, chat.tools, model_config=self._model_config,
+                               chat_template_kwargs=kwargs),
                     chat, self._options.enable_auto_tool_choice, prompt_token_ids)),
         )
 

@@ -149,7 +149,8 @@ class Sluice:
             return PLAIN_TEXT
         try:
             return self.engine.plan_output(
-                OutputRequest(parsed.kind, parsed.output, parsed.messages))
+                OutputRequest(parsed.kind, parsed.output, parsed.messages,
+                              parsed.template_kwargs))
         except EngineUnsupported as exc:
             raise UnsupportedParameter(str(exc), param=exc.param) from None
         except EngineRequestError as exc:
@@ -171,16 +172,17 @@ class Sluice:
         check_in_vocabulary(parsed.sampling.get("logit_bias") or (), vocab, "logit_bias")
 
     def render_chat(self, messages: list[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         try:
-            return self.engine.render_chat(messages, tools)
+            return self.engine.render_chat(messages, tools, template_kwargs)
         except Exception as exc:  # template errors are the client's messages' fault
             raise InvalidRequest(f"cannot apply the chat template: {exc}",
                                  param="messages") from None
 
     def _prompt_ids(self, parsed: ParsedRequest, plan: OutputPlan) -> list[int]:
         if parsed.messages is not None:
-            return self.render_chat(parsed.messages, plan.tools)
+            return self.render_chat(parsed.messages, plan.tools, parsed.template_kwargs)
         if isinstance(parsed.prompt, str):
             return self.engine.tokenize(parsed.prompt, parsed.add_special_tokens)
         assert parsed.prompt is not None

@@ -45,7 +45,8 @@ _CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
 _COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n",
            "prompt_logprobs", "return_token_ids", *_SAMPLING,
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
-_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", *_CHAT_OUTPUT}
+_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+              *_CHAT_OUTPUT}
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
 MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`
 MAX_CHOICES = 128  # OpenAI's limit on n
@@ -75,6 +76,7 @@ class ParsedRequest:
     add_special_tokens: bool = True  # for a text prompt (chat templates bring their own)
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids too
     echo: bool = False  # completions: the prompt comes first in the text (and logprobs)
+    template_kwargs: dict[str, Any] | None = None  # chat: vLLM's chat_template_kwargs
     output: dict[str, Any] = field(default_factory=dict)  # the output-shaping fields sent
 
     @property
@@ -199,6 +201,22 @@ def _logprobs(body: Mapping[str, Any], kind: str) -> int | None:
         _check(not top, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return None
     return top or 0
+
+
+# Set by the server itself when it renders the template.
+_TEMPLATE_OWN = {"messages", "tools", "tokenize", "add_generation_prompt", "conversation"}
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return None
+    _check(isinstance(value, dict), "'chat_template_kwargs' must be an object",
+           "chat_template_kwargs")
+    for key in value:
+        _check(key not in _TEMPLATE_OWN, f"'chat_template_kwargs' may not set '{key}'",
+               "chat_template_kwargs")
+    return dict(value)
 
 
 def messages_from(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -331,5 +349,6 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         add_special_tokens=boolean_from(body, "add_special_tokens") is not False,
         return_token_ids=boolean_from(body, "return_token_ids") or False,
         echo=echo,
+        template_kwargs=_template_kwargs(body) if kind == "chat" else None,
         output=output,
     )

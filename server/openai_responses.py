@@ -228,11 +228,13 @@ def whole_response(
         logprobs = choice.logprobs
         if kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": choice.text,
-                                       "refusal": None, "tool_calls": [], "annotations": []}
+                                       "refusal": None, "annotations": []}
             called = None
             if choice.parser is not None:
                 message.update(choice.parser.message(choice.text, choice.token_ids))
-                called = bool(message["tool_calls"])
+                called = bool(message.get("tool_calls"))
+                if not called:  # absent when none, as OpenAI's (and vLLM's) message has it
+                    message.pop("tool_calls", None)
             shaped.append({
                 "index": choice.index, "message": message,
                 "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},

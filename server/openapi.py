@@ -93,6 +93,8 @@ PARAMETERS: dict[str, dict[str, Any]] = {
                               {"type": "object", "required": ["type", "function"]}]},
     "parallel_tool_calls": _BOOL,
     "include_reasoning": _BOOL,
+    "chat_template_kwargs": {**_OBJ, "description": "vLLM's: extra variables for the chat "
+                             "template (enable_thinking, ...)"},
     # Accepted at their defaults only (another value is a 400 unsupported_parameter).
     "echo": {**_BOOL, "description": "completions: the prompt first; chat: false only"},
     "best_of": {"const": 1}, "functions": {"const": []},

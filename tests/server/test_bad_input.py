@@ -66,6 +66,9 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
          "response_format"),  # the sim engine generates free text only
         ({**CHAT, "structured_outputs": "json"}, "invalid_request", "structured_outputs"),
         ({**CHAT, "frobnicate": 1}, "unsupported_parameter", "frobnicate"),
+        ({**CHAT, "chat_template_kwargs": 3}, "invalid_request", "chat_template_kwargs"),
+        ({**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}, "invalid_request",
+         "chat_template_kwargs"),  # the server's own
         ({**CHAT, "stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
         ({"messages": [{"role": "user", "content": "word " * 5000}]},
          "context_length_exceeded", "messages"),

@@ -18,6 +18,27 @@ def _post(server: SluiceProcess, path: str, **kwargs) -> httpx.Response:  # type
     return httpx.post(server.url + path, timeout=10, **kwargs)
 
 
+def _sse_events(server: SluiceProcess, path: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed response ([DONE] left out)."""
+    with httpx.stream("POST", server.url + path, json=body, timeout=10) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines()
+                if line.startswith("data: {")]
+
+
+def _over_websocket(server: SluiceProcess, request: dict) -> list[dict]:
+    """Every message of one generation over the WebSocket, its final one last."""
+
+    async def generate() -> list[dict]:
+        async with websockets.connect(server.url.replace("http://", "ws://") + "/v1/ws") as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "g", "request": request}))
+            messages = []
+            while not messages or messages[-1]["type"] != "final":
+                messages.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+            return messages
+
+    return asyncio.run(generate())
+
+
 def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
     assert response.status_code == status, response.text
     body = response.json()
@@ -189,17 +210,8 @@ def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -
     assert [list(top) for top in text["logprobs"]["top_logprobs"]] == [
         [token] for token in text["logprobs"]["tokens"]]  # logprobs 0: the sampled token alone
 
-    async def over_websocket() -> list[dict]:
-        url = sim_server.url.replace("http://", "ws://") + "/v1/ws"
-        async with websockets.connect(url) as ws:
-            await ws.send(json.dumps({"type": "generate", "id": "lp", "request": {
-                **CHAT, "logprobs": True}}))
-            messages = []
-            while not messages or messages[-1]["type"] != "final":
-                messages.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
-            return messages
-
-    deltas = [m for m in asyncio.run(over_websocket()) if m["type"] == "delta"]
+    deltas = [m for m in _over_websocket(sim_server, {**CHAT, "logprobs": True})
+              if m["type"] == "delta"]
     assert sum(len(m["logprobs"]) for m in deltas) == sum(m["tokens"] for m in deltas) == 4
 
     # vLLM's prompt_logprobs: each prompt token's (null for the first) and the k likeliest.
@@ -218,11 +230,8 @@ def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -
 
 
 def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: SluiceProcess) -> None:
-    body = {"prompt": "hello", "max_tokens": 3, "n": 2, "seed": 1, "stream": True}
-    with httpx.stream("POST", sim_server.url + "/v1/completions", json=body,
-                      timeout=10) as response:
-        events = [json.loads(line[6:]) for line in response.iter_lines()
-                  if line.startswith("data: {")]
+    events = _sse_events(sim_server, "/v1/completions", {
+        "prompt": "hello", "max_tokens": 3, "n": 2, "seed": 1, "stream": True})
     texts = ["", ""]
     for event in events:
         for choice in event["choices"]:
@@ -230,17 +239,7 @@ def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: SluiceProcess) 
     assert all(texts) and texts[0] != texts[1]  # seeds 1 and 2
     assert sorted(c["index"] for e in events for c in e["choices"] if c["finish_reason"]) == [0, 1]
 
-    async def over_websocket() -> list[dict]:
-        url = sim_server.url.replace("http://", "ws://") + "/v1/ws"
-        async with websockets.connect(url) as ws:
-            await ws.send(json.dumps({"type": "generate", "id": "n", "request": {
-                **CHAT, "n": 3}}))
-            messages = []
-            while not messages or messages[-1]["type"] != "final":
-                messages.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
-            return messages
-
-    *deltas, final = asyncio.run(over_websocket())
+    *deltas, final = _over_websocket(sim_server, {**CHAT, "n": 3})
     assert {m["index"] for m in deltas} == {0, 1, 2}
     assert final["choices"] == [{"index": i, "finish_reason": "length"} for i in range(3)]
     assert final["usage"]["completion_tokens"] == 3 * CHAT["max_tokens"]
@@ -256,10 +255,7 @@ def test_sim_engine_return_token_ids_streamed_and_whole(sim_server: SluiceProces
     body = {**CHAT, "seed": 3, "return_token_ids": True}
     chat = _post(sim_server, "/v1/chat/completions", json=body).json()
     assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 4
-    with httpx.stream("POST", sim_server.url + "/v1/chat/completions",
-                      json={**body, "stream": True}, timeout=10) as response:
-        events = [json.loads(line[6:]) for line in response.iter_lines()
-                  if line.startswith("data: {")]
+    events = _sse_events(sim_server, "/v1/chat/completions", {**body, "stream": True})
     assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]  # the first chunk only
     assert all("prompt_token_ids" not in e for e in events[1:])
     streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids") or ()]
@@ -333,10 +329,8 @@ def test_sim_engine_echo_puts_the_prompt_first(sim_server: SluiceProcess) -> Non
     alone = _post(sim_server, "/v1/completions", json={**body, "max_tokens": 0, "logprobs": 0})
     choice = alone.json()["choices"][0]
     assert choice["text"] == prompt and len(choice["logprobs"]["tokens"]) == len(ids)
-    with httpx.stream("POST", sim_server.url + "/v1/completions",
-                      json={**body, "stream": True}, timeout=10) as response:
-        texts = [json.loads(line[6:])["choices"][0]["text"] for line in response.iter_lines()
-                 if line.startswith("data: {") and '"choices":[{' in line]
+    texts = [event["choices"][0]["text"] for event in _sse_events(
+        sim_server, "/v1/completions", {**body, "stream": True}) if event["choices"]]
     assert texts[0] == prompt and "".join(texts) == echoed["text"]
     refused = _post(sim_server, "/v1/completions", json={**body, "stream": True, "logprobs": 1})
     assert _assert_error(refused, 400, "invalid_request")["param"] == "echo"

@@ -64,7 +64,8 @@ class SimEngine:
 
     Of `SamplingOptions` only max_tokens, min_tokens, ignore_eos and seed change the output.
     Chat template: `<|bos|>`, then per message `<|role|>` (system/user/assistant; other roles as
-    the words `role :`), the content, `<|eos|>`; then `<|assistant|>`.
+    the words `role :`), the content, `<|eos|>`; then `<|assistant|>` (the generation prompt;
+    with `continue_final_message` the last message's `<|eos|>` is left off instead).
     """
 
     def __init__(self, config: SimConfig | None = None, *, model_name: str = "sim") -> None:
@@ -180,7 +181,11 @@ class SimEngine:
                 )
             ids.extend(self.tokenize(content))
             ids.append(EOS_ID)
-        ids.append(ROLE_IDS["assistant"])
+        kwargs = template_kwargs or {}
+        if kwargs.get("continue_final_message"):
+            ids.pop()  # the last message stays open
+        elif kwargs.get("add_generation_prompt", True):
+            ids.append(ROLE_IDS["assistant"])
         return ids
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:

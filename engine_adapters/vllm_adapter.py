@@ -215,7 +215,7 @@ class VLLMEngine:
                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         text = self._tokenizer.apply_chat_template(
             list(messages), tools=None if tools is None else list(tools), tokenize=False,
-            **{**(template_kwargs or {}), "add_generation_prompt": True},
+            **{"add_generation_prompt": True, **(template_kwargs or {})},
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 

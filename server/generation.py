@@ -106,6 +106,11 @@ class Sluice:
         prompt_ids = self._prompt_ids(parsed, plan)
         self._check_token_ids(parsed)
         max_len = self.engine.model.max_model_len
+        keep = parsed.truncate_prompt_tokens
+        if keep is not None:  # vLLM's truncate_prompt_tokens (-1: the context's worth)
+            keep = max_len if keep == -1 else keep
+            prompt_ids = (prompt_ids[max(0, len(prompt_ids) - keep):]
+                          if parsed.truncation_side == "left" else prompt_ids[:keep])
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         room = max_len - len(prompt_ids)

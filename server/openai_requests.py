@@ -19,13 +19,10 @@ from server.errors import InvalidRequest, UnsupportedParameter
 # Compared by type as well as value: `logprobs: 0` asks for logprobs, though `0 == False`.
 _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
-    "echo": (False,),
     "functions": ([],),
     "function_call": ("none", "auto"),
     "suffix": ("",),
     "use_beam_search": (False,),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
 }
 # Parameters accepted and with no effect on generation (metadata, hints).
 _IGNORED = {"user", "metadata", "store", "spaces_between_special_tokens", "request_id",
@@ -42,11 +39,12 @@ _OUTPUT: dict[str, tuple[type, ...]] = {"response_format": (dict,), "structured_
 _CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
     **_OUTPUT, "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "include_reasoning": (bool,)}
-_COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n",
-           "prompt_logprobs", "return_token_ids", *_SAMPLING,
+_COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n", "echo",
+           "prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "truncation_side",
+           *_SAMPLING,
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-              *_CHAT_OUTPUT}
+              "add_generation_prompt", "continue_final_message", *_CHAT_OUTPUT}
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
 MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`
 MAX_CHOICES = 128  # OpenAI's limit on n
@@ -75,8 +73,13 @@ class ParsedRequest:
     continuous_usage: bool = False  # usage so far in every chunk (vLLM's continuous_usage_stats)
     add_special_tokens: bool = True  # for a text prompt (chat templates bring their own)
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids too
-    echo: bool = False  # completions: the prompt comes first in the text (and logprobs)
+    # Completions: the prompt comes first in the text (and logprobs); chat: the last message's
+    # content, if the assistant's (the one it continues).
+    echo: bool = False
     template_kwargs: dict[str, Any] | None = None  # chat: vLLM's chat_template_kwargs
+    # vLLM's: keep this many prompt tokens (-1: the context's worth), the last or the first.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
     output: dict[str, Any] = field(default_factory=dict)  # the output-shaping fields sent
 
     @property
@@ -203,20 +206,39 @@ def _logprobs(body: Mapping[str, Any], kind: str) -> int | None:
     return top or 0
 
 
-# Set by the server itself when it renders the template.
-_TEMPLATE_OWN = {"messages", "tools", "tokenize", "add_generation_prompt", "conversation"}
+# Set by the server itself when it renders the template (the last two from their own fields).
+_TEMPLATE_OWN = {"messages", "tools", "tokenize", "conversation", "add_generation_prompt",
+                 "continue_final_message"}
 
 
 def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The chat template's extra arguments: vLLM's `chat_template_kwargs`, and its
+    `add_generation_prompt` (default true) and `continue_final_message` (the last message
+    left open for the model to go on with; then no generation prompt)."""
     value = body.get("chat_template_kwargs")
-    if value is None:
-        return None
-    _check(isinstance(value, dict), "'chat_template_kwargs' must be an object",
+    _check(value is None or isinstance(value, dict), "'chat_template_kwargs' must be an object",
            "chat_template_kwargs")
-    for key in value:
+    kwargs = dict(value or {})
+    for key in kwargs:
         _check(key not in _TEMPLATE_OWN, f"'chat_template_kwargs' may not set '{key}'",
                "chat_template_kwargs")
-    return dict(value)
+    generation_prompt = boolean_from(body, "add_generation_prompt")
+    continue_final = boolean_from(body, "continue_final_message")
+    _check(not (continue_final and generation_prompt is not False),  # its default is true
+           "'continue_final_message' needs 'add_generation_prompt': false",
+           "continue_final_message")
+    if continue_final:
+        kwargs.update(continue_final_message=True, add_generation_prompt=False)
+    elif generation_prompt is False:
+        kwargs["add_generation_prompt"] = False
+    return kwargs or None
+
+
+def _truncation_side(body: Mapping[str, Any]) -> str:
+    side = body.get("truncation_side")
+    _check(side in (None, "left", "right"), "'truncation_side' must be 'left' or 'right'",
+           "truncation_side")
+    return str(side or "left")
 
 
 def messages_from(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -268,8 +290,6 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     for key, value in body.items():
         if key not in allowed:
             raise UnsupportedParameter(f"unsupported parameter '{key}'", param=key)
-        if key == "echo" and kind == "completion":
-            continue  # completions echo; chat's needs continue_final_message (refused)
         if key in _ONLY_DEFAULT and value is not None and not any(
             type(value) is type(default) and value == default for default in _ONLY_DEFAULT[key]
         ):
@@ -295,13 +315,13 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     n = _integer(body, "n", 1, MAX_CHOICES)
     if n is not None and n > 1:
         sampling["n"] = n
-    echo = kind == "completion" and bool(boolean_from(body, "echo"))
-    if echo and logprobs is not None:  # the prompt's tokens' logprobs come first
+    echo = bool(boolean_from(body, "echo"))
+    if echo and kind == "completion" and logprobs is not None:  # the prompt's come first
         _check(not boolean_from(body, "stream"), "'echo' with 'logprobs' needs the prompt's "
                "logprobs, which are not available when streaming", "echo")
         sampling.setdefault("prompt_logprobs", logprobs)
     # With echo, 0 asks for the prompt alone (vLLM then generates one token and drops it).
-    max_tokens = _integer(body, "max_tokens", 0 if echo else 1)
+    max_tokens = _integer(body, "max_tokens", 0 if echo and kind == "completion" else 1)
     if kind == "chat":
         max_tokens = _integer(body, "max_completion_tokens", 1) or max_tokens
         if boolean_from(body, "add_special_tokens"):
@@ -350,5 +370,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         return_token_ids=boolean_from(body, "return_token_ids") or False,
         echo=echo,
         template_kwargs=_template_kwargs(body) if kind == "chat" else None,
+        truncate_prompt_tokens=_integer(body, "truncate_prompt_tokens", -1),
+        truncation_side=_truncation_side(body),
         output=output,
     )

@@ -41,7 +41,8 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> di
 
 @dataclass(frozen=True, slots=True)
 class Echo:
-    """A completion's prompt, to come first in its text (and logprobs): `echo`. The text of its
+    """What comes first with `echo`: a completion's prompt (in its text and logprobs), or the
+    assistant message a chat's answer continues (in its content). The text of the prompt's
     first token names that token in the logprobs (no logprob there: nothing precedes it);
     `prompt_only` when max_tokens was 0, so the one token generated is left out."""
 
@@ -229,6 +230,8 @@ def whole_response(
         if kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": choice.text,
                                        "refusal": None, "annotations": []}
+            if echo is not None:
+                message["content"] = echo.text + choice.text
             called = None
             if choice.parser is not None:
                 message.update(choice.parser.message(choice.text, choice.token_ids))

@@ -132,7 +132,11 @@ def _admitted(sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
     prompt_ids = engine_request.prompt_token_ids
     new_parser = None if plan.parser is None else functools.partial(plan.parser, prompt_ids)
     echo = None
-    if parsed.echo:
+    if parsed.echo and parsed.messages is not None:  # vLLM's: what the answer continues
+        last = parsed.messages[-1]
+        content = last.get("content") if last["role"] == "assistant" else None
+        echo = Echo(content if isinstance(content, str) else "", (), "", prompt_only=False)
+    elif parsed.echo:
         text = parsed.prompt if isinstance(parsed.prompt, str) else sluice.engine.detokenize(
             prompt_ids)
         echo = Echo(text, prompt_ids, sluice.engine.detokenize(prompt_ids[:1]),
@@ -351,11 +355,10 @@ class GenerationResponse:
         choices = self._choices(keep=False)
         outcome, status, failure = "cancelled", 499, None
         try:
-            if parsed.kind == "chat":
-                for index in range(choices.n):
+            for index in range(choices.n):
+                if parsed.kind == "chat":
                     yield encoder.role(index)
-            elif echo is not None:
-                for index in range(choices.n):
+                if echo is not None and echo.text:
                     yield encoder.text(echo.text, 0, None, index)
             last = None  # the choice that finishes last: its chunk ends the stream
             try:

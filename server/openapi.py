@@ -96,11 +96,13 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "chat_template_kwargs": {**_OBJ, "description": "vLLM's: extra variables for the chat "
                              "template (enable_thinking, ...)"},
     # Accepted at their defaults only (another value is a 400 unsupported_parameter).
-    "echo": {**_BOOL, "description": "completions: the prompt first; chat: false only"},
+    "echo": {**_BOOL, "description": "completions: the prompt first; chat: the last message's "
+             "content first, if the assistant's"},
     "best_of": {"const": 1}, "functions": {"const": []},
     "function_call": {"enum": ["none", "auto"]}, "suffix": {"const": ""},
     "use_beam_search": {"const": False},
-    "add_generation_prompt": {"const": True}, "continue_final_message": {"const": False},
+    "add_generation_prompt": _BOOL, "continue_final_message": _BOOL,
+    "truncate_prompt_tokens": _between(_INT, -1), "truncation_side": {"enum": ["left", "right"]},
     # Accepted, with no effect on generation.
     "user": _STR, "metadata": _OBJ, "store": _BOOL, "spaces_between_special_tokens": _BOOL,
     "request_id": _STR, "priority": _INT, "length_penalty": _NUM,

@@ -62,10 +62,9 @@ async def tokenize(request: Request) -> Response:
         request, lambda body: TOKENIZE_CHAT if "messages" in body else TOKENIZE_TEXT
     )
     if "messages" in body:
-        if boolean_from(body, "add_generation_prompt") is False:
-            raise UnsupportedParameter("the chat template is always rendered with the "
-                                       "generation prompt", param="add_generation_prompt")
-        tokens = sluice.render_chat(messages_from(body))
+        generation_prompt = boolean_from(body, "add_generation_prompt") is not False
+        tokens = sluice.render_chat(messages_from(body), template_kwargs={
+            "add_generation_prompt": generation_prompt})
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -65,7 +65,9 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "logprobs": 0}, "invalid_request", "logprobs"),  # chat's is a boolean
         ({**CHAT, "top_logprobs": 3}, "invalid_request", "top_logprobs"),  # needs logprobs
         ({**CHAT, "logprobs": True, "top_logprobs": 21}, "invalid_request", "top_logprobs"),
-        ({**CHAT, "echo": True}, "unsupported_parameter", "echo"),
+        ({**CHAT, "echo": 1}, "invalid_request", "echo"),
+        ({**CHAT, "continue_final_message": True}, "invalid_request",
+         "continue_final_message"),  # it needs add_generation_prompt: false
         ({**CHAT, "prompt_logprobs": -1}, "invalid_request", "prompt_logprobs"),
         ({**CHAT, "stream": True, "prompt_logprobs": 1}, "invalid_request", "prompt_logprobs"),
         ({**CHAT, "add_special_tokens": True}, "unsupported_parameter", "add_special_tokens"),
@@ -334,5 +336,10 @@ def test_sim_engine_echo_puts_the_prompt_first(sim_server: SluiceProcess) -> Non
     assert texts[0] == prompt and "".join(texts) == echoed["text"]
     refused = _post(sim_server, "/v1/completions", json={**body, "stream": True, "logprobs": 1})
     assert _assert_error(refused, 400, "invalid_request")["param"] == "echo"
-    chat = _post(sim_server, "/v1/chat/completions", json={**CHAT, "echo": True})
-    assert _assert_error(chat, 400, "unsupported_parameter")["param"] == "echo"
+    # Chat: the assistant message the answer continues comes first.
+    opening = "the old horse"
+    chat = _post(sim_server, "/v1/chat/completions", json={
+        **CHAT, "echo": True, "continue_final_message": True, "add_generation_prompt": False,
+        "messages": [*CHAT["messages"], {"role": "assistant", "content": opening}]}).json()
+    assert chat["choices"][0]["message"]["content"].startswith(opening)
+    assert len(chat["choices"][0]["message"]["content"]) > len(opening)

@@ -39,6 +39,15 @@ def test_tokenize_and_detokenize_with_the_models_tokenizer(vllm_server: SluicePr
     usage = httpx.post(vllm_server.url + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": chat, "max_tokens": 1}).json()["usage"]
     assert rendered["count"] == usage["prompt_tokens"] > counted["count"]  # the template's
+    # Without the generation prompt (the demo template's `<|assistant|>`), one token fewer;
+    # a chat that continues its last message renders alike (no end of message, no prompt).
+    bare = _post(vllm_server, "/tokenize", {"model": MODEL, "messages": chat,
+                                            "add_generation_prompt": False}).json()
+    assert bare["tokens"] == rendered["tokens"][:-1]
+    continued = httpx.post(vllm_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [*chat, {"role": "assistant", "content": "It is"}],
+        "max_tokens": 1, "continue_final_message": True, "add_generation_prompt": False})
+    assert continued.status_code == 200, continued.text
 
 
 def test_a_token_id_outside_the_vocabulary_is_a_400_not_a_retried_500(

@@ -266,6 +266,16 @@ def messages_from(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def prompts_of(body: Any) -> list[Any] | None:
+    """The prompts of a completions body that sends several (a list of strings or of token-id
+    lists, two or more); None for one prompt."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and len(prompt) > 1 and all(
+            isinstance(p, str | list) for p in prompt):
+        return prompt
+    return None
+
+
 def _prompt(body: Mapping[str, Any]) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -276,9 +286,6 @@ def _prompt(body: Mapping[str, Any]) -> str | list[int]:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
     ):
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise UnsupportedParameter("batched prompts are not supported; send one prompt per request",
-                                   param="prompt")
     raise InvalidRequest("'prompt' must be a string or a list of token ids", param="prompt")
 
 
@@ -343,9 +350,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
                                            param=f"stream_options.{key}")
         include_usage = boolean_from(options, "include_usage") or False
         continuous_usage = boolean_from(options, "continuous_usage_stats") or False
-        _check(include_usage or not continuous_usage,
-               "'continuous_usage_stats' needs 'include_usage'",
-               "stream_options.continuous_usage_stats")
+        continuous_usage = continuous_usage and include_usage  # as vLLM: no usage, none
     output = {}
     for key, types in (_CHAT_OUTPUT if kind == "chat" else _OUTPUT).items():
         if body.get(key) is not None:

@@ -30,7 +30,7 @@ from server.errors import (
     UnsupportedParameter,
 )
 from server.generation import Sluice, admit_unless_gone, receive_disconnect, request_id_from
-from server.openai_requests import ParsedRequest, parse_request
+from server.openai_requests import ParsedRequest, boolean_from, parse_request, prompts_of
 from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
 from server.scheduler.types import Admission, Generation
 from server.timeline import RequestTimeline, outcome_for
@@ -118,6 +118,13 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
         if kind is None:
             kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
             timeline.api = "chat" if kind == "chat" else "completions"
+        prompts = prompts_of(body) if kind == "completion" else None
+        if prompts is not None:  # several: one generation each, choices in prompt order
+            if boolean_from(body, "stream"):
+                raise UnsupportedParameter("several prompts in one request are answered "
+                                           "whole: send one prompt per stream", param="stream")
+            return await _batch(sluice, request.headers, timeline.request_id, timeline, kind,
+                                [{**body, "prompt": prompt} for prompt in prompts])
         return _admitted(sluice, parse_request(body, kind), timeline, request.headers)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
@@ -153,7 +160,6 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
     sluice: Sluice = request.app.state.sluice
     request_id = request_id_from(request.headers.get("x-request-id"))
     timeline = RequestTimeline(request_id=request_id, model=sluice.served_model, api="chat")
-    admitted: list[GenerationResponse] = []
     try:
         body = await read_json(request, sluice.max_body_bytes)
         conversations = body.get("messages") if isinstance(body, dict) else None
@@ -165,32 +171,46 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
             if body.get(key) not in allowed:
                 raise UnsupportedParameter(f"'{key}' is not supported on the batch endpoint",
                                            param=key)
-        for i, conversation in enumerate(conversations):
-            parsed = parse_request({**body, "messages": conversation}, "chat")
+    except SluiceError as error:
+        timeline.finish(outcome_for(error), status=error.status, error=error)
+        return error_response(error, request_id)
+    return await _batch(sluice, request.headers, request_id, timeline, "chat",
+                        [{**body, "messages": conversation} for conversation in conversations])
+
+
+async def _batch(sluice: Sluice, headers: Mapping[str, str], request_id: str,
+                 timeline: RequestTimeline, kind: str, bodies: list[dict[str, Any]]
+                 ) -> ASGIApp:
+    """A BatchResponse over one generation per body, each admitted (or, if one is refused,
+    none: those before it are let go and the refusal is the answer)."""
+    admitted: list[GenerationResponse] = []
+    try:
+        for i, body in enumerate(bodies):
+            parsed = parse_request(body, kind)
             one = RequestTimeline(request_id=f"{request_id}-{i}", model=sluice.served_model,
-                                  api="chat")
+                                  api=timeline.api)
             try:
-                admitted.append(_admitted(sluice, parsed, one, request.headers))
+                admitted.append(_admitted(sluice, parsed, one, headers))
             except SluiceError as error:
                 one.finish(outcome_for(error), status=error.status, error=error)
                 raise
     except SluiceError as error:
-        for response in admitted:  # the conversations before the refused one
+        for response in admitted:
             await response.admission.leave()
             response.timeline.finish("cancelled", status=499)
         if not admitted:
             timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, request_id)
-    return BatchResponse(request_id, sluice.served_model, admitted)
+    return BatchResponse(request_id, kind, admitted)
 
 
 class BatchResponse:
     """ASGI response: the batch's generations run side by side; one reply when all are done
     (an error response if any failed), or all cancelled when the client leaves."""
 
-    def __init__(self, request_id: str, model: str, parts: list[GenerationResponse]) -> None:
+    def __init__(self, request_id: str, kind: str, parts: list[GenerationResponse]) -> None:
         self.request_id = request_id
-        self.model = model
+        self.kind = kind
         self.parts = parts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -216,10 +236,12 @@ class BatchResponse:
         if failed is not None:
             raise failed
         bodies = [part.result() for part in parts]
-        choices = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
+        choices = [{**choice, "index": i} for i, choice in enumerate(
+            choice for body in bodies for choice in body["choices"])]
         totals = {key: sum(body["usage"][key] for body in bodies)
                   for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
-        reply = {**bodies[0], "id": "chatcmpl-" + self.request_id, "choices": choices,
+        prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
+        reply = {**bodies[0], "id": prefix + self.request_id, "choices": choices,
                  "usage": totals}
         for key in ("timings", "prompt_logprobs", "prompt_token_ids"):  # per conversation
             each = [body[key] for body in bodies]

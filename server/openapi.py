@@ -49,8 +49,9 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "model": _STR,
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
     "prompt": {"anyOf": [_STR, {**_TOKENS, "minItems": 1},
-                         {"type": "array", "minItems": 1, "maxItems": 1,
-                          "items": {"anyOf": [_STR, _TOKENS]}}]},
+                         {"type": "array", "minItems": 1, "items": {"anyOf": [_STR, _TOKENS]},
+                          "description": "several prompts: one choice (or n) each, in order; "
+                          "not with `stream`"}]},
     "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {
         "include_usage": _BOOL, "continuous_usage_stats": _BOOL}},

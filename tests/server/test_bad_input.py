@@ -71,8 +71,6 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "prompt_logprobs": -1}, "invalid_request", "prompt_logprobs"),
         ({**CHAT, "stream": True, "prompt_logprobs": 1}, "invalid_request", "prompt_logprobs"),
         ({**CHAT, "add_special_tokens": True}, "unsupported_parameter", "add_special_tokens"),
-        ({**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-         "invalid_request", "stream_options.continuous_usage_stats"),  # needs include_usage
         ({**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}},
          "invalid_request", "include_usage"),
         ({**CHAT, "stream": True, "stream_options": {"sparkle": True}},
@@ -343,3 +341,16 @@ def test_sim_engine_echo_puts_the_prompt_first(sim_server: SluiceProcess) -> Non
         "messages": [*CHAT["messages"], {"role": "assistant", "content": opening}]}).json()
     assert chat["choices"][0]["message"]["content"].startswith(opening)
     assert len(chat["choices"][0]["message"]["content"]) > len(opening)
+
+
+def test_several_prompts_one_choice_each_in_order(sim_server: SluiceProcess) -> None:
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7]]
+    reply = _post(sim_server, "/v1/completions", json={
+        "prompt": prompts, "max_tokens": 3, "n": 2, "seed": 2}).json()
+    assert [c["index"] for c in reply["choices"]] == list(range(6))  # prompt i: 2i and 2i + 1
+    texts = [c["text"] for c in reply["choices"]]
+    assert texts[0:2] == texts[4:6]  # the same prompt and seed: the same two answers
+    assert reply["usage"]["prompt_tokens"] == 8 and reply["usage"]["completion_tokens"] == 18
+    streamed = _post(sim_server, "/v1/completions", json={
+        "prompt": ["a", "b"], "max_tokens": 2, "stream": True})
+    assert _assert_error(streamed, 400, "unsupported_parameter")["param"] == "stream"

@@ -243,7 +243,9 @@ class BatchResponse:
         prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
         reply = {**bodies[0], "id": prefix + self.request_id, "choices": choices,
                  "usage": totals}
-        for key in ("timings", "prompt_logprobs", "prompt_token_ids"):  # per conversation
+        per_part = ("timings", "prompt_logprobs", "prompt_token_ids") if self.kind == "chat" else (
+            "timings",)  # (a completion's prompt fields are in its choices already)
+        for key in per_part:
             each = [body[key] for body in bodies]
             reply[key] = each if any(value is not None for value in each) else None
         await JSONResponse(reply, headers={"X-Request-Id": self.request_id})(

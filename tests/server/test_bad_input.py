@@ -144,8 +144,8 @@ def test_transport_level_errors(sim_server: SluiceProcess) -> None:
                   404, "model_not_found")
     huge = {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}
     _assert_error(_post(sim_server, "/v1/chat/completions", json=huge), 413, "payload_too_large")
-    _assert_error(_post(sim_server, "/v1/completions", json={"prompt": ["a", "b"]}),
-                  400, "unsupported_parameter")
+    _assert_error(_post(sim_server, "/v1/completions", json={"prompt": [[-1], "b"]}),
+                  400, "invalid_request")
     _assert_error(httpx.get(sim_server.url + "/v1/chat/completions"), 405, "method_not_allowed")
     _assert_error(httpx.get(sim_server.url + "/v2/nothing"), 404, "not_found")
 

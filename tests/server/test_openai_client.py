@@ -232,5 +232,5 @@ def test_errors_arrive_as_openai_errors(client: openai.OpenAI, vllm_server: Any)
                                         extra_body={"ignore_eos": True})
     assert clamped.usage is not None and clamped.usage.completion_tokens == 3
     with pytest.raises(openai.BadRequestError) as unsupported:
-        client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"echo": True})
+        client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"best_of": 2})
     assert unsupported.value.code == "unsupported_parameter"

@@ -116,9 +116,12 @@ def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int | None = None) 
     bounds = f"at least {lo}" + (f" and at most {hi}" if hi is not None else "")
     _check(isinstance(value, int | float) and not isinstance(value, bool),
            f"'{key}' must be an integer, {bounds}", key)
-    # Named as pydantic names them too (vLLM's server answers with pydantic's messages).
-    _check(value >= lo, f"'{key}' must be an integer, {bounds} (greater_than_equal)", key)
-    _check(hi is None or value <= hi,
+    # Named as pydantic names them too (vLLM's server answers with pydantic's messages). A
+    # float at a bound is an integer beyond it, rounded by orjson.
+    at_bound = isinstance(value, float)
+    _check(value > lo if at_bound else value >= lo,
+           f"'{key}' must be an integer, {bounds} (greater_than_equal)", key)
+    _check(hi is None or (value < hi if at_bound else value <= hi),
            f"'{key}' must be an integer, {bounds} (less_than_equal)", key)
     _check(isinstance(value, int), f"'{key}' must be an integer, {bounds}", key)
     return int(value)

@@ -55,6 +55,8 @@ class SamplingOptions:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: none; k: each token's and the k most likely ones'
     prompt_logprobs: int | None = None  # the same for each prompt token (on the first delta)
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", not by their text.
+    tokens_as_ids: bool = False
     # What the output must match (a JSON schema, a grammar...), in the engine's own form: from
     # `EngineClient.plan_output`, carried by the server without looking inside.
     constraint: object | None = None
@@ -68,6 +70,11 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+
+
+def token_id_name(token_id: int) -> str:
+    """A token as logprobs name it with `tokens_as_ids` (vLLM's format)."""
+    return f"token_id:{token_id}"
 
 
 @dataclass(frozen=True, slots=True)

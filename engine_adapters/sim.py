@@ -22,6 +22,7 @@ from engine_adapters.protocol import (
     TokenDelta,
     TokenLogprob,
     plain_text_only,
+    token_id_name,
 )
 from engine_adapters.sim_model import (
     BOS_ID,
@@ -153,14 +154,15 @@ class SimEngine:
         ids = [token_id] + [len(SPECIAL_TOKENS) + (token_id + i) % vocab for i in range(1, k)]
         return [(t, logprob - i) for i, t in enumerate(ids)]
 
-    def _logprob(self, token_id: int, k: int) -> TokenLogprob:
+    def _logprob(self, token_id: int, k: int, as_ids: bool = False) -> TokenLogprob:
+        name = token_id_name if as_ids else token_text
         best = self._candidates(token_id, max(1, k))
-        return TokenLogprob(token_text(token_id), best[0][1],
-                            tuple((token_text(t), lp) for t, lp in best[:k]))
+        return TokenLogprob(name(token_id), best[0][1], tuple((name(t), lp) for t, lp in best[:k]))
 
-    def _prompt_logprob(self, token_id: int, k: int) -> list[PromptLogprob]:
+    def _prompt_logprob(self, token_id: int, k: int, as_ids: bool) -> list[PromptLogprob]:
         """A prompt position: its token ranked first, and the k likeliest (at least it)."""
-        return [PromptLogprob(t, token_text(t), lp, rank)
+        name = token_id_name if as_ids else token_text
+        return [PromptLogprob(t, name(t), lp, rank)
                 for rank, (t, lp) in enumerate(self._candidates(token_id, max(1, k)), start=1)]
 
     def plan_output(self, request: OutputRequest) -> OutputPlan:
@@ -249,7 +251,7 @@ class SimEngine:
         stream = self._streams[rid] = _Stream()
         self._wakeup.set()
         prompt_logprobs = None if sampling.prompt_logprobs is None else [None, *(
-            self._prompt_logprob(t, sampling.prompt_logprobs)
+            self._prompt_logprob(t, sampling.prompt_logprobs, sampling.tokens_as_ids)
             for t in request.prompt_token_ids[1:])]
         try:
             while True:
@@ -263,7 +265,8 @@ class SimEngine:
                 yield TokenDelta(detokenize(token_ids), token_ids, finish_reason=finish,
                                  num_cached_tokens=cached,
                                  logprobs=None if sampling.logprobs is None else [
-                                     self._logprob(t, sampling.logprobs) for t in token_ids],
+                                     self._logprob(t, sampling.logprobs, sampling.tokens_as_ids)
+                                     for t in token_ids],
                                  prompt_logprobs=prompt_logprobs)
                 prompt_logprobs = None  # on the first delta only
                 if finish is not None:

@@ -27,6 +27,7 @@ from engine_adapters.protocol import (
     SamplingOptions,
     TokenDelta,
     TokenLogprob,
+    token_id_name,
 )
 from engine_adapters.vllm_output import ParserOptions, VLLMOutputPlanner
 
@@ -258,10 +259,10 @@ class VLLMEngine:
                         stop_reason=completion.stop_reason,
                         num_cached_tokens=out.num_cached_tokens if first else None,
                         logprobs=None if request.sampling.logprobs is None else self._logprobs(
-                            completion.token_ids, completion.logprobs,
-                            request.sampling.logprobs),
+                            completion.token_ids, completion.logprobs, request.sampling),
                         index=completion.index,
-                        prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs)
+                        prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs,
+                                                              request.sampling)
                         if first and request.sampling.prompt_logprobs is not None else None,
                     )
                     first = False
@@ -279,31 +280,36 @@ class VLLMEngine:
             # Closing vLLM's generator aborts the request if it has not finished.
             await stream.aclose()
 
-    def _logprobs(self, token_ids: Sequence[int], positions: Any, k: int) -> list[TokenLogprob]:
+    def _logprobs(self, token_ids: Sequence[int], positions: Any, sampling: SamplingOptions
+                  ) -> list[TokenLogprob]:
         """vLLM's per-position {token id: Logprob} (the sampled token and the k best, ranked)
         as engine-neutral entries."""
+        k, as_ids = sampling.logprobs or 0, sampling.tokens_as_ids
         entries = []
         for token_id, candidates in zip(token_ids, positions or (), strict=False):
             ranked = sorted((c for c in candidates.items() if c[1].rank is not None
                              and c[1].rank <= k), key=lambda c: c[1].rank)[:k]
             entries.append(TokenLogprob(
-                token=self._token_text(token_id, candidates[token_id]),
+                token=self._token_text(token_id, candidates[token_id], as_ids),
                 logprob=max(candidates[token_id].logprob, -9999.0),
-                top=tuple((self._token_text(t, lp), max(lp.logprob, -9999.0))
+                top=tuple((self._token_text(t, lp, as_ids), max(lp.logprob, -9999.0))
                           for t, lp in ranked),
             ))
         return entries
 
-    def _prompt_logprobs(self, positions: Any) -> list[list[PromptLogprob] | None]:
+    def _prompt_logprobs(self, positions: Any, sampling: SamplingOptions
+                         ) -> list[list[PromptLogprob] | None]:
         """vLLM's per-position {token id: Logprob} as engine-neutral entries, likeliest
         first (the prompt's own token, whatever its rank, among them)."""
         return [None if candidates is None else sorted(
-            (PromptLogprob(token_id, self._token_text(token_id, lp),
+            (PromptLogprob(token_id, self._token_text(token_id, lp, sampling.tokens_as_ids),
                            max(lp.logprob, -9999.0), lp.rank)
              for token_id, lp in candidates.items()), key=lambda p: p.rank)
             for candidates in positions or ()]
 
-    def _token_text(self, token_id: int, logprob: Any) -> str:
+    def _token_text(self, token_id: int, logprob: Any, as_id: bool) -> str:
+        if as_id:
+            return token_id_name(token_id)
         if logprob.decoded_token is not None:
             return str(logprob.decoded_token)
         return str(self._tokenizer.decode([token_id]))

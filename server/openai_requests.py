@@ -40,6 +40,7 @@ _CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
     **_OUTPUT, "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "include_reasoning": (bool,)}
 _COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n", "echo",
+           "return_tokens_as_token_ids",
            "prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "truncation_side",
            *_SAMPLING,
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
@@ -322,6 +323,8 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         _check(not boolean_from(body, "stream"),
                "'prompt_logprobs' are not available when streaming", "prompt_logprobs")
         sampling["prompt_logprobs"] = prompt_logprobs
+    if boolean_from(body, "return_tokens_as_token_ids"):
+        sampling["tokens_as_ids"] = True
     n = _integer(body, "n", 1, MAX_CHOICES)
     if n is not None and n > 1:
         sampling["n"] = n

@@ -19,6 +19,7 @@ from engine_adapters.protocol import (
     EngineError,
     EngineRequestError,
     OutputParser,
+    token_id_name,
 )
 from server.choices import Choices
 from server.errors import (
@@ -146,8 +147,9 @@ def _admitted(sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
     elif parsed.echo:
         text = parsed.prompt if isinstance(parsed.prompt, str) else sluice.engine.detokenize(
             prompt_ids)
-        echo = Echo(text, prompt_ids, sluice.engine.detokenize(prompt_ids[:1]),
-                    prompt_only=parsed.max_tokens == 0)
+        first = (token_id_name(prompt_ids[0]) if parsed.sampling.get("tokens_as_ids")
+                 else sluice.engine.detokenize(prompt_ids[:1]))
+        echo = Echo(text, prompt_ids, first, prompt_only=parsed.max_tokens == 0)
     return GenerationResponse(sluice, parsed, timeline, admission, new_parser,
                               prompt_ids if parsed.return_token_ids else None, echo)
 

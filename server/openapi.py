@@ -82,6 +82,8 @@ PARAMETERS: dict[str, dict[str, Any]] = {
                         "with `stream`)"},
     "add_special_tokens": _BOOL,
     "return_token_ids": _BOOL,
+    "return_tokens_as_token_ids": {**_BOOL, "description": "vLLM's: logprobs name tokens "
+                                   "'token_id:N'"},
     "service_tier": {"enum": ["auto", "default", "flex", "priority"]},
     "response_format": {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},

@@ -223,6 +223,13 @@ def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -
     for token_id, candidates in zip(prompt_ids[1:], positions[1:], strict=True):
         assert str(token_id) in candidates and len(candidates) == 2
         assert sorted(c["rank"] for c in candidates.values()) == [1, 2]
+    # vLLM's return_tokens_as_token_ids: tokens named "token_id:N" instead of by their text.
+    named = _post(sim_server, "/v1/completions", json={
+        "prompt": prompt_ids, "max_tokens": 2, "prompt_logprobs": 1, "logprobs": 1,
+        "return_tokens_as_token_ids": True, "return_token_ids": True}).json()["choices"][0]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in named["token_ids"]]
+    assert [c["decoded_token"] for p in named["prompt_logprobs"][1:] for c in p.values()] == [
+        f"token_id:{t}" for p in named["prompt_logprobs"][1:] for t in p]
     chat = _post(sim_server, "/v1/chat/completions", json={**CHAT, "prompt_logprobs": 0}).json()
     assert all(p is None or len(p) == 1 for p in chat["prompt_logprobs"])
     plain = _post(sim_server, "/v1/chat/completions", json=CHAT).json()

@@ -186,6 +186,12 @@ def test_prompt_logprobs_as_vllm_gives_them(client: openai.OpenAI, vllm_server: 
     for token_id, candidates in zip(ids[1:], positions[1:], strict=True):
         assert str(token_id) in candidates and 1 <= len(candidates) <= 2  # it, and the best
         assert all(c["logprob"] <= 0 and c["rank"] >= 1 for c in candidates.values())
+    named = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    content = named.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [e.token for e in content or ()] == [
+        f"token_id:{t}" for t in named.choices[0].model_extra["token_ids"]]
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
                                           extra_body={"prompt_logprobs": 0})
     assert chat.model_extra["prompt_logprobs"][0] is None

@@ -173,9 +173,12 @@ class Connection:
             if isinstance(request_body, dict) and request_body.get("stream") is False:
                 raise InvalidRequest("WebSocket generations always stream", param="stream")
             parsed = parse_request(request_body, "chat")
-            if "prompt_logprobs" in parsed.sampling:
-                raise InvalidRequest("'prompt_logprobs' are not available when streaming",
-                                     param="prompt_logprobs")
+            # What only a whole response carries; a WebSocket generation always streams.
+            for key, asked in (("prompt_logprobs", "prompt_logprobs" in parsed.sampling),
+                               ("echo", parsed.echo)):
+                if asked:
+                    raise InvalidRequest(f"'{key}' is not available over the WebSocket",
+                                         param=key)
             ticket, engine_request, plan = sluice.prepare(
                 parsed, timeline, self._headers_for(message)
             )

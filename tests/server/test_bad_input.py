@@ -26,13 +26,13 @@ def _sse_events(server: SluiceProcess, path: str, body: dict) -> list[dict]:
 
 
 def _over_websocket(server: SluiceProcess, request: dict) -> list[dict]:
-    """Every message of one generation over the WebSocket, its final one last."""
+    """Every message of one generation over the WebSocket, its final one (or error) last."""
 
     async def generate() -> list[dict]:
         async with websockets.connect(server.url.replace("http://", "ws://") + "/v1/ws") as ws:
             await ws.send(json.dumps({"type": "generate", "id": "g", "request": request}))
             messages = []
-            while not messages or messages[-1]["type"] != "final":
+            while not messages or messages[-1]["type"] not in ("final", "error"):
                 messages.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
             return messages
 
@@ -212,6 +212,9 @@ def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -
 
     deltas = [m for m in _over_websocket(sim_server, {**CHAT, "logprobs": True})
               if m["type"] == "delta"]
+    for refused in ("prompt_logprobs", "echo"):  # nothing a stream cannot carry is ignored
+        (error,) = _over_websocket(sim_server, {**CHAT, refused: 1 if refused != "echo" else True})
+        assert error["type"] == "error" and error["error"]["param"] == refused
     assert sum(len(m["logprobs"]) for m in deltas) == sum(m["tokens"] for m in deltas) == 4
 
     # vLLM's prompt_logprobs: each prompt token's (null for the first) and the k likeliest.

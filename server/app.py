@@ -1,7 +1,9 @@
 """The Starlette application and its lifecycle: engine up, scheduler up, serve, shut down.
 
 If the engine dies, /ready fails, new requests get 503, in-flight streams end with an error
-event, and the process exits non-zero so an orchestrator restarts it.
+event, and the process exits non-zero so an orchestrator restarts it. On SIGTERM it drains:
+/ready and new generations get 503 at once, running generations finish (for up to
+`--drain-seconds`, then end with a `shutting_down` error event), and the process exits 0.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -28,8 +33,15 @@ from engine_adapters.protocol import EngineClient, EngineDeadError
 from server import metrics
 from server.access_log import install_handler
 from server.config import SluiceConfig, load_config
-from server.errors import EngineUnavailable, MethodNotAllowed, RouteNotFound, SluiceError
+from server.errors import (
+    EngineUnavailable,
+    MethodNotAllowed,
+    RouteNotFound,
+    ShuttingDown,
+    SluiceError,
+)
 from server.generation import Sluice
+from server.generations.store import RunStore
 from server.openai_routes import (
     JSONResponse,
     chat_completions,
@@ -37,6 +49,8 @@ from server.openai_routes import (
     completions,
     error_response,
     invocations,
+    resume_chat_completion,
+    resume_completion,
 )
 from server.openapi import openapi_json
 from server.scheduler.tenants import TenantDirectory
@@ -56,6 +70,8 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     sluice: Sluice = request.app.state.sluice
+    if sluice.draining:
+        return error_response(ShuttingDown("the server is shutting down", retry_after=1))
     if request.app.state.ready and sluice.engine.is_healthy:
         return JSONResponse({"status": "ready", "model": sluice.served_model})
     return error_response(EngineUnavailable("the engine is not ready", retry_after=5))
@@ -112,7 +128,9 @@ def build_app(
     sluice = Sluice(
         engine=engine, dispatcher=dispatcher, tenants=TenantDirectory(config),
         served_model=served_model, send_guard=SendGuard(send_timeout_seconds),
+        store=RunStore(config.resume.retention_s, config.resume.max_bytes),
         ping_seconds=ping_seconds, max_body_bytes=max_body_bytes,
+        grace_seconds=config.resume.grace_s,
     )
 
     @contextlib.asynccontextmanager
@@ -157,6 +175,8 @@ def build_app(
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/invocations", invocations, methods=["POST"]),
             Route("/v1/chat/completions/batch", chat_completions_batch, methods=["POST"]),
+            Route("/v1/chat/completions/{id}/stream", resume_chat_completion),
+            Route("/v1/completions/{id}/stream", resume_completion),
             WebSocketRoute("/v1/ws", websocket_endpoint),
         ],
         exception_handlers={HTTPException: http_error, SluiceError: sluice_error},
@@ -244,7 +264,7 @@ async def _serve(
         send_timeout_seconds=args.send_timeout_seconds, max_body_bytes=args.max_body_bytes,
         on_engine_death=engine_died,
     )
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(app.state.sluice, args.drain_seconds, uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         timeout_graceful_shutdown=10,
         ws_max_size=args.max_body_bytes,
@@ -265,6 +285,40 @@ async def _serve(
         logger.error("exiting with status 3 because the engine died")
         return 3
     return 0 if server.started else 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but SIGTERM drains first (see the module's docstring): the listener
+    stays open, answering 503 `shutting_down`, until the running generations are done. A
+    second SIGTERM, or SIGINT, stops at once as uvicorn does."""
+
+    def __init__(self, sluice: Sluice, drain_seconds: float, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.sluice = sluice
+        self.drain_seconds = drain_seconds
+        self._draining: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self.sluice.draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.sluice.draining = True  # /ready answers 503 from now on
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._draining = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        logger.info("SIGTERM: draining (up to %gs for %d running generation(s))",
+                    self.drain_seconds, len(self.sluice.live))
+        await self.sluice.drain(self.drain_seconds)
+        logger.info("drained; shutting down")
+        self.should_exit = True
 
 
 def _has_uvloop() -> bool:

@@ -72,6 +72,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="a client that accepts no bytes for this long is dropped and its request aborted",
     )
     p.add_argument(
+        "--drain-seconds", type=float, default=30.0,
+        help="on SIGTERM, refuse new requests and let running generations finish for up to "
+        "this long; the rest end with a 'shutting_down' error event, then Sluice exits 0",
+    )
+    p.add_argument(
         "--engine-death-exit-seconds", type=float, default=2.0,
         help="after the engine dies, answer /ready and new requests with 503 for this long, "
         "then exit with status 3",

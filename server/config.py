@@ -98,6 +98,15 @@ class SloConfig:
     knee_share: float = 0.95
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeConfig:
+    """Generations that outlive their connection (sent with an idempotency key)."""
+
+    grace_s: float = 30.0  # a running generation's life without a reader
+    retention_s: float = 86400.0  # how long an ended one can be replayed
+    max_bytes: int = 256 << 20  # all their event logs together; the oldest ended go first
+
+
 def _default_classes() -> dict[TrafficClass, ClassConfig]:
     return {
         TrafficClass.INTERACTIVE: ClassConfig(
@@ -119,6 +128,7 @@ class SluiceConfig:
     budgets: BudgetConfig = field(default_factory=BudgetConfig)
     estimates: EstimateConfig = field(default_factory=EstimateConfig)
     slo: SloConfig = field(default_factory=SloConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
 
     @property
     def is_open(self) -> bool:
@@ -296,6 +306,20 @@ def _parse_slo(raw: Mapping[str, Any]) -> SloConfig:
     )
 
 
+def _parse_resume(resume: Mapping[str, Any], idempotency: Mapping[str, Any]) -> ResumeConfig:
+    base = ResumeConfig()
+    for where, section in (("resume", resume), ("idempotency", idempotency)):
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+    return ResumeConfig(
+        grace_s=_positive(resume.get("grace_seconds", base.grace_s), "resume.grace_seconds"),
+        retention_s=_positive(idempotency.get("retention_seconds", base.retention_s),
+                              "idempotency.retention_seconds"),
+        max_bytes=_positive(idempotency.get("max_bytes", base.max_bytes),
+                            "idempotency.max_bytes", int),
+    )
+
+
 def parse_api_keys_env(value: str) -> dict[str, str]:
     """`"key1:tenantA,key2:tenantB"` -> {"key1": "tenantA", "key2": "tenantB"}."""
     keys: dict[str, str] = {}
@@ -331,6 +355,7 @@ def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> Slu
         budgets=_parse_budgets(raw.get("budgets") or {}),
         estimates=_parse_estimates(raw.get("estimates") or {}),
         slo=_parse_slo(raw.get("slo") or {}),
+        resume=_parse_resume(raw.get("resume") or {}, raw.get("idempotency") or {}),
     )
 
 

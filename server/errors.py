@@ -75,6 +75,10 @@ class RouteNotFound(SluiceError):
     code = "not_found"
 
 
+class GenerationNotFound(RouteNotFound):
+    """An unknown or expired generation, or another tenant's: the same answer for each."""
+
+
 class MethodNotAllowed(SluiceError):
     status = 405
     error_type = "invalid_request_error"
@@ -85,6 +89,20 @@ class PayloadTooLarge(SluiceError):
     status = 413
     error_type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class IdempotencyKeyReused(SluiceError):
+    status = 422
+    error_type = "invalid_request_error"
+    code = "idempotency_key_reused"
+
+
+class GenerationCancelled(SluiceError):
+    """The generation was cancelled: its client left or said cancel, or no one read it."""
+
+    status = 499
+    error_type = "invalid_request_error"
+    code = "cancelled"
 
 
 class TenantQuotaExceeded(SluiceError):
@@ -103,6 +121,12 @@ class DeadlineUnmeetable(SluiceError):
     status = 503
     error_type = "server_error"
     code = "deadline_unmeetable"
+
+
+class ShuttingDown(SluiceError):
+    status = 503
+    error_type = "server_error"
+    code = "shutting_down"
 
 
 class DeadlineExceeded(SluiceError):

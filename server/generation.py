@@ -7,10 +7,10 @@ Shared by the SSE routes and the WebSocket route; routes keep only the wire form
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import Receive
@@ -23,17 +23,23 @@ from engine_adapters.protocol import (
     GenerationRequest,
     OutputPlan,
     OutputRequest,
+    token_id_name,
 )
 from server.errors import (
     ContextLengthExceeded,
     EngineUnavailable,
+    IdempotencyKeyReused,
     InvalidRequest,
     ModelNotFound,
+    ShuttingDown,
     UnsupportedParameter,
 )
+from server.generations.run import GenerationRun, Shape
+from server.generations.store import MAX_KEY_LENGTH, RunStore, fingerprint
 from server.openai_requests import ParsedRequest
+from server.openai_responses import Echo
 from server.scheduler.tenants import TenantDirectory
-from server.scheduler.types import Admission, Dispatcher, Generation, Ticket
+from server.scheduler.types import Dispatcher, Ticket
 from server.send_guard import SendGuard
 from server.timeline import RequestTimeline
 
@@ -67,15 +73,113 @@ def api_key_from(headers: Mapping[str, str]) -> str | None:
 
 @dataclass(slots=True)
 class Sluice:
-    """What every route needs: the engine (for tokenizing), the scheduler, the tenants."""
+    """What every route needs: the engine (for tokenizing), the scheduler, the tenants, and
+    the generations that are running or can be found again."""
 
     engine: EngineClient
     dispatcher: Dispatcher
     tenants: TenantDirectory
     served_model: str
     send_guard: SendGuard
+    store: RunStore
     ping_seconds: float = 15.0
     max_body_bytes: int = 1 << 20
+    grace_seconds: float = 30.0  # a resumable generation's life without a reader
+    draining: bool = False  # SIGTERM: new generations are refused, running ones finish
+    live: set[GenerationRun] = field(default_factory=set)
+    _idle: asyncio.Event | None = None
+
+    def generate(self, parsed: ParsedRequest, body: Any, timeline: RequestTimeline,
+                 headers: Mapping[str, str], key: str | None, *, stream: bool
+                 ) -> tuple[GenerationRun, bool]:
+        """The run that answers this request, and whether it is an earlier one replayed.
+
+        With an idempotency `key`, the tenant's run made under that key with the same body is
+        the answer; a new one is made (and kept, resumable) if there is none. Raises a
+        SluiceError for anything refused; nothing is held when it does.
+        """
+        if key is None:
+            return self._open(parsed, timeline, headers, stream=stream, resumable=False), False
+        if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
+            raise InvalidRequest(f"an idempotency key is 1 to {MAX_KEY_LENGTH} printable "
+                                 "characters", param="Idempotency-Key")
+        tenant = self.tenants.authenticate(api_key_from(headers)).name
+        request_print = fingerprint(parsed.kind, body)
+        found = self.store.by_key(tenant, key)
+        if found is not None:
+            run, earlier_print = found
+            if earlier_print != request_print:
+                raise IdempotencyKeyReused(
+                    "this idempotency key was used with a different request body",
+                    param="Idempotency-Key")
+            return run, True
+        run = self._open(parsed, timeline, headers, stream=stream, resumable=True)
+        self.store.add(tenant, key, request_print, run)
+        return run, False
+
+    def find(self, headers: Mapping[str, str], public_id: str) -> GenerationRun | None:
+        """The caller's tenant's resumable run with this id (None: unknown, expired, or
+        another tenant's)."""
+        tenant = self.tenants.authenticate(api_key_from(headers)).name
+        return self.store.by_id(tenant, public_id)
+
+    def _open(self, parsed: ParsedRequest, timeline: RequestTimeline,
+              headers: Mapping[str, str], *, stream: bool, resumable: bool) -> GenerationRun:
+        """Prepared, admitted (refusals are decided here, before anything awaits), started."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; retry on another replica",
+                               retry_after=1)
+        ticket, engine_request, plan = self.prepare(parsed, timeline, headers)
+        admission = self.dispatcher.generation(ticket, engine_request)
+        prompt_ids = engine_request.prompt_token_ids
+        shape = Shape(
+            parsed=parsed, model=self.served_model, stream=stream,
+            # A resumable generation's id is found again by it: never the client's.
+            response_id=uuid.uuid4().hex if resumable else timeline.request_id,
+            new_parser=None if plan.parser is None else functools.partial(
+                plan.parser, prompt_ids),
+            prompt_token_ids=prompt_ids if parsed.return_token_ids else None,
+            echo=self._echo(parsed, prompt_ids),
+        )
+        run = GenerationRun(shape, timeline, admission, resumable=resumable,
+                            grace_seconds=self.grace_seconds, on_end=self._ended)
+        self.live.add(run)
+        run.start()
+        return run
+
+    def _echo(self, parsed: ParsedRequest, prompt_ids: Sequence[int]) -> Echo | None:
+        if parsed.echo and parsed.messages is not None:  # vLLM's: what the answer continues
+            last = parsed.messages[-1]
+            content = last.get("content") if last["role"] == "assistant" else None
+            return Echo(content if isinstance(content, str) else "", (), "", prompt_only=False)
+        if not parsed.echo:
+            return None
+        text = parsed.prompt if isinstance(parsed.prompt, str) else self.engine.detokenize(
+            list(prompt_ids))
+        first = (token_id_name(prompt_ids[0]) if parsed.sampling.get("tokens_as_ids")
+                 else self.engine.detokenize(list(prompt_ids[:1])))
+        return Echo(text, prompt_ids, first, prompt_only=parsed.max_tokens == 0)
+
+    def _ended(self, run: GenerationRun) -> None:
+        self.live.discard(run)
+        if run.resumable:
+            self.store.ended(run)
+        if not self.live and self._idle is not None:
+            self._idle.set()
+
+    async def drain(self, seconds: float) -> None:
+        """Refuse new generations; let running ones finish for up to `seconds`; end the rest
+        with `shutting_down` (their streams get an error event, then `[DONE]`)."""
+        self.draining = True
+        self._idle = asyncio.Event()
+        if self.live:
+            try:
+                await asyncio.wait_for(self._idle.wait(), seconds)
+            except TimeoutError:
+                for run in list(self.live):
+                    run.cancel(ShuttingDown("the server is shutting down; retry",
+                                            retry_after=1))
+                await self._idle.wait()
 
     def prepare(
         self, parsed: ParsedRequest, timeline: RequestTimeline, headers: Mapping[str, str]
@@ -192,42 +296,6 @@ class Sluice:
             return self.engine.tokenize(parsed.prompt, parsed.add_special_tokens)
         assert parsed.prompt is not None
         return list(parsed.prompt)
-
-
-async def admit_unless_gone(
-    admission: Admission[Any], client_gone: Callable[[], Awaitable[Any]]
-) -> Generation | None:
-    """Wait for `admission`'s dispatch unless the client leaves first.
-
-    Returns the Generation, to be left with `admission.leave()`; None if the client left while
-    queued (the admission is then left). Refusals were raised when the admission was made;
-    DeadlineExceeded (expired while queued) and EngineUnavailable propagate from the wait.
-    """
-    entering = asyncio.ensure_future(admission.__aenter__())
-    leaving = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({entering, leaving}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not entering.done():
-            entering.cancel()
-        leaving.cancel()
-        with suppress(asyncio.CancelledError):
-            await leaving
-    try:
-        generation = await entering
-    except asyncio.CancelledError:
-        await admission.leave()  # a no-op unless it was cancelled before it started
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
-        return None
-    finally:
-        del entering  # a refused task keeps its error, whose traceback holds this frame
-    if leaving.cancelled() or not leaving.done():
-        return generation
-    # Admitted in the same instant the client left: give the slot straight back.
-    await admission.leave()
-    return None
 
 
 def receive_disconnect(receive: Receive) -> Callable[[], Awaitable[None]]:

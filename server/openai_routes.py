@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from contextlib import ExitStack
 from typing import Any
 
 import orjson
@@ -14,26 +14,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine_adapters.protocol import (
-    EngineDeadError,
-    EngineError,
-    EngineRequestError,
-    OutputParser,
-    token_id_name,
-)
-from server.choices import Choices
 from server.errors import (
-    EngineUnavailable,
-    GenerationFailed,
+    GenerationCancelled,
+    GenerationNotFound,
     InvalidRequest,
     PayloadTooLarge,
     SluiceError,
     UnsupportedParameter,
 )
-from server.generation import Sluice, admit_unless_gone, receive_disconnect, request_id_from
-from server.openai_requests import ParsedRequest, boolean_from, parse_request, prompts_of
-from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
-from server.scheduler.types import Admission, Generation
+from server.generation import Sluice, receive_disconnect, request_id_from
+from server.generations.run import GenerationRun, Kind
+from server.openai_requests import boolean_from, parse_request, prompts_of
 from server.timeline import RequestTimeline, outcome_for
 
 logger = logging.getLogger("sluice.server")
@@ -62,15 +53,6 @@ def error_response(error: SluiceError, request_id: str | None = None) -> JSONRes
     if request_id:
         headers["X-Request-Id"] = request_id
     return JSONResponse(error.to_body(), status_code=error.status, headers=headers)
-
-
-def engine_failure(exc: EngineError) -> SluiceError:
-    if isinstance(exc, EngineDeadError):
-        return EngineUnavailable("the engine stopped while generating; retry shortly",
-                                 retry_after=5)
-    if isinstance(exc, EngineRequestError):
-        return InvalidRequest(str(exc), param=exc.param)
-    return GenerationFailed(f"generation failed: {exc}")
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -106,7 +88,7 @@ async def invocations(request: Request) -> ASGIApp:
 
 
 async def _generate(request: Request, kind: str | None) -> ASGIApp:
-    """An error response at once, or a GenerationResponse that waits, then streams/replies.
+    """An error response at once, or a RunResponse that waits, then streams/replies.
     `kind` None: "chat" or "completion" by what the body holds."""
     sluice: Sluice = request.app.state.sluice
     timeline = RequestTimeline(
@@ -114,6 +96,7 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
         model=sluice.served_model,
         api="chat" if kind == "chat" else "completions",
     )
+    key = request.headers.get("idempotency-key")
     try:
         body = await read_json(request, sluice.max_body_bytes)
         if kind is None:
@@ -124,34 +107,58 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
             if boolean_from(body, "stream"):
                 raise UnsupportedParameter("several prompts in one request are answered "
                                            "whole: send one prompt per stream", param="stream")
+            if key is not None:
+                raise UnsupportedParameter("a request with several prompts cannot be "
+                                           "idempotent: send one prompt per request",
+                                           param="Idempotency-Key")
             return await _batch(sluice, request.headers, timeline.request_id, timeline, kind,
                                 [{**body, "prompt": prompt} for prompt in prompts])
-        return _admitted(sluice, parse_request(body, kind), timeline, request.headers)
+        parsed = parse_request(body, kind)
+        run, replayed = sluice.generate(parsed, body, timeline, request.headers, key,
+                                        stream=parsed.stream)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, timeline.request_id)
+    return RunResponse(sluice, run, replayed=replayed)
 
 
-def _admitted(sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
-              headers: Mapping[str, str]) -> GenerationResponse:
-    """Prepared and admitted (refusals are decided here, before anything awaits)."""
-    ticket, engine_request, plan = sluice.prepare(parsed, timeline, headers)
-    admission = sluice.dispatcher.generation(ticket, engine_request)
-    prompt_ids = engine_request.prompt_token_ids
-    new_parser = None if plan.parser is None else functools.partial(plan.parser, prompt_ids)
-    echo = None
-    if parsed.echo and parsed.messages is not None:  # vLLM's: what the answer continues
-        last = parsed.messages[-1]
-        content = last.get("content") if last["role"] == "assistant" else None
-        echo = Echo(content if isinstance(content, str) else "", (), "", prompt_only=False)
-    elif parsed.echo:
-        text = parsed.prompt if isinstance(parsed.prompt, str) else sluice.engine.detokenize(
-            prompt_ids)
-        first = (token_id_name(prompt_ids[0]) if parsed.sampling.get("tokens_as_ids")
-                 else sluice.engine.detokenize(prompt_ids[:1]))
-        echo = Echo(text, prompt_ids, first, prompt_only=parsed.max_tokens == 0)
-    return GenerationResponse(sluice, parsed, timeline, admission, new_parser,
-                              prompt_ids if parsed.return_token_ids else None, echo)
+async def resume_chat_completion(request: Request) -> ASGIApp:
+    return _resume(request, "chat")
+
+
+async def resume_completion(request: Request) -> ASGIApp:
+    return _resume(request, "completion")
+
+
+def _resume(request: Request, kind: str) -> ASGIApp:
+    """`GET /v1/{chat/}completions/{id}/stream`: a resumable generation's stream, after the
+    event named by `Last-Event-ID` or `?starting_after=N` (from the first without either)."""
+    sluice: Sluice = request.app.state.sluice
+    public_id = request.path_params["id"]
+    try:
+        run = sluice.find(request.headers, public_id)
+        if run is None or run.shape.parsed.kind != kind:
+            raise GenerationNotFound(f"no generation '{public_id}' to resume", param="id")
+        if not run.shape.stream:
+            raise InvalidRequest("this generation is answered whole, not streamed: send the "
+                                 "request again with its Idempotency-Key for the answer",
+                                 param="id")
+        after = _after(request)
+    except SluiceError as error:
+        return error_response(error)
+    return RunResponse(sluice, run, after=after)
+
+
+def _after(request: Request) -> int:
+    for name, value in (("Last-Event-ID", request.headers.get("last-event-id")),
+                        ("starting_after", request.query_params.get("starting_after"))):
+        if value is not None:
+            value = value.strip()
+            if not value.isdigit() or len(value) > 18:
+                raise InvalidRequest(f"'{name}' must be an event id (an integer >= 0)",
+                                     param=name)
+            return int(value)
+    return 0
 
 
 async def chat_completions_batch(request: Request) -> ASGIApp:
@@ -173,6 +180,9 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
             if body.get(key) not in allowed:
                 raise UnsupportedParameter(f"'{key}' is not supported on the batch endpoint",
                                            param=key)
+        if "idempotency-key" in request.headers:
+            raise UnsupportedParameter("the batch endpoint is not idempotent",
+                                       param="Idempotency-Key")
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, request_id)
@@ -184,60 +194,73 @@ async def _batch(sluice: Sluice, headers: Mapping[str, str], request_id: str,
                  timeline: RequestTimeline, kind: str, bodies: list[dict[str, Any]]
                  ) -> ASGIApp:
     """A BatchResponse over one generation per body, each admitted (or, if one is refused,
-    none: those before it are let go and the refusal is the answer)."""
-    admitted: list[GenerationResponse] = []
+    none: those before it are cancelled and the refusal is the answer)."""
+    runs: list[GenerationRun] = []
     try:
         for i, body in enumerate(bodies):
             parsed = parse_request(body, kind)
             one = RequestTimeline(request_id=f"{request_id}-{i}", model=sluice.served_model,
                                   api=timeline.api)
             try:
-                admitted.append(_admitted(sluice, parsed, one, headers))
+                runs.append(sluice.generate(parsed, body, one, headers, None, stream=False)[0])
             except SluiceError as error:
                 one.finish(outcome_for(error), status=error.status, error=error)
                 raise
     except SluiceError as error:
-        for response in admitted:
-            await response.admission.leave()
-            response.timeline.finish("cancelled", status=499)
-        if not admitted:
+        for run in runs:
+            run.cancel(GenerationCancelled("another part of the batch was refused"))
+        if not runs:
             timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, request_id)
-    return BatchResponse(request_id, kind, admitted)
+    return BatchResponse(request_id, kind, runs)
+
+
+async def _unless_gone(waiting: Awaitable[Any], receive: Receive) -> bool:
+    """Await `waiting` unless the client disconnects first; whether it finished."""
+    waited = asyncio.ensure_future(waiting)
+    leaving = asyncio.ensure_future(receive_disconnect(receive)())
+    try:
+        done, _ = await asyncio.wait({waited, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waited.cancel()
+        leaving.cancel()
+    return waited in done
+
+
+async def _settled(runs: list[GenerationRun]) -> None:
+    """Until every run has ended, or one has failed."""
+    pending = {asyncio.ensure_future(run.until_ended()) for run in runs}
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(future.result().kind is Kind.FAILED for future in done):
+                return
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 class BatchResponse:
     """ASGI response: the batch's generations run side by side; one reply when all are done
     (an error response if any failed), or all cancelled when the client leaves."""
 
-    def __init__(self, request_id: str, kind: str, parts: list[GenerationResponse]) -> None:
+    def __init__(self, request_id: str, kind: str, runs: list[GenerationRun]) -> None:
         self.request_id = request_id
         self.kind = kind
-        self.parts = parts
+        self.runs = runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        parts = [asyncio.ensure_future(part.whole_body()) for part in self.parts]
-        leaving = asyncio.ensure_future(receive_disconnect(receive)())
-        waiting: set[asyncio.Future[Any]] = {*parts, leaving}
-        try:
-            while not leaving.done() and not all(part.done() for part in parts):
-                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                if any(not f.cancelled() and f.exception() for f in done if f is not leaving):
-                    break  # one failed: the batch has failed
-        finally:
-            for future in (*parts, leaving):
-                future.cancel()
-            await asyncio.gather(*parts, leaving, return_exceptions=True)
-        if leaving.done() and not leaving.cancelled():
-            return  # the client left; each part finished as cancelled
-        failed = next((p.exception() for p in parts if not p.cancelled() and p.exception()),
-                      None)
-        if isinstance(failed, SluiceError):
+        with ExitStack() as reading:
+            for run in self.runs:
+                reading.enter_context(run.reading())
+            if not await _unless_gone(_settled(self.runs), receive):
+                return  # the client left: each part is cancelled as its reader leaves
+        failed = next((run.log[-1].error for run in self.runs
+                       if run.log and run.log[-1].kind is Kind.FAILED), None)
+        if failed is not None:
             await error_response(failed, self.request_id)(scope, receive, send)
             return
-        if failed is not None:
-            raise failed
-        bodies = [part.result() for part in parts]
+        bodies = [run.log[-1].body or {} for run in self.runs]
         choices = [{**choice, "index": i} for i, choice in enumerate(
             choice for body in bodies for choice in body["choices"])]
         totals = {key: sum(body["usage"][key] for body in bodies)
@@ -254,181 +277,45 @@ class BatchResponse:
             scope, receive, send)
 
 
-class GenerationResponse:
-    """ASGI response: wait in the queue (watching for the client leaving), then stream or reply.
+class RunResponse:
+    """ASGI response: one reader of a run. It waits (watching for the client leaving) for the
+    run's dispatch, then streams its events after `after` under their ids; or, answered
+    whole, for its end, then replies.
 
     Refusals before dispatch are real HTTP statuses (401/429/503/504 with Retry-After);
     failures after the stream started end it with an error event and `[DONE]`.
     """
 
-    def __init__(
-        self, sluice: Sluice, parsed: ParsedRequest, timeline: RequestTimeline,
-        admission: Admission[Any], new_parser: Callable[[], OutputParser] | None = None,
-        prompt_token_ids: Sequence[int] | None = None, echo: Echo | None = None,
-    ) -> None:
+    def __init__(self, sluice: Sluice, run: GenerationRun, *, after: int = 0,
+                 replayed: bool = False) -> None:
         self.sluice = sluice
-        self.parsed = parsed
-        self.timeline = timeline
-        self.admission = admission
-        self.new_parser = new_parser  # one per choice, when the engine parses the output
-        self.prompt_token_ids = prompt_token_ids  # with vLLM's return_token_ids
-        self.echo = echo  # a completion's prompt, to come first
+        self.run = run
+        self.after = after
+        self.headers = {"X-Request-Id": run.timeline.request_id}
+        if replayed:
+            self.headers["Idempotent-Replayed"] = "true"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        timeline = self.timeline
-        try:
-            generation = await admit_unless_gone(self.admission, receive_disconnect(receive))
-        except SluiceError as error:
-            timeline.finish(outcome_for(error), status=error.status, error=error)
-            await error_response(error, timeline.request_id)(scope, receive, send)
-            return
-        if generation is None:
-            timeline.finish("cancelled", status=499)
-            return
-        timeline.dispatched(generation)
-        try:
-            if self.parsed.stream:
-                response: Response = GuardedEventSourceResponse(
-                    self._events(generation),
-                    headers={"X-Request-Id": timeline.request_id},
-                    ping=self.sluice.ping_seconds,
-                )
-                send = self.sluice.send_guard.wrap(send)
-            else:
-                response = await self._whole(generation, receive)
+        run = self.run
+        with run.reading():
+            stream = run.shape.stream
+            if not await _unless_gone(run.started() if stream else run.until_ended(), receive):
+                return  # the client left (the run is cancelled if it was the last reader)
+            failure = run.failure
+            if failure is not None:
+                await error_response(failure, run.timeline.request_id)(scope, receive, send)
+                return
+            if stream:
+                await GuardedEventSourceResponse(
+                    self._events(), headers=self.headers, ping=self.sluice.ping_seconds,
+                )(scope, receive, self.sluice.send_guard.wrap(send))
+                return
+            last = run.log[-1]
+            response = (error_response(last.error, run.timeline.request_id)
+                        if last.error is not None else
+                        JSONResponse(last.body, headers=self.headers))
             await response(scope, receive, send)
-        finally:
-            await self.admission.leave()
-            if not timeline.ended:  # the stream was cut before its generator ran
-                timeline.finish("cancelled", status=499)
 
-    async def whole_body(self) -> dict[str, Any]:
-        """Queue, generate and collect the whole response body, without watching the
-        connection (the caller does). Raises the SluiceError that ended it."""
-        timeline = self.timeline
-        try:
-            async with self.admission as generation:
-                timeline.dispatched(generation)
-                choices = await self._collect(generation)
-        except SluiceError as error:
-            timeline.finish(outcome_for(error), status=error.status, error=error)
-            raise
-        except asyncio.CancelledError:
-            timeline.finish("cancelled", status=499)
-            raise
-        body = self._body(choices)
-        timeline.finish("completed")
-        return body
-
-    def _body(self, choices: Choices) -> dict[str, Any]:
-        timeline = self.timeline
-        return whole_response(
-            self.parsed.kind, timeline.request_id, self.sluice.served_model,
-            choices, timeline.prompt_tokens, timeline.generated_tokens,
-            timeline.timings(), self.prompt_token_ids, self.echo,
-        )
-
-    async def _whole(self, generation: Generation, receive: Receive) -> Response:
-        timeline = self.timeline
-        collecting = asyncio.ensure_future(self._collect(generation))
-        leaving = asyncio.ensure_future(receive_disconnect(receive)())
-        try:
-            await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            leaving.cancel()
-            if not collecting.done():
-                collecting.cancel()
-        try:
-            choices = await collecting
-        except asyncio.CancelledError:
-            timeline.finish("cancelled", status=499)
-            return Response(status_code=499)
-        except SluiceError as error:
-            timeline.finish(outcome_for(error), status=error.status, error=error)
-            return error_response(error, timeline.request_id)
-        finally:
-            # A failed task keeps its error, whose traceback holds this frame, which holds the
-            # task: a reference cycle that would keep the request's connection, timeline and
-            # ticket alive until the next full GC pass (under overload, thousands of them).
-            del collecting
-        body = self._body(choices)
-        timeline.finish("completed")
-        return JSONResponse(body, headers={"X-Request-Id": timeline.request_id})
-
-    def _choices(self, *, keep: bool) -> Choices:
-        return Choices(self.parsed.n, self.new_parser, keep=keep,
-                       logprobs=self.parsed.sampling.get("logprobs") is not None)
-
-    async def _collect(self, generation: Generation) -> Choices:
-        choices = self._choices(keep=True)
-        try:
-            async for delta in generation:
-                self.timeline.wrote_tokens(len(delta.token_ids))
-                choices.add(delta)
-        except EngineError as exc:
-            raise engine_failure(exc) from exc
-        choices.check_all_finished()
-        return choices
-
-    async def _events(self, generation: Generation) -> AsyncIterator[bytes]:
-        timeline, parsed = self.timeline, self.parsed
-        encoder = ChunkEncoder(parsed.kind, timeline.request_id, self.sluice.served_model,
-                               parsed.include_usage, parsed.continuous_usage,
-                               timeline.prompt_tokens, self.prompt_token_ids)
-        ids = self.prompt_token_ids is not None  # each chunk carries its token ids
-        echo = self.echo
-        answer = echo is None or not echo.prompt_only  # whether the text generated is sent
-        choices = self._choices(keep=False)
-        outcome, status, failure = "cancelled", 499, None
-        try:
-            for index in range(choices.n):
-                if parsed.kind == "chat":
-                    yield encoder.role(index)
-                if echo is not None and echo.text:
-                    yield encoder.text(echo.text, 0, None, index)
-            last = None  # the choice that finishes last: its chunk ends the stream
-            try:
-                async for delta in generation:
-                    if delta.token_ids:
-                        timeline.wrote_tokens(len(delta.token_ids))
-                    choice, fields = choices.add(delta)
-                    if choices.parsed:
-                        if fields or delta.logprobs or (ids and delta.token_ids):
-                            yield encoder.delta(fields or {}, timeline.generated_tokens,
-                                                delta.logprobs, choice.index, delta.token_ids)
-                    elif answer and (delta.text or delta.logprobs or (ids and delta.token_ids)):
-                        yield encoder.text(delta.text, timeline.generated_tokens,
-                                           delta.logprobs, choice.index, delta.token_ids)
-                    if delta.finish_reason is None:
-                        continue
-                    if choices.left:  # not the last to finish: its own finishing chunk now
-                        yield encoder.finish(Choices.finish_reason(choice), choice.stop_reason,
-                                             None, timeline.generated_tokens, choice.index)
-                    else:
-                        last = choice
-            except EngineError as exc:
-                raise engine_failure(exc) from exc
-            choices.check_all_finished()
-            assert last is not None
-            finish_reason = Choices.finish_reason(last)
-            summary = {
-                "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
-                "timings": timeline.timings(),
-            }
-            generated = timeline.generated_tokens
-            if parsed.include_usage:
-                yield encoder.finish(finish_reason, last.stop_reason, None, generated,
-                                     last.index)
-                yield encoder.usage_chunk(summary)
-            else:
-                yield encoder.finish(finish_reason, last.stop_reason,
-                                     {"timings": summary["timings"]}, generated, last.index)
-            yield DONE
-            outcome, status = "completed", 200
-        except SluiceError as error:
-            outcome, status, failure = outcome_for(error), error.status, error
-            yield encoder.error(error.to_body())
-            yield DONE
-        finally:
-            timeline.finish(outcome, status=status, error=failure)
-            del failure  # its traceback holds this frame (see _whole)
+    async def _events(self) -> AsyncIterator[bytes]:
+        async for seq, event in self.run.events(self.after):
+            yield b"id: %d\n%s" % (seq, event.sse)

@@ -1,14 +1,18 @@
 """`GET /v1/ws`: many generations multiplexed over one WebSocket.
 
 Client → server: `{"type": "generate", "id": ID, "request": {chat-completion body},
-"traffic_class"?: "interactive"|"bulk", "timeout_ms"?: N}` and `{"type": "cancel", "id": ID}`.
-Server → client: `{"type": "delta", "id", "text", "tokens"}` (with "logprobs" when asked,
-"tool_calls" / "reasoning" as in a chat chunk's delta when the output is parsed, the
-choice's "index" when n > 1, and "token_ids" with vLLM's return_token_ids), exactly one
-`{"type": "final", "id", "finish_reason", "usage", "timings"}` (and "choices": [{"index",
-"finish_reason"}] when n > 1) per generation that started
-(finish_reason "cancelled" after a cancel), and `{"type": "error", "id", "error": {...}}`
-(id null for a message that could not be attributed). The README documents the protocol.
+"traffic_class"?: "interactive"|"bulk", "timeout_ms"?: N, "idempotency_key"?: KEY}`,
+`{"type": "resume", "id": ID, "generation": "chatcmpl-…", "after"?: N}` and
+`{"type": "cancel", "id": ID}`.
+Server → client: `{"type": "delta", "id", "seq", "text", "tokens"}` (with "logprobs" when
+asked, "tool_calls" / "reasoning" as in a chat chunk's delta when the output is parsed, the
+choice's "index" when n > 1, "token_ids" with vLLM's return_token_ids, and "generation", the id
+to resume it by, when it is resumable), exactly one `{"type": "final", "id", "seq",
+"finish_reason", "usage", "timings"}` (and "choices": [{"index", "finish_reason"}] when n > 1)
+or `{"type": "error", "id", "error": {...}}` per generate or resume that passed validation
+(finish_reason "cancelled" after a cancel), and errors with id null for a message that could
+not be attributed. `seq` numbers the generation's events as the `id:` of its SSE events does.
+The README documents the protocol.
 """
 
 from __future__ import annotations
@@ -22,19 +26,56 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine_adapters.protocol import EngineError
-from server.choices import Choices
-from server.errors import InvalidRequest, SluiceError
+from server.errors import (
+    GenerationCancelled,
+    GenerationNotFound,
+    InvalidRequest,
+    SluiceError,
+)
 from server.generation import Sluice, api_key_from
+from server.generations.run import Event, GenerationRun, Kind
 from server.openai_requests import parse_request
 from server.openai_responses import chat_logprobs, usage
-from server.openai_routes import engine_failure
 from server.timeline import RequestTimeline, outcome_for
 
 logger = logging.getLogger("sluice.ws")
 
 MAX_GENERATIONS_PER_CONNECTION = 256
 OUTBOX_SIZE = 1024
+_NOT_FINGERPRINTED = ("type", "id", "idempotency_key")
+
+
+def ws_message(local_id: str, seq: int, event: Event, run: GenerationRun
+               ) -> dict[str, Any] | None:
+    """The WebSocket message for one event of a run's log (None: the event has none)."""
+    message: dict[str, Any]
+    if event.kind is Kind.PIECE:
+        message = {"type": "delta", "id": local_id, "seq": seq, "text": event.text,
+                   "tokens": event.tokens}
+        if run.shape.parsed.n > 1:
+            message["index"] = event.index
+        if run.shape.new_parser is not None:  # the parsed content is the text
+            fields = dict(event.fields or {})
+            message["text"] = fields.pop("content", "")
+            message.update(fields)
+        if event.logprobs is not None:
+            message["logprobs"] = chat_logprobs(event.logprobs)
+        if run.shape.parsed.return_token_ids:
+            message["token_ids"] = list(event.token_ids)
+    elif event.kind is Kind.FINISH and event.final is not None:
+        message = {"type": "final", "id": local_id, "seq": seq, **event.final}
+    elif event.kind is Kind.FAILED and isinstance(event.error, GenerationCancelled):
+        timeline = run.timeline
+        message = {"type": "final", "id": local_id, "seq": seq, "finish_reason": "cancelled",
+                   "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
+                   "timings": timeline.timings()}
+    elif event.kind is Kind.FAILED and event.error is not None:
+        return {"type": "error", "id": local_id, "seq": seq, **event.error.to_body()}
+    else:
+        return None
+    if run.resumable:
+        message["generation"] = run.shape.public_id
+    return message
 
 
 class Connection:
@@ -45,8 +86,8 @@ class Connection:
         if "authorization" not in self.headers and websocket.query_params.get("api_key"):
             self.headers["authorization"] = "Bearer " + websocket.query_params["api_key"]
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue(OUTBOX_SIZE)
-        self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.cancelled: set[str] = set()
+        self.readers: dict[str, asyncio.Task[None]] = {}  # by the client's id
+        self.runs: dict[str, GenerationRun] = {}
         self.closing = False  # the connection is ending; the writer's cancellation is ours
         self.stalled = False  # the writer gave up on the client
         self._serving: asyncio.Task[Any] | None = None
@@ -69,13 +110,13 @@ class Connection:
                     if self.stalled and serving.uncancel() == 0:
                         return
                     raise
-                self._handle(raw)
+                await self._handle(raw)
         finally:
             self.closing = True
-            for task in self.tasks.values():
+            for task in self.readers.values():
                 task.cancel()
-            if self.tasks:
-                await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            if self.readers:
+                await asyncio.gather(*self.readers.values(), return_exceptions=True)
             writer.cancel()
             with suppress(asyncio.CancelledError):
                 await writer
@@ -98,62 +139,66 @@ class Connection:
         if self._serving is not None and not self.closing:
             self._serving.cancel()
 
-    def _post(self, message: dict[str, Any]) -> None:
-        try:
-            self.outbox.put_nowait(orjson.dumps(message))
-        except asyncio.QueueFull:
-            pass  # the writer is stalled; it will close the connection
-
     async def _send(self, message: dict[str, Any]) -> None:
         await self.outbox.put(orjson.dumps(message))
 
-    def _error(self, gen_id: Any, error: SluiceError) -> None:
-        self._post({"type": "error", "id": gen_id, **error.to_body()})
+    async def _error(self, gen_id: Any, error: SluiceError) -> None:
+        await self._send({"type": "error", "id": gen_id, **error.to_body()})
 
-    def _handle(self, raw: str) -> None:
+    async def _handle(self, raw: str) -> None:
         if len(raw) > self.sluice.max_body_bytes:
-            self._error(None, InvalidRequest("message too large"))
+            await self._error(None, InvalidRequest("message too large"))
             return
         try:
             message = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            self._error(None, InvalidRequest("messages must be JSON objects"))
-            return
+            message = None
         if not isinstance(message, dict):
-            self._error(None, InvalidRequest("messages must be JSON objects"))
+            await self._error(None, InvalidRequest("messages must be JSON objects"))
             return
         gen_id = message.get("id")
         if not isinstance(gen_id, str) or not gen_id or len(gen_id) > 128:
-            self._error(gen_id if isinstance(gen_id, str | int) else None,
-                        InvalidRequest("'id' must be a non-empty string", param="id"))
+            await self._error(gen_id if isinstance(gen_id, str | int) else None,
+                              InvalidRequest("'id' must be a non-empty string", param="id"))
             return
         kind = message.get("type")
         if kind == "cancel":
-            task = self.tasks.get(gen_id)
-            if task is None:
-                self._error(gen_id, InvalidRequest(f"no running generation with id {gen_id!r}",
-                                                   param="id"))
-            else:
-                self.cancelled.add(gen_id)
-                task.cancel()
+            # A cancel for a generation that has ended (or never was) changes nothing: its one
+            # final or error is sent (or on its way) already.
+            run = self.runs.get(gen_id)
+            if run is not None:
+                run.cancel(GenerationCancelled("the client cancelled the generation"))
             return
-        if kind != "generate":
-            self._error(gen_id, InvalidRequest("'type' must be 'generate' or 'cancel'",
-                                               param="type"))
+        if kind not in ("generate", "resume"):
+            await self._error(gen_id, InvalidRequest(
+                "'type' must be 'generate', 'resume' or 'cancel'", param="type"))
             return
-        if gen_id in self.tasks:
-            self._error(gen_id, InvalidRequest(f"id {gen_id!r} is already in use", param="id"))
+        if gen_id in self.readers:
+            await self._error(gen_id, InvalidRequest(f"id {gen_id!r} is already in use",
+                                                     param="id"))
             return
-        if len(self.tasks) >= MAX_GENERATIONS_PER_CONNECTION:
-            self._error(gen_id, InvalidRequest("too many generations on this connection"))
+        if len(self.readers) >= MAX_GENERATIONS_PER_CONNECTION:
+            await self._error(gen_id, InvalidRequest("too many generations on this connection"))
             return
-        task = asyncio.create_task(self._generate(gen_id, message))
-        self.tasks[gen_id] = task
+        try:
+            run, after = (self._generate(gen_id, message) if kind == "generate"
+                          else self._resume(message))
+        except SluiceError as error:
+            await self._error(gen_id, error)
+            return
+        # The reader counts from now, so a connection that closes before its task runs still
+        # lets the run go (the task's end detaches it, however it ends).
+        run.attach()
+        self.runs[gen_id] = run
+        task = asyncio.create_task(self._read(gen_id, run, after))
+        self.readers[gen_id] = task
         task.add_done_callback(functools.partial(self._forget, gen_id))
 
     def _forget(self, gen_id: str, _task: asyncio.Task[None]) -> None:
-        self.tasks.pop(gen_id, None)
-        self.cancelled.discard(gen_id)
+        self.readers.pop(gen_id, None)
+        run = self.runs.pop(gen_id, None)
+        if run is not None:
+            run.detach()
 
     def _headers_for(self, message: dict[str, Any]) -> dict[str, str]:
         headers = dict(self.headers)
@@ -163,77 +208,52 @@ class Connection:
             headers["x-request-timeout-ms"] = str(message["timeout_ms"])
         return headers
 
-    async def _generate(self, gen_id: str, message: dict[str, Any]) -> None:
+    def _generate(self, gen_id: str, message: dict[str, Any]) -> tuple[GenerationRun, int]:
         sluice = self.sluice
         timeline = RequestTimeline(request_id=f"ws-{id(self):x}-{gen_id}"[:128],
                                    model=sluice.served_model, api="ws")
-        outcome, status, failure = "cancelled", 499, None
         try:
             request_body = message.get("request")
             if isinstance(request_body, dict) and request_body.get("stream") is False:
                 raise InvalidRequest("WebSocket generations always stream", param="stream")
             parsed = parse_request(request_body, "chat")
             # What only a whole response carries; a WebSocket generation always streams.
-            for key, asked in (("prompt_logprobs", "prompt_logprobs" in parsed.sampling),
-                               ("echo", parsed.echo)):
+            for name, asked in (("prompt_logprobs", "prompt_logprobs" in parsed.sampling),
+                                ("echo", parsed.echo)):
                 if asked:
-                    raise InvalidRequest(f"'{key}' is not available over the WebSocket",
-                                         param=key)
-            ticket, engine_request, plan = sluice.prepare(
-                parsed, timeline, self._headers_for(message)
-            )
-            choices = Choices(parsed.n, None if plan.parser is None else functools.partial(
-                plan.parser, engine_request.prompt_token_ids), keep=False,
-                logprobs="logprobs" in parsed.sampling)
-            async with sluice.dispatcher.generation(ticket, engine_request) as generation:
-                timeline.dispatched(generation)
-                try:
-                    async for delta in generation:
-                        if delta.token_ids:
-                            timeline.wrote_tokens(len(delta.token_ids))
-                        choice, fields = choices.add(delta)
-                        if not (delta.token_ids or fields):
-                            continue
-                        message = {"type": "delta", "id": gen_id, "text": delta.text,
-                                   "tokens": len(delta.token_ids)}
-                        if choices.n > 1:
-                            message["index"] = choice.index
-                        if choices.parsed:  # the parsed content is the text
-                            fields = dict(fields or {})
-                            message["text"] = fields.pop("content", "")
-                            message.update(fields)
-                        if delta.logprobs is not None:
-                            message["logprobs"] = chat_logprobs(delta.logprobs)
-                        if parsed.return_token_ids:
-                            message["token_ids"] = list(delta.token_ids)
-                        await self._send(message)
-                except EngineError as exc:
-                    raise engine_failure(exc) from exc
-                choices.check_all_finished()
-            outcome, status = "completed", 200
-            ended = [(c.index, Choices.finish_reason(c)) for c in choices.in_order()]
-            final: dict[str, Any] = {"type": "final", "id": gen_id, "finish_reason": ended[0][1]}
-            if choices.n > 1:
-                final["choices"] = [{"index": i, "finish_reason": r} for i, r in ended]
-            await self._send({
-                **final, "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
-                "timings": timeline.timings(),
-            })
+                    raise InvalidRequest(f"'{name}' is not available over the WebSocket",
+                                         param=name)
+            key = message.get("idempotency_key")
+            if key is not None and not isinstance(key, str):
+                raise InvalidRequest("'idempotency_key' must be a string",
+                                     param="idempotency_key")
+            fingerprinted = {k: v for k, v in message.items() if k not in _NOT_FINGERPRINTED}
+            run, _ = sluice.generate(parsed, fingerprinted, timeline,
+                                     self._headers_for(message), key, stream=True)
         except SluiceError as error:
-            outcome, status, failure = outcome_for(error), error.status, error
-            self._error(gen_id, error)
-        except asyncio.CancelledError:
-            if gen_id in self.cancelled:  # the client's cancel, not the connection closing
-                self._post({
-                    "type": "final", "id": gen_id, "finish_reason": "cancelled",
-                    "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
-                    "timings": timeline.timings(),
-                })
-                return
+            timeline.finish(outcome_for(error), status=error.status, error=error)
             raise
-        finally:
-            timeline.finish(outcome, status=status, error=failure)
-            del failure  # its traceback holds this frame: no reference cycle, freed at once
+        return run, 0
+
+    def _resume(self, message: dict[str, Any]) -> tuple[GenerationRun, int]:
+        public_id, after = message.get("generation"), message.get("after", 0)
+        if not isinstance(public_id, str):
+            raise InvalidRequest("'generation' must be the id of a generation",
+                                 param="generation")
+        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+            raise InvalidRequest("'after' must be an event number (an integer >= 0)",
+                                 param="after")
+        run = self.sluice.find(self.headers, public_id)
+        if run is None or not run.shape.stream:
+            raise GenerationNotFound(f"no generation '{public_id}' to resume",
+                                     param="generation")
+        return run, after
+
+    async def _read(self, gen_id: str, run: GenerationRun, after: int) -> None:
+        async for seq, event in run.events(after):
+            message = ws_message(gen_id, seq, event, run)
+            if message is not None:
+                await self._send(message)
 
 
 async def websocket_endpoint(websocket: WebSocket) -> None:

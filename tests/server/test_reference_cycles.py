@@ -34,7 +34,7 @@ from server.scheduler.runtime import SchedulerRuntime
 from server.scheduler.types import TrafficClass
 
 # Created once per request; in the garbage only if a cycle held the request.
-PER_REQUEST_TYPES = {"RequestTimeline", "Ticket", "GenerationResponse"}
+PER_REQUEST_TYPES = {"RequestTimeline", "Ticket", "GenerationRun", "RunResponse"}
 # An optimistic prior: long answers are admitted (and then run past short deadlines).
 FAST_PRIOR = EstimateConfig(decode_tokens_per_s=100_000.0, calibrate=False)
 

@@ -1,0 +1,370 @@
+"""One generation's life: admit → dispatch → engine deltas → an event log → end.
+
+A `GenerationRun` owns the lifecycle in one task of its own. What the engine produces becomes
+numbered events (1, 2, 3, …) in the run's log; responses are readers of that log from an
+offset: an SSE stream writes each event's rendered bytes under `id: N`, a WebSocket renders
+the same events as messages carrying `seq: N`, and a whole JSON response waits for the one
+event that carries its body. A reader that leaves does not end the run by itself: the run is
+cancelled when its last reader leaves (at once, or after a grace period for a resumable run).
+
+Every run ends exactly once, with its timeline finished and its terminal event logged, however
+it ends: completed, refused or expired in the queue, failed, or cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from engine_adapters.protocol import (
+    EngineDeadError,
+    EngineError,
+    EngineRequestError,
+    OutputParser,
+    TokenLogprob,
+)
+from server.choices import Choices
+from server.errors import (
+    EngineUnavailable,
+    GenerationCancelled,
+    GenerationFailed,
+    InvalidRequest,
+    SluiceError,
+)
+from server.openai_requests import ParsedRequest
+from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
+from server.scheduler.types import Admission, Generation
+from server.timeline import RequestTimeline, outcome_for
+
+logger = logging.getLogger("sluice.server")
+
+
+class Kind(IntEnum):
+    OPEN = 1  # a choice's first chunk (a chat's role; a completion's echoed prompt)
+    PIECE = 2  # generated text, parsed fields, logprobs
+    FINISH = 3  # a choice's finish_reason (the last one's carries the generation's summary)
+    USAGE = 4  # the usage chunk (stream_options.include_usage)
+    DONE = 5  # `[DONE]`
+    FAILED = 6  # the error that ended the run (a stream's is followed by DONE)
+    WHOLE = 7  # a whole response's body
+
+
+_LAST = (Kind.DONE, Kind.WHOLE)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One entry of the log. `sse` is its SSE rendering, made once for every reader."""
+
+    kind: Kind
+    sse: bytes = b""
+    index: int = 0  # the choice
+    text: str = ""
+    tokens: int = 0  # generated tokens this event accounts for
+    fields: dict[str, Any] | None = None  # a parsed chunk's delta (tool calls, reasoning)
+    logprobs: Sequence[TokenLogprob] | None = None
+    token_ids: Sequence[int] = ()
+    final: dict[str, Any] | None = None  # the last FINISH: finish_reason(s), usage, timings
+    body: dict[str, Any] | None = None  # WHOLE: the response
+    error: SluiceError | None = None  # FAILED
+
+
+def engine_failure(exc: EngineError) -> SluiceError:
+    if isinstance(exc, EngineDeadError):
+        return EngineUnavailable("the engine stopped while generating; retry shortly",
+                                 retry_after=5)
+    if isinstance(exc, EngineRequestError):
+        return InvalidRequest(str(exc), param=exc.param)
+    return GenerationFailed(f"generation failed: {exc}")
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What the client asked the output to look like, fixed when the run is made."""
+
+    parsed: ParsedRequest
+    model: str
+    response_id: str  # after "chatcmpl-"/"cmpl-": the id of its chunks and body
+    stream: bool
+    new_parser: Callable[[], OutputParser] | None = None  # one per choice
+    prompt_token_ids: Sequence[int] | None = None  # with vLLM's return_token_ids
+    echo: Echo | None = None  # what comes before the generated text
+
+    @property
+    def public_id(self) -> str:
+        return ("chatcmpl-" if self.parsed.kind == "chat" else "cmpl-") + self.response_id
+
+    def choices(self, *, keep: bool) -> Choices:
+        return Choices(self.parsed.n, self.new_parser, keep=keep,
+                       logprobs=self.parsed.sampling.get("logprobs") is not None)
+
+
+class GenerationRun:
+    """A generation and its event log. `start()` it once; read it with `reading()` +
+    `events(after)` / `started()` / `ended_event()`; `cancel(error)` it from anywhere."""
+
+    def __init__(self, shape: Shape, timeline: RequestTimeline, admission: Admission[Any], *,
+                 resumable: bool = False, grace_seconds: float = 30.0,
+                 on_end: Callable[[GenerationRun], None] | None = None) -> None:
+        self.shape = shape
+        self.timeline = timeline
+        self.resumable = resumable
+        self.grace_seconds = grace_seconds
+        self.log: list[Event] = []
+        self.size = 0  # bytes the log holds, roughly
+        self.dispatched = False
+        self.ended = False
+        self.owner: str | None = None  # the tenant, for a run that can be found again
+        self._admission: Admission[Any] | None = admission
+        self._on_end = on_end
+        self._task: asyncio.Task[None] | None = None
+        self._running = False  # the task's coroutine has begun
+        self._concluded = False  # the last event is logged
+        self._cancel_with: SluiceError | None = None
+        self._readers = 0
+        self._grace: asyncio.TimerHandle | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+
+    # -- the producer ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        assert self._task is None, "a run starts once"
+        self._task = asyncio.get_running_loop().create_task(self._produce())
+
+    def cancel(self, error: SluiceError) -> None:
+        """End the run with `error` (a no-op once it has ended): out of the queue, or the
+        engine request aborted."""
+        if self._concluded or self._cancel_with is not None:
+            return
+        self._cancel_with = error
+        if self._running and self._task is not None:
+            self._task.cancel()
+        # Not begun yet: the coroutine sees `_cancel_with` first thing (cancelling a task
+        # before it runs would skip its code, and with it the run's end).
+
+    async def _produce(self) -> None:
+        self._running = True
+        admission = self._admission
+        assert admission is not None
+        try:
+            if self._cancel_with is not None:  # cancelled before it began
+                raise asyncio.CancelledError
+            async with admission as generation:
+                self.timeline.dispatched(generation)
+                self.dispatched = True
+                self._wake()
+                try:
+                    if self.shape.stream:
+                        await self._stream(generation)
+                    else:
+                        await self._whole(generation)
+                except EngineError as exc:
+                    raise engine_failure(exc) from None
+        except SluiceError as error:
+            self._fail(error)
+        except asyncio.CancelledError:  # only `cancel` cancels this task
+            self._fail(self._cancel_with or GenerationCancelled("the generation was cancelled"))
+        except Exception:
+            logger.exception("generation %s failed", self.timeline.request_id)
+            self._fail(GenerationFailed("the generation failed"))
+        finally:
+            # Concluded: `cancel` no longer interrupts, so this await runs to its end.
+            await admission.leave()  # idempotent; releases what was never entered
+            self._admission = None
+            self._end()
+
+    async def _stream(self, generation: Generation) -> None:
+        shape, timeline, parsed = self.shape, self.timeline, self.shape.parsed
+        encoder = ChunkEncoder(parsed.kind, shape.response_id, shape.model, parsed.include_usage,
+                               parsed.continuous_usage, timeline.prompt_tokens,
+                               shape.prompt_token_ids)
+        with_ids = shape.prompt_token_ids is not None  # each chunk carries its token ids
+        echo = shape.echo
+        answer = echo is None or not echo.prompt_only  # whether the text generated is sent
+        choices = shape.choices(keep=False)
+        append = self._append
+        for index in range(choices.n):
+            if parsed.kind == "chat":
+                append(Event(Kind.OPEN, encoder.role(index), index))
+            if echo is not None and echo.text:
+                append(Event(Kind.OPEN, encoder.text(echo.text, 0, None, index), index))
+        last = None  # the choice that finishes last: its chunk ends the stream
+        unsent = 0  # tokens of deltas with nothing to show, counted in the next event
+        async for delta in generation:
+            count = len(delta.token_ids)
+            if count:
+                timeline.wrote_tokens(count)
+            choice, fields = choices.add(delta)
+            shown = (fields or delta.logprobs or (with_ids and delta.token_ids)
+                     if choices.parsed else
+                     answer and (delta.text or delta.logprobs or (with_ids and delta.token_ids)))
+            # Tokens with no text of their own ride on the next piece; a choice's last ones
+            # get a piece, so that the pieces' counts add up to the tokens generated.
+            shown = shown or (answer and delta.finish_reason is not None and unsent + count)
+            if shown:
+                sse = (encoder.delta(fields or {}, timeline.generated_tokens, delta.logprobs,
+                                     choice.index, delta.token_ids) if choices.parsed else
+                       encoder.text(delta.text, timeline.generated_tokens, delta.logprobs,
+                                    choice.index, delta.token_ids))
+                append(Event(Kind.PIECE, sse, choice.index, delta.text, unsent + count, fields,
+                             delta.logprobs, delta.token_ids))
+                unsent = 0
+            else:
+                unsent += count
+            if delta.finish_reason is None:
+                continue
+            if choices.left:  # not the last to finish: its own finishing chunk now
+                append(Event(Kind.FINISH, encoder.finish(
+                    Choices.finish_reason(choice), choice.stop_reason, None,
+                    timeline.generated_tokens, choice.index), choice.index))
+            else:
+                last = choice
+        choices.check_all_finished()
+        assert last is not None
+        finish_reason = Choices.finish_reason(last)
+        summary = {"usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
+                   "timings": timeline.timings()}
+        ended = [(c.index, Choices.finish_reason(c)) for c in choices.in_order()]
+        final: dict[str, Any] = {"finish_reason": ended[0][1]}
+        if choices.n > 1:
+            final["choices"] = [{"index": i, "finish_reason": r} for i, r in ended]
+        final.update(summary)
+        generated = timeline.generated_tokens
+        if parsed.include_usage:
+            append(Event(Kind.FINISH, encoder.finish(finish_reason, last.stop_reason, None,
+                                                     generated, last.index),
+                         last.index, final=final))
+            append(Event(Kind.USAGE, encoder.usage_chunk(summary)))
+        else:
+            append(Event(Kind.FINISH, encoder.finish(finish_reason, last.stop_reason,
+                                                     {"timings": summary["timings"]},
+                                                     generated, last.index),
+                         last.index, final=final))
+        timeline.finish("completed")
+        append(Event(Kind.DONE, DONE))
+
+    async def _whole(self, generation: Generation) -> None:
+        shape, timeline = self.shape, self.timeline
+        choices = shape.choices(keep=True)
+        async for delta in generation:
+            timeline.wrote_tokens(len(delta.token_ids))
+            choices.add(delta)
+        choices.check_all_finished()
+        body = whole_response(shape.parsed.kind, shape.response_id, shape.model, choices,
+                              timeline.prompt_tokens, timeline.generated_tokens,
+                              timeline.timings(), shape.prompt_token_ids, shape.echo)
+        timeline.finish("completed")
+        self._append(Event(Kind.WHOLE, body=body))
+
+    def _fail(self, error: SluiceError) -> None:
+        """Log the error that ends the run (kept without its traceback, which would hold the
+        producer's frame and, through it, the run)."""
+        if self._concluded:
+            return
+        error.__traceback__ = error.__cause__ = error.__context__ = None
+        if isinstance(error, GenerationCancelled):
+            self.timeline.finish("cancelled", status=499)
+        else:
+            self.timeline.finish(outcome_for(error), status=error.status, error=error)
+        self._append(Event(Kind.FAILED, ChunkEncoder.error(error.to_body()), error=error))
+        if self.shape.stream:
+            self._append(Event(Kind.DONE, DONE))
+
+    def _append(self, event: Event) -> None:
+        self._concluded = event.kind in _LAST or (
+            event.kind is Kind.FAILED and not self.shape.stream)
+        self.log.append(event)
+        self.size += 96 + len(event.sse) + len(event.text)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _end(self) -> None:
+        if self.ended:
+            return
+        if not self.timeline.ended:  # (a path above that did not log its end: a bug)
+            self._fail(GenerationFailed("the generation ended without a result"))
+        self.ended = True
+        self._task = None
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        self._wake()
+        if self._on_end is not None:
+            self._on_end(self)
+
+    # -- readers ----------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """A reader begins (each `attach` is matched by one `detach`)."""
+        self._readers += 1
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+
+    def detach(self) -> None:
+        """A reader left. When the last one leaves a running run, it is cancelled: at once, or
+        for a resumable run after `grace_seconds` without a reader."""
+        self._readers -= 1
+        if self._readers or self.ended:
+            return
+        if self.resumable:
+            self._grace = asyncio.get_running_loop().call_later(
+                self.grace_seconds, self.cancel, GenerationCancelled(
+                    f"no client read the generation for {self.grace_seconds:g} s"))
+        else:
+            self.cancel(GenerationCancelled("the client left"))
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """A reader while the block runs."""
+        self.attach()
+        try:
+            yield
+        finally:
+            self.detach()
+
+    async def _changed(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+    async def started(self) -> None:
+        """Until the run is dispatched to the engine, or has ended."""
+        while not (self.dispatched or self.ended):
+            await self._changed()
+
+    async def until_ended(self) -> Event:
+        """The run's last event, once it has ended."""
+        while not self.ended:
+            await self._changed()
+        return self.log[-1]
+
+    async def events(self, after: int = 0) -> AsyncIterator[tuple[int, Event]]:
+        """(number, event) for every event after number `after`, live, to the end."""
+        seq = after
+        log = self.log
+        while True:
+            while seq < len(log):
+                event = log[seq]
+                seq += 1
+                yield seq, event
+            if self.ended:
+                return
+            await self._changed()
+
+    @property
+    def failure(self) -> SluiceError | None:
+        """The error that ended the run before it was dispatched (a refusal, an expiry)."""
+        if self.ended and not self.dispatched:
+            return self.log[0].error if self.log else None
+        return None

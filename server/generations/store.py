@@ -1,0 +1,115 @@
+"""Resumable generations, found again by their tenant: by id (to resume a stream) and by
+idempotency key (to answer a retried request with the same generation).
+
+A record lives while its run runs and for `retention_seconds` after it ends, within
+`max_bytes` for all the logs together; past the bound, the oldest ended records go first. A
+run that ended before it was dispatched (refused or expired in the queue) is forgotten at
+once: its key is free for a retry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from server.generations.run import GenerationRun
+
+MAX_KEY_LENGTH = 255
+
+
+def fingerprint(kind: str, body: Any) -> str:
+    """The request as canonical JSON (keys sorted), hashed."""
+    return hashlib.sha256(orjson.dumps([kind, body], option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+@dataclass(slots=True)
+class _Record:
+    tenant: str
+    key: str | None
+    fingerprint: str
+    run: GenerationRun
+    ended_at: float | None = None
+
+
+class RunStore:
+    def __init__(self, retention_seconds: float, max_bytes: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.retention_seconds = retention_seconds
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._records: dict[GenerationRun, _Record] = {}  # oldest first
+        self._by_id: dict[tuple[str, str], _Record] = {}
+        self._by_key: dict[tuple[str, str], _Record] = {}
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def add(self, tenant: str, key: str | None, print_: str, run: GenerationRun) -> None:
+        self.sweep()
+        record = _Record(tenant, key, print_, run)
+        run.owner = tenant
+        self._records[run] = record
+        self._by_id[(tenant, run.shape.public_id)] = record
+        if key is not None:
+            self._by_key[(tenant, key)] = record
+
+    def by_key(self, tenant: str, key: str) -> tuple[GenerationRun, str] | None:
+        """The run made under `key` and its request's fingerprint."""
+        record = self._live(self._by_key.get((tenant, key)))
+        return None if record is None else (record.run, record.fingerprint)
+
+    def by_id(self, tenant: str, public_id: str) -> GenerationRun | None:
+        record = self._live(self._by_id.get((tenant, public_id)))
+        return None if record is None else record.run
+
+    def ended(self, run: GenerationRun) -> None:
+        record = self._records.get(run)
+        if record is None:
+            return
+        if not run.dispatched:
+            self._drop(record)
+            return
+        record.ended_at = self._clock()
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Drop what is past its retention, then the oldest ended records while over the
+        memory bound."""
+        now = self._clock()
+        total = 0
+        for record in list(self._records.values()):
+            if record.ended_at is not None and now - record.ended_at > self.retention_seconds:
+                self._drop(record)
+            else:
+                total += record.run.size
+        if total <= self.max_bytes:
+            return
+        for record in list(self._records.values()):
+            if record.ended_at is not None:
+                self._drop(record)
+                total -= record.run.size
+                if total <= self.max_bytes:
+                    return
+
+    def _live(self, record: _Record | None) -> _Record | None:
+        if record is None or record.ended_at is None:
+            return record
+        if self._clock() - record.ended_at > self.retention_seconds:
+            self._drop(record)
+            return None
+        return record
+
+    def _drop(self, record: _Record) -> None:
+        self._records.pop(record.run, None)
+        self._by_id.pop((record.tenant, record.run.shape.public_id), None)
+        if record.key is not None:
+            self._by_key.pop((record.tenant, record.key), None)
+
+    @property
+    def bytes(self) -> int:
+        return sum(record.run.size for record in self._records.values())

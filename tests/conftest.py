@@ -31,6 +31,17 @@ VLLM_OUTPUT_FLAGS = [
 ]
 
 
+# Fixtures that start the real vLLM engine: a test that uses one is marked `vllm`, so that
+# `pytest -m "not vllm"` runs the pure and sim tests alone.
+VLLM_FIXTURES = {"vllm_server", "demo_model_dir"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.vllm)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup run run-sim test lint bench-throughput bench-flood clean
+.PHONY: setup run run-sim test test-quick lint bench-throughput bench-flood clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,9 @@ run-sim: setup
 test: setup
 	scripts/install-test-deps.sh
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-quick: setup  # the pure and sim-engine tests, no vLLM, browser, Prometheus or slow ones
+	$(BIN)/pytest -m "not vllm and not browser and not prometheus and not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check server engine_adapters tests bench

@@ -39,7 +39,7 @@ from server.generations.store import MAX_KEY_LENGTH, RunStore, fingerprint
 from server.openai_requests import ParsedRequest
 from server.openai_responses import Echo
 from server.scheduler.tenants import TenantDirectory
-from server.scheduler.types import Dispatcher, Ticket
+from server.scheduler.types import Dispatcher, Ticket, TrafficClass
 from server.send_guard import SendGuard
 from server.timeline import RequestTimeline
 
@@ -71,6 +71,47 @@ def api_key_from(headers: Mapping[str, str]) -> str | None:
     return headers.get("x-api-key") or None
 
 
+def traffic_class_from(value: str | None) -> TrafficClass | None:
+    """X-Traffic-Class, or None when absent."""
+    if value is None or not value.strip():
+        return None
+    try:
+        return TrafficClass(value.strip().lower())
+    except ValueError:
+        raise InvalidRequest("X-Traffic-Class must be 'interactive' or 'bulk'",
+                             param="X-Traffic-Class") from None
+
+
+def timeout_from(value: str | None) -> float | None:
+    """X-Request-Timeout-Ms in seconds, or None when absent."""
+    if value is None or not value.strip():
+        return None
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = -1.0
+    if not milliseconds > 0 or milliseconds == float("inf"):
+        raise InvalidRequest("X-Request-Timeout-Ms must be a positive number of milliseconds",
+                             param="X-Request-Timeout-Ms")
+    return milliseconds / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """What the edge read from the transport (HTTP headers, a WebSocket's), typed: who is
+    asking, the class asked for, and the client's timeout. Past the edge nothing reads
+    headers."""
+
+    api_key: str | None = None
+    traffic_class: TrafficClass | None = None
+    timeout_s: float | None = None
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> RequestContext:
+        return cls(api_key_from(headers), traffic_class_from(headers.get("x-traffic-class")),
+                   timeout_from(headers.get("x-request-timeout-ms")))
+
+
 @dataclass(slots=True)
 class Sluice:
     """What every route needs: the engine (for tokenizing), the scheduler, the tenants, and
@@ -90,7 +131,7 @@ class Sluice:
     _idle: asyncio.Event | None = None
 
     def generate(self, parsed: ParsedRequest, body: Any, timeline: RequestTimeline,
-                 headers: Mapping[str, str], key: str | None, *, stream: bool
+                 context: RequestContext, key: str | None, *, stream: bool
                  ) -> tuple[GenerationRun, bool]:
         """The run that answers this request, and whether it is an earlier one replayed.
 
@@ -99,11 +140,11 @@ class Sluice:
         SluiceError for anything refused; nothing is held when it does.
         """
         if key is None:
-            return self._open(parsed, timeline, headers, stream=stream, resumable=False), False
+            return self._open(parsed, timeline, context, stream=stream, resumable=False), False
         if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
             raise InvalidRequest(f"an idempotency key is 1 to {MAX_KEY_LENGTH} printable "
                                  "characters", param="Idempotency-Key")
-        tenant = self.tenants.authenticate(api_key_from(headers)).name
+        tenant = self.tenants.authenticate(context.api_key).name
         request_print = fingerprint(parsed.kind, body)
         found = self.store.by_key(tenant, key)
         if found is not None:
@@ -113,23 +154,23 @@ class Sluice:
                     "this idempotency key was used with a different request body",
                     param="Idempotency-Key")
             return run, True
-        run = self._open(parsed, timeline, headers, stream=stream, resumable=True)
+        run = self._open(parsed, timeline, context, stream=stream, resumable=True)
         self.store.add(tenant, key, request_print, run)
         return run, False
 
-    def find(self, headers: Mapping[str, str], public_id: str) -> GenerationRun | None:
+    def find(self, context: RequestContext, public_id: str) -> GenerationRun | None:
         """The caller's tenant's resumable run with this id (None: unknown, expired, or
         another tenant's)."""
-        tenant = self.tenants.authenticate(api_key_from(headers)).name
+        tenant = self.tenants.authenticate(context.api_key).name
         return self.store.by_id(tenant, public_id)
 
     def _open(self, parsed: ParsedRequest, timeline: RequestTimeline,
-              headers: Mapping[str, str], *, stream: bool, resumable: bool) -> GenerationRun:
+              context: RequestContext, *, stream: bool, resumable: bool) -> GenerationRun:
         """Prepared, admitted (refusals are decided here, before anything awaits), started."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica",
                                retry_after=1)
-        ticket, engine_request, plan = self.prepare(parsed, timeline, headers)
+        ticket, engine_request, plan = self.prepare(parsed, timeline, context)
         admission = self.dispatcher.generation(ticket, engine_request)
         prompt_ids = engine_request.prompt_token_ids
         shape = Shape(
@@ -182,20 +223,20 @@ class Sluice:
                 await self._idle.wait()
 
     def prepare(
-        self, parsed: ParsedRequest, timeline: RequestTimeline, headers: Mapping[str, str]
+        self, parsed: ParsedRequest, timeline: RequestTimeline, context: RequestContext
     ) -> tuple[Ticket, GenerationRequest, OutputPlan]:
         """Authenticate, check the model, plan the output, count the prompt and build the
         ticket.
 
         Raises a SluiceError for anything wrong; nothing is held when it does.
         """
-        tenant = self.tenants.authenticate(api_key_from(headers))
+        tenant = self.tenants.authenticate(context.api_key)
         if not self.engine.is_healthy:
             raise EngineUnavailable("the engine is not available", retry_after=5)
         timeline.tenant = tenant.name
         timeline.tenant_label = tenant.metric_label if tenant.configured else None
         timeline.traffic_class = str(self.tenants.traffic_class(
-            tenant, parsed.service_tier, headers.get("x-traffic-class")
+            tenant, parsed.service_tier, context.traffic_class
         ))
         self.check_model(parsed.model)
         for key in ("logprobs", "prompt_logprobs"):
@@ -233,8 +274,8 @@ class Sluice:
             request_id=timeline.request_id,
             model=self.served_model,
             service_tier=parsed.service_tier,
-            traffic_class_header=headers.get("x-traffic-class"),
-            timeout_ms_header=headers.get("x-request-timeout-ms"),
+            asked_class=context.traffic_class,
+            timeout_s=context.timeout_s,
             prompt_tokens=len(prompt_ids),
             max_tokens=max_tokens,
             open_ended=parsed.max_tokens is None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import ExitStack
 from typing import Any
 
@@ -22,7 +22,7 @@ from server.errors import (
     SluiceError,
     UnsupportedParameter,
 )
-from server.generation import Sluice, receive_disconnect, request_id_from
+from server.generation import RequestContext, Sluice, receive_disconnect, request_id_from
 from server.generations.run import GenerationRun, Kind
 from server.openai_requests import boolean_from, parse_request, prompts_of
 from server.timeline import RequestTimeline, outcome_for
@@ -111,10 +111,12 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
                 raise UnsupportedParameter("a request with several prompts cannot be "
                                            "idempotent: send one prompt per request",
                                            param="Idempotency-Key")
-            return await _batch(sluice, request.headers, timeline.request_id, timeline, kind,
+            return await _batch(sluice, RequestContext.from_headers(request.headers),
+                                timeline.request_id, timeline, kind,
                                 [{**body, "prompt": prompt} for prompt in prompts])
         parsed = parse_request(body, kind)
-        run, replayed = sluice.generate(parsed, body, timeline, request.headers, key,
+        run, replayed = sluice.generate(parsed, body, timeline,
+                                        RequestContext.from_headers(request.headers), key,
                                         stream=parsed.stream)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
@@ -136,7 +138,7 @@ def _resume(request: Request, kind: str) -> ASGIApp:
     sluice: Sluice = request.app.state.sluice
     public_id = request.path_params["id"]
     try:
-        run = sluice.find(request.headers, public_id)
+        run = sluice.find(RequestContext.from_headers(request.headers), public_id)
         if run is None or run.shape.parsed.kind != kind:
             raise GenerationNotFound(f"no generation '{public_id}' to resume", param="id")
         if not run.shape.stream:
@@ -183,14 +185,15 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
         if "idempotency-key" in request.headers:
             raise UnsupportedParameter("the batch endpoint is not idempotent",
                                        param="Idempotency-Key")
+        context = RequestContext.from_headers(request.headers)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, request_id)
-    return await _batch(sluice, request.headers, request_id, timeline, "chat",
+    return await _batch(sluice, context, request_id, timeline, "chat",
                         [{**body, "messages": conversation} for conversation in conversations])
 
 
-async def _batch(sluice: Sluice, headers: Mapping[str, str], request_id: str,
+async def _batch(sluice: Sluice, context: RequestContext, request_id: str,
                  timeline: RequestTimeline, kind: str, bodies: list[dict[str, Any]]
                  ) -> ASGIApp:
     """A BatchResponse over one generation per body, each admitted (or, if one is refused,
@@ -202,7 +205,7 @@ async def _batch(sluice: Sluice, headers: Mapping[str, str], request_id: str,
             one = RequestTimeline(request_id=f"{request_id}-{i}", model=sluice.served_model,
                                   api=timeline.api)
             try:
-                runs.append(sluice.generate(parsed, body, one, headers, None, stream=False)[0])
+                runs.append(sluice.generate(parsed, body, one, context, None, stream=False)[0])
             except SluiceError as error:
                 one.finish(outcome_for(error), status=error.status, error=error)
                 raise
@@ -317,5 +320,12 @@ class RunResponse:
             await response(scope, receive, send)
 
     async def _events(self) -> AsyncIterator[bytes]:
+        """The events after `after`: under their ids when the run is resumable; a plain
+        stream stays as OpenAI's and vLLM's are, which clients that take each event for one
+        `data:` line (vLLM's benchmark client among them) read."""
+        if not self.run.resumable:
+            async for _, event in self.run.events(self.after):
+                yield event.sse
+            return
         async for seq, event in self.run.events(self.after):
             yield b"id: %d\n%s" % (seq, event.sse)

@@ -127,9 +127,18 @@ def _body(kind: str, required: list[str]) -> dict[str, Any]:
             "properties": {name: PARAMETERS[name] for name in sorted(fields)}}
 
 
-def _generation(summary: str, body: dict[str, Any]) -> dict[str, Any]:
+_IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key", "in": "header", "required": False,
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+    "description": "makes the generation resumable; the same key and body answer with it "
+    "again (Idempotent-Replayed: true), another body gets 422"}
+
+
+def _generation(summary: str, body: dict[str, Any], *, idempotent: bool = True
+                ) -> dict[str, Any]:
     return {"post": {
         "summary": summary,
+        "parameters": [_IDEMPOTENCY_KEY] if idempotent else [],
         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
         "responses": {
             "200": {"description": "a whole response, or with `stream` an SSE stream",
@@ -145,9 +154,25 @@ _ERRORS = {status: {"description": description,
            for status, description in (
                ("400", "bad input, named in `param`"), ("401", "a missing or unknown key"),
                ("404", "an unknown model"), ("413", "a body over --max-body-bytes"),
+               ("422", "an idempotency key sent again with another body"),
                ("429", "over a quota or the queue's bound (Retry-After)"),
                ("503", "the engine is unavailable (Retry-After)"),
                ("504", "the deadline passed while queued"))}
+
+
+def _resume(kind: str) -> dict[str, Any]:
+    return {"get": {
+        "summary": f"resume a streamed {kind} sent with an Idempotency-Key",
+        "parameters": [
+            {"name": "id", "in": "path", "required": True, "schema": _STR,
+             "description": "the id of the chunks received"},
+            {"name": "Last-Event-ID", "in": "header", "required": False,
+             "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}},
+            {"name": "starting_after", "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 0, "maximum": 10**18 - 1}}],
+        "responses": {"200": {"description": "the events after the one named, then live",
+                              "content": {"text/event-stream": {"schema": _STR}}},
+                      **_ERRORS}}}
 
 
 def _get(summary: str) -> dict[str, Any]:
@@ -186,7 +211,9 @@ def document(version: str) -> dict[str, Any]:
                 {**chat, "properties": {
                     **{k: v for k, v in chat["properties"].items() if k not in _NOT_IN_BATCH},
                     "messages": {"type": "array", "minItems": 1,
-                                 "items": PARAMETERS["messages"]}}}),
+                                 "items": PARAMETERS["messages"]}}}, idempotent=False),
+            "/v1/chat/completions/{id}/stream": _resume("chat completion"),
+            "/v1/completions/{id}/stream": _resume("completion"),
             "/v1/models": _get("the served model"),
             "/tokenize": _post_json("token ids of a prompt or chat", tokenize),
             "/detokenize": _post_json("the text of token ids", detokenize),

@@ -32,7 +32,7 @@ from server.errors import (
     InvalidRequest,
     SluiceError,
 )
-from server.generation import Sluice, api_key_from
+from server.generation import RequestContext, Sluice, api_key_from, timeout_from, traffic_class_from
 from server.generations.run import Event, GenerationRun, Kind
 from server.openai_requests import parse_request
 from server.openai_responses import chat_logprobs, usage
@@ -200,13 +200,15 @@ class Connection:
         if run is not None:
             run.detach()
 
-    def _headers_for(self, message: dict[str, Any]) -> dict[str, str]:
-        headers = dict(self.headers)
-        if message.get("traffic_class") is not None:
-            headers["x-traffic-class"] = str(message["traffic_class"])
-        if message.get("timeout_ms") is not None:
-            headers["x-request-timeout-ms"] = str(message["timeout_ms"])
-        return headers
+    def _context(self, message: dict[str, Any]) -> RequestContext:
+        """The connection's key; the message's class and timeout, else its headers'."""
+        def field(name: str, header: str) -> str | None:
+            value = message.get(name)
+            return self.headers.get(header) if value is None else str(value)
+
+        return RequestContext(api_key_from(self.headers),
+                              traffic_class_from(field("traffic_class", "x-traffic-class")),
+                              timeout_from(field("timeout_ms", "x-request-timeout-ms")))
 
     def _generate(self, gen_id: str, message: dict[str, Any]) -> tuple[GenerationRun, int]:
         sluice = self.sluice
@@ -228,8 +230,8 @@ class Connection:
                 raise InvalidRequest("'idempotency_key' must be a string",
                                      param="idempotency_key")
             fingerprinted = {k: v for k, v in message.items() if k not in _NOT_FINGERPRINTED}
-            run, _ = sluice.generate(parsed, fingerprinted, timeline,
-                                     self._headers_for(message), key, stream=True)
+            run, _ = sluice.generate(parsed, fingerprinted, timeline, self._context(message),
+                                     key, stream=True)
         except SluiceError as error:
             timeline.finish(outcome_for(error), status=error.status, error=error)
             raise
@@ -243,7 +245,7 @@ class Connection:
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidRequest("'after' must be an event number (an integer >= 0)",
                                  param="after")
-        run = self.sluice.find(self.headers, public_id)
+        run = self.sluice.find(RequestContext(api_key_from(self.headers)), public_id)
         if run is None or not run.shape.stream:
             raise GenerationNotFound(f"no generation '{public_id}' to resume",
                                      param="generation")

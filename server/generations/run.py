@@ -110,7 +110,7 @@ class Shape:
 
 class GenerationRun:
     """A generation and its event log. `start()` it once; read it with `reading()` +
-    `events(after)` / `started()` / `ended_event()`; `cancel(error)` it from anywhere."""
+    `events(after)` / `started()` / `until_ended()`; `cancel(error)` it from anywhere."""
 
     def __init__(self, shape: Shape, timeline: RequestTimeline, admission: Admission[Any], *,
                  resumable: bool = False, grace_seconds: float = 30.0,
@@ -123,7 +123,6 @@ class GenerationRun:
         self.size = 0  # bytes the log holds, roughly
         self.dispatched = False
         self.ended = False
-        self.owner: str | None = None  # the tenant, for a run that can be found again
         self._admission: Admission[Any] | None = admission
         self._on_end = on_end
         self._task: asyncio.Task[None] | None = None
@@ -204,12 +203,12 @@ class GenerationRun:
             if count:
                 timeline.wrote_tokens(count)
             choice, fields = choices.add(delta)
-            shown = (fields or delta.logprobs or (with_ids and delta.token_ids)
-                     if choices.parsed else
-                     answer and (delta.text or delta.logprobs or (with_ids and delta.token_ids)))
+            shown = bool(fields or delta.logprobs or (with_ids and delta.token_ids)
+                         if choices.parsed else answer and (
+                             delta.text or delta.logprobs or (with_ids and delta.token_ids)))
             # Tokens with no text of their own ride on the next piece; a choice's last ones
             # get a piece, so that the pieces' counts add up to the tokens generated.
-            shown = shown or (answer and delta.finish_reason is not None and unsent + count)
+            shown = shown or bool(answer and delta.finish_reason is not None and unsent + count)
             if shown:
                 sse = (encoder.delta(fields or {}, timeline.generated_tokens, delta.logprobs,
                                      choice.index, delta.token_ids) if choices.parsed else

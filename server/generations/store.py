@@ -52,7 +52,6 @@ class RunStore:
     def add(self, tenant: str, key: str | None, print_: str, run: GenerationRun) -> None:
         self.sweep()
         record = _Record(tenant, key, print_, run)
-        run.owner = tenant
         self._records[run] = record
         self._by_id[(tenant, run.shape.public_id)] = record
         if key is not None:

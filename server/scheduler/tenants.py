@@ -1,10 +1,11 @@
 """Who is calling, and what their request is allowed to be: API key -> tenant -> Ticket.
 
-Traffic class: an `X-Traffic-Class: interactive|bulk` header wins, else OpenAI's `service_tier`
-(`flex` -> bulk; `auto`, `default`, `priority`, `scale` -> interactive), else the tenant's
-default class. A class the tenant may not use is *downgraded* to the tenant's default class
-rather than refused: a client that always sends `service_tier: priority` still gets served,
-within what its tenant pays for. Deadline: `X-Request-Timeout-Ms`, else the class default.
+Traffic class: the class the client asked for (the edge reads it from `X-Traffic-Class`)
+wins, else OpenAI's `service_tier` (`flex` -> bulk; `auto`, `default`, `priority`, `scale` ->
+interactive), else the tenant's default class. A class the tenant may not use is *downgraded*
+to the tenant's default class rather than refused: a client that always sends `service_tier:
+priority` still gets served, within what its tenant pays for. Deadline: the client's timeout
+(`X-Request-Timeout-Ms` at the edge), else the class default.
 """
 
 from __future__ import annotations
@@ -36,17 +37,11 @@ class Tenant:
         return self.name if self.configured else "other"
 
 
-def requested_class(
-    service_tier: str | None, traffic_class_header: str | None
-) -> TrafficClass | None:
+def requested_class(service_tier: str | None, asked: TrafficClass | None
+                    ) -> TrafficClass | None:
     """The class the client asked for, or None when it did not say."""
-    if traffic_class_header is not None and traffic_class_header.strip():
-        try:
-            return TrafficClass(traffic_class_header.strip().lower())
-        except ValueError:
-            raise InvalidRequest(
-                "X-Traffic-Class must be 'interactive' or 'bulk'", param="X-Traffic-Class"
-            ) from None
+    if asked is not None:
+        return asked
     if service_tier is not None:
         try:
             return SERVICE_TIER_CLASSES[service_tier]
@@ -55,22 +50,6 @@ def requested_class(
                 f"unsupported service_tier {service_tier!r}", param="service_tier"
             ) from None
     return None
-
-
-def timeout_from_header(value: str | None) -> float | None:
-    """X-Request-Timeout-Ms in seconds, or None when absent."""
-    if value is None or not value.strip():
-        return None
-    try:
-        milliseconds = float(value)
-    except ValueError:
-        milliseconds = -1.0
-    if not milliseconds > 0 or milliseconds == float("inf"):
-        raise InvalidRequest(
-            "X-Request-Timeout-Ms must be a positive number of milliseconds",
-            param="X-Request-Timeout-Ms",
-        )
-    return milliseconds / 1000.0
 
 
 class TenantDirectory:
@@ -104,9 +83,9 @@ class TenantDirectory:
         raise Unauthorized("invalid API key")
 
     def traffic_class(
-        self, tenant: Tenant, service_tier: str | None, traffic_class_header: str | None
+        self, tenant: Tenant, service_tier: str | None, asked: TrafficClass | None
     ) -> TrafficClass:
-        wanted = requested_class(service_tier, traffic_class_header)
+        wanted = requested_class(service_tier, asked)
         if wanted is None or wanted not in tenant.config.allowed_classes:
             return tenant.config.default_class
         return wanted
@@ -118,8 +97,8 @@ class TenantDirectory:
         request_id: str,
         model: str,
         service_tier: str | None,
-        traffic_class_header: str | None,
-        timeout_ms_header: str | None,
+        asked_class: TrafficClass | None,
+        timeout_s: float | None,
         prompt_tokens: int,
         max_tokens: int,
         open_ended: bool = False,
@@ -127,10 +106,9 @@ class TenantDirectory:
         preemptible: bool = True,
         n: int = 1,
     ) -> Ticket:
-        traffic_class = self.traffic_class(tenant, service_tier, traffic_class_header)
-        timeout = timeout_from_header(timeout_ms_header)
-        if timeout is None:
-            timeout = self._config.classes[traffic_class].deadline_s
+        traffic_class = self.traffic_class(tenant, service_tier, asked_class)
+        timeout = timeout_s if timeout_s is not None else (
+            self._config.classes[traffic_class].deadline_s)
         return Ticket(
             request_id=request_id,
             tenant=tenant.name,

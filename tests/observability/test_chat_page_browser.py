@@ -15,6 +15,8 @@ import pytest
 
 from .conftest import REPO_ROOT, RunningSluice, require_tool, run_sluice, wait_until
 
+pytestmark = pytest.mark.browser
+
 SCREENSHOT = REPO_ROOT / "docs" / "chat-page.png"
 CHROMIUM_FLAGS = [
     "--no-sandbox",

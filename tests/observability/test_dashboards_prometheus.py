@@ -36,6 +36,8 @@ from .conftest import (
     wait_until,
 )
 
+pytestmark = pytest.mark.prometheus
+
 DASHBOARD = REPO_ROOT / "dashboards" / "grafana" / "sluice.json"
 PROMETHEUS_CONFIG = REPO_ROOT / "dashboards" / "prometheus" / "prometheus.yml"
 RULES_DIR = REPO_ROOT / "dashboards" / "prometheus" / "rules"

@@ -9,6 +9,7 @@ import yaml
 
 from server.config import ConfigError, load_config, parse_config
 from server.errors import InvalidRequest, Unauthorized
+from server.generation import RequestContext
 from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import TrafficClass
 
@@ -37,8 +38,12 @@ def directory(raw: dict | None = None, env: str | None = None) -> TenantDirector
 
 
 def make(d: TenantDirectory, key: str | None = None, **headers: str | None):
-    values = {"service_tier": None, "traffic_class_header": None, "timeout_ms_header": None}
-    values.update(headers)
+    """A ticket for a request with these headers (and `service_tier`), read as the edge does."""
+    context = RequestContext.from_headers({
+        "x-traffic-class": headers.get("traffic_class_header"),
+        "x-request-timeout-ms": headers.get("timeout_ms_header")})
+    values = {"service_tier": headers.get("service_tier"),
+              "asked_class": context.traffic_class, "timeout_s": context.timeout_s}
     return d.make_ticket(
         tenant=d.authenticate(key), request_id="req-1", model="m", prompt_tokens=5,
         max_tokens=7, arrival=100.0, **values,

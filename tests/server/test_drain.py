@@ -17,6 +17,8 @@ import pytest
 
 from tests.conftest import SluiceProcess, wait_until
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[object]:

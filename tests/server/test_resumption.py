@@ -45,14 +45,13 @@ def chat(max_tokens: int = 40, seed: int = 7, **extra: object) -> dict:
             "max_tokens": max_tokens, "seed": seed, "stream": True, **extra}
 
 
-def parse_sse(lines: list[str]) -> list[tuple[int, str]]:
-    """(id, data) per event."""
+def parse_sse(lines: list[str]) -> list[tuple[int | None, str]]:
+    """(id, data) per event (id None: the event has none)."""
     events, event_id = [], None
     for line in lines:
         if line.startswith("id: "):
             event_id = int(line[4:])
         elif line.startswith("data: "):
-            assert event_id is not None, "every event carries an id"
             events.append((event_id, line[6:]))
             event_id = None
     return events
@@ -96,10 +95,16 @@ def generation_id(events: list[tuple[int, str]]) -> str:
     return str(json.loads(events[0][1])["id"])
 
 
-def test_every_event_is_numbered_from_one_done_included(server: SluiceProcess) -> None:
-    _, events = stream(server, chat(8), ACME)
+def test_a_resumable_streams_events_are_numbered_from_one_done_included(
+    server: SluiceProcess,
+) -> None:
+    _, events = stream(server, chat(8), {**ACME, "Idempotency-Key": "numbered"})
     assert [event_id for event_id, _ in events] == list(range(1, len(events) + 1))
     assert events[-1][1] == "[DONE]"
+    # A plain stream (nothing to resume) is as OpenAI's: `data:` lines alone.
+    _, plain = stream(server, chat(8), ACME)
+    assert {event_id for event_id, _ in plain} == {None}
+    assert [data for _, data in plain][-1] == "[DONE]" and len(plain) == len(events)
 
 
 def test_a_stream_resumed_after_a_disconnect_is_the_uninterrupted_one(

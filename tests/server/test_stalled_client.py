@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import SluiceProcess, wait_until
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -1,0 +1,169 @@
+"""In process: one generation's run and its log, the store that finds it again, the chunk
+encoder, the request parser and the send guard. The engine is the real `sim` engine behind
+the real scheduler runtime; no server, no sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import pytest
+
+from engine_adapters.sim import SimConfig, SimEngine
+from server.app import build_app
+from server.config import parse_config
+from server.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
+from server.generation import RequestContext, Sluice
+from server.generations.run import GenerationRun, Kind
+from server.generations.store import RunStore
+from server.openai_requests import parse_request
+from server.openai_responses import ChunkEncoder
+from server.scheduler.runtime import SchedulerRuntime
+from server.send_guard import SendGuard
+from server.timeline import RequestTimeline
+
+OPTIMISTIC = {"estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9,
+                            "calibrate": False}}
+REQUEST_NUMBERS = itertools.count()
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "seed": 3,
+        "stream": True}
+
+
+@pytest.fixture
+async def sluice():  # type: ignore[no-untyped-def]
+    engine = SimEngine(SimConfig(step_base_ms=2.0))
+    config = parse_config(OPTIMISTIC)
+    runtime = SchedulerRuntime(config, engine, "sim")
+    app = build_app(engine, runtime, config, "sim")
+    await engine.start()
+    await runtime.start()
+    yield app.state.sluice
+    await runtime.stop()
+    await engine.stop()
+
+
+def open_run(sluice: Sluice, body: dict = BODY, key: str | None = None
+             ) -> tuple[GenerationRun, bool]:
+    timeline = RequestTimeline(request_id=f"r{next(REQUEST_NUMBERS)}", model="sim", api="chat")
+    return sluice.generate(parse_request(body, "chat"), body, timeline, RequestContext(), key,
+                           stream=bool(body.get("stream")))
+
+
+async def read_all(run: GenerationRun, after: int = 0) -> list[tuple[int, Kind]]:
+    with run.reading():
+        return [(seq, event.kind) async for seq, event in run.events(after)]
+
+
+async def test_a_stream_logs_numbered_events_and_ends_once(sluice: Sluice) -> None:
+    run, replayed = open_run(sluice)
+    events = await read_all(run)
+    assert not replayed and run.ended and run.timeline.ended
+    assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
+    assert events[0][1] is Kind.OPEN and events[-2][1] is Kind.FINISH
+    assert events[-1][1] is Kind.DONE
+    pieces = [e for e in run.log if e.kind is Kind.PIECE]
+    assert sum(e.tokens for e in pieces) == run.timeline.generated_tokens == 12
+    # A second reader from any offset reads the same events after it.
+    assert await read_all(run, 3) == events[3:]
+    assert sluice.dispatcher.core.is_idle()  # type: ignore[attr-defined]
+
+
+async def test_cancelled_before_its_task_began_it_still_ends_once(sluice: Sluice) -> None:
+    run, _ = open_run(sluice)
+    run.cancel(GenerationCancelled("at once"))  # before the task has had a turn
+    last = await run.until_ended()
+    assert last.kind is Kind.DONE and run.log[-2].kind is Kind.FAILED
+    assert isinstance(run.log[-2].error, GenerationCancelled)
+    assert run.log[-2].error.__traceback__ is None  # no cycle through the producer's frame
+    assert run.timeline.ended and not run.dispatched
+    assert sluice.dispatcher.core.is_idle()  # type: ignore[attr-defined]
+
+
+async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: Sluice) -> None:
+    body = {**BODY, "max_tokens": 500}
+    plain, _ = open_run(sluice, body)
+    resumable, _ = open_run(sluice, body, key="k")
+    for run in (plain, resumable):
+        with run.reading():
+            await run.started()
+    await plain.until_ended()
+    assert isinstance(plain.log[-2].error, GenerationCancelled)
+    assert not resumable.ended  # it runs on, for the grace period, with no reader
+    finished = await resumable.until_ended()
+    assert finished.kind is Kind.DONE
+    assert not any(event.kind is Kind.FAILED for event in resumable.log)
+
+
+async def test_the_same_key_attaches_and_another_body_is_refused(sluice: Sluice) -> None:
+    first, replayed_first = open_run(sluice, key="same")
+    second, replayed_second = open_run(sluice, key="same")
+    assert second is first and (replayed_first, replayed_second) == (False, True)
+    with pytest.raises(IdempotencyKeyReused):
+        open_run(sluice, {**BODY, "max_tokens": 3}, key="same")
+    with pytest.raises(InvalidRequest):
+        open_run(sluice, key="x" * 256)
+    await read_all(first)
+
+
+def test_the_store_keeps_ended_runs_within_its_bound() -> None:
+    now = [0.0]
+    store = RunStore(retention_seconds=10, max_bytes=1000, clock=lambda: now[0])
+
+    class Ended:  # what the store reads of a run (a stand-in: no engine needed here)
+        def __init__(self, public_id: str, size: int) -> None:
+            self.shape = type("Shape", (), {"public_id": public_id})()
+            self.size, self.dispatched = size, True
+
+    runs = [Ended(f"chatcmpl-{i}", 400) for i in range(3)]
+    for i, run in enumerate(runs):
+        store.add("acme", f"k{i}", "print", run)  # type: ignore[arg-type]
+        store.ended(run)  # type: ignore[arg-type]
+    # 1,200 bytes over a 1,000 bound: the oldest went first.
+    assert store.by_id("acme", "chatcmpl-0") is None
+    assert store.by_key("acme", "k2") == (runs[2], "print")
+    assert store.by_id("globex", "chatcmpl-2") is None  # another tenant's is not found
+    now[0] = 11.0
+    assert store.by_id("acme", "chatcmpl-2") is None and len(store) <= 1  # past retention
+
+
+def test_chunks_render_as_openai_objects_on_both_paths() -> None:
+    encoder = ChunkEncoder("chat", "abc", "m", include_usage=True)
+    fast = json.loads(encoder.text("hé", 1)[len(b"data: "):])
+    assert fast["id"] == "chatcmpl-abc" and fast["choices"][0]["delta"] == {"content": "hé"}
+    assert fast["usage"] is None
+    full = json.loads(ChunkEncoder("chat", "abc", "m", True, continuous_usage=True,
+                                   prompt_tokens=2).text("hé", 1)[len(b"data: "):])
+    assert full["choices"][0]["delta"] == {"content": "hé"}
+    assert full["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    finish = json.loads(encoder.finish("stop", None, None, 1)[len(b"data: "):])
+    assert finish["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_request_parser_names_the_bad_field() -> None:
+    parsed = parse_request({**BODY, "temperature": 0.5}, "chat")
+    assert parsed.stream and parsed.max_tokens == 12 and parsed.sampling["temperature"] == 0.5
+    for bad, param in (({"temperature": "hot"}, "temperature"), ({"n": 0}, "n"),
+                       ({"frobnicate": 1}, "frobnicate")):
+        with pytest.raises(InvalidRequest) as raised:
+            parse_request({**BODY, **bad}, "chat")
+        assert raised.value.param == param
+
+
+async def test_the_send_guard_cancels_a_send_stuck_past_its_timeout() -> None:
+    guard = SendGuard(timeout=5.0)
+    stuck = asyncio.Event()
+
+    async def never_accepted(message: object) -> None:
+        stuck.set()
+        await asyncio.Event().wait()
+
+    send = guard.wrap(never_accepted)
+    task = asyncio.create_task(send({"type": "http.response.body"}))
+    await stuck.wait()
+    loop = asyncio.get_running_loop()
+    assert guard.check(loop.time() + 1.0) == 0  # within the timeout
+    assert guard.check(loop.time() + 6.0) == 1
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -30,9 +30,9 @@ from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
-from server import metrics
+from server import metrics, redaction
 from server.access_log import install_handler
-from server.config import SluiceConfig, load_config
+from server.config import ConfigError, SluiceConfig, load_config
 from server.errors import (
     EngineUnavailable,
     MethodNotAllowed,
@@ -40,7 +40,7 @@ from server.errors import (
     ShuttingDown,
     SluiceError,
 )
-from server.generation import Sluice
+from server.generation import RequestContext, Sluice
 from server.generations.store import RunStore
 from server.openai_routes import (
     JSONResponse,
@@ -79,6 +79,7 @@ async def ready(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     sluice: Sluice = request.app.state.sluice
+    sluice.tenant_of(RequestContext.of(request))
     info = sluice.engine.model
     return JSONResponse({"object": "list", "data": [{
         "id": sluice.served_model, "object": "model", "created": request.app.state.started,
@@ -88,10 +89,11 @@ async def models(request: Request) -> Response:
 
 
 async def prometheus_metrics(request: Request) -> Response:
-    sluice: Sluice = request.app.state.sluice
-    metrics.ENGINE_UNFINISHED_REQUESTS.labels(sluice.served_model).set(
-        sluice.engine.num_unfinished_requests()
-    )
+    sluice: Sluice | None = getattr(request.app.state, "sluice", None)
+    if sluice is not None:
+        metrics.ENGINE_UNFINISHED_REQUESTS.labels(sluice.served_model).set(
+            sluice.engine.num_unfinished_requests()
+        )
     return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -120,10 +122,17 @@ async def sluice_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)
 
 
+def metrics_app() -> Starlette:
+    """`/metrics` alone, for `--metrics-port`: scraped on a port the API's clients never see."""
+    return Starlette(routes=[Route("/metrics", prometheus_metrics)],
+                     exception_handlers={HTTPException: http_error})
+
+
 def build_app(
     engine: EngineClient, dispatcher: Dispatcher, config: SluiceConfig, served_model: str,
     *, ping_seconds: float = 15.0, send_timeout_seconds: float = 30.0,
     max_body_bytes: int = 1 << 20, on_engine_death: asyncio.Event | None = None,
+    metrics_route: bool = True,
 ) -> Starlette:
     sluice = Sluice(
         engine=engine, dispatcher=dispatcher, tenants=TenantDirectory(config),
@@ -165,7 +174,7 @@ def build_app(
             Route("/", chat_page),
             Route("/health", health),
             Route("/ready", ready),
-            Route("/metrics", prometheus_metrics),
+            *([Route("/metrics", prometheus_metrics)] if metrics_route else []),
             Route("/v1/models", models),
             Route("/version", version),
             Route("/openapi.json", openapi_json),
@@ -231,7 +240,12 @@ def serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     install_handler()
-    config = load_config(args.config)
+    redaction.install()
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        logger.error("invalid configuration: %s", exc)
+        return 2
     if args.engine != "vllm" and (args.tool_call_parser or args.enable_auto_tool_choice
                                   or args.reasoning_parser):
         raise SystemExit("--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
@@ -262,7 +276,7 @@ async def _serve(
     app = build_app(
         engine, dispatcher, config, name, ping_seconds=args.sse_ping_seconds,
         send_timeout_seconds=args.send_timeout_seconds, max_body_bytes=args.max_body_bytes,
-        on_engine_death=engine_died,
+        on_engine_death=engine_died, metrics_route=args.metrics_port is None,
     )
     server = DrainingServer(app.state.sluice, args.drain_seconds, uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
@@ -276,15 +290,37 @@ async def _serve(
         await asyncio.sleep(args.engine_death_exit_seconds)
         server.should_exit = True
 
+    scraper = None
+    if args.metrics_port is not None:
+        metrics_app_instance = metrics_app()
+        metrics_app_instance.state.sluice = app.state.sluice
+        scraper = QuietServer(uvicorn.Config(
+            metrics_app_instance, host=args.metrics_host or args.host, port=args.metrics_port,
+            log_level=args.log_level, access_log=False, lifespan="off"))
+    # Each uvicorn Config set its loggers up anew: filter their handlers now, after the last.
+    redaction.install()
     watcher = asyncio.create_task(stop_on_engine_death())
+    if scraper is not None:
+        scraping = asyncio.create_task(scraper.serve())
     try:
         await server.serve()
     finally:
         watcher.cancel()
+        if scraper is not None:
+            scraper.should_exit = True
+            await scraping
     if engine_died.is_set():
         logger.error("exiting with status 3 because the engine died")
         return 3
     return 0 if server.started else 1
+
+
+class QuietServer(uvicorn.Server):
+    """A second server in the process (metrics): the signals are the API server's to handle."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class DrainingServer(uvicorn.Server):

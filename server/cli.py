@@ -72,6 +72,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="a client that accepts no bytes for this long is dropped and its request aborted",
     )
     p.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="serve /metrics on this port (and not on the API's): keep it off the public "
+        "network",
+    )
+    p.add_argument("--metrics-host", default=None,
+                   help="address for --metrics-port (default: --host)")
+    p.add_argument(
         "--drain-seconds", type=float, default=30.0,
         help="on SIGTERM, refuse new requests and let running generations finish for up to "
         "this long; the rest end with a 'shutting_down' error event, then Sluice exits 0",

@@ -7,7 +7,10 @@ every request belongs to the single tenant `default`. See the README's "Configur
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -124,6 +127,8 @@ class SluiceConfig:
         default_factory=lambda: {OPEN_TENANT: TenantConfig(OPEN_TENANT)}
     )
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant name
+    # SHA-256 digests (hex) of keys kept only as digests -> tenant name.
+    api_key_digests: dict[str, str] = field(default_factory=dict)
     classes: dict[TrafficClass, ClassConfig] = field(default_factory=_default_classes)
     budgets: BudgetConfig = field(default_factory=BudgetConfig)
     estimates: EstimateConfig = field(default_factory=EstimateConfig)
@@ -133,7 +138,30 @@ class SluiceConfig:
     @property
     def is_open(self) -> bool:
         """No API keys configured: every request is the default tenant's."""
-        return not self.api_keys
+        return not (self.api_keys or self.api_key_digests)
+
+
+def key_digest(key: str) -> str:
+    """What `api_key_sha256` holds for a key: its SHA-256, in hex."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _section(raw: Any, where: str, allowed: tuple[str, ...] | frozenset[str]
+             ) -> Mapping[str, Any]:
+    """`raw` as a mapping with only `allowed` keys (None: empty); else a ConfigError naming
+    the path, and the key meant when one is close."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    for key in raw:
+        if key not in allowed:
+            path = f"{where}.{key}" if where else str(key)
+            close = difflib.get_close_matches(str(key), list(allowed), n=1)
+            hint = f"; did you mean {close[0]}?" if close else (
+                f"; expected one of: {', '.join(sorted(allowed))}")
+            raise ConfigError(f"{path}: unknown key{hint}")
+    return raw
 
 
 def _traffic_class(value: Any, where: str) -> TrafficClass:
@@ -146,27 +174,60 @@ def _traffic_class(value: Any, where: str) -> TrafficClass:
 def _positive(value: Any, where: str, kind: type = float) -> Any:
     if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or (
+            kind is int and isinstance(value, float) and not value.is_integer()):
+        expected = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"{where}: expected {expected}, got {value!r}")
     try:
         number = kind(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{where}: expected a number, got {value!r}") from None
     if number <= 0:
         raise ConfigError(f"{where}: must be positive, got {value!r}")
     return number
 
 
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
 def _share(value: Any, where: str) -> float:
-    share = float(value)
+    share = _number(value, where)
     if not 0.0 <= share < 1.0:
         raise ConfigError(f"{where}: a share must be in [0, 1), got {value!r}")
     return share
 
 
+_TENANT_KEYS = ("api_keys", "api_key_sha256", "max_concurrent", "tokens_per_minute",
+                "allowed_classes", "default_class")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def _keys(raw: Mapping[str, Any], where: str) -> tuple[list[str], list[str]]:
+    """A tenant's plain keys and key digests, checked."""
+    plain, digests = raw.get("api_keys") or [], raw.get("api_key_sha256") or []
+    for name, values in (("api_keys", plain), ("api_key_sha256", digests)):
+        if not isinstance(values, list) or not all(
+                isinstance(v, str) and v.strip() for v in values):
+            raise ConfigError(f"{where}.{name}: expected a list of non-empty strings")
+    for digest in digests:
+        if not _DIGEST.fullmatch(digest.lower()):
+            raise ConfigError(f"{where}.api_key_sha256: {digest[:12]}… is not a SHA-256 "
+                              "digest (64 hex digits)")
+    return plain, [d.lower() for d in digests]
+
+
 def _parse_tenant(name: str, raw: Mapping[str, Any]) -> TenantConfig:
     where = f"tenants.{name}"
+    raw = _section(raw, where, _TENANT_KEYS)
+    allowed_raw = raw.get("allowed_classes", [c.value for c in TrafficClass])
+    if not isinstance(allowed_raw, list):
+        raise ConfigError(f"{where}.allowed_classes: expected a list, got {allowed_raw!r}")
     allowed = frozenset(
         _traffic_class(c, f"{where}.allowed_classes")
-        for c in raw.get("allowed_classes", [c.value for c in TrafficClass])
+        for c in allowed_raw
     )
     if not allowed:
         raise ConfigError(f"{where}.allowed_classes: must not be empty")
@@ -192,27 +253,37 @@ def _parse_tenant(name: str, raw: Mapping[str, Any]) -> TenantConfig:
 
 def _parse_classes(raw: Mapping[str, Any]) -> dict[TrafficClass, ClassConfig]:
     classes = _default_classes()
+    raw = _section(raw, "classes", tuple(c.value for c in TrafficClass))
     for key, values in raw.items():
         traffic_class = _traffic_class(key, "classes")
         where = f"classes.{key}"
         base = classes[traffic_class]
-        values = values or {}
+        values = _section(values, where, ("deadline_ms", "max_queued", "max_queued_tokens",
+                                          "tenant_queue_share"))
         classes[traffic_class] = ClassConfig(
             deadline_s=_positive(values["deadline_ms"], f"{where}.deadline_ms") / 1000.0
             if "deadline_ms" in values
             else base.deadline_s,
-            max_queued=_positive(values.get("max_queued", base.max_queued), where, int),
+            max_queued=_positive(values.get("max_queued", base.max_queued),
+                                 f"{where}.max_queued", int),
             max_queued_tokens=_positive(
-                values.get("max_queued_tokens", base.max_queued_tokens), where, int
+                values.get("max_queued_tokens", base.max_queued_tokens),
+                f"{where}.max_queued_tokens", int,
             ),
-            tenant_queue_share=float(values.get("tenant_queue_share", base.tenant_queue_share)),
+            tenant_queue_share=_number(values.get("tenant_queue_share",
+                                                  base.tenant_queue_share),
+                                       f"{where}.tenant_queue_share"),
         )
     return classes
 
 
 def _parse_budgets(raw: Mapping[str, Any]) -> BudgetConfig:
     base = BudgetConfig()
-    kv = float(raw.get("kv_target_utilization", base.kv_target_utilization))
+    raw = _section(raw, "budgets", ("kv_target_utilization", "interactive_reserve_share",
+                                    "bulk_min_share", "max_running_seqs", "max_running_tokens",
+                                    "fairness_quantum_tokens", "preempt_bulk_after_ms"))
+    kv = _number(raw.get("kv_target_utilization", base.kv_target_utilization),
+                 "budgets.kv_target_utilization")
     if not 0.0 < kv <= 1.0:
         raise ConfigError(f"budgets.kv_target_utilization: must be in (0, 1], got {kv}")
     reserve = _share(
@@ -255,12 +326,17 @@ def _preempt_after(raw: Mapping[str, Any], default: float | None) -> float | Non
 
 def _parse_estimates(raw: Mapping[str, Any]) -> EstimateConfig:
     base = EstimateConfig()
+    raw = _section(raw, "estimates", ("prefill_tokens_per_s", "decode_tokens_per_s",
+                                      "smoothing", "open_ended_output_tokens",
+                                      "admission_margin", "calibrate"))
     return EstimateConfig(
         prefill_tokens_per_s=_positive(
-            raw.get("prefill_tokens_per_s", base.prefill_tokens_per_s), "estimates.prefill"
+            raw.get("prefill_tokens_per_s", base.prefill_tokens_per_s),
+            "estimates.prefill_tokens_per_s"
         ),
         decode_tokens_per_s=_positive(
-            raw.get("decode_tokens_per_s", base.decode_tokens_per_s), "estimates.decode"
+            raw.get("decode_tokens_per_s", base.decode_tokens_per_s),
+            "estimates.decode_tokens_per_s"
         ),
         smoothing=_share(raw.get("smoothing", base.smoothing), "estimates.smoothing"),
         open_ended_output_tokens=_positive(
@@ -286,10 +362,10 @@ def _milliseconds(value: Any, where: str) -> float | None:
 
 def _parse_slo(raw: Mapping[str, Any]) -> SloConfig:
     base = SloConfig()
-    interactive = raw.get("interactive") or {}
-    if not isinstance(interactive, Mapping):
-        raise ConfigError("slo.interactive: expected a mapping")
-    knee_share = float(raw.get("knee_share", base.knee_share))
+    raw = _section(raw, "slo", ("interactive", "ttft_factor", "itl_factor", "cap_bulk",
+                                "bulk_hold_ms", "knee_share"))
+    interactive = _section(raw.get("interactive"), "slo.interactive", ("ttft_ms", "itl_ms"))
+    knee_share = _number(raw.get("knee_share", base.knee_share), "slo.knee_share")
     if not 0.0 < knee_share <= 1.0:
         raise ConfigError(f"slo.knee_share: must be in (0, 1], got {knee_share}")
     hold = raw.get("bulk_hold_ms", base.bulk_hold_s * 1000.0)
@@ -306,11 +382,10 @@ def _parse_slo(raw: Mapping[str, Any]) -> SloConfig:
     )
 
 
-def _parse_resume(resume: Mapping[str, Any], idempotency: Mapping[str, Any]) -> ResumeConfig:
+def _parse_resume(resume: Any, idempotency: Any) -> ResumeConfig:
     base = ResumeConfig()
-    for where, section in (("resume", resume), ("idempotency", idempotency)):
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"{where}: expected a mapping")
+    resume = _section(resume, "resume", ("grace_seconds",))
+    idempotency = _section(idempotency, "idempotency", ("retention_seconds", "max_bytes"))
     return ResumeConfig(
         grace_s=_positive(resume.get("grace_seconds", base.grace_s), "resume.grace_seconds"),
         retention_s=_positive(idempotency.get("retention_seconds", base.retention_s),
@@ -334,23 +409,39 @@ def parse_api_keys_env(value: str) -> dict[str, str]:
     return keys
 
 
+_TOP_LEVEL = ("tenants", "classes", "budgets", "estimates", "slo", "resume", "idempotency")
+
+
 def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> SluiceConfig:
-    """Build a SluiceConfig from parsed YAML and the SLUICE_API_KEYS value (if any)."""
-    tenants_raw: Mapping[str, Any] = raw.get("tenants") or {}
-    tenants = {name: _parse_tenant(name, values or {}) for name, values in tenants_raw.items()}
+    """Build a SluiceConfig from parsed YAML and the SLUICE_API_KEYS value (if any).
+
+    Strict: an unknown key, a wrong type or an out-of-range value is a ConfigError naming its
+    path (`tenants.acme.max_concurent: unknown key; did you mean max_concurrent?`)."""
+    raw = _section(raw, "", _TOP_LEVEL)
+    tenants_raw = raw.get("tenants") or {}
+    if not isinstance(tenants_raw, Mapping):
+        raise ConfigError(f"tenants: expected a mapping of tenant names, got {tenants_raw!r}")
+    tenants = {str(name): _parse_tenant(str(name), values or {})
+               for name, values in tenants_raw.items()}
     api_keys: dict[str, str] = {}
+    digests: dict[str, str] = {}
     for name, values in tenants_raw.items():
-        for key in (values or {}).get("api_keys", []):
-            api_keys[str(key)] = name
+        plain, hashed = _keys(values or {}, f"tenants.{name}")
+        for key in plain:
+            _claim(api_keys, key, str(name), f"tenants.{name}.api_keys")
+        for digest in hashed:
+            _claim(digests, digest, str(name), f"tenants.{name}.api_key_sha256")
     if env_api_keys:
-        api_keys.update(parse_api_keys_env(env_api_keys))
-    for tenant in set(api_keys.values()) - tenants.keys():
+        for key, tenant in parse_api_keys_env(env_api_keys).items():
+            _claim(api_keys, key, tenant, API_KEYS_ENV)
+    for tenant in (set(api_keys.values()) | set(digests.values())) - tenants.keys():
         tenants[tenant] = TenantConfig(tenant)  # a key for an unconfigured tenant: no limits
-    if not api_keys:
+    if not (api_keys or digests):
         tenants.setdefault(OPEN_TENANT, TenantConfig(OPEN_TENANT))
     return SluiceConfig(
         tenants=tenants,
         api_keys=api_keys,
+        api_key_digests=digests,
         classes=_parse_classes(raw.get("classes") or {}),
         budgets=_parse_budgets(raw.get("budgets") or {}),
         estimates=_parse_estimates(raw.get("estimates") or {}),
@@ -359,15 +450,28 @@ def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> Slu
     )
 
 
+def _claim(keys: dict[str, str], key: str, tenant: str, where: str) -> None:
+    """One key, one tenant: a key given to two tenants would pick one of them by chance."""
+    if keys.get(key, tenant) != tenant:
+        raise ConfigError(f"{where}: a key is configured for both {keys[key]} and {tenant}")
+    keys[key] = tenant
+
+
 def load_config(path: Path | None) -> SluiceConfig:
     """The configuration from `path` (YAML) and the environment; defaults when `path` is None."""
     raw: Mapping[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
         if loaded is not None and not isinstance(loaded, Mapping):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         raw = loaded or {}
-    return parse_config(raw, os.environ.get(API_KEYS_ENV))
+    try:
+        return parse_config(raw, os.environ.get(API_KEYS_ENV))
+    except ConfigError as exc:
+        raise ConfigError(f"{path or API_KEYS_ENV}: {exc}") from None
 
 
 def with_budgets(config: SluiceConfig, **changes: Any) -> SluiceConfig:

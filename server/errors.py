@@ -111,6 +111,12 @@ class TenantQuotaExceeded(SluiceError):
     code = "tenant_quota_exceeded"
 
 
+class TooManyFailedAttempts(SluiceError):
+    status = 429
+    error_type = "rate_limit_error"
+    code = "too_many_failed_attempts"
+
+
 class Overloaded(SluiceError):
     status = 503
     error_type = "server_error"

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import HTTPConnection
 from starlette.types import Receive
 
 from engine_adapters.protocol import (
@@ -38,7 +39,7 @@ from server.generations.run import GenerationRun, Shape
 from server.generations.store import MAX_KEY_LENGTH, RunStore, fingerprint
 from server.openai_requests import ParsedRequest
 from server.openai_responses import Echo
-from server.scheduler.tenants import TenantDirectory
+from server.scheduler.tenants import Tenant, TenantDirectory
 from server.scheduler.types import Dispatcher, Ticket, TrafficClass
 from server.send_guard import SendGuard
 from server.timeline import RequestTimeline
@@ -105,11 +106,22 @@ class RequestContext:
     api_key: str | None = None
     traffic_class: TrafficClass | None = None
     timeout_s: float | None = None
+    client: str | None = None  # the peer's address (failed authentications are counted by it)
 
     @classmethod
-    def from_headers(cls, headers: Mapping[str, str]) -> RequestContext:
+    def from_headers(cls, headers: Mapping[str, str], client: str | None = None
+                     ) -> RequestContext:
         return cls(api_key_from(headers), traffic_class_from(headers.get("x-traffic-class")),
-                   timeout_from(headers.get("x-request-timeout-ms")))
+                   timeout_from(headers.get("x-request-timeout-ms")), client)
+
+    @classmethod
+    def of(cls, connection: HTTPConnection) -> RequestContext:
+        """An HTTP request's or a WebSocket's."""
+        return cls.from_headers(connection.headers, client_address(connection))
+
+
+def client_address(connection: HTTPConnection) -> str | None:
+    return connection.client.host if connection.client is not None else None
 
 
 @dataclass(slots=True)
@@ -144,7 +156,7 @@ class Sluice:
         if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
             raise InvalidRequest(f"an idempotency key is 1 to {MAX_KEY_LENGTH} printable "
                                  "characters", param="Idempotency-Key")
-        tenant = self.tenants.authenticate(context.api_key).name
+        tenant = self.tenant_of(context).name
         request_print = fingerprint(parsed.kind, body)
         found = self.store.by_key(tenant, key)
         if found is not None:
@@ -158,10 +170,14 @@ class Sluice:
         self.store.add(tenant, key, request_print, run)
         return run, False
 
+    def tenant_of(self, context: RequestContext) -> Tenant:
+        """The caller's tenant (401 for a missing or wrong key, 429 after too many)."""
+        return self.tenants.authenticate(context.api_key, context.client)
+
     def find(self, context: RequestContext, public_id: str) -> GenerationRun | None:
         """The caller's tenant's resumable run with this id (None: unknown, expired, or
         another tenant's)."""
-        tenant = self.tenants.authenticate(context.api_key).name
+        tenant = self.tenant_of(context).name
         return self.store.by_id(tenant, public_id)
 
     def _open(self, parsed: ParsedRequest, timeline: RequestTimeline,
@@ -230,7 +246,7 @@ class Sluice:
 
         Raises a SluiceError for anything wrong; nothing is held when it does.
         """
-        tenant = self.tenants.authenticate(context.api_key)
+        tenant = self.tenant_of(context)
         if not self.engine.is_healthy:
             raise EngineUnavailable("the engine is not available", retry_after=5)
         timeline.tenant = tenant.name

@@ -30,7 +30,7 @@ TRAFFIC_CLASSES = ("interactive", "bulk")
 OUTCOMES = ("completed", "cancelled", "rejected", "expired", "failed", "invalid")
 REJECTION_REASONS = (
     "invalid_api_key", "traffic_class_not_allowed", "tenant_quota_exceeded", "overloaded",
-    "deadline_unmeetable", "engine_unavailable", "shutting_down",
+    "deadline_unmeetable", "engine_unavailable", "shutting_down", "too_many_failed_attempts",
 )
 CANCEL_STAGES = ("queued", "running")
 ABORT_REASONS = ("client_cancelled", "deadline", "preempted")

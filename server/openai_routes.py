@@ -111,12 +111,12 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
                 raise UnsupportedParameter("a request with several prompts cannot be "
                                            "idempotent: send one prompt per request",
                                            param="Idempotency-Key")
-            return await _batch(sluice, RequestContext.from_headers(request.headers),
+            return await _batch(sluice, RequestContext.of(request),
                                 timeline.request_id, timeline, kind,
                                 [{**body, "prompt": prompt} for prompt in prompts])
         parsed = parse_request(body, kind)
         run, replayed = sluice.generate(parsed, body, timeline,
-                                        RequestContext.from_headers(request.headers), key,
+                                        RequestContext.of(request), key,
                                         stream=parsed.stream)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
@@ -138,7 +138,7 @@ def _resume(request: Request, kind: str) -> ASGIApp:
     sluice: Sluice = request.app.state.sluice
     public_id = request.path_params["id"]
     try:
-        run = sluice.find(RequestContext.from_headers(request.headers), public_id)
+        run = sluice.find(RequestContext.of(request), public_id)
         if run is None or run.shape.parsed.kind != kind:
             raise GenerationNotFound(f"no generation '{public_id}' to resume", param="id")
         if not run.shape.stream:
@@ -185,7 +185,7 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
         if "idempotency-key" in request.headers:
             raise UnsupportedParameter("the batch endpoint is not idempotent",
                                        param="Idempotency-Key")
-        context = RequestContext.from_headers(request.headers)
+        context = RequestContext.of(request)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, request_id)

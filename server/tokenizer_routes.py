@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.errors import InvalidRequest, UnsupportedParameter
-from server.generation import Sluice, api_key_from, check_in_vocabulary
+from server.generation import RequestContext, Sluice, check_in_vocabulary
 from server.openai_requests import boolean_from, messages_from, token_ids_from
 from server.openai_routes import JSONResponse, read_json
 
@@ -43,7 +43,7 @@ async def _body(request: Request, allowed: Callable[[dict[str, Any]], set[str]]
                 ) -> tuple[Sluice, dict[str, Any]]:
     """The authenticated JSON body; `allowed(body)` names the keys it may have."""
     sluice: Sluice = request.app.state.sluice
-    sluice.tenants.authenticate(api_key_from(request.headers))
+    sluice.tenant_of(RequestContext.of(request))
     body = await read_json(request, sluice.max_body_bytes)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")

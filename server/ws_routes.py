@@ -32,7 +32,14 @@ from server.errors import (
     InvalidRequest,
     SluiceError,
 )
-from server.generation import RequestContext, Sluice, api_key_from, timeout_from, traffic_class_from
+from server.generation import (
+    RequestContext,
+    Sluice,
+    api_key_from,
+    client_address,
+    timeout_from,
+    traffic_class_from,
+)
 from server.generations.run import Event, GenerationRun, Kind
 from server.openai_requests import parse_request
 from server.openai_responses import chat_logprobs, usage
@@ -78,13 +85,25 @@ def ws_message(local_id: str, seq: int, event: Event, run: GenerationRun
     return message
 
 
+BEARER_PROTOCOL = "sluice.bearer."  # a subprotocol that carries the key: for browsers
+
+
 class Connection:
     def __init__(self, websocket: WebSocket, sluice: Sluice) -> None:
         self.ws = websocket
         self.sluice = sluice
+        self.client = client_address(websocket)
         self.headers = {k.lower(): v for k, v in websocket.headers.items()}
-        if "authorization" not in self.headers and websocket.query_params.get("api_key"):
-            self.headers["authorization"] = "Bearer " + websocket.query_params["api_key"]
+        # A browser cannot set headers on a WebSocket: its key comes as a subprotocol
+        # (`new WebSocket(url, ["sluice.bearer." + key])`), echoed when accepted, or as
+        # `?api_key=` (kept working; logs redact it).
+        self.subprotocol = next((p for p in websocket.scope.get("subprotocols", ())
+                                 if p.startswith(BEARER_PROTOCOL)), None)
+        if "authorization" not in self.headers:
+            key = (self.subprotocol[len(BEARER_PROTOCOL):] if self.subprotocol
+                   else websocket.query_params.get("api_key"))
+            if key:
+                self.headers["authorization"] = "Bearer " + key
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue(OUTBOX_SIZE)
         self.readers: dict[str, asyncio.Task[None]] = {}  # by the client's id
         self.runs: dict[str, GenerationRun] = {}
@@ -93,7 +112,7 @@ class Connection:
         self._serving: asyncio.Task[Any] | None = None
 
     async def serve(self) -> None:
-        await self.ws.accept()
+        await self.ws.accept(subprotocol=self.subprotocol)
         serving = asyncio.current_task()
         assert serving is not None
         self._serving = serving
@@ -208,7 +227,8 @@ class Connection:
 
         return RequestContext(api_key_from(self.headers),
                               traffic_class_from(field("traffic_class", "x-traffic-class")),
-                              timeout_from(field("timeout_ms", "x-request-timeout-ms")))
+                              timeout_from(field("timeout_ms", "x-request-timeout-ms")),
+                              self.client)
 
     def _generate(self, gen_id: str, message: dict[str, Any]) -> tuple[GenerationRun, int]:
         sluice = self.sluice
@@ -245,7 +265,8 @@ class Connection:
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidRequest("'after' must be an event number (an integer >= 0)",
                                  param="after")
-        run = self.sluice.find(RequestContext(api_key_from(self.headers)), public_id)
+        run = self.sluice.find(RequestContext(api_key_from(self.headers), client=self.client),
+                               public_id)
         if run is None or not run.shape.stream:
             raise GenerationNotFound(f"no generation '{public_id}' to resume",
                                      param="generation")
@@ -263,9 +284,10 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     connection = Connection(websocket, sluice)
     try:
         # Authenticate once per connection, so a bad key is refused before any work.
-        sluice.tenants.authenticate(api_key_from(connection.headers))
+        sluice.tenant_of(RequestContext(api_key_from(connection.headers),
+                                        client=connection.client))
     except SluiceError as error:
-        await websocket.accept()
+        await websocket.accept(subprotocol=connection.subprotocol)
         await websocket.send_text(orjson.dumps({"type": "error", "id": None,
                                                 **error.to_body()}).decode())
         await websocket.close(code=1008)

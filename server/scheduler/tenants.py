@@ -10,11 +10,15 @@ priority` still gets served, within what its tenant pays for. Deadline: the clie
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.config import OPEN_TENANT, SluiceConfig, TenantConfig
-from server.errors import InvalidRequest, Unauthorized
+from server.errors import InvalidRequest, TooManyFailedAttempts, Unauthorized
 from server.scheduler.types import Ticket, TrafficClass
 
 SERVICE_TIER_CLASSES: dict[str, TrafficClass] = {
@@ -52,9 +56,53 @@ def requested_class(service_tier: str | None, asked: TrafficClass | None
     return None
 
 
+class FailedAttempts:
+    """Failed authentications per client address over a sliding window. An address with
+    `limit` failures in `window_s` is refused until the oldest ages out, whatever key it
+    sends, so the refusal tells nothing about any key. At most `max_clients` addresses are
+    remembered (the least recent forgotten first)."""
+
+    def __init__(self, limit: int = 10, window_s: float = 60.0, max_clients: int = 10_000
+                 ) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.max_clients = max_clients
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def blocked_for(self, client: str | None, now: float) -> float | None:
+        """Seconds until `client` may try again; None if it may now."""
+        failures = self._failures.get(client or "")
+        if failures is None:
+            return None
+        while failures and now - failures[0] > self.window_s:
+            failures.popleft()
+        if len(failures) < self.limit:
+            return None
+        return self.window_s - (now - failures[0])
+
+    def failed(self, client: str | None, now: float) -> None:
+        key = client or ""
+        failures = self._failures.pop(key, None) or deque()
+        failures.append(now)
+        while len(failures) > self.limit:
+            failures.popleft()
+        self._failures[key] = failures
+        while len(self._failures) > self.max_clients:
+            self._failures.popitem(last=False)
+
+
 class TenantDirectory:
-    def __init__(self, config: SluiceConfig) -> None:
+    def __init__(self, config: SluiceConfig, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         self._config = config
+        self._clock = clock
+        self.failed_attempts = FailedAttempts()
+        # Every accepted key as a digest: a key is checked against each of them in full,
+        # whichever matches, and plain keys are not kept beyond the configuration.
+        self._digests = [(bytes.fromhex(digest), tenant)
+                         for digest, tenant in config.api_key_digests.items()]
+        self._digests += [(hashlib.sha256(key.encode()).digest(), tenant)
+                          for key, tenant in config.api_keys.items()]
         self._tenants = {
             name: Tenant(name, tenant_config, configured=True)
             for name, tenant_config in config.tenants.items()
@@ -71,16 +119,30 @@ class TenantDirectory:
         """Every tenant label a metric may carry, besides "other"."""
         return tuple(t.metric_label for t in self._tenants.values())
 
-    def authenticate(self, api_key: str | None) -> Tenant:
-        """The tenant an API key belongs to; the open tenant when no keys are configured."""
+    def authenticate(self, api_key: str | None, client: str | None = None) -> Tenant:
+        """The tenant an API key belongs to; the open tenant when no keys are configured.
+
+        A `client` address with too many failures lately is refused (429) before its key is
+        looked at."""
         if self._config.is_open:
             return self._tenants[OPEN_TENANT]
+        now = self._clock()
+        wait = self.failed_attempts.blocked_for(client, now)
+        if wait is not None:
+            raise TooManyFailedAttempts("too many failed authentications from this address; "
+                                        "retry later", retry_after=max(1.0, wait))
         if not api_key:
+            self.failed_attempts.failed(client, now)
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        for key, tenant in self._config.api_keys.items():
-            if hmac.compare_digest(key.encode(), api_key.encode()):
-                return self._tenants[tenant]
-        raise Unauthorized("invalid API key")
+        presented = hashlib.sha256(api_key.encode()).digest()
+        found = None
+        for digest, tenant in self._digests:  # no early exit: the same work for every key
+            if hmac.compare_digest(digest, presented):
+                found = tenant
+        if found is None:
+            self.failed_attempts.failed(client, now)
+            raise Unauthorized("invalid API key")
+        return self._tenants[found]
 
     def traffic_class(
         self, tenant: Tenant, service_tier: str | None, asked: TrafficClass | None

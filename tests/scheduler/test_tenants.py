@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config import ConfigError, load_config, parse_config
-from server.errors import InvalidRequest, Unauthorized
+from server.config import ConfigError, key_digest, load_config, parse_config
+from server.errors import InvalidRequest, TooManyFailedAttempts, Unauthorized
 from server.generation import RequestContext
 from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import TrafficClass
@@ -136,3 +136,48 @@ def test_deadline_from_header_else_class_default() -> None:
 def test_ticket_carries_identity() -> None:
     t = make(directory())
     assert (t.request_id, t.tenant, t.model, t.reserved_tokens) == ("req-1", "default", "m", 12)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"tenants": {"acme": {"api_keys": ["k1"], "max_concurent": 1}}},
+     "tenants.acme.max_concurent: unknown key; did you mean max_concurrent?"),
+    ({"budget": {"max_running_seqs": 8}}, "budget: unknown key; did you mean budgets?"),
+    ({"budgets": {"max_running_seqs": "many"}},
+     "budgets.max_running_seqs: expected a whole number, got 'many'"),
+    ({"classes": {"interactive": {"max_queued": 2.5}}},
+     "classes.interactive.max_queued: expected a whole number, got 2.5"),
+    ({"slo": {"interactive": {"ttft": 200}}},
+     "slo.interactive.ttft: unknown key; did you mean ttft_ms?"),
+    ({"budgets": {"kv_target_utilization": True}},
+     "budgets.kv_target_utilization: expected a number, got True"),
+    ({"tenants": {"acme": {"api_key_sha256": ["abc"]}}},
+     "tenants.acme.api_key_sha256: abc… is not a SHA-256 digest (64 hex digits)"),
+    ({"tenants": {"a": {"api_keys": ["k"]}, "b": {"api_keys": ["k"]}}},
+     "tenants.b.api_keys: a key is configured for both a and b"),
+])
+def test_the_configuration_is_strict_and_names_the_path(raw: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(raw)
+    assert str(raised.value) == message
+
+
+def test_keys_may_be_kept_as_digests_only() -> None:
+    d = directory({"tenants": {"acme": {"api_key_sha256": [key_digest("sk-secret")]}}})
+    assert not d.is_open
+    assert d.authenticate("sk-secret").name == "acme"
+    with pytest.raises(Unauthorized):
+        d.authenticate("sk-secret2")
+
+
+def test_failed_attempts_throttle_an_address_whatever_key_it_sends() -> None:
+    clock = [0.0]
+    d = TenantDirectory(parse_config({}, "sk-good:acme"), clock=lambda: clock[0])
+    for _ in range(10):
+        with pytest.raises(Unauthorized):
+            d.authenticate("sk-bad", "10.0.0.1")
+    with pytest.raises(TooManyFailedAttempts) as raised:
+        d.authenticate("sk-good", "10.0.0.1")
+    assert raised.value.retry_after == 60.0
+    assert d.authenticate("sk-good", "10.0.0.2").name == "acme"  # another address
+    clock[0] = 61.0
+    assert d.authenticate("sk-good", "10.0.0.1").name == "acme"  # the window passed

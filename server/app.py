@@ -30,8 +30,10 @@ from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
-from server import metrics, redaction
+from server import batch_routes, metrics, redaction
 from server.access_log import install_handler
+from server.batch_api.runner import BatchRunner
+from server.batch_api.store import BatchStore, DataDirInUse
 from server.config import ConfigError, SluiceConfig, load_config
 from server.errors import (
     EngineUnavailable,
@@ -58,6 +60,18 @@ from server.scheduler.types import Dispatcher
 from server.send_guard import SendGuard
 from server.tokenizer_routes import detokenize, tokenize, version
 from server.ws_routes import websocket_endpoint
+
+BATCH_ROUTES = [
+    Route("/v1/files", batch_routes.create_file, methods=["POST"]),
+    Route("/v1/files", batch_routes.list_files),
+    Route("/v1/files/{id}", batch_routes.get_file),
+    Route("/v1/files/{id}", batch_routes.delete_file, methods=["DELETE"]),
+    Route("/v1/files/{id}/content", batch_routes.file_content),
+    Route("/v1/batches", batch_routes.create_batch, methods=["POST"]),
+    Route("/v1/batches", batch_routes.list_batches),
+    Route("/v1/batches/{id}", batch_routes.get_batch),
+    Route("/v1/batches/{id}/cancel", batch_routes.cancel_batch, methods=["POST"]),
+]
 
 logger = logging.getLogger("sluice.server")
 STATIC = Path(__file__).parent / "static"
@@ -132,7 +146,8 @@ def build_app(
     engine: EngineClient, dispatcher: Dispatcher, config: SluiceConfig, served_model: str,
     *, ping_seconds: float = 15.0, send_timeout_seconds: float = 30.0,
     max_body_bytes: int = 1 << 20, on_engine_death: asyncio.Event | None = None,
-    metrics_route: bool = True,
+    metrics_route: bool = True, batch_store: BatchStore | None = None,
+    max_file_bytes: int = 100 << 20,
 ) -> Starlette:
     sluice = Sluice(
         engine=engine, dispatcher=dispatcher, tenants=TenantDirectory(config),
@@ -148,6 +163,10 @@ def build_app(
         metrics.initialise(served_model, sluice.tenants.metric_labels())
         await engine.start()
         await dispatcher.start()
+        runner = None
+        if batch_store is not None:
+            runner = app.state.batch_runner = BatchRunner(sluice, batch_store)
+            runner.start()
         # What start-up built (vLLM, torch, transformers: ~600,000 objects) lives as long as
         # the server; keep it out of the collector's full passes, each of which otherwise
         # stalls the event loop (~350 ms here with vLLM imported).
@@ -166,6 +185,9 @@ def build_app(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if runner is not None:
+                await runner.stop()
+                batch_store.close()  # type: ignore[union-attr]
             await dispatcher.stop()
             await engine.stop()
 
@@ -187,11 +209,14 @@ def build_app(
             Route("/v1/chat/completions/{id}/stream", resume_chat_completion),
             Route("/v1/completions/{id}/stream", resume_completion),
             WebSocketRoute("/v1/ws", websocket_endpoint),
+            *(BATCH_ROUTES if batch_store is not None else []),
         ],
         exception_handlers={HTTPException: http_error, SluiceError: sluice_error},
         lifespan=lifespan,
     )
     app.state.sluice = sluice
+    app.state.batch_store = batch_store
+    app.state.max_file_bytes = max_file_bytes
     app.state.ready = False
     app.state.started = int(time.time())
     return app
@@ -273,10 +298,16 @@ async def _serve(
     config: SluiceConfig, name: str,
 ) -> int:
     engine_died = asyncio.Event()
+    try:
+        batch_store = BatchStore(args.data_dir)
+    except DataDirInUse as exc:
+        logger.error("%s", exc)
+        return 2
     app = build_app(
         engine, dispatcher, config, name, ping_seconds=args.sse_ping_seconds,
         send_timeout_seconds=args.send_timeout_seconds, max_body_bytes=args.max_body_bytes,
         on_engine_death=engine_died, metrics_route=args.metrics_port is None,
+        batch_store=batch_store, max_file_bytes=args.max_file_bytes,
     )
     server = DrainingServer(app.state.sluice, args.drain_seconds, uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

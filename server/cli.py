@@ -79,6 +79,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-host", default=None,
                    help="address for --metrics-port (default: --host)")
     p.add_argument(
+        "--data-dir", type=Path, default=default_data_dir(),
+        help="where the Batch API keeps its files and batches (one process per directory)",
+    )
+    p.add_argument("--max-file-bytes", type=int, default=100 << 20,
+                   help="largest file /v1/files accepts")
+    p.add_argument(
         "--drain-seconds", type=float, default=30.0,
         help="on SIGTERM, refuse new requests and let running generations finish for up to "
         "this long; the rest end with a 'shutting_down' error event, then Sluice exits 0",
@@ -159,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_plan(sub)
     return parser
+
+
+def default_data_dir() -> Path:
+    """$XDG_DATA_HOME/sluice, else ~/.local/share/sluice."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "sluice"
 
 
 def main(argv: list[str] | None = None) -> int:

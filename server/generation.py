@@ -107,12 +107,13 @@ class RequestContext:
     traffic_class: TrafficClass | None = None
     timeout_s: float | None = None
     client: str | None = None  # the peer's address (failed authentications are counted by it)
+    tenant: Tenant | None = None  # already known (Sluice's own work, e.g. a batch's lines)
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str], client: str | None = None
                      ) -> RequestContext:
         return cls(api_key_from(headers), traffic_class_from(headers.get("x-traffic-class")),
-                   timeout_from(headers.get("x-request-timeout-ms")), client)
+                   timeout_from(headers.get("x-request-timeout-ms")), client=client)
 
     @classmethod
     def of(cls, connection: HTTPConnection) -> RequestContext:
@@ -172,6 +173,8 @@ class Sluice:
 
     def tenant_of(self, context: RequestContext) -> Tenant:
         """The caller's tenant (401 for a missing or wrong key, 429 after too many)."""
+        if context.tenant is not None:
+            return context.tenant
         return self.tenants.authenticate(context.api_key, context.client)
 
     def find(self, context: RequestContext, public_id: str) -> GenerationRun | None:

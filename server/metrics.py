@@ -65,6 +65,19 @@ QUEUE_WAIT = Histogram(
     "Arrival at the server to dispatch into the engine.",
     ["model", "traffic_class"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
 )
+BATCH_STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired",
+                  "cancelling", "cancelled")
+BATCH_LINE_OUTCOMES = ("completed", "failed", "expired")
+BATCHES = Gauge(
+    "sluice_batches",
+    "Batches (the Batch API) by status.",
+    ["status"], registry=REGISTRY,
+)
+BATCH_LINES = Counter(
+    "sluice_batch_lines",
+    "Batch lines that ended: completed, failed (an error response) or expired.",
+    ["outcome"], registry=REGISTRY,
+)
 REQUESTS = Counter(
     "sluice_requests",
     "Requests that ended, by outcome.",
@@ -192,6 +205,8 @@ BATCH_RETRIES = Counter(
 def initialise(model: str, tenant_labels: tuple[str, ...] = ()) -> None:
     """Create every labelled counter's series for `model` at zero (Prometheus' guidance: a
     series that appears only with its first event leaves gaps in rates and alerts)."""
+    for outcome in BATCH_LINE_OUTCOMES:
+        BATCH_LINES.labels(outcome)
     for tc in TRAFFIC_CLASSES:
         for outcome in OUTCOMES:
             REQUESTS.labels(model, tc, outcome)

@@ -175,6 +175,45 @@ def _resume(kind: str) -> dict[str, Any]:
                       **_ERRORS}}}
 
 
+def _with_id(operation: dict[str, Any], name: str) -> dict[str, Any]:
+    """`operation` on a path naming one of the tenant's objects."""
+    return {method: {**spec, "parameters": [{"name": "id", "in": "path", "required": True,
+                                             "schema": _STR, "description": name}],
+                     "responses": {**spec["responses"], **_ERRORS}}
+            for method, spec in operation.items()}
+
+
+_BATCH = {"type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
+          "additionalProperties": False, "properties": {
+              "input_file_id": _STR,
+              "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions"]},
+              "completion_window": {"const": "24h"},
+              "metadata": {"type": "object", "maxProperties": 16,
+                           "additionalProperties": _STR}}}
+_UPLOAD = {"type": "object", "required": ["file", "purpose"], "properties": {
+    "file": {"type": "string", "format": "binary"}, "purpose": {"const": "batch"}}}
+
+
+def _batch_api() -> dict[str, Any]:
+    upload = {"post": {"summary": "upload a JSONL file of batch requests", "requestBody": {
+        "required": True, "content": {"multipart/form-data": {"schema": _UPLOAD}}},
+        "responses": {"200": {"description": "the file object"}, **_ERRORS}}}
+    cancel = {"post": {"summary": "cancel a batch", "responses": {
+        "200": {"description": "the batch"}}}}
+    delete = {"delete": {"summary": "delete a file", "responses": {
+        "200": {"description": "deleted"}}}}
+    return {
+        "/v1/files": {**upload, **_get("the tenant's files")},
+        "/v1/files/{id}": {**_with_id(_get("a file"), "a file id"),
+                           **_with_id(delete, "a file id")},
+        "/v1/files/{id}/content": _with_id(_get("a file's content"), "a file id"),
+        "/v1/batches": {**_post_json("create a batch", _BATCH),
+                        **_get("the tenant's batches (after, limit)")},
+        "/v1/batches/{id}": _with_id(_get("a batch"), "a batch id"),
+        "/v1/batches/{id}/cancel": _with_id(cancel, "a batch id"),
+    }
+
+
 def _get(summary: str) -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {"200": {"description": summary}}}}
 
@@ -221,6 +260,7 @@ def document(version: str) -> dict[str, Any]:
             "/health": _get("200 while the process is alive"),
             "/ready": _get("200 when the engine is ready, else 503"),
             "/openapi.json": _get("this document"),
+            **_batch_api(),
         },
     }
 

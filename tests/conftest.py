@@ -54,6 +54,9 @@ class SluiceProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # Each server its own data directory (one process owns one), unless the test names one.
+        self.data_dir = log_path.parent / f"data-{self.port}"
+        data_dir = [] if "--data-dir" in args else ["--data-dir", str(self.data_dir)]
         self.log_path = log_path
         self._log = open(log_path, "wb")
         # Its own process group (stopped as a whole: vLLM's engine processes too), but not its
@@ -61,7 +64,7 @@ class SluiceProcess:
         # a separate autogroup starved this test process for seconds at a time on 2 cores.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), *args],
+             "--port", str(self.port), *data_dir, *args],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})}, process_group=0,
         )

@@ -125,7 +125,8 @@ def run_sluice(
     log_path = log_dir / f"{name}-{port}.log"
     command = [
         sys.executable, "-m", "server.cli", "serve",
-        "--engine", engine, "--host", "127.0.0.1", "--port", str(port), *args,
+        "--engine", engine, "--host", "127.0.0.1", "--port", str(port),
+        "--data-dir", str(log_dir / f"data-{port}"), *args,
     ]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from tests.conftest import SluiceProcess, wait_until
+from conftest import SluiceProcess, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import websockets
-
-from tests.conftest import SluiceProcess, wait_until
+from conftest import SluiceProcess, wait_until
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 ACME = {"Authorization": "Bearer sk-acme"}
@@ -249,34 +248,38 @@ async def _read_until_final(ws: websockets.ClientConnection, gen_id: str) -> lis
             return messages
 
 
-async def test_generate_then_cancel_races_end_each_generation_once(
-    server: SluiceProcess,
-) -> None:
-    """1,000 generate+cancel pairs, the cancel sent at once or after a first delta: every id
-    gets exactly one final or error."""
-    url = server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme"
+async def race_generates_and_cancels(url: str, max_tokens: int, pairs: int = 1000) -> None:
+    """`pairs` generate+cancel pairs on one WebSocket, the cancel sent at once (two in three)
+    or once the generation streams: every id gets exactly one final or error, and nothing
+    comes for any of them afterwards."""
     terminal: dict[str, list[str]] = {}
-    request = {"messages": [{"role": "user", "content": "race"}], "max_tokens": 6}
+    request = {"messages": [{"role": "user", "content": "race"}], "max_tokens": max_tokens}
     async with websockets.connect(url, max_size=None) as ws:
         async def send_pairs() -> None:
-            for i in range(1000):
+            for i in range(pairs):
                 await ws.send(json.dumps({"type": "generate", "id": f"g{i}", "request": request}))
                 if i % 3:
                     await ws.send(json.dumps({"type": "cancel", "id": f"g{i}"}))
         sending = asyncio.create_task(send_pairs())
-        while sum(len(v) for v in terminal.values()) < 1000:
-            message = json.loads(await asyncio.wait_for(ws.recv(), 60))
+        while sum(len(v) for v in terminal.values()) < pairs:
+            message = json.loads(await asyncio.wait_for(ws.recv(), 120))
             if message["type"] == "delta":
                 if int(message["id"][1:]) % 3 == 0:  # the rest: cancelled once it streams
                     await ws.send(json.dumps({"type": "cancel", "id": message["id"]}))
                 continue
             terminal.setdefault(message["id"], []).append(message["type"])
         await sending
-        # Nothing more comes for any of them.
         await ws.send(json.dumps({"type": "generate", "id": "last", "request": request}))
         assert (await _read_until_final(ws, "last"))[-1]["type"] == "final"
-    assert sorted(terminal) == sorted(f"g{i}" for i in range(1000))
+    assert sorted(terminal) == sorted(f"g{i}" for i in range(pairs))
     assert all(len(kinds) == 1 for kinds in terminal.values())
+
+
+async def test_generate_then_cancel_races_end_each_generation_once(
+    server: SluiceProcess,
+) -> None:
+    await race_generates_and_cancels(
+        server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme", max_tokens=6)
     wait_until(lambda: server.metric("sluice_running_requests") == 0
                and server.metric("sluice_queue_depth") == 0, 10)
 

@@ -9,10 +9,14 @@ import asyncio
 import json
 
 import httpx
-import websockets
-
-from tests.conftest import SluiceProcess, wait_until
-from tests.server.test_resumption import generation_id, resume, stream, text_of
+from conftest import SluiceProcess, wait_until
+from test_resumption import (
+    generation_id,
+    race_generates_and_cancels,
+    resume,
+    stream,
+    text_of,
+)
 
 
 def greedy(max_tokens: int = 48) -> dict:
@@ -57,26 +61,8 @@ async def test_concurrent_duplicates_reach_the_engine_once(vllm_server: SluicePr
 async def test_generate_then_cancel_races_end_each_generation_once(
     vllm_server: SluiceProcess,
 ) -> None:
-    url = vllm_server.url.replace("http://", "ws://") + "/v1/ws"
-    request = {"messages": [{"role": "user", "content": "race"}], "max_tokens": 8}
-    terminal: dict[str, list[str]] = {}
-    async with websockets.connect(url, max_size=None) as ws:
-        async def send_pairs() -> None:
-            for i in range(1000):
-                await ws.send(json.dumps({"type": "generate", "id": f"g{i}", "request": request}))
-                if i % 3:
-                    await ws.send(json.dumps({"type": "cancel", "id": f"g{i}"}))
-        sending = asyncio.create_task(send_pairs())
-        while sum(len(v) for v in terminal.values()) < 1000:
-            message = json.loads(await asyncio.wait_for(ws.recv(), 120))
-            if message["type"] == "delta":
-                if int(message["id"][1:]) % 3 == 0:
-                    await ws.send(json.dumps({"type": "cancel", "id": message["id"]}))
-                continue
-            terminal.setdefault(message["id"], []).append(message["type"])
-        await sending
-    assert sorted(terminal) == sorted(f"g{i}" for i in range(1000))
-    assert all(len(kinds) == 1 for kinds in terminal.values())
+    await race_generates_and_cancels(vllm_server.url.replace("http://", "ws://") + "/v1/ws",
+                                     max_tokens=8)
     wait_until(lambda: vllm_server.metric("sluice_engine_unfinished_requests") == 0
                and vllm_server.metric("sluice_running_requests") == 0, 60,
                message="every engine request ended")

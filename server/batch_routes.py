@@ -1,0 +1,223 @@
+"""The OpenAI Files and Batch APIs: `/v1/files` (purpose `batch`) and `/v1/batches`.
+
+Every object belongs to the tenant whose key made it; another tenant's is not found, exactly
+as an unknown one. A batch's input is checked whole before it is accepted: a line that is not
+JSON, a duplicate `custom_id`, another endpoint or model, or a body the request parser refuses
+make the batch `failed` with `errors` naming each line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import Response
+
+from server.batch_api.runner import KINDS, BatchRunner
+from server.batch_api.store import Batch, BatchStore, Line
+from server.errors import InvalidRequest, PayloadTooLarge, RouteNotFound, SluiceError
+from server.generation import RequestContext, Sluice
+from server.openai_requests import parse_request
+from server.openai_routes import JSONResponse, read_json
+
+WINDOWS = {"24h": 24 * 3600}
+MAX_ERRORS = 100  # errors listed for a batch that failed validation
+
+
+class FileNotFound(RouteNotFound):
+    """An unknown file or batch, or another tenant's: the same answer for each."""
+
+
+def _parts(request: Request) -> tuple[Sluice, BatchStore, BatchRunner, str]:
+    sluice: Sluice = request.app.state.sluice
+    return (sluice, request.app.state.batch_store, request.app.state.batch_runner,
+            sluice.tenant_of(RequestContext.of(request)).name)
+
+
+async def create_file(request: Request) -> Response:
+    _, store, _, tenant = _parts(request)
+    limit = request.app.state.max_file_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit + 65536:
+        raise PayloadTooLarge(f"the file exceeds {limit} bytes")
+    try:
+        form = await request.form(max_files=1, max_fields=4, max_part_size=65536)
+    except Exception as exc:  # malformed multipart: python-multipart's own errors
+        raise InvalidRequest(f"expected a multipart form with 'file' and 'purpose': {exc}"
+                             ) from None
+    upload, purpose = form.get("file"), form.get("purpose")
+    if not isinstance(upload, UploadFile):
+        raise InvalidRequest("the form has no 'file'", param="file")
+    if purpose != "batch":
+        raise InvalidRequest("'purpose' must be 'batch'", param="purpose")
+    content = await upload.read(limit + 1)
+    if len(content) > limit:
+        raise PayloadTooLarge(f"the file exceeds {limit} bytes")
+    return JSONResponse(store.add_file(tenant, "batch", upload.filename or "input.jsonl",
+                                       content))
+
+
+async def list_files(request: Request) -> Response:
+    _, store, _, tenant = _parts(request)
+    files = store.files(tenant, request.query_params.get("purpose"))
+    return JSONResponse({"object": "list", "data": files, "has_more": False})
+
+
+def _file_or_404(store: BatchStore, tenant: str, file_id: str) -> dict[str, Any]:
+    found = store.file(tenant, file_id)
+    if found is None:
+        raise FileNotFound(f"no file '{file_id}'", param="file_id")
+    return found
+
+
+async def get_file(request: Request) -> Response:
+    _, store, _, tenant = _parts(request)
+    return JSONResponse(_file_or_404(store, tenant, request.path_params["id"]))
+
+
+async def file_content(request: Request) -> Response:
+    _, store, _, tenant = _parts(request)
+    content = store.file_content(tenant, request.path_params["id"])
+    if content is None:
+        raise FileNotFound(f"no file '{request.path_params['id']}'", param="file_id")
+    return Response(content, media_type="application/jsonl")
+
+
+async def delete_file(request: Request) -> Response:
+    _, store, _, tenant = _parts(request)
+    file_id = request.path_params["id"]
+    if not store.delete_file(tenant, file_id):
+        raise FileNotFound(f"no file '{file_id}'", param="file_id")
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+async def create_batch(request: Request) -> Response:
+    sluice, store, runner, tenant = _parts(request)
+    body = await read_json(request, sluice.max_body_bytes)
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
+    if unknown:
+        raise InvalidRequest(f"unknown parameter '{sorted(unknown)[0]}'",
+                             param=sorted(unknown)[0])
+    endpoint, window = body.get("endpoint"), body.get("completion_window")
+    if endpoint not in KINDS:
+        raise InvalidRequest(f"'endpoint' must be one of {', '.join(KINDS)}", param="endpoint")
+    if window not in WINDOWS:
+        raise InvalidRequest("'completion_window' must be '24h'", param="completion_window")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise InvalidRequest("'metadata' is at most 16 string keys and values",
+                             param="metadata")
+    file_id = body.get("input_file_id")
+    if not isinstance(file_id, str):
+        raise InvalidRequest("'input_file_id' must be a file id", param="input_file_id")
+    _file_or_404(store, tenant, file_id)
+    content = store.file_content(tenant, file_id) or b""
+    now = int(time.time())
+    batch = Batch(id="batch_" + uuid.uuid4().hex, tenant=tenant, input_file_id=file_id,
+                  endpoint=endpoint, completion_window=window, created_at=now,
+                  expires_at=now + WINDOWS[window], metadata=metadata)
+    lines, errors = _lines(content, endpoint, sluice.served_model)
+    batch.request_counts["total"] = len(lines)
+    if errors or not lines:
+        batch.status = "failed"
+        batch.times["failed"] = now
+        batch.errors = {"object": "list", "data": errors[:MAX_ERRORS] or [
+            {"code": "empty_file", "message": "the input file has no requests", "param": None,
+             "line": None}]}
+        store.add_batch(batch, [])
+    else:
+        batch.status, batch.times["in_progress"] = "in_progress", now
+        store.add_batch(batch, lines)
+        runner.submit(batch)
+    runner.count_batches()
+    return JSONResponse(batch.to_api())
+
+
+def _lines(content: bytes, endpoint: str, model: str
+           ) -> tuple[list[Line], list[dict[str, Any]]]:
+    """The input file's requests, and an error per line that is not one."""
+    lines: list[Line] = []
+    errors: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    kind = KINDS[endpoint]
+    for number, raw in enumerate(content.decode("utf-8", "replace").splitlines(), start=1):
+        if not raw.strip():
+            continue
+
+        def error(code: str, message: str, param: str | None = None,
+                  number: int = number) -> None:
+            errors.append({"code": code, "message": message, "param": param, "line": number})
+
+        try:
+            request = json.loads(raw)
+        except json.JSONDecodeError:
+            error("invalid_json_line", "this line is not valid JSON")
+            continue
+        if not isinstance(request, dict):
+            error("invalid_json_line", "each line must be a JSON object")
+            continue
+        custom_id, body = request.get("custom_id"), request.get("body")
+        if not isinstance(custom_id, str) or not custom_id:
+            error("missing_required_parameter", "'custom_id' must be a non-empty string",
+                  "custom_id")
+        elif custom_id in seen:
+            error("duplicate_custom_id", f"the custom_id '{custom_id}' appears twice",
+                  "custom_id")
+        elif request.get("method") != "POST" or request.get("url") != endpoint:
+            error("invalid_url", f"each line must be a POST to the batch's endpoint {endpoint}",
+                  "url")
+        elif not isinstance(body, dict) or body.get("model", model) != model:
+            error("model_not_found", f"'body.model' must be the served model '{model}'",
+                  "body.model")
+        else:
+            try:
+                if parse_request(body, kind).stream:
+                    raise InvalidRequest("a batch request cannot stream", param="stream")
+            except SluiceError as refused:
+                error("invalid_request", refused.message, f"body.{refused.param}"
+                      if refused.param else "body")
+            else:
+                seen.add(custom_id)
+                lines.append(Line(len(lines), custom_id, body))
+    return lines, errors
+
+
+async def list_batches(request: Request) -> Response:
+    _, store, _, tenant = _parts(request)
+    raw_limit = request.query_params.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        raise InvalidRequest("'limit' must be between 1 and 100", param="limit")
+    batches, more = store.batches(tenant, request.query_params.get("after"), int(raw_limit))
+    data = [batch.to_api() for batch in batches]
+    return JSONResponse({"object": "list", "data": data,
+                         "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+
+def _batch_or_404(store: BatchStore, tenant: str, batch_id: str) -> Batch:
+    batch = store.batch(tenant, batch_id)
+    if batch is None:
+        raise FileNotFound(f"no batch '{batch_id}'", param="batch_id")
+    return batch
+
+
+async def get_batch(request: Request) -> Response:
+    _, store, _, tenant = _parts(request)
+    return JSONResponse(_batch_or_404(store, tenant, request.path_params["id"]).to_api())
+
+
+async def cancel_batch(request: Request) -> Response:
+    _, store, runner, tenant = _parts(request)
+    batch = runner.live(_batch_or_404(store, tenant, request.path_params["id"]))
+    if batch.status in ("validating", "in_progress"):
+        runner.cancel(batch)
+    elif batch.status not in ("cancelling", "cancelled"):
+        raise InvalidRequest(f"a batch that is {batch.status} cannot be cancelled")
+    return JSONResponse(batch.to_api())

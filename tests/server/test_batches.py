@@ -1,0 +1,230 @@
+"""The Batch API with the official `openai` client: create, poll, download; cancel; validation;
+SIGKILL and restart mid-batch with no line lost or repeated; expiry. Real Sluice processes on
+the sim engine (slowed where a batch must still be running when the test acts); one
+end-to-end batch on the real vLLM engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import SluiceProcess, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def chat_lines(count: int, max_tokens: int = 8, model: str = "sim") -> list[dict]:
+    return [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": model, "max_tokens": max_tokens,
+                      "messages": [{"role": "user", "content": f"question {i}"}]}}
+            for i in range(count)]
+
+
+def client_for(server: SluiceProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def start_batch(client: openai.OpenAI, lines: list[dict]) -> str:
+    file = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"job": "test"})
+    assert batch.status == "in_progress" and batch.request_counts.total == len(lines)
+    return batch.id
+
+
+def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 120
+             ) -> openai.types.Batch:
+    found: list[openai.types.Batch] = []
+
+    def reached() -> bool:
+        found[:] = [client.batches.retrieve(batch_id)]
+        return found[0].status in statuses
+
+    wait_until(reached, timeout, interval=0.2, message=f"batch {batch_id} to be {statuses}")
+    return found[0]
+
+
+def output_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
+    process = SluiceProcess(["--engine", "sim", "--max-file-bytes", "200000"],
+                            tmp_path_factory.mktemp("batches") / "server.log")
+    try:
+        process.wait_ready(60)
+        yield process
+    finally:
+        process.stop()
+
+
+def test_a_batch_runs_to_completion_and_its_output_downloads(server: SluiceProcess) -> None:
+    client = client_for(server)
+    batch_id = start_batch(client, chat_lines(40))
+    batch = wait_for(client, batch_id, {"completed"})
+    assert batch.request_counts.completed == 40 and batch.request_counts.failed == 0
+    assert batch.completed_at and batch.in_progress_at and batch.metadata == {"job": "test"}
+    lines = output_of(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in lines) == sorted(f"req-{i}" for i in range(40))
+    for line in lines:
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 8
+    assert batch.error_file_id is None
+    # Listed, newest first, with `after` pagination.
+    second = start_batch(client, chat_lines(2))
+    page = client.batches.list(limit=1)
+    assert [b.id for b in page.data] == [second] and page.has_more
+    assert client.batches.list(limit=1, after=second).data[0].id == batch_id
+    wait_for(client, second, {"completed"})
+
+
+def test_a_line_the_engine_refuses_lands_in_the_error_file(server: SluiceProcess) -> None:
+    client = client_for(server)
+    lines = chat_lines(3)
+    lines[1]["body"]["messages"][0]["content"] = "word " * 20000  # past the context
+    batch = wait_for(client, start_batch(client, lines), {"completed"})
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    [failed] = output_of(client, batch.error_file_id)
+    assert failed["custom_id"] == "req-1" and failed["response"]["status_code"] == 400
+    assert failed["response"]["body"]["error"]["code"] == "context_length_exceeded"
+
+
+def test_input_that_cannot_run_fails_the_batch_naming_the_lines(server: SluiceProcess) -> None:
+    client = client_for(server)
+    lines = chat_lines(6)
+    lines[2]["custom_id"] = "req-1"
+    lines[3]["url"] = "/v1/embeddings"
+    lines[4]["body"]["model"] = "gpt-4"
+    lines[5]["body"]["temperature"] = "hot"
+    raw = jsonl(lines) + b"not json\n"
+    file = client.files.create(file=("bad.jsonl", raw), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    assert batch.status == "failed" and batch.errors is not None
+    assert [(e.line, e.code) for e in batch.errors.data] == [
+        (3, "duplicate_custom_id"), (4, "invalid_url"), (5, "model_not_found"),
+        (6, "invalid_request"), (7, "invalid_json_line")]
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings",
+                              completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    too_big = httpx.post(server.url + "/v1/files", data={"purpose": "batch"},
+                         files={"file": ("big.jsonl", b"x" * 300_000)})
+    assert too_big.status_code == 413
+
+
+def test_files_list_read_and_delete(server: SluiceProcess) -> None:
+    client = client_for(server)
+    file = client.files.create(file=("f.jsonl", jsonl(chat_lines(1))), purpose="batch")
+    assert client.files.retrieve(file.id).bytes == len(jsonl(chat_lines(1)))
+    assert file.id in {f.id for f in client.files.list()}
+    assert client.files.delete(file.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(file.id)
+
+
+@pytest.fixture
+def slow_server(tmp_path: Path) -> Iterator[tuple[SluiceProcess, list[str]]]:
+    """A sim server at ~20 ms a step (a 200-line batch takes seconds), and its arguments to
+    start it again on the same data directory."""
+    args = ["--engine", "sim", "--sim-step-base-ms", "20", "--data-dir", str(tmp_path / "data")]
+    process = SluiceProcess(args, tmp_path / "server-0.log")
+    started = [process]
+    try:
+        process.wait_ready(60)
+        yield process, args
+    finally:
+        for each in started:
+            each.stop()
+
+
+def test_cancel_stops_the_batch_and_keeps_what_is_done(slow_server) -> None:  # type: ignore[no-untyped-def]
+    server, _ = slow_server
+    client = client_for(server)
+    batch_id = start_batch(client, chat_lines(200, max_tokens=60))
+    wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 3, 60)
+    cancelling = client.batches.cancel(batch_id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    batch = wait_for(client, batch_id, {"cancelled"}, 30)
+    done = batch.request_counts.completed
+    assert 3 <= done < 200 and batch.cancelled_at
+    assert len(output_of(client, batch.output_file_id)) == done
+    wait_until(lambda: server.metric("sluice_running_requests") == 0, 10)
+
+
+def test_sigkill_mid_batch_then_restart_loses_and_repeats_no_line(  # type: ignore[no-untyped-def]
+    slow_server, tmp_path: Path,
+) -> None:
+    server, args = slow_server
+    client = client_for(server)
+    batch_id = start_batch(client, chat_lines(150, max_tokens=40))
+    wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 20, 60)
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=10)
+    again = SluiceProcess(args, tmp_path / "server-1.log")
+    try:
+        again.wait_ready(60)
+        restarted = client_for(again)
+        batch = wait_for(restarted, batch_id, {"completed"})
+        lines = output_of(restarted, batch.output_file_id)
+        ids = [line["custom_id"] for line in lines]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(150))  # each exactly once
+        assert batch.request_counts.completed == 150
+    finally:
+        again.stop()
+
+
+def test_a_batch_past_its_window_expires_with_what_is_done(slow_server, tmp_path: Path  # type: ignore[no-untyped-def]
+                                                           ) -> None:
+    server, args = slow_server
+    client = client_for(server)
+    batch_id = start_batch(client, chat_lines(150, max_tokens=40))
+    wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 5, 60)
+    server.stop()
+    # Down past the window's end: its expiry, as the store will read it on restart.
+    with sqlite3.connect(Path(args[-1]) / "batches.sqlite3") as db:
+        body = json.loads(db.execute("SELECT body FROM batches WHERE id = ?",
+                                     (batch_id,)).fetchone()[0])
+        body["expires_at"] = int(time.time()) - 1
+        db.execute("UPDATE batches SET body = ? WHERE id = ?", (json.dumps(body), batch_id))
+    again = SluiceProcess(args, tmp_path / "server-1.log")
+    try:
+        again.wait_ready(60)
+        restarted = client_for(again)
+        batch = wait_for(restarted, batch_id, {"expired"}, 30)
+        done = batch.request_counts.completed
+        expired = output_of(restarted, batch.error_file_id)
+        assert done >= 5 and len(expired) == 150 - done == batch.request_counts.failed
+        assert {line["error"]["code"] for line in expired} == {"batch_expired"}
+        assert len(output_of(restarted, batch.output_file_id)) == done
+    finally:
+        again.stop()
+
+
+@pytest.mark.vllm
+def test_a_batch_on_the_real_engine(vllm_server: SluiceProcess) -> None:
+    client = client_for(vllm_server)
+    batch_id = start_batch(client, chat_lines(4, max_tokens=6, model="sluice-demo"))
+    batch = wait_for(client, batch_id, {"completed"}, 120)
+    lines = output_of(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in lines) == [f"req-{i}" for i in range(4)]
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] == 6 for line in lines)

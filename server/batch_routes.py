@@ -105,9 +105,9 @@ async def create_batch(request: Request) -> Response:
         raise InvalidRequest(f"unknown parameter '{sorted(unknown)[0]}'",
                              param=sorted(unknown)[0])
     endpoint, window = body.get("endpoint"), body.get("completion_window")
-    if endpoint not in KINDS:
+    if not isinstance(endpoint, str) or endpoint not in KINDS:
         raise InvalidRequest(f"'endpoint' must be one of {', '.join(KINDS)}", param="endpoint")
-    if window not in WINDOWS:
+    if not isinstance(window, str) or window not in WINDOWS:
         raise InvalidRequest("'completion_window' must be '24h'", param="completion_window")
     metadata = body.get("metadata")
     if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(

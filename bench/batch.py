@@ -74,11 +74,12 @@ async def chats(url: str, rate: float, seconds: float) -> list[float]:
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16,
                 "stream": True}
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            async for line in response.aiter_lines():
+            lines = response.aiter_lines()
+            async for line in lines:
                 if line.startswith("data: {") and '"content":""' not in line:
                     ttfts.append(time.perf_counter() - start)
                     break
-            async for _ in response.aiter_lines():
+            async for _ in lines:
                 pass
 
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
@@ -154,7 +155,7 @@ def main() -> int:
                 time.sleep(0.2)  # start-up polling
             report = run(args, url)
         finally:
-            os.killpg(server.pid, signal.SIGINT)
+            os.killpg(server.pid, signal.SIGTERM)  # drains, then exits 0
             server.wait(timeout=60)
     summary = {}
     for name in ("chats alone", "chats with the batch", "chats with plain bulk"):

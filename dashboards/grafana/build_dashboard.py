@@ -369,6 +369,28 @@ ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
+        "Batch API (OpenAI batches on spare capacity)",
+        (
+            Panel(
+                "Batches by status",
+                "Batches of the Batch API in each status (in_progress, completed, ...).",
+                (Target("sum by (status) (sluice_batches)", "{{status}}"),),
+            ),
+            Panel(
+                "Batch lines/s",
+                "Batch lines ended per second: completed, failed (an error response) and "
+                "expired (past the completion window).",
+                (
+                    Target(
+                        "sum by (outcome) (rate(sluice_batch_lines_total[$__rate_interval]))",
+                        "{{outcome}}",
+                    ),
+                ),
+                unit="reqps",
+            ),
+        ),
+    ),
+    Row(
         "Batch mode (engine sim-batch or batch dispatch)",
         (
             Panel(

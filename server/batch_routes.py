@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from server.batch_api.runner import KINDS, BatchRunner
 from server.batch_api.store import Batch, BatchStore, Line
-from server.errors import InvalidRequest, PayloadTooLarge, RouteNotFound, SluiceError
+from server.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
 from server.generation import RequestContext, Sluice
 from server.openai_requests import parse_request
 from server.openai_routes import JSONResponse, read_json
@@ -28,8 +28,14 @@ WINDOWS = {"24h": 24 * 3600}
 MAX_ERRORS = 100  # errors listed for a batch that failed validation
 
 
-class FileNotFound(RouteNotFound):
-    """An unknown file or batch, or another tenant's: the same answer for each."""
+T = TypeVar("T")
+
+
+def _found(value: T | None, what: str, object_id: str) -> T:
+    """`value`, or the 404 that an unknown object and another tenant's both get."""
+    if value is None:
+        raise ResourceNotFound(f"no {what} '{object_id}'", param=f"{what}_id")
+    return value
 
 
 def _parts(request: Request) -> tuple[Sluice, BatchStore, BatchRunner, str]:
@@ -67,31 +73,23 @@ async def list_files(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": files, "has_more": False})
 
 
-def _file_or_404(store: BatchStore, tenant: str, file_id: str) -> dict[str, Any]:
-    found = store.file(tenant, file_id)
-    if found is None:
-        raise FileNotFound(f"no file '{file_id}'", param="file_id")
-    return found
-
-
 async def get_file(request: Request) -> Response:
     _, store, _, tenant = _parts(request)
-    return JSONResponse(_file_or_404(store, tenant, request.path_params["id"]))
+    file_id = request.path_params["id"]
+    return JSONResponse(_found(store.file(tenant, file_id), "file", file_id))
 
 
 async def file_content(request: Request) -> Response:
     _, store, _, tenant = _parts(request)
-    content = store.file_content(tenant, request.path_params["id"])
-    if content is None:
-        raise FileNotFound(f"no file '{request.path_params['id']}'", param="file_id")
+    file_id = request.path_params["id"]
+    content = _found(store.file_content(tenant, file_id), "file", file_id)
     return Response(content, media_type="application/jsonl")
 
 
 async def delete_file(request: Request) -> Response:
     _, store, _, tenant = _parts(request)
     file_id = request.path_params["id"]
-    if not store.delete_file(tenant, file_id):
-        raise FileNotFound(f"no file '{file_id}'", param="file_id")
+    _found(store.delete_file(tenant, file_id) or None, "file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -117,8 +115,7 @@ async def create_batch(request: Request) -> Response:
     file_id = body.get("input_file_id")
     if not isinstance(file_id, str):
         raise InvalidRequest("'input_file_id' must be a file id", param="input_file_id")
-    _file_or_404(store, tenant, file_id)
-    content = store.file_content(tenant, file_id) or b""
+    content = _found(store.file_content(tenant, file_id), "file", file_id)
     now = int(time.time())
     batch = Batch(id="batch_" + uuid.uuid4().hex, tenant=tenant, input_file_id=file_id,
                   endpoint=endpoint, completion_window=window, created_at=now,
@@ -201,21 +198,16 @@ async def list_batches(request: Request) -> Response:
                          "last_id": data[-1]["id"] if data else None, "has_more": more})
 
 
-def _batch_or_404(store: BatchStore, tenant: str, batch_id: str) -> Batch:
-    batch = store.batch(tenant, batch_id)
-    if batch is None:
-        raise FileNotFound(f"no batch '{batch_id}'", param="batch_id")
-    return batch
-
-
 async def get_batch(request: Request) -> Response:
     _, store, _, tenant = _parts(request)
-    return JSONResponse(_batch_or_404(store, tenant, request.path_params["id"]).to_api())
+    batch_id = request.path_params["id"]
+    return JSONResponse(_found(store.batch(tenant, batch_id), "batch", batch_id).to_api())
 
 
 async def cancel_batch(request: Request) -> Response:
     _, store, runner, tenant = _parts(request)
-    batch = runner.live(_batch_or_404(store, tenant, request.path_params["id"]))
+    batch_id = request.path_params["id"]
+    batch = runner.live(_found(store.batch(tenant, batch_id), "batch", batch_id))
     if batch.status in ("validating", "in_progress"):
         runner.cancel(batch)
     elif batch.status not in ("cancelling", "cancelled"):

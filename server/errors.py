@@ -75,8 +75,9 @@ class RouteNotFound(SluiceError):
     code = "not_found"
 
 
-class GenerationNotFound(RouteNotFound):
-    """An unknown or expired generation, or another tenant's: the same answer for each."""
+class ResourceNotFound(RouteNotFound):
+    """An unknown or expired resource (a generation, a file, a batch), or another tenant's:
+    the same answer for each."""
 
 
 class MethodNotAllowed(SluiceError):

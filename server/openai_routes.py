@@ -16,9 +16,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import (
     GenerationCancelled,
-    GenerationNotFound,
     InvalidRequest,
     PayloadTooLarge,
+    ResourceNotFound,
     SluiceError,
     UnsupportedParameter,
 )
@@ -140,7 +140,7 @@ def _resume(request: Request, kind: str) -> ASGIApp:
     try:
         run = sluice.find(RequestContext.of(request), public_id)
         if run is None or run.shape.parsed.kind != kind:
-            raise GenerationNotFound(f"no generation '{public_id}' to resume", param="id")
+            raise ResourceNotFound(f"no generation '{public_id}' to resume", param="id")
         if not run.shape.stream:
             raise InvalidRequest("this generation is answered whole, not streamed: send the "
                                  "request again with its Idempotency-Key for the answer",

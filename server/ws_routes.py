@@ -28,8 +28,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from server.errors import (
     GenerationCancelled,
-    GenerationNotFound,
     InvalidRequest,
+    ResourceNotFound,
     SluiceError,
 )
 from server.generation import (
@@ -268,7 +268,7 @@ class Connection:
         run = self.sluice.find(RequestContext(api_key_from(self.headers), client=self.client),
                                public_id)
         if run is None or not run.shape.stream:
-            raise GenerationNotFound(f"no generation '{public_id}' to resume",
+            raise ResourceNotFound(f"no generation '{public_id}' to resume",
                                      param="generation")
         return run, after
 

@@ -104,7 +104,8 @@ def server_command(system: System, args: argparse.Namespace, port: int,
                    config_path: str | None) -> list[str]:
     if system.is_sluice:
         command = [sys.executable, "-m", "server.cli", "serve", "--engine", args.sluice_engine,
-                   "--model", args.model, "--served-model-name", SERVED_NAME, "--port", str(port)]
+                   "--model", args.model, "--served-model-name", SERVED_NAME, "--port", str(port),
+                   "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-")]
         if config_path:
             command += ["--config", config_path]
         return command

@@ -207,7 +207,8 @@ def main() -> int:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     log_path = Path(tempfile.mkdtemp()) / "server.log"
     cmd = [sys.executable, "-m", "server.cli", "serve", "--engine", args.engine,
-           "--port", str(args.port), "--log-level", "warning"]
+           "--port", str(args.port), "--log-level", "warning",
+           "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-")]  # its own batch store
     # A process group but not a new session (see tests/conftest.py: a separate session's
     # autogroup starved this load generator for seconds at a time).
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "wb"),

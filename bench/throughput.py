@@ -23,6 +23,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,7 +106,8 @@ def main() -> int:
         vllm_cmd += ["--" + key.replace("_", "-"), str(value)]
     sluice_cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model),
                   "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
-                  "--port", str(sluice_port), "--log-level", "warning"]
+                  "--port", str(sluice_port), "--log-level", "warning",
+                  "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-")]
     for key, value in ENGINE_SETTINGS.items():
         sluice_cmd += ["--engine-arg", f"{key}={value}"]
     systems = {

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
 import xml.etree.ElementTree as ET
@@ -184,7 +185,8 @@ def server_command(system: str, model: Path, name: str, port: int) -> list[str]:
     engine_args = [arg for key, value in ENGINE.items()
                    for arg in ("--engine-arg", f"{key}={str(value).lower()}")]
     return [sys.executable, "-m", "server.cli", "serve", "--model", str(model),
-            "--served-model-name", name, "--port", str(port), *engine_args, *TOOLS]
+            "--served-model-name", name, "--port", str(port), *engine_args, *TOOLS,
+            "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-")]
 
 
 @contextmanager

@@ -339,6 +339,8 @@ class Sluice:
             check_in_vocabulary(parsed.prompt, vocab, "prompt")
         check_in_vocabulary(parsed.sampling.get("stop_token_ids", ()), vocab, "stop_token_ids")
         check_in_vocabulary(parsed.sampling.get("logit_bias") or (), vocab, "logit_bias")
+        check_in_vocabulary(parsed.forwarded_prompt_ids or (), vocab,
+                            "kv_transfer_params.prompt_token_ids")
 
     def render_chat(self, messages: list[dict[str, Any]],
                     tools: Sequence[dict[str, Any]] | None = None,
@@ -350,6 +352,8 @@ class Sluice:
                                  param="messages") from None
 
     def _prompt_ids(self, parsed: ParsedRequest, plan: OutputPlan) -> list[int]:
+        if parsed.forwarded_prompt_ids is not None:
+            return list(parsed.forwarded_prompt_ids)
         if parsed.messages is not None:
             return self.render_chat(parsed.messages, plan.tools, parsed.template_kwargs)
         if isinstance(parsed.prompt, str):

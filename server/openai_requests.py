@@ -40,7 +40,7 @@ _CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
     **_OUTPUT, "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "include_reasoning": (bool,)}
 _COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n", "echo",
-           "return_tokens_as_token_ids",
+           "return_tokens_as_token_ids", "kv_transfer_params",
            "prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "truncation_side",
            *_SAMPLING,
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
@@ -82,6 +82,9 @@ class ParsedRequest:
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
     output: dict[str, Any] = field(default_factory=dict)  # the output-shaping fields sent
+    # vLLM's kv_transfer_params.prompt_token_ids: a prefill stage's prompt, forwarded by a
+    # disaggregated-serving router, used verbatim instead of the messages or prompt.
+    forwarded_prompt_ids: tuple[int, ...] | None = None
 
     @property
     def n(self) -> int:
@@ -159,6 +162,29 @@ def token_ids_from(body: Mapping[str, Any], key: str) -> tuple[int, ...] | None:
         f"'{key}' must be a list of token ids", key,
     )
     return tuple(value)
+
+
+def _forwarded_prompt_ids(body: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """vLLM's `kv_transfer_params`: only its `prompt_token_ids` (Sluice runs no KV connector,
+    so any other key would be ignored: it is refused instead)."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return None
+    _check(isinstance(params, dict), "'kv_transfer_params' must be an object",
+           "kv_transfer_params")
+    for key in params:
+        if key != "prompt_token_ids":
+            raise UnsupportedParameter(f"'kv_transfer_params.{key}' needs a KV connector, "
+                                       "which this server does not run",
+                                       param=f"kv_transfer_params.{key}")
+    param = "kv_transfer_params.prompt_token_ids"
+    try:
+        ids = token_ids_from(params, "prompt_token_ids")
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.message.replace("'prompt_token_ids'", f"'{param}'"),
+                             param=param) from None
+    _check(ids is None or len(ids) > 0, f"'{param}' must not be empty", param)
+    return ids
 
 
 def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
@@ -384,4 +410,5 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         truncate_prompt_tokens=_integer(body, "truncate_prompt_tokens", -1),
         truncation_side=_truncation_side(body),
         output=output,
+        forwarded_prompt_ids=_forwarded_prompt_ids(body),
     )

@@ -178,7 +178,8 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
                 and all(isinstance(c, list) and c for c in conversations)):
             raise InvalidRequest("'messages' must be a non-empty list of conversations, each "
                                  "a non-empty list of messages", param="messages")
-        for key, allowed in (("stream", (None, False)), ("n", (None, 1)), ("tools", (None,))):
+        for key, allowed in (("stream", (None, False)), ("n", (None, 1)), ("tools", (None,)),
+                             ("kv_transfer_params", (None,))):
             if body.get(key) not in allowed:
                 raise UnsupportedParameter(f"'{key}' is not supported on the batch endpoint",
                                            param=key)

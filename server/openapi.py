@@ -109,9 +109,13 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     # Accepted, with no effect on generation.
     "user": _STR, "metadata": _OBJ, "store": _BOOL, "spaces_between_special_tokens": _BOOL,
     "request_id": _STR, "priority": _INT, "length_penalty": _NUM,
+    "kv_transfer_params": {"type": ["object", "null"], "additionalProperties": False,
+                           "properties": {"prompt_token_ids": {**_TOKENS, "minItems": 1}},
+                           "description": "vLLM's; only prompt_token_ids (used verbatim as "
+                           "the prompt): this server runs no KV connector"},
 }
 
-_NOT_IN_BATCH = {"stream", "stream_options", "n", "tools"}
+_NOT_IN_BATCH = {"stream", "stream_options", "n", "tools", "kv_transfer_params"}
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": _STR, "type": _STR, "param": {"type": ["string", "null"]},

@@ -240,3 +240,26 @@ def test_errors_arrive_as_openai_errors(client: openai.OpenAI, vllm_server: Any)
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"best_of": 2})
     assert unsupported.value.code == "unsupported_parameter"
+
+
+def test_forwarded_prompt_token_ids_are_the_prompt(client: openai.OpenAI) -> None:
+    """vLLM's kv_transfer_params.prompt_token_ids (a disaggregated-serving router forwards the
+    prefill stage's prompt): used verbatim instead of the request's own messages."""
+    baseline = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+        extra_body={"return_token_ids": True})
+    reused = baseline.model_extra["prompt_token_ids"]
+    assert reused
+    for stream in (False, True):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "unrelated text"}], max_tokens=8,
+            temperature=0, stream=stream, extra_body={
+                "kv_transfer_params": {"prompt_token_ids": reused}, "return_token_ids": True})
+        first = next(iter(reply)) if stream else reply
+        assert first.model_extra["prompt_token_ids"] == reused
+    for bad, param in (({"prompt_token_ids": []}, "kv_transfer_params.prompt_token_ids"),
+                       ({"remote_engine_id": "x"}, "kv_transfer_params.remote_engine_id")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                           extra_body={"kv_transfer_params": bad})
+        assert raised.value.body["param"] == param  # type: ignore[index]

@@ -27,7 +27,9 @@ GRACE_SECONDS = 1
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
     root = tmp_path_factory.mktemp("resumption")
     config = root / "sluice.yaml"
-    config.write_text(f"resume: {{grace_seconds: {GRACE_SECONDS}}}\n")
+    # No start-up calibration: its steps at 20 ms would take seconds; the priors do here.
+    config.write_text(f"resume: {{grace_seconds: {GRACE_SECONDS}}}\n"
+                      "estimates: {calibrate: false}\n")
     process = SluiceProcess(
         ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config)],
         root / "server.log", env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},

@@ -55,8 +55,8 @@ class SluiceProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # Each server its own data directory (one process owns one), unless the test names one.
-        self.data_dir = log_path.parent / f"data-{self.port}"
-        data_dir = [] if "--data-dir" in args else ["--data-dir", str(self.data_dir)]
+        data_dir = [] if "--data-dir" in args else [
+            "--data-dir", str(log_path.parent / f"data-{self.port}")]
         self.log_path = log_path
         self._log = open(log_path, "wb")
         # Its own process group (stopped as a whole: vLLM's engine processes too), but not its

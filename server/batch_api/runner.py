@@ -126,14 +126,10 @@ class BatchRunner:
                                                        if batch.status == "cancelling" else
                                                        "the batch's window ended"))
                 elif now >= retry_at and len(running) < self.window:
-                    busy = set(running.values())
-                    for line in self.store.pending(batch.id, -1, self.window + len(busy)):
-                        if len(running) >= self.window:
-                            break
-                        if line.index not in busy:
-                            running[asyncio.ensure_future(self._line(batch, line, runs))] = (
-                                line.index)
-                if not running and (stopping or not self.store.pending(batch.id, -1, 1)):
+                    for line in self.store.pending(batch.id, self.window - len(running),
+                                                   skip=running.values()):
+                        running[asyncio.ensure_future(self._line(batch, line, runs))] = line.index
+                if not running and (stopping or not self.store.pending(batch.id, 1)):
                     break
                 until = retry_at if now < retry_at else batch.expires_at
                 waker = asyncio.ensure_future(wake.wait())
@@ -195,9 +191,9 @@ class BatchRunner:
         now = int(self.clock())
         if batch.status == "cancelling":
             status = "cancelled"
-        elif now >= batch.expires_at and self.store.pending(batch.id, -1, 1):
+        elif now >= batch.expires_at and self.store.pending(batch.id, 1):
             status = "expired"
-            for line in self.store.pending(batch.id, -1, 1 << 62):
+            for line in self.store.pending(batch.id, 1 << 62):
                 self.store.finish_line(batch, line.index, "expired", line_result(
                     batch, line, None, None, {"code": "batch_expired", "message": "This "
                                               "request could not be executed before the "

@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,10 +206,13 @@ class BatchStore:
 
     # -- lines ------------------------------------------------------------------------------
 
-    def pending(self, batch_id: str, after: int, limit: int) -> list[Line]:
+    def pending(self, batch_id: str, limit: int, skip: Collection[int] = ()) -> list[Line]:
+        """Up to `limit` pending lines, first first, leaving out the indices in `skip` (those
+        running), so only the lines returned are read and decoded."""
         rows = self._db.execute(
             "SELECT idx, custom_id, body FROM lines WHERE batch_id = ? AND state = 'pending' "
-            "AND idx > ? ORDER BY idx LIMIT ?", (batch_id, after, limit)).fetchall()
+            "AND idx NOT IN (SELECT value FROM json_each(?)) ORDER BY idx LIMIT ?",
+            (batch_id, json.dumps(sorted(skip)), limit)).fetchall()
         return [Line(idx, custom_id, json.loads(body)) for idx, custom_id, body in rows]
 
     def finish_line(self, batch: Batch, index: int, state: str, result: dict[str, Any]) -> None:

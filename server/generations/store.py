@@ -108,7 +108,3 @@ class RunStore:
         self._by_id.pop((record.tenant, record.run.shape.public_id), None)
         if record.key is not None:
             self._by_key.pop((record.tenant, record.key), None)
-
-    @property
-    def bytes(self) -> int:
-        return sum(record.run.size for record in self._records.values())

@@ -60,6 +60,12 @@ class SamplingOptions:
     # What the output must match (a JSON schema, a grammar...), in the engine's own form: from
     # `EngineClient.plan_output`, carried by the server without looking inside.
     constraint: object | None = None
+    # Beam search (vLLM's `use_beam_search`): the n best of n beams, answered when all are done,
+    # each beam scored by its cumulative log-probability over its length ** length_penalty.
+    # Only max_tokens, n, temperature, ignore_eos, include_stop_str_in_output and
+    # skip_special_tokens apply then (the server refuses the rest).
+    beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +95,18 @@ class PromptLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptEmbeds:
+    """A prompt given as embeddings (vLLM's `prompt_embeds`): `length` positions, in the
+    engine's own form (`value`, from `EngineClient.load_prompt_embeds`)."""
+
+    length: int
+    value: object
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One generation, prompt already tokenized by the engine's own tokenizer.
+    """One generation, prompt already tokenized by the engine's own tokenizer (or given as
+    `prompt_embeds`, with no token ids).
 
     `resumed_tokens > 0` marks a resumed generation (one that was preempted): the last
     `resumed_tokens` prompt tokens are its own earlier output, and the text of its deltas
@@ -101,6 +117,13 @@ class GenerationRequest:
     prompt_token_ids: Sequence[int]
     sampling: SamplingOptions
     resumed_tokens: int = 0
+    prompt_embeds: PromptEmbeds | None = None
+
+    @property
+    def prompt_length(self) -> int:
+        if self.prompt_embeds is not None:
+            return self.prompt_embeds.length
+        return len(self.prompt_token_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +166,8 @@ class KVCacheInfo:
 class ModelInfo:
     """`vocab_size` 0: the engine does not say, so token ids reach it unchecked.
     `engine` names the engine in errors; `logprobs`: whether it can return them; `choices`:
-    whether it can sample n > 1 choices of one prompt."""
+    whether it can sample n > 1 choices of one prompt; `beam_search`: whether it can search
+    beams."""
 
     name: str
     max_model_len: int
@@ -151,6 +175,7 @@ class ModelInfo:
     engine: str = "vllm"
     logprobs: bool = True
     choices: bool = True
+    beam_search: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -198,6 +223,12 @@ class OutputPlan:
 
 
 PLAIN_TEXT = OutputPlan()
+
+
+def no_prompt_embeds(engine: str) -> EngineUnsupported:
+    """The refusal of an engine that only takes token prompts."""
+    return EngineUnsupported(f"the {engine} engine does not take 'prompt_embeds'",
+                             param="prompt_embeds")
 
 
 def plain_text_only(request: OutputRequest, engine: str) -> OutputPlan:
@@ -265,6 +296,12 @@ class EngineClient(Protocol):
     def plan_output(self, request: OutputRequest) -> OutputPlan:
         """How this engine shapes the output a request asks for; EngineRequestError (a 400)
         for what it cannot do or what is malformed. Cheap: called before queueing."""
+        ...
+
+    def load_prompt_embeds(self, data: str) -> PromptEmbeds:
+        """A prompt's embeddings from a client's base64 text (vLLM's `prompt_embeds`: a
+        tensor saved by `torch.save`); EngineUnsupported where the engine takes none,
+        EngineRequestError for malformed ones. Synchronous: called before queueing."""
         ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:

@@ -18,9 +18,11 @@ from engine_adapters.protocol import (
     ModelInfo,
     OutputPlan,
     OutputRequest,
+    PromptEmbeds,
     PromptLogprob,
     TokenDelta,
     TokenLogprob,
+    no_prompt_embeds,
     plain_text_only,
     token_id_name,
 )
@@ -74,7 +76,7 @@ class SimEngine:
         self._model = SimTimingModel(self.config)
         self._model_info = ModelInfo(
             name=model_name, max_model_len=self.config.max_model_len,
-            vocab_size=self.config.vocab_size, engine="sim",
+            vocab_size=self.config.vocab_size, engine="sim", beam_search=False,
         )
         self._streams: dict[str, _Stream] = {}
         self._finishing: set[str] = set()  # finished by the step now passing, not yet delivered
@@ -167,6 +169,9 @@ class SimEngine:
 
     def plan_output(self, request: OutputRequest) -> OutputPlan:
         return plain_text_only(request, self.model.engine)
+
+    def load_prompt_embeds(self, data: str) -> PromptEmbeds:
+        raise no_prompt_embeds(self.model.engine)
 
     def render_chat(self, messages: Sequence[dict[str, Any]],
                     tools: Sequence[dict[str, Any]] | None = None,

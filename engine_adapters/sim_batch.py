@@ -28,7 +28,9 @@ from engine_adapters.protocol import (
     ModelInfo,
     OutputPlan,
     OutputRequest,
+    PromptEmbeds,
     TokenDelta,
+    no_prompt_embeds,
     plain_text_only,
 )
 
@@ -120,7 +122,7 @@ class SimBatchEngine:
         self.batch_model = model
         self._info = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=256,  # bytes
                                engine="sim-batch", logprobs=False,
-                               choices=False)
+                               choices=False, beam_search=False)
         self._fail_rate = fail_rate
         self._rng = random.Random(seed)
         self._kills: dict[int, asyncio.Event] = {}
@@ -192,6 +194,9 @@ class SimBatchEngine:
 
     def plan_output(self, request: OutputRequest) -> OutputPlan:
         return plain_text_only(request, self.model.engine)
+
+    def load_prompt_embeds(self, data: str) -> PromptEmbeds:
+        raise no_prompt_embeds(self.model.engine)
 
     def render_chat(self, messages: Sequence[dict[str, Any]],
                     tools: Sequence[dict[str, Any]] | None = None,

@@ -8,21 +8,24 @@ its generator is cancelled or closed; `abort()` is also exposed for explicit use
 
 from __future__ import annotations
 
+import binascii
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from engine_adapters.protocol import (
     EngineDeadError,
     EngineError,
     EngineRequestError,
+    EngineUnsupported,
     GenerationRequest,
     KVCacheInfo,
     ModelInfo,
     OutputPlan,
     OutputRequest,
+    PromptEmbeds,
     PromptLogprob,
     SamplingOptions,
     TokenDelta,
@@ -231,10 +234,13 @@ class VLLMEngine:
 
         if self._llm is None or self._llm.errored:
             raise EngineDeadError("vLLM engine is not running")
-        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-        stream = self._llm.generate(
-            prompt, to_sampling_params(request.sampling), request.request_id
-        )
+        prompt: dict[str, Any] = (
+            {"prompt_token_ids": list(request.prompt_token_ids)}
+            if request.prompt_embeds is None
+            else {"prompt_embeds": request.prompt_embeds.value})
+        stream = self._beam_search(request) if request.sampling.beam_search else (
+            self._llm.generate(prompt, to_sampling_params(request.sampling),
+                               request.request_id))
         first = True
         resumed = None
         if request.resumed_tokens:
@@ -279,6 +285,55 @@ class VLLMEngine:
         finally:
             # Closing vLLM's generator aborts the request if it has not finished.
             await stream.aclose()
+
+    def _beam_search(self, request: GenerationRequest) -> AsyncGenerator[Any, None]:
+        """vLLM's own online beam search (what its server runs for `use_beam_search`): one
+        engine request per beam and step, one RequestOutput with the n best at the end.
+        Cancelling it cancels the step's engine requests, which aborts them."""
+        from vllm.entrypoints.generate.beam_search.online import BeamSearchOnlineMixin
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import BeamSearchParams
+
+        class Search(BeamSearchOnlineMixin):
+            renderer, engine_client = self._llm.renderer, self._llm
+
+        s = request.sampling
+        params = BeamSearchParams(
+            beam_width=s.n, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos,
+            temperature=s.temperature, length_penalty=s.length_penalty,
+            include_stop_str_in_output=s.include_stop_str_in_output,
+            skip_special_tokens=s.skip_special_tokens)
+        return Search().beam_search(tokens_input(list(request.prompt_token_ids)),
+                                    request.request_id, params)
+
+    def load_prompt_embeds(self, data: str) -> PromptEmbeds:
+        """vLLM's own loader, with its checks (base64, a tensor saved with weights only, the
+        model's hidden size), then its shape rule: (positions, hidden size), a batch of one
+        squeezed."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.renderers.embed_utils import safe_load_prompt_embeds
+
+        if self._llm is None:
+            raise EngineDeadError("engine not started")
+        config = self._llm.vllm_config.model_config
+        if not config.enable_prompt_embeds:
+            raise EngineUnsupported(
+                "this server takes no 'prompt_embeds': start it with --engine-arg "
+                "enable_prompt_embeds=true", param="prompt_embeds")
+        try:
+            tensor = safe_load_prompt_embeds(config, data.encode("ascii", "replace"))
+        except binascii.Error as exc:
+            raise EngineRequestError(f"'prompt_embeds' is not base64: {exc}",
+                                     param="prompt_embeds") from None
+        except (ValueError, VLLMClientError) as exc:  # vLLM's name the parameter
+            raise EngineRequestError(str(exc), param="prompt_embeds") from None
+        if tensor.ndim == 3 and tensor.shape[0] == 1:
+            tensor = tensor.squeeze(0)
+        if tensor.ndim != 2 or tensor.shape[0] == 0:
+            raise EngineRequestError(
+                "'prompt_embeds' must have the shape (positions, hidden size), got "
+                f"{tuple(tensor.shape)}", param="prompt_embeds")
+        return PromptEmbeds(length=int(tensor.shape[0]), value=tensor)
 
     def _logprobs(self, token_ids: Sequence[int], positions: Any, sampling: SamplingOptions
                   ) -> list[TokenLogprob]:

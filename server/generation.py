@@ -24,6 +24,7 @@ from engine_adapters.protocol import (
     GenerationRequest,
     OutputPlan,
     OutputRequest,
+    PromptEmbeds,
     token_id_name,
 )
 from server.errors import (
@@ -171,6 +172,14 @@ class Sluice:
         self.store.add(tenant, key, request_print, run)
         return run, False
 
+    def generate_part(self, parsed: ParsedRequest, timeline: RequestTimeline,
+                      context: RequestContext, *, stream: bool, response_id: str,
+                      first_index: int) -> GenerationRun:
+        """One prompt's run of a request with several: its chunks carry the request's
+        `response_id`, its choices are numbered from `first_index`."""
+        return self._open(parsed, timeline, context, stream=stream, resumable=False,
+                          response_id=response_id, first_index=first_index)
+
     def tenant_of(self, context: RequestContext) -> Tenant:
         """The caller's tenant (401 for a missing or wrong key, 429 after too many)."""
         if context.tenant is not None:
@@ -184,7 +193,8 @@ class Sluice:
         return self.store.by_id(tenant, public_id)
 
     def _open(self, parsed: ParsedRequest, timeline: RequestTimeline,
-              context: RequestContext, *, stream: bool, resumable: bool) -> GenerationRun:
+              context: RequestContext, *, stream: bool, resumable: bool,
+              response_id: str | None = None, first_index: int = 0) -> GenerationRun:
         """Prepared, admitted (refusals are decided here, before anything awaits), started."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica",
@@ -195,7 +205,9 @@ class Sluice:
         shape = Shape(
             parsed=parsed, model=self.served_model, stream=stream,
             # A resumable generation's id is found again by it: never the client's.
-            response_id=uuid.uuid4().hex if resumable else timeline.request_id,
+            response_id=response_id or (uuid.uuid4().hex if resumable
+                                        else timeline.request_id),
+            first_index=first_index,
             new_parser=None if plan.parser is None else functools.partial(
                 plan.parser, prompt_ids),
             prompt_token_ids=prompt_ids if parsed.return_token_ids else None,
@@ -266,28 +278,29 @@ class Sluice:
         if parsed.n > 1 and not self.engine.model.choices:
             raise UnsupportedParameter(
                 f"the {self.engine.model.engine} engine samples one choice only", param="n")
+        if parsed.sampling.get("beam_search") and not self.engine.model.beam_search:
+            raise UnsupportedParameter(
+                f"the {self.engine.model.engine} engine does not search beams",
+                param="use_beam_search")
         plan = self.plan_output(parsed)
-        prompt_ids = self._prompt_ids(parsed, plan)
+        if parsed.sampling.get("beam_search") and plan.constraint is not None:
+            raise UnsupportedParameter("beam search does not follow structured outputs or "
+                                       "a required tool call", param="use_beam_search")
         self._check_token_ids(parsed)
+        prompt_ids, embeds = self._prompt(parsed, plan)
+        prompt_tokens = len(prompt_ids) if embeds is None else embeds.length
         max_len = self.engine.model.max_model_len
-        keep = parsed.truncate_prompt_tokens
-        if keep is not None:  # vLLM's truncate_prompt_tokens (-1: the context's worth)
-            keep = max_len if keep == -1 else keep
-            prompt_ids = (prompt_ids[max(0, len(prompt_ids) - keep):]
-                          if parsed.truncation_side == "left" else prompt_ids[:keep])
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        room = max_len - len(prompt_ids)
+        room = max_len - prompt_tokens
         if room < 1:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {max_len} tokens; the prompt has "
-                f"{len(prompt_ids)}, which leaves no room for an answer",
+                f"{prompt_tokens}, which leaves no room for an answer",
                 param="messages" if parsed.kind == "chat" else "prompt",
             )
         # As vLLM's server: a max_tokens beyond the context left is lowered to what is left.
         # (An echo with max_tokens 0 still generates one token, dropped, as vLLM's does.)
         max_tokens = room if parsed.max_tokens is None else min(max(1, parsed.max_tokens), room)
-        timeline.prompt_tokens = len(prompt_ids)
+        timeline.prompt_tokens = prompt_tokens
         ticket = self.tenants.make_ticket(
             tenant=tenant,
             request_id=timeline.request_id,
@@ -295,13 +308,15 @@ class Sluice:
             service_tier=parsed.service_tier,
             asked_class=context.traffic_class,
             timeout_s=context.timeout_s,
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             open_ended=parsed.max_tokens is None,
             arrival=timeline.arrival,
             # A constrained generation resumed as a continuation would restart its grammar;
-            # one of several choices cannot resume alone.
-            preemptible=plan.constraint is None and parsed.n == 1,
+            # one of several choices (or beams) cannot resume alone; embeddings cannot be
+            # continued with token ids.
+            preemptible=(plan.constraint is None and parsed.n == 1 and embeds is None
+                         and not parsed.sampling.get("beam_search")),
             n=parsed.n,
         )
         timeline.slo = self.dispatcher.slo_targets(ticket.traffic_class)
@@ -309,6 +324,7 @@ class Sluice:
             request_id=timeline.request_id,
             prompt_token_ids=prompt_ids,
             sampling=parsed.sampling_options(max_tokens, plan.constraint),
+            prompt_embeds=embeds,
         )
         return ticket, request, plan
 
@@ -351,15 +367,32 @@ class Sluice:
             raise InvalidRequest(f"cannot apply the chat template: {exc}",
                                  param="messages") from None
 
-    def _prompt_ids(self, parsed: ParsedRequest, plan: OutputPlan) -> list[int]:
+    def _prompt(self, parsed: ParsedRequest, plan: OutputPlan
+                ) -> tuple[list[int], PromptEmbeds | None]:
+        """The prompt's token ids (truncated as asked), or its embeddings (and no ids)."""
+        if parsed.prompt_embeds is not None:
+            try:
+                return [], self.engine.load_prompt_embeds(parsed.prompt_embeds)
+            except EngineUnsupported as exc:
+                raise UnsupportedParameter(str(exc), param=exc.param) from None
+            except EngineRequestError as exc:
+                raise InvalidRequest(str(exc), param=exc.param) from None
         if parsed.forwarded_prompt_ids is not None:
-            return list(parsed.forwarded_prompt_ids)
-        if parsed.messages is not None:
-            return self.render_chat(parsed.messages, plan.tools, parsed.template_kwargs)
-        if isinstance(parsed.prompt, str):
-            return self.engine.tokenize(parsed.prompt, parsed.add_special_tokens)
-        assert parsed.prompt is not None
-        return list(parsed.prompt)
+            ids = list(parsed.forwarded_prompt_ids)
+        elif parsed.messages is not None:
+            ids = self.render_chat(parsed.messages, plan.tools, parsed.template_kwargs)
+        elif isinstance(parsed.prompt, str):
+            ids = self.engine.tokenize(parsed.prompt, parsed.add_special_tokens)
+        else:
+            assert parsed.prompt is not None
+            ids = list(parsed.prompt)
+        keep = parsed.truncate_prompt_tokens
+        if keep is not None:  # vLLM's truncate_prompt_tokens (-1: the context's worth)
+            keep = self.engine.model.max_model_len if keep == -1 else keep
+            ids = ids[max(0, len(ids) - keep):] if parsed.truncation_side == "left" else ids[:keep]
+        if not ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        return ids, None
 
 
 def receive_disconnect(receive: Receive) -> Callable[[], Awaitable[None]]:

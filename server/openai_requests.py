@@ -22,11 +22,10 @@ _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "function_call": ("none", "auto"),
     "suffix": ("",),
-    "use_beam_search": (False,),
 }
 # Parameters accepted and with no effect on generation (metadata, hints).
 _IGNORED = {"user", "metadata", "store", "spaces_between_special_tokens", "request_id",
-            "priority", "length_penalty", "stream_options"}
+            "priority", "stream_options"}
 
 _SAMPLING = {
     "temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
@@ -40,7 +39,8 @@ _CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
     **_OUTPUT, "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
     "include_reasoning": (bool,)}
 _COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n", "echo",
-           "return_tokens_as_token_ids", "kv_transfer_params",
+           "return_tokens_as_token_ids", "kv_transfer_params", "use_beam_search",
+           "length_penalty",
            "prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "truncation_side",
            *_SAMPLING,
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
@@ -49,7 +49,11 @@ _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "chat_templat
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
 MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`
 MAX_CHOICES = 128  # OpenAI's limit on n
-_COMPLETION_ONLY = {"prompt"}
+_COMPLETION_ONLY = {"prompt", "prompt_embeds"}
+# What vLLM's beam search does not apply (it would drop them): refused with it.
+_NOT_WITH_BEAM = ("top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
+                  "logit_bias", "logprobs", "prompt_logprobs", "tokens_as_ids")
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
 
@@ -85,6 +89,8 @@ class ParsedRequest:
     # vLLM's kv_transfer_params.prompt_token_ids: a prefill stage's prompt, forwarded by a
     # disaggregated-serving router, used verbatim instead of the messages or prompt.
     forwarded_prompt_ids: tuple[int, ...] | None = None
+    # Completions: vLLM's prompt_embeds, one tensor's base64 text (then `prompt` is None).
+    prompt_embeds: str | None = None
 
     @property
     def n(self) -> int:
@@ -296,20 +302,32 @@ def messages_from(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def prompts_of(body: Any) -> list[Any] | None:
-    """The prompts of a completions body that sends several (a list of strings or of token-id
-    lists, two or more); None for one prompt."""
-    prompt = body.get("prompt") if isinstance(body, dict) else None
-    if isinstance(prompt, list) and len(prompt) > 1 and all(
-            isinstance(p, str | list) for p in prompt):
-        return prompt
-    return None
+def split_prompts(body: Any) -> list[dict[str, Any]] | None:
+    """A completions body with several prompts (a list of strings or of token-id lists, and
+    vLLM's `prompt_embeds`, embeddings first as vLLM orders them) as one body per prompt;
+    None for one prompt."""
+    if not isinstance(body, dict):
+        return None
+    prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
+    texts = prompt if isinstance(prompt, list) and all(
+        isinstance(p, str | list) for p in prompt) and prompt else [prompt]
+    tensors = embeds if isinstance(embeds, list) and embeds else [embeds]
+    parts = ([{"prompt_embeds": e} for e in tensors if e is not None]
+             + [{"prompt": p} for p in texts if p not in (None, "")])
+    if len(parts) < 2:
+        return None
+    return [{**body, "prompt": None, "prompt_embeds": None, **part} for part in parts]
 
 
-def _prompt(body: Mapping[str, Any]) -> str | list[int]:
-    prompt = body.get("prompt")
+def _prompt(body: Mapping[str, Any]) -> str | list[int] | None:
+    prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
+    if prompt in (None, "") and embeds in (None, []):  # vLLM's message
+        raise InvalidRequest("Either prompt or prompt_embeds must be provided and non-empty.",
+                             param="prompt")
+    if prompt in (None, ""):
+        return None  # the embeddings are the prompt
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and all(
@@ -317,6 +335,45 @@ def _prompt(body: Mapping[str, Any]) -> str | list[int]:
     ):
         return prompt
     raise InvalidRequest("'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def _prompt_embeds(body: Mapping[str, Any]) -> str | None:
+    """vLLM's `prompt_embeds` (base64 of a tensor `torch.save` wrote), one; with a prompt they
+    are two prompts, split before this (`split_prompts`). What vLLM refuses with it, refused."""
+    embeds = body.get("prompt_embeds")
+    if isinstance(embeds, list) and len(embeds) == 1:
+        embeds = embeds[0]
+    if embeds is None:
+        return None
+    _check(isinstance(embeds, str) and embeds != "",
+           "'prompt_embeds' must be a base64 string or a list of them", "prompt_embeds")
+    for key, what in (("echo", "Echo is unsupported with prompt embeds."),
+                      ("prompt_logprobs", "prompt_logprobs is not compatible with prompt "
+                                          "embeds."),
+                      ("truncate_prompt_tokens", "truncate_prompt_tokens is not supported "
+                                                 "with prompt embeds."),
+                      ("use_beam_search", "Embedding prompt not supported for beam search")):
+        _check(body.get(key) in (None, False), what, key)
+    _check(body.get("prompt") in (None, ""), "send 'prompt' or 'prompt_embeds'", "prompt")
+    return embeds
+
+
+def _beam_search(body: Mapping[str, Any], kind: str, sampling: dict[str, Any]) -> None:
+    """vLLM's `use_beam_search` (n beams, the n best returned; `length_penalty` weighs their
+    lengths) into `sampling`. Sampling parameters beam search does not apply are refused."""
+    length_penalty = _number(body, "length_penalty", -1e9, 1e9)
+    if not boolean_from(body, "use_beam_search"):
+        return
+    for key in _NOT_WITH_BEAM:
+        if key in sampling:
+            param = {"tokens_as_ids": "return_tokens_as_token_ids"}.get(key, key)
+            raise UnsupportedParameter(f"'{param}' does not apply to beam search",
+                                       param=param)
+    _check(kind == "chat" or not boolean_from(body, "stream"),  # vLLM's rule and message
+           "Streaming is not currently supported with beam search", "stream")
+    sampling["beam_search"] = True
+    if length_penalty is not None:
+        sampling["length_penalty"] = length_penalty
 
 
 def parse_request(body: Any, kind: str) -> ParsedRequest:
@@ -369,6 +426,7 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
                                        param="add_special_tokens")
     elif max_tokens is None:
         max_tokens = 16  # OpenAI's default for completions
+    _beam_search(body, kind, sampling)
 
     stream = boolean_from(body, "stream") or False
     options = body.get("stream_options")
@@ -411,4 +469,5 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         truncation_side=_truncation_side(body),
         output=output,
         forwarded_prompt_ids=_forwarded_prompt_ids(body),
+        prompt_embeds=_prompt_embeds(body) if kind == "completion" else None,
     )

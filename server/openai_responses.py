@@ -86,11 +86,13 @@ class ChunkEncoder:
     def __init__(
         self, kind: str, request_id: str, model: str, include_usage: bool,
         continuous_usage: bool = False, prompt_tokens: int = 0,
-        prompt_token_ids: Sequence[int] | None = None,
+        prompt_token_ids: Sequence[int] | None = None, first_index: int = 0,
     ) -> None:
         """`prompt_token_ids`: vLLM's `return_token_ids` asked for them (in the first chunk)
-        and for each chunk's `token_ids`."""
+        and for each chunk's `token_ids`. `first_index`: the response's index of choice 0
+        (a completion of several prompts numbers all their choices in one sequence)."""
         self.kind = kind
+        self.first_index = first_index
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.created = int(time.time())
@@ -129,7 +131,7 @@ class ChunkEncoder:
 
     def role(self, index: int = 0) -> bytes:
         """A chat choice's first chunk: the assistant role, empty content (as OpenAI sends it)."""
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+        choice = {"index": index + self.first_index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
@@ -143,6 +145,7 @@ class ChunkEncoder:
              token_ids: Sequence[int] = ()) -> bytes:
         """A chunk of a choice's generated text (and its tokens' logprobs when asked)."""
         if logprobs is None and self._plain:
+            index += self.first_index
             while index >= len(self._prefixes):
                 self._prefixes.append(self._prefix(len(self._prefixes)))
             return self._prefixes[index] + orjson.dumps(text) + self._suffix
@@ -151,7 +154,7 @@ class ChunkEncoder:
         # With logprobs every chunk takes this path, so the offset counts all the text.
         offset = self._text_offset.get(index, 0)
         self._text_offset[index] = offset + len(text)
-        choice = {"index": index, "text": text, "logprobs": None
+        choice = {"index": index + self.first_index, "text": text, "logprobs": None
                   if logprobs is None else completion_logprobs(logprobs, offset),
                   "finish_reason": None}
         if self._prompt_ids is not None:  # a completion's first chunk
@@ -162,7 +165,7 @@ class ChunkEncoder:
               logprobs: Sequence[TokenLogprob] | None = None, index: int = 0,
               token_ids: Sequence[int] = ()) -> bytes:
         """A chat chunk with `delta`'s fields (content, reasoning, tool calls)."""
-        choice = {"index": index, "delta": delta, "logprobs": None
+        choice = {"index": index + self.first_index, "delta": delta, "logprobs": None
                   if logprobs is None else {"content": chat_logprobs(logprobs)},
                   "finish_reason": None}
         return self._chunk(choice, completion_tokens, token_ids)
@@ -180,6 +183,7 @@ class ChunkEncoder:
                completion_tokens: int, index: int = 0) -> bytes:
         """The chunk carrying a choice's finish_reason; `last` adds usage/timings when it ends
         the stream."""
+        index += self.first_index
         if self.kind == "chat":
             choice: dict[str, Any] = {"index": index, "delta": {}, "logprobs": None,
                                       "finish_reason": finish_reason}

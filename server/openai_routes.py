@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -23,8 +23,9 @@ from server.errors import (
     UnsupportedParameter,
 )
 from server.generation import RequestContext, Sluice, receive_disconnect, request_id_from
-from server.generations.run import GenerationRun, Kind
-from server.openai_requests import boolean_from, parse_request, prompts_of
+from server.generations.run import Event, GenerationRun, Kind
+from server.openai_requests import boolean_from, parse_request, split_prompts
+from server.openai_responses import DONE, ChunkEncoder, usage
 from server.timeline import RequestTimeline, outcome_for
 
 logger = logging.getLogger("sluice.server")
@@ -102,18 +103,14 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
         if kind is None:
             kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
             timeline.api = "chat" if kind == "chat" else "completions"
-        prompts = prompts_of(body) if kind == "completion" else None
+        prompts = split_prompts(body) if kind == "completion" else None
         if prompts is not None:  # several: one generation each, choices in prompt order
-            if boolean_from(body, "stream"):
-                raise UnsupportedParameter("several prompts in one request are answered "
-                                           "whole: send one prompt per stream", param="stream")
             if key is not None:
                 raise UnsupportedParameter("a request with several prompts cannot be "
                                            "idempotent: send one prompt per request",
                                            param="Idempotency-Key")
-            return await _batch(sluice, RequestContext.of(request),
-                                timeline.request_id, timeline, kind,
-                                [{**body, "prompt": prompt} for prompt in prompts])
+            return await _batch(sluice, RequestContext.of(request), timeline.request_id,
+                                timeline, kind, prompts, stream=bool(boolean_from(body, "stream")))
         parsed = parse_request(body, kind)
         run, replayed = sluice.generate(parsed, body, timeline,
                                         RequestContext.of(request), key,
@@ -195,18 +192,23 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
 
 
 async def _batch(sluice: Sluice, context: RequestContext, request_id: str,
-                 timeline: RequestTimeline, kind: str, bodies: list[dict[str, Any]]
-                 ) -> ASGIApp:
-    """A BatchResponse over one generation per body, each admitted (or, if one is refused,
-    none: those before it are cancelled and the refusal is the answer)."""
+                 timeline: RequestTimeline, kind: str, bodies: list[dict[str, Any]],
+                 stream: bool = False) -> ASGIApp:
+    """A BatchResponse (or, streamed, a StreamedBatchResponse) over one generation per body,
+    each admitted (or, if one is refused, none: those before it are cancelled and the
+    refusal is the answer)."""
     runs: list[GenerationRun] = []
     try:
+        first_index = 0
         for i, body in enumerate(bodies):
             parsed = parse_request(body, kind)
             one = RequestTimeline(request_id=f"{request_id}-{i}", model=sluice.served_model,
                                   api=timeline.api)
             try:
-                runs.append(sluice.generate(parsed, body, one, context, None, stream=False)[0])
+                runs.append(sluice.generate_part(parsed, one, context, stream=stream,
+                                                 response_id=request_id,
+                                                 first_index=first_index))
+                first_index += parsed.n
             except SluiceError as error:
                 one.finish(outcome_for(error), status=error.status, error=error)
                 raise
@@ -216,6 +218,8 @@ async def _batch(sluice: Sluice, context: RequestContext, request_id: str,
         if not runs:
             timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, request_id)
+    if stream:
+        return StreamedBatchResponse(sluice, request_id, runs)
     return BatchResponse(request_id, kind, runs)
 
 
@@ -231,17 +235,87 @@ async def _unless_gone(waiting: Awaitable[Any], receive: Receive) -> bool:
     return waited in done
 
 
-async def _settled(runs: list[GenerationRun]) -> None:
-    """Until every run has ended, or one has failed."""
-    pending = {asyncio.ensure_future(run.until_ended()) for run in runs}
+async def _each(runs: list[GenerationRun], wait: Callable[[GenerationRun], Awaitable[Any]],
+                failed: Callable[[GenerationRun], bool]) -> None:
+    """Until `wait` has returned for every run, or one run has `failed`."""
+    pending = {asyncio.ensure_future(wait(run)) for run in runs}
     try:
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if any(future.result().kind is Kind.FAILED for future in done):
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(failed(run) for run in runs):
                 return
     finally:
         for future in pending:
             future.cancel()
+
+
+def _settled(runs: list[GenerationRun]) -> Awaitable[None]:
+    """Until every run has ended, or one has failed."""
+    return _each(runs, GenerationRun.until_ended,
+                 lambda run: run.ended and run.log[-1].kind is Kind.FAILED)
+
+
+class StreamedBatchResponse:
+    """ASGI response: a completion of several prompts, streamed as vLLM's server streams it:
+    each part's chunks as they come (one response id, choices numbered across the parts),
+    then one usage chunk with the totals (with `include_usage`) and one `[DONE]`.
+
+    As with one run: a refusal before the stream began is the HTTP answer; a part failing
+    later ends the stream with its error event; the client leaving cancels every part."""
+
+    def __init__(self, sluice: Sluice, request_id: str, runs: list[GenerationRun]) -> None:
+        self.sluice = sluice
+        self.request_id = request_id
+        self.runs = runs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        with ExitStack() as reading:
+            for run in self.runs:
+                reading.enter_context(run.reading())
+            started = _each(self.runs, GenerationRun.started,
+                            lambda run: run.failure is not None)
+            if not await _unless_gone(started, receive):
+                return
+            failure = next((run.failure for run in self.runs if run.failure), None)
+            if failure is not None:
+                await error_response(failure, self.request_id)(scope, receive, send)
+                return
+            await GuardedEventSourceResponse(
+                self._events(), headers={"X-Request-Id": self.request_id},
+                ping=self.sluice.ping_seconds,
+            )(scope, receive, self.sluice.send_guard.wrap(send))
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        arrived: asyncio.Queue[Event] = asyncio.Queue()  # (each run's log holds them anyway)
+
+        async def forward(run: GenerationRun) -> None:
+            async for _, event in run.events():
+                arrived.put_nowait(event)
+
+        forwarding = [asyncio.ensure_future(forward(run)) for run in self.runs]
+        totals, timings, done = usage(0, 0), [], 0
+        try:
+            while done < len(self.runs):
+                event = await arrived.get()
+                if event.kind is Kind.DONE:
+                    done += 1
+                    continue
+                if event.kind is Kind.USAGE:
+                    continue  # one for all, below
+                if event.final is not None:
+                    totals = {key: totals[key] + event.final["usage"][key] for key in totals}
+                    timings.append(event.final["timings"])
+                yield event.sse
+                if event.kind is Kind.FAILED:
+                    break
+        finally:
+            for task in forwarding:
+                task.cancel()
+        shape = self.runs[0].shape
+        if shape.parsed.include_usage and done == len(self.runs):
+            yield ChunkEncoder(shape.parsed.kind, shape.response_id, shape.model, True
+                               ).usage_chunk({"usage": totals, "timings": timings})
+        yield DONE
 
 
 class BatchResponse:

@@ -50,8 +50,12 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
     "prompt": {"anyOf": [_STR, {**_TOKENS, "minItems": 1},
                          {"type": "array", "minItems": 1, "items": {"anyOf": [_STR, _TOKENS]},
-                          "description": "several prompts: one choice (or n) each, in order; "
-                          "not with `stream`"}]},
+                          "description": "several prompts: one choice (or n) each, in order"
+                          }]},
+    "prompt_embeds": {"anyOf": [_STR, {"type": "array", "items": _STR}],
+                      "description": "vLLM's: base64 of a tensor saved by torch.save, "
+                      "(positions, hidden size); with --engine-arg enable_prompt_embeds=true; "
+                      "each one a prompt of its own, before those of `prompt`"},
     "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {
         "include_usage": _BOOL, "continuous_usage_stats": _BOOL}},
@@ -98,17 +102,20 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "include_reasoning": _BOOL,
     "chat_template_kwargs": {**_OBJ, "description": "vLLM's: extra variables for the chat "
                              "template (enable_thinking, ...)"},
-    # Accepted at their defaults only (another value is a 400 unsupported_parameter).
+    "use_beam_search": {**_BOOL, "description": "vLLM's: the n best of n beams, answered "
+                        "when all are done (completions: not with `stream`)"},
+    "length_penalty": {**_NUM, "description": "vLLM's: with beam search, a beam's score is "
+                       "its log-probability over its length ** length_penalty"},
     "echo": {**_BOOL, "description": "completions: the prompt first; chat: the last message's "
              "content first, if the assistant's"},
-    "best_of": {"const": 1}, "functions": {"const": []},
-    "function_call": {"enum": ["none", "auto"]}, "suffix": {"const": ""},
-    "use_beam_search": {"const": False},
     "add_generation_prompt": _BOOL, "continue_final_message": _BOOL,
     "truncate_prompt_tokens": _between(_INT, -1), "truncation_side": {"enum": ["left", "right"]},
+    # Accepted at their defaults only (another value is a 400 unsupported_parameter).
+    "best_of": {"const": 1}, "functions": {"const": []},
+    "function_call": {"enum": ["none", "auto"]}, "suffix": {"const": ""},
     # Accepted, with no effect on generation.
     "user": _STR, "metadata": _OBJ, "store": _BOOL, "spaces_between_special_tokens": _BOOL,
-    "request_id": _STR, "priority": _INT, "length_penalty": _NUM,
+    "request_id": _STR, "priority": _INT,
     "kv_transfer_params": {"type": ["object", "null"], "additionalProperties": False,
                            "properties": {"prompt_token_ids": {**_TOKENS, "minItems": 1}},
                            "description": "vLLM's; only prompt_token_ids (used verbatim as "

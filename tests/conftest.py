@@ -137,7 +137,7 @@ def vllm_server(
 ) -> Iterator[SluiceProcess]:
     server = SluiceProcess(
         ["--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name",
-         "sluice-demo", *VLLM_OUTPUT_FLAGS],
+         "sluice-demo", *VLLM_OUTPUT_FLAGS, "--engine-arg", "enable_prompt_embeds=true"],
         tmp_path_factory.mktemp("vllm") / "server.log",
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )

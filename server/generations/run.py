@@ -98,6 +98,7 @@ class Shape:
     new_parser: Callable[[], OutputParser] | None = None  # one per choice
     prompt_token_ids: Sequence[int] | None = None  # with vLLM's return_token_ids
     echo: Echo | None = None  # what comes before the generated text
+    first_index: int = 0  # its choice 0's index in the response (one of several prompts)
 
     @property
     def public_id(self) -> str:
@@ -185,7 +186,7 @@ class GenerationRun:
         shape, timeline, parsed = self.shape, self.timeline, self.shape.parsed
         encoder = ChunkEncoder(parsed.kind, shape.response_id, shape.model, parsed.include_usage,
                                parsed.continuous_usage, timeline.prompt_tokens,
-                               shape.prompt_token_ids)
+                               shape.prompt_token_ids, shape.first_index)
         with_ids = shape.prompt_token_ids is not None  # each chunk carries its token ids
         echo = shape.echo
         answer = echo is None or not echo.prompt_only  # whether the text generated is sent

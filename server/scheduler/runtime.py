@@ -143,7 +143,7 @@ class RunningGeneration:
     def _count(self, delta: TokenDelta, request: GenerationRequest) -> None:
         if request.resumed_tokens and delta.num_cached_tokens is not None:
             metrics.RESUMED_PREFILL_TOKENS.labels(self._runtime.model_name).inc(
-                len(request.prompt_token_ids) - delta.num_cached_tokens)
+                request.prompt_length - delta.num_cached_tokens)
         if delta.token_ids:
             self._runtime.core.generated(self._ticket.request_id, len(delta.token_ids),
                                          self._runtime.clock())

@@ -361,6 +361,22 @@ def test_several_prompts_one_choice_each_in_order(sim_server: SluiceProcess) -> 
     texts = [c["text"] for c in reply["choices"]]
     assert texts[0:2] == texts[4:6]  # the same prompt and seed: the same two answers
     assert reply["usage"]["prompt_tokens"] == 8 and reply["usage"]["completion_tokens"] == 18
-    streamed = _post(sim_server, "/v1/completions", json={
-        "prompt": ["a", "b"], "max_tokens": 2, "stream": True})
-    assert _assert_error(streamed, 400, "unsupported_parameter")["param"] == "stream"
+    # Streamed as vLLM streams it: one id, choices numbered across the prompts, each chunk
+    # one choice's, then one usage chunk with the totals.
+    events = _sse_events(sim_server, "/v1/completions", {
+        "prompt": prompts, "max_tokens": 3, "n": 2, "seed": 2, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert len({event["id"] for event in events}) == 1
+    streamed = [""] * 6
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        streamed[choice["index"]] += choice["text"]
+    assert streamed == texts
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == reply["usage"]
+    # A part refused before the stream began: the refusal is the answer, nothing is held.
+    too_long = _post(sim_server, "/v1/completions", json={
+        "prompt": [[5] * 3, [5] * 100_000], "max_tokens": 3, "stream": True})
+    assert _assert_error(too_long, 400, "context_length_exceeded")["param"] == "prompt"
+    wait_until(lambda: sim_server.metric("sluice_budget_in_use") == 0
+               and sim_server.metric("sluice_engine_unfinished_requests") == 0, 5,
+               message="the first part, admitted, is cancelled with the refusal")

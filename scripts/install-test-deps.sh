@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the system tools the observability tests drive: Prometheus (and promtool) and
-# Chromium, from Debian packages. Idempotent: does nothing when they are already installed.
+# Installs the system tools the tests drive: Prometheus (and promtool) and Chromium for the
+# observability tests, redis-server for the shared-state tests, from Debian packages. Idempotent: does nothing when they are already installed.
 # Runs as root (CI, containers) or through sudo.
 set -euo pipefail
 
@@ -8,8 +8,9 @@ need=()
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 if [ "${#need[@]}" -eq 0 ]; then
-  echo "install-test-deps: prometheus, promtool and chromium already installed"
+  echo "install-test-deps: prometheus, promtool, chromium and redis-server already installed"
   exit 0
 fi
 # Unique package names, in order.

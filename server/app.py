@@ -34,7 +34,7 @@ from server import batch_routes, metrics, redaction
 from server.access_log import install_handler
 from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore, DataDirInUse
-from server.config import ConfigError, SluiceConfig, load_config
+from server.config import ConfigError, SluiceConfig, load_config, with_state_url
 from server.errors import (
     EngineUnavailable,
     MethodNotAllowed,
@@ -58,6 +58,7 @@ from server.openapi import openapi_json
 from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import Dispatcher
 from server.send_guard import SendGuard
+from server.state.quotas import SharedQuotaDispatcher, SharedQuotas
 from server.tokenizer_routes import detokenize, tokenize, version
 from server.ws_routes import websocket_endpoint
 
@@ -268,6 +269,8 @@ def serve(args: argparse.Namespace) -> int:
     redaction.install()
     try:
         config = load_config(args.config)
+        if args.state_url is not None:
+            config = with_state_url(config, args.state_url)
     except ConfigError as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
@@ -286,6 +289,8 @@ def serve(args: argparse.Namespace) -> int:
         from server.scheduler.runtime import SchedulerRuntime
 
         dispatcher = SchedulerRuntime(config, engine, name)
+    if config.state.url is not None:
+        dispatcher = SharedQuotaDispatcher(dispatcher, SharedQuotas(config.state, config.tenants))
     if _has_uvloop():
         import uvloop
 

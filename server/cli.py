@@ -85,6 +85,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-file-bytes", type=int, default=100 << 20,
                    help="largest file /v1/files accepts")
     p.add_argument(
+        "--state-url", default=None,
+        help="Redis URL (redis://host:6379/0) for state shared by replicas: tenant quotas "
+        "hold across all of them (overrides the config's state.url)",
+    )
+    p.add_argument(
         "--drain-seconds", type=float, default=30.0,
         help="on SIGTERM, refuse new requests and let running generations finish for up to "
         "this long; the rest end with a 'shutting_down' error event, then Sluice exits 0",

@@ -110,6 +110,21 @@ class ResumeConfig:
     max_bytes: int = 256 << 20  # all their event logs together; the oldest ended go first
 
 
+@dataclass(frozen=True, slots=True)
+class StateConfig:
+    """Where state shared by replicas lives. `url` None: in this process only, as with one
+    replica. With a Redis URL, tenant quotas hold across every replica using it."""
+
+    url: str | None = None
+    # A replica renews what it holds (a quota slot per running request) every third of this;
+    # a replica that dies stops renewing, and its holdings expire this long after.
+    lease_s: float = 10.0
+    timeout_s: float = 0.25  # a call slower than this counts as Redis being unavailable
+    # With Redis unavailable, each replica enforces 1/replicas of every tenant's limits: the
+    # replicas Redis last counted, or this until it has counted any.
+    replicas: int = 1
+
+
 def _default_classes() -> dict[TrafficClass, ClassConfig]:
     return {
         TrafficClass.INTERACTIVE: ClassConfig(
@@ -134,6 +149,7 @@ class SluiceConfig:
     estimates: EstimateConfig = field(default_factory=EstimateConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    state: StateConfig = field(default_factory=StateConfig)
 
     @property
     def is_open(self) -> bool:
@@ -395,6 +411,22 @@ def _parse_resume(resume: Any, idempotency: Any) -> ResumeConfig:
     )
 
 
+def _parse_state(raw: Any) -> StateConfig:
+    base = StateConfig()
+    raw = _section(raw, "state", ("url", "lease_seconds", "timeout_ms", "replicas"))
+    url = raw.get("url")
+    if url is not None and not (isinstance(url, str) and url.startswith(
+            ("redis://", "rediss://", "unix://"))):
+        raise ConfigError(f"state.url: expected a redis://, rediss:// or unix:// URL, got {url!r}")
+    timeout_ms = _positive(raw.get("timeout_ms", base.timeout_s * 1000), "state.timeout_ms")
+    return StateConfig(
+        url=url,
+        lease_s=_positive(raw.get("lease_seconds", base.lease_s), "state.lease_seconds"),
+        timeout_s=timeout_ms / 1000.0,
+        replicas=_positive(raw.get("replicas", base.replicas), "state.replicas", int),
+    )
+
+
 def parse_api_keys_env(value: str) -> dict[str, str]:
     """`"key1:tenantA,key2:tenantB"` -> {"key1": "tenantA", "key2": "tenantB"}."""
     keys: dict[str, str] = {}
@@ -409,7 +441,8 @@ def parse_api_keys_env(value: str) -> dict[str, str]:
     return keys
 
 
-_TOP_LEVEL = ("tenants", "classes", "budgets", "estimates", "slo", "resume", "idempotency")
+_TOP_LEVEL = ("tenants", "classes", "budgets", "estimates", "slo", "resume", "idempotency",
+              "state")
 
 
 def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> SluiceConfig:
@@ -447,6 +480,7 @@ def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> Slu
         estimates=_parse_estimates(raw.get("estimates") or {}),
         slo=_parse_slo(raw.get("slo") or {}),
         resume=_parse_resume(raw.get("resume") or {}, raw.get("idempotency") or {}),
+        state=_parse_state(raw.get("state") or {}),
     )
 
 
@@ -472,6 +506,11 @@ def load_config(path: Path | None) -> SluiceConfig:
         return parse_config(raw, os.environ.get(API_KEYS_ENV))
     except ConfigError as exc:
         raise ConfigError(f"{path or API_KEYS_ENV}: {exc}") from None
+
+
+def with_state_url(config: SluiceConfig, url: str) -> SluiceConfig:
+    """`config` with `state.url` set (`--state-url`), checked as the file's would be."""
+    return replace(config, state=replace(config.state, url=_parse_state({"url": url}).url))
 
 
 def with_budgets(config: SluiceConfig, **changes: Any) -> SluiceConfig:

@@ -202,6 +202,31 @@ BATCH_RETRIES = Counter(
 )
 
 
+# --- Shared state (Redis), with `state.url` set ---
+_STATE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01,
+                  0.025, 0.05, 0.1, 0.25, 0.5)
+STATE_UP = Gauge(
+    "sluice_state_backend_up",
+    "1 while the shared state backend answers; 0 while this replica enforces its share of "
+    "each tenant limit alone.", ["backend"], registry=REGISTRY,
+)
+STATE_LATENCY = Histogram(
+    "sluice_state_backend_seconds", "Round trips to the shared state backend, by operation.",
+    ["operation"], buckets=_STATE_BUCKETS, registry=REGISTRY,
+)
+STATE_ERRORS = Counter(
+    "sluice_state_backend_errors_total",
+    "Calls to the shared state backend that failed or timed out, by operation.",
+    ["operation"], registry=REGISTRY,
+)
+STATE_REPLICAS = Gauge(
+    "sluice_state_replicas",
+    "Replicas the shared state backend last counted (those renewing their leases).",
+    ["backend"], registry=REGISTRY,
+)
+STATE_OPERATIONS = ("acquire", "release", "renew")
+
+
 def initialise(model: str, tenant_labels: tuple[str, ...] = ()) -> None:
     """Create every labelled counter's series for `model` at zero (Prometheus' guidance: a
     series that appears only with its first event leaves gaps in rates and alerts)."""

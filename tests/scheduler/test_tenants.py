@@ -154,6 +154,9 @@ def test_ticket_carries_identity() -> None:
      "tenants.acme.api_key_sha256: abc… is not a SHA-256 digest (64 hex digits)"),
     ({"tenants": {"a": {"api_keys": ["k"]}, "b": {"api_keys": ["k"]}}},
      "tenants.b.api_keys: a key is configured for both a and b"),
+    ({"state": {"url": "http://redis:6379"}},
+     "state.url: expected a redis://, rediss:// or unix:// URL, got 'http://redis:6379'"),
+    ({"state": {"lease_secs": 5}}, "state.lease_secs: unknown key; did you mean lease_seconds?"),
 ])
 def test_the_configuration_is_strict_and_names_the_path(raw: dict, message: str) -> None:
     with pytest.raises(ConfigError) as raised:

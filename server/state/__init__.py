@@ -1,0 +1,1 @@
+"""State shared by replicas (`state.url`): tenant quotas in Redis."""

@@ -7,6 +7,7 @@ the sim-backed server starts in about a second.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -121,6 +122,46 @@ def wait_until(condition, timeout: float, interval: float = 0.05, message: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met in {timeout}s: {message}")
         time.sleep(interval)
+
+
+class RedisProcess:
+    """`redis-server` on a free loopback port, in memory only; stopped and started again on
+    the same port."""
+
+    def __init__(self, directory: Path) -> None:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is not installed: run scripts/install-test-deps.sh"
+        self.binary, self.directory = binary, directory
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.directory)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
+        wait_until(self.answers, 10, message="redis-server answers")
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as connection:
+                connection.sendall(b"PING\r\n")  # (an inline command: no client library)
+                return connection.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+    def __enter__(self) -> RedisProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,8 @@ def _quantiles(metric: str, filters: str, by: str, legend: str) -> tuple[Target,
     return tuple(
         Target(
             f"histogram_quantile({q}, sum by (le, {by}) "
-            f"(rate({metric}_bucket{{{filters}}}[$__rate_interval])))",
+            f"(rate({metric}_bucket{'{' + filters + '}' if filters else ''}"
+            "[$__rate_interval])))",
             f"p{round(q * 100)} {legend}",
         )
         for q in QUANTILES
@@ -365,6 +366,45 @@ ROWS: tuple[Row, ...] = (
                 "1 while the engine is loaded and healthy.",
                 (Target(f"min by (model) (sluice_engine_healthy{{{MODEL_FILTER}}})", "{{model}}"),),
                 kind="stat",
+            ),
+        ),
+    ),
+    Row(
+        "Shared state (Redis: tenant quotas across replicas, with state.url)",
+        (
+            Panel(
+                "State backend up",
+                "Per replica: 1 while Redis answers; 0 while the replica enforces its share "
+                "of each tenant limit alone (limit / replicas counted).",
+                (Target("min by (instance) (sluice_state_backend_up)", "{{instance}}"),),
+                width=6,
+            ),
+            Panel(
+                "Replicas counted",
+                "Replicas renewing their leases in Redis, as each replica last counted them.",
+                (Target("max by (instance) (sluice_state_replicas)", "{{instance}}"),),
+                width=6,
+            ),
+            Panel(
+                "State backend round trip",
+                "Time of each call to Redis by operation (acquire is on the request's path, "
+                "while it is queued; release and renew are not): p50 / p90 / p99.",
+                _quantiles("sluice_state_backend_seconds", "", "operation", "{{operation}}"),
+                unit="s",
+                width=6,
+            ),
+            Panel(
+                "State backend errors/s",
+                "Calls to Redis that failed or timed out, by operation. Each marks the "
+                "backend down until a probe (every second) succeeds.",
+                (
+                    Target(
+                        "sum by (operation) "
+                        "(rate(sluice_state_backend_errors_total[$__rate_interval]))",
+                        "{{operation}}",
+                    ),
+                ),
+                width=6,
             ),
         ),
     ),

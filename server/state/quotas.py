@@ -158,6 +158,8 @@ class SharedQuotas:
                 socket_connect_timeout=self.config.timeout_s, retry=Retry(NoBackoff(), 1))
         self._acquire = self._client.register_script(ACQUIRE)
         self._renew = self._client.register_script(RENEW)
+        for operation in metrics.STATE_OPERATIONS:  # every series from the start, at zero
+            metrics.STATE_ERRORS.labels(operation)
         await self._beat()
         if not self.up:
             logger.warning("the state backend at %s is unavailable: each tenant limit is "

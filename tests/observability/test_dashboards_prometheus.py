@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from conftest import RedisProcess
 
 from .conftest import (
     REPO_ROOT,
@@ -63,7 +64,9 @@ POISON_MARKER = "POISON"  # sim-batch's default --poison-marker
 SCRAPE_TIMEOUT_S = 90.0
 
 SLUICE_CONFIG = {
-    "tenants": {TENANT: {"api_keys": [API_KEY]}},
+    # The limit is never reached (the queues are far smaller); with the Redis the continuous
+    # server shares it through, every request takes and returns a lease.
+    "tenants": {TENANT: {"api_keys": [API_KEY], "max_concurrent": 64}},
     "classes": {
         "interactive": {"max_queued": 4},
         "bulk": {"max_queued": 4},
@@ -417,7 +420,9 @@ def stack(tmp_path: Path) -> Iterator[tuple[RunningPrometheus, RunningSluice, Ru
     config_path.write_text(yaml.safe_dump(SLUICE_CONFIG))
     common = ("--served-model-name", MODEL, "--config", str(config_path))
     with (
-        run_sluice(tmp_path, *common, engine="sim", name="sluice-sim") as continuous,
+        RedisProcess(tmp_path) as redis,
+        run_sluice(tmp_path, *common, "--state-url", redis.url, engine="sim",
+                   name="sluice-sim") as continuous,
         run_sluice(tmp_path, *common, engine="sim-batch", name="sluice-sim-batch") as batch,
         _start_prometheus(
             tmp_path, {"sluice-0": continuous.port, "sluice-batch-0": batch.port}

@@ -41,18 +41,10 @@ from server.scheduler.quotas import TenantQuotas  # noqa: E402
 from server.scheduler.types import Ticket, TrafficClass  # noqa: E402
 from server.state.quotas import SharedQuotas  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from overload import free_port, pct  # noqa: E402
+
 TENANT = TenantConfig("acme", max_concurrent=1_000_000, tokens_per_minute=10**12)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ticket(i: int) -> Ticket:

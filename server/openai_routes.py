@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import orjson
@@ -249,6 +249,15 @@ async def _each(runs: list[GenerationRun], wait: Callable[[GenerationRun], Await
             future.cancel()
 
 
+@contextmanager
+def _reading(runs: list[GenerationRun]) -> Iterator[None]:
+    """A reader of every run while the block runs."""
+    with ExitStack() as reading:
+        for run in runs:
+            reading.enter_context(run.reading())
+        yield
+
+
 def _settled(runs: list[GenerationRun]) -> Awaitable[None]:
     """Until every run has ended, or one has failed."""
     return _each(runs, GenerationRun.until_ended,
@@ -269,9 +278,7 @@ class StreamedBatchResponse:
         self.runs = runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with ExitStack() as reading:
-            for run in self.runs:
-                reading.enter_context(run.reading())
+        with _reading(self.runs):
             started = _each(self.runs, GenerationRun.started,
                             lambda run: run.failure is not None)
             if not await _unless_gone(started, receive):
@@ -328,9 +335,7 @@ class BatchResponse:
         self.runs = runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with ExitStack() as reading:
-            for run in self.runs:
-                reading.enter_context(run.reading())
+        with _reading(self.runs):
             if not await _unless_gone(_settled(self.runs), receive):
                 return  # the client left: each part is cancelled as its reader leaves
         failed = next((run.log[-1].error for run in self.runs

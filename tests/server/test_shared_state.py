@@ -13,6 +13,8 @@ import httpx
 import pytest
 from conftest import RedisProcess, SluiceProcess, wait_until
 
+pytestmark = pytest.mark.slow
+
 KEY = {"Authorization": "Bearer acme-key"}
 LEASE_SECONDS = 2
 # The replica killed below takes longer leases, so that "still held" is checked well within

@@ -53,6 +53,8 @@ class SamplingOptions:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated
+    bad_words: tuple[str, ...] = ()  # never generated
     logprobs: int | None = None  # None: none; k: each token's and the k most likely ones'
     prompt_logprobs: int | None = None  # the same for each prompt token (on the first delta)
     # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", not by their text.

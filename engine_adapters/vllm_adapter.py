@@ -82,6 +82,9 @@ def to_sampling_params(options: SamplingOptions) -> Any:
         skip_special_tokens=options.skip_special_tokens,
         include_stop_str_in_output=options.include_stop_str_in_output,
         logit_bias=options.logit_bias,
+        allowed_token_ids=None if options.allowed_token_ids is None
+        else list(options.allowed_token_ids),
+        bad_words=list(options.bad_words) or None,
         logprobs=options.logprobs,
         prompt_logprobs=options.prompt_logprobs,
         # From VLLMOutputPlanner: vLLM's own StructuredOutputsParams.

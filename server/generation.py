@@ -355,6 +355,8 @@ class Sluice:
             check_in_vocabulary(parsed.prompt, vocab, "prompt")
         check_in_vocabulary(parsed.sampling.get("stop_token_ids", ()), vocab, "stop_token_ids")
         check_in_vocabulary(parsed.sampling.get("logit_bias") or (), vocab, "logit_bias")
+        check_in_vocabulary(parsed.sampling.get("allowed_token_ids") or (), vocab,
+                            "allowed_token_ids")
         check_in_vocabulary(parsed.forwarded_prompt_ids or (), vocab,
                             "kv_transfer_params.prompt_token_ids")
 

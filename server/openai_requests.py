@@ -31,6 +31,7 @@ _SAMPLING = {
     "temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "max_tokens",
+    "allowed_token_ids", "bad_words",
 }
 # How the output is shaped (structured outputs, tools, reasoning): the engine's to apply, each
 # checked here for its JSON type only (see EngineClient.plan_output).
@@ -53,7 +54,8 @@ _COMPLETION_ONLY = {"prompt", "prompt_embeds"}
 # What vLLM's beam search does not apply (it would drop them): refused with it.
 _NOT_WITH_BEAM = ("top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
                   "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
-                  "logit_bias", "logprobs", "prompt_logprobs", "tokens_as_ids")
+                  "logit_bias", "logprobs", "prompt_logprobs", "tokens_as_ids",
+                  "allowed_token_ids", "bad_words")
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
 
@@ -193,6 +195,24 @@ def _forwarded_prompt_ids(body: Mapping[str, Any]) -> tuple[int, ...] | None:
     return ids
 
 
+def _allowed_token_ids(body: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """vLLM's: only these tokens may be generated."""
+    ids = token_ids_from(body, "allowed_token_ids")
+    _check(ids is None or len(ids) > 0, "'allowed_token_ids' must not be empty",
+           "allowed_token_ids")
+    return ids
+
+
+def _bad_words(body: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """vLLM's: words (token sequences) never to be generated."""
+    value = body.get("bad_words")
+    if value is None:
+        return None
+    _check(isinstance(value, list) and all(isinstance(w, str) and w for w in value),
+           "'bad_words' must be a list of non-empty strings", "bad_words")
+    return tuple(value)
+
+
 def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
     value = body.get("logit_bias")
     if value is None:
@@ -225,6 +245,8 @@ _SAMPLING_READERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "skip_special_tokens": lambda b: boolean_from(b, "skip_special_tokens"),
     "include_stop_str_in_output": lambda b: boolean_from(b, "include_stop_str_in_output"),
     "logit_bias": _logit_bias,
+    "allowed_token_ids": _allowed_token_ids,
+    "bad_words": _bad_words,
 }
 
 

@@ -263,3 +263,40 @@ def test_forwarded_prompt_token_ids_are_the_prompt(client: openai.OpenAI) -> Non
             client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
                                            extra_body={"kv_transfer_params": bad})
         assert raised.value.body["param"] == param  # type: ignore[index]
+
+
+def test_allowed_token_ids_and_bad_words_as_vllm_applies_them(client: openai.OpenAI) -> None:
+    """vLLM's allowed_token_ids (only these may be generated) and bad_words (never these)."""
+    allowed = [100, 200, 300]
+    reply = client.completions.create(
+        model=MODEL, prompt="The queue", max_tokens=12, temperature=1.0, seed=3,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True})
+    generated = reply.choices[0].model_extra["token_ids"]
+    assert len(generated) == 12 and set(generated) <= set(allowed)
+
+    # A word that is one token of the greedy answer, alone or after a space (vLLM bans both).
+    greedy = client.completions.create(model=MODEL, prompt="The queue", max_tokens=8,
+                                       temperature=0, extra_body={"ignore_eos": True,
+                                                                  "return_token_ids": True})
+    url = str(client.base_url).removesuffix("/v1/")
+    word, token_id = next(
+        (word, token_id) for token_id in greedy.choices[0].model_extra["token_ids"]
+        if (word := httpx.post(url + "/detokenize", json={"tokens": [token_id]}).json()[
+            "prompt"].strip())
+        and [token_id] in (_tokens(url, word), _tokens(url, " " + word)))
+    banned = client.completions.create(
+        model=MODEL, prompt="The queue", max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "bad_words": [word], "return_token_ids": True})
+    assert token_id not in banned.choices[0].model_extra["token_ids"]
+
+    for extra, param in (({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+                         ({"bad_words": ["ok", ""]}, "bad_words")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=extra)
+        assert raised.value.body["param"] == param  # type: ignore[index]
+
+
+def _tokens(url: str, text: str) -> list[int]:
+    return httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}
+                      ).json()["tokens"]

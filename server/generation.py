@@ -20,7 +20,6 @@ from engine_adapters.protocol import (
     PLAIN_TEXT,
     EngineClient,
     EngineRequestError,
-    EngineUnsupported,
     GenerationRequest,
     OutputPlan,
     OutputRequest,
@@ -36,7 +35,7 @@ from server.errors import (
     ShuttingDown,
     UnsupportedParameter,
 )
-from server.generations.run import GenerationRun, Shape
+from server.generations.run import GenerationRun, Shape, engine_failure
 from server.generations.store import MAX_KEY_LENGTH, RunStore, fingerprint
 from server.openai_requests import ParsedRequest
 from server.openai_responses import Echo
@@ -336,10 +335,8 @@ class Sluice:
             return self.engine.plan_output(
                 OutputRequest(parsed.kind, parsed.output, parsed.messages,
                               parsed.template_kwargs))
-        except EngineUnsupported as exc:
-            raise UnsupportedParameter(str(exc), param=exc.param) from None
         except EngineRequestError as exc:
-            raise InvalidRequest(str(exc), param=exc.param) from None
+            raise engine_failure(exc) from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model:
@@ -375,10 +372,8 @@ class Sluice:
         if parsed.prompt_embeds is not None:
             try:
                 return [], self.engine.load_prompt_embeds(parsed.prompt_embeds)
-            except EngineUnsupported as exc:
-                raise UnsupportedParameter(str(exc), param=exc.param) from None
             except EngineRequestError as exc:
-                raise InvalidRequest(str(exc), param=exc.param) from None
+                raise engine_failure(exc) from None
         if parsed.forwarded_prompt_ids is not None:
             ids = list(parsed.forwarded_prompt_ids)
         elif parsed.messages is not None:

@@ -25,6 +25,7 @@ from engine_adapters.protocol import (
     EngineDeadError,
     EngineError,
     EngineRequestError,
+    EngineUnsupported,
     OutputParser,
     TokenLogprob,
 )
@@ -35,6 +36,7 @@ from server.errors import (
     GenerationFailed,
     InvalidRequest,
     SluiceError,
+    UnsupportedParameter,
 )
 from server.openai_requests import ParsedRequest
 from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
@@ -79,9 +81,12 @@ class Event:
 
 
 def engine_failure(exc: EngineError) -> SluiceError:
+    """An engine's error as the client's: what it cannot do or refuses is a 400."""
     if isinstance(exc, EngineDeadError):
         return EngineUnavailable("the engine stopped while generating; retry shortly",
                                  retry_after=5)
+    if isinstance(exc, EngineUnsupported):
+        return UnsupportedParameter(str(exc), param=exc.param)
     if isinstance(exc, EngineRequestError):
         return InvalidRequest(str(exc), param=exc.param)
     return GenerationFailed(f"generation failed: {exc}")

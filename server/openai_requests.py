@@ -46,7 +46,9 @@ _COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", 
            *_SAMPLING,
            *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
 _CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-              "add_generation_prompt", "continue_final_message", *_CHAT_OUTPUT}
+              "add_generation_prompt", "continue_final_message", "reasoning_effort",
+              "documents", *_CHAT_OUTPUT}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
 MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`
 MAX_CHOICES = 128  # OpenAI's limit on n
@@ -266,7 +268,7 @@ def _logprobs(body: Mapping[str, Any], kind: str) -> int | None:
 
 # Set by the server itself when it renders the template (the last two from their own fields).
 _TEMPLATE_OWN = {"messages", "tools", "tokenize", "conversation", "add_generation_prompt",
-                 "continue_final_message"}
+                 "continue_final_message", "documents", "reasoning_effort"}
 
 
 def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -289,6 +291,21 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
         kwargs.update(continue_final_message=True, add_generation_prompt=False)
     elif generation_prompt is False:
         kwargs["add_generation_prompt"] = False
+    # As vLLM passes them: to the template (which may ignore them), and an effort also turns
+    # thinking on or off for templates that ask (unless chat_template_kwargs says).
+    documents = body.get("documents")
+    _check(documents is None or (isinstance(documents, list) and all(
+        isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents)),
+        "'documents' must be a list of objects of strings", "documents")
+    effort = body.get("reasoning_effort")
+    _check(effort is None or effort in REASONING_EFFORTS,
+           "'reasoning_effort' must be one of " + ", ".join(REASONING_EFFORTS),
+           "reasoning_effort")
+    if documents is not None:
+        kwargs["documents"] = documents
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+        kwargs.setdefault("enable_thinking", effort != "none")
     return kwargs or None
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.openai_requests import MAX_CHOICES, MAX_LOGPROBS, accepted_fields
+from server.openai_requests import MAX_CHOICES, MAX_LOGPROBS, REASONING_EFFORTS, accepted_fields
 from server.openai_routes import JSONResponse
 from server.tokenizer_routes import TOKENIZE_CHAT, TOKENIZE_TEXT, VERSION
 
@@ -106,6 +106,11 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "include_reasoning": _BOOL,
     "chat_template_kwargs": {**_OBJ, "description": "vLLM's: extra variables for the chat "
                              "template (enable_thinking, ...)"},
+    "reasoning_effort": {"enum": list(REASONING_EFFORTS), "description": "given to the chat "
+                         "template; also its enable_thinking, unless chat_template_kwargs sets "
+                         "it"},
+    "documents": {"type": "array", "items": {"type": "object", "additionalProperties": _STR},
+                  "description": "vLLM's: documents for a RAG chat template"},
     "use_beam_search": {**_BOOL, "description": "vLLM's: the n best of n beams, answered "
                         "when all are done (completions: not with `stream`)"},
     "length_penalty": {**_NUM, "description": "vLLM's: with beam search, a beam's score is "

@@ -11,6 +11,8 @@ import pytest
 import websockets
 from conftest import SluiceProcess, wait_until
 
+from server.openai_requests import parse_request
+
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -90,6 +92,8 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "chat_template_kwargs": 3}, "invalid_request", "chat_template_kwargs"),
         ({**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}, "invalid_request",
          "chat_template_kwargs"),  # the server's own
+        ({**CHAT, "reasoning_effort": "extreme"}, "invalid_request", "reasoning_effort"),
+        ({**CHAT, "documents": [{"title": 1}]}, "invalid_request", "documents"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
         ({"messages": [{"role": "user", "content": "word " * 5000}]},
          "context_length_exceeded", "messages"),
@@ -380,3 +384,13 @@ def test_several_prompts_one_choice_each_in_order(sim_server: SluiceProcess) -> 
     wait_until(lambda: sim_server.metric("sluice_budget_in_use") == 0
                and sim_server.metric("sluice_engine_unfinished_requests") == 0, 5,
                message="the first part, admitted, is cancelled with the refusal")
+
+
+def test_reasoning_effort_and_documents_reach_the_template_as_vllm_passes_them() -> None:
+    parsed = parse_request({**CHAT, "reasoning_effort": "none",
+                            "documents": [{"title": "t", "text": "x"}]}, "chat")
+    assert parsed.template_kwargs == {"documents": [{"title": "t", "text": "x"}],
+                                      "reasoning_effort": "none", "enable_thinking": False}
+    chosen = parse_request({**CHAT, "reasoning_effort": "high",
+                            "chat_template_kwargs": {"enable_thinking": False}}, "chat")
+    assert chosen.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}

@@ -297,6 +297,13 @@ def test_allowed_token_ids_and_bad_words_as_vllm_applies_them(client: openai.Ope
         assert raised.value.body["param"] == param  # type: ignore[index]
 
 
+def test_reasoning_effort_as_the_openai_client_sends_it(client: openai.OpenAI) -> None:
+    """Given to the chat template (the demo's ignores it), as vLLM's server does."""
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3,
+                                           reasoning_effort="low")
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
 def _tokens(url: str, text: str) -> list[int]:
     return httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}
                       ).json()["tokens"]

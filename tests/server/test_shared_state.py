@@ -123,14 +123,12 @@ def test_a_killed_replicas_holdings_expire(redis: RedisProcess, replicas: list[S
             await asyncio.gather(*holding, return_exceptions=True)
 
     asyncio.run(hold_four_then_kill())
-    killed_at = time.monotonic()
     refused = httpx.post(survivor.url + "/v1/chat/completions", json=chat, headers=KEY,
                          timeout=30)
     assert refused.status_code == 429  # the dead replica's four leases still count
     wait_until(lambda: httpx.post(survivor.url + "/v1/chat/completions", json=chat,
                                   headers=KEY, timeout=30).status_code == 200,
                DOOMED_LEASE_SECONDS + 3, message="the dead replica's leases expired")
-    assert time.monotonic() - killed_at <= DOOMED_LEASE_SECONDS + 3
     doomed.stop()
 
 

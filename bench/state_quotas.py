@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from server.config import StateConfig, TenantConfig  # noqa: E402
 from server.scheduler.quotas import TenantQuotas  # noqa: E402
 from server.scheduler.types import Ticket, TrafficClass  # noqa: E402
+from server.state.backend import RedisState  # noqa: E402
 from server.state.quotas import SharedQuotas  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -74,7 +75,7 @@ def in_process(count: int) -> dict[str, Any]:
 
 
 async def with_redis(url: str, count: int, tasks: int) -> dict[str, Any]:
-    quotas = SharedQuotas(StateConfig(url=url), {"acme": TENANT})
+    quotas = SharedQuotas(RedisState(StateConfig(url=url)), {"acme": TENANT})
     await quotas.start()
     assert quotas.up
     latencies: list[float] = []
@@ -95,6 +96,7 @@ async def with_redis(url: str, count: int, tasks: int) -> dict[str, Any]:
     await asyncio.gather(*(checker(k) for k in range(tasks)))
     elapsed = time.perf_counter() - started
     await quotas.stop()
+    await quotas.state.stop()
     return {"tasks": tasks, "checks_per_s": round(count / elapsed), **summary(latencies)}
 
 

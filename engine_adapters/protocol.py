@@ -7,7 +7,7 @@ continuous-batching model `sim`, the fixed-batch model `sim-batch`) implements `
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -126,6 +126,20 @@ class GenerationRequest:
         if self.prompt_embeds is not None:
             return self.prompt_embeds.length
         return len(self.prompt_token_ids)
+
+    def continued(self, generated: Sequence[int], request_id: str) -> GenerationRequest:
+        """The request that continues this one after it generated `generated` (its
+        `resumed_tokens` counting those of every earlier continuation too)."""
+        sampling = replace(
+            self.sampling,
+            max_tokens=self.sampling.max_tokens - len(generated),
+            min_tokens=max(0, self.sampling.min_tokens - len(generated)),
+            prompt_logprobs=None,  # the client has the prompt's; this prompt is longer
+        )
+        return GenerationRequest(request_id=request_id,
+                                 prompt_token_ids=[*self.prompt_token_ids, *generated],
+                                 sampling=sampling,
+                                 resumed_tokens=self.resumed_tokens + len(generated))
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,9 @@ from server.openapi import openapi_json
 from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import Dispatcher
 from server.send_guard import SendGuard
+from server.state.backend import RedisState
 from server.state.quotas import SharedQuotaDispatcher, SharedQuotas
+from server.state.runs import SharedRuns
 from server.tokenizer_routes import detokenize, tokenize, version
 from server.ws_routes import websocket_endpoint
 
@@ -148,13 +150,17 @@ def build_app(
     *, ping_seconds: float = 15.0, send_timeout_seconds: float = 30.0,
     max_body_bytes: int = 1 << 20, on_engine_death: asyncio.Event | None = None,
     metrics_route: bool = True, batch_store: BatchStore | None = None,
-    max_file_bytes: int = 100 << 20,
+    max_file_bytes: int = 100 << 20, state: RedisState | None = None,
 ) -> Starlette:
+    """`state`: Redis, for quotas (the dispatcher's) and resumable generations shared by
+    replicas."""
+    shared = None if state is None else SharedRuns(state, config.resume.retention_s,
+                                                    config.resume.grace_s)
     sluice = Sluice(
         engine=engine, dispatcher=dispatcher, tenants=TenantDirectory(config),
         served_model=served_model, send_guard=SendGuard(send_timeout_seconds),
         store=RunStore(config.resume.retention_s, config.resume.max_bytes),
-        ping_seconds=ping_seconds, max_body_bytes=max_body_bytes,
+        shared=shared, ping_seconds=ping_seconds, max_body_bytes=max_body_bytes,
         grace_seconds=config.resume.grace_s,
     )
 
@@ -163,6 +169,8 @@ def build_app(
         app.state.ready = False
         metrics.initialise(served_model, sluice.tenants.metric_labels())
         await engine.start()
+        if shared is not None:
+            await shared.start()
         await dispatcher.start()
         runner = None
         if batch_store is not None:
@@ -189,7 +197,11 @@ def build_app(
             if runner is not None:
                 await runner.stop()
                 batch_store.close()  # type: ignore[union-attr]
+            if shared is not None:
+                await shared.stop()
             await dispatcher.stop()
+            if state is not None:
+                await state.stop()
             await engine.stop()
 
     app = Starlette(
@@ -289,18 +301,20 @@ def serve(args: argparse.Namespace) -> int:
         from server.scheduler.runtime import SchedulerRuntime
 
         dispatcher = SchedulerRuntime(config, engine, name)
+    state = None
     if config.state.url is not None:
-        dispatcher = SharedQuotaDispatcher(dispatcher, SharedQuotas(config.state, config.tenants))
+        state = RedisState(config.state)
+        dispatcher = SharedQuotaDispatcher(dispatcher, SharedQuotas(state, config.tenants))
     if _has_uvloop():
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return asyncio.run(_serve(args, engine, dispatcher, config, name))
+    return asyncio.run(_serve(args, engine, dispatcher, config, name, state))
 
 
 async def _serve(
     args: argparse.Namespace, engine: EngineClient, dispatcher: Dispatcher,
-    config: SluiceConfig, name: str,
+    config: SluiceConfig, name: str, state: RedisState | None = None,
 ) -> int:
     engine_died = asyncio.Event()
     try:
@@ -312,7 +326,7 @@ async def _serve(
         engine, dispatcher, config, name, ping_seconds=args.sse_ping_seconds,
         send_timeout_seconds=args.send_timeout_seconds, max_body_bytes=args.max_body_bytes,
         on_engine_death=engine_died, metrics_route=args.metrics_port is None,
-        batch_store=batch_store, max_file_bytes=args.max_file_bytes,
+        batch_store=batch_store, max_file_bytes=args.max_file_bytes, state=state,
     )
     server = DrainingServer(app.state.sluice, args.drain_seconds, uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

@@ -152,3 +152,18 @@ class GenerationFailed(SluiceError):
     status = 500
     error_type = "server_error"
     code = "generation_failed"
+
+
+def restored(status: int, body: dict[str, Any], retry_after: float | None = None) -> SluiceError:
+    """The error that rendered as `body` with `status` (one logged by another replica)."""
+    error = body.get("error") or {}
+    code = error.get("code")
+    classes = [SluiceError]
+    while classes:
+        cls = classes.pop()
+        if cls.code == code and cls.status == status:
+            break
+        classes.extend(cls.__subclasses__())
+    else:
+        cls = GenerationFailed if status >= 500 else InvalidRequest
+    return cls(str(error.get("message", "")), param=error.get("param"), retry_after=retry_after)

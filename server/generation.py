@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,22 +27,28 @@ from engine_adapters.protocol import (
     PromptEmbeds,
     token_id_name,
 )
+from server import metrics
 from server.errors import (
     ContextLengthExceeded,
     EngineUnavailable,
+    GenerationFailed,
     IdempotencyKeyReused,
     InvalidRequest,
     ModelNotFound,
+    ResourceNotFound,
     ShuttingDown,
+    SluiceError,
     UnsupportedParameter,
 )
-from server.generations.run import GenerationRun, Shape, engine_failure
+from server.generations.run import GenerationRun, Kind, Shape, engine_failure
 from server.generations.store import MAX_KEY_LENGTH, RunStore, fingerprint
-from server.openai_requests import ParsedRequest
+from server.openai_requests import ParsedRequest, parse_request
 from server.openai_responses import Echo
 from server.scheduler.tenants import Tenant, TenantDirectory
-from server.scheduler.types import Dispatcher, Ticket, TrafficClass
+from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass
 from server.send_guard import SendGuard
+from server.state.backend import StateUnavailable
+from server.state.runs import Follow, Mirror, RunRecord, SharedRuns
 from server.timeline import RequestTimeline
 
 _REQUEST_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
@@ -136,6 +143,7 @@ class Sluice:
     served_model: str
     send_guard: SendGuard
     store: RunStore
+    shared: SharedRuns | None = None  # with `state.url`: the runs replicas share
     ping_seconds: float = 15.0
     max_body_bytes: int = 1 << 20
     grace_seconds: float = 30.0  # a resumable generation's life without a reader
@@ -143,14 +151,15 @@ class Sluice:
     live: set[GenerationRun] = field(default_factory=set)
     _idle: asyncio.Event | None = None
 
-    def generate(self, parsed: ParsedRequest, body: Any, timeline: RequestTimeline,
-                 context: RequestContext, key: str | None, *, stream: bool
-                 ) -> tuple[GenerationRun, bool]:
+    async def generate(self, parsed: ParsedRequest, body: Any, timeline: RequestTimeline,
+                       context: RequestContext, key: str | None, *, stream: bool,
+                       request: Any = None) -> tuple[GenerationRun, bool]:
         """The run that answers this request, and whether it is an earlier one replayed.
 
-        With an idempotency `key`, the tenant's run made under that key with the same body is
-        the answer; a new one is made (and kept, resumable) if there is none. Raises a
-        SluiceError for anything refused; nothing is held when it does.
+        With an idempotency `key`, the tenant's run made under that key with the same `body`
+        is the answer, on this replica or (with shared state) another; a new one is made (and
+        kept, resumable) if there is none. `request`: what `parsed` was parsed from, if not
+        `body`. Raises a SluiceError for anything refused; nothing is held when it does.
         """
         if key is None:
             return self._open(parsed, timeline, context, stream=stream, resumable=False), False
@@ -160,14 +169,55 @@ class Sluice:
         tenant = self.tenant_of(context).name
         request_print = fingerprint(parsed.kind, body)
         found = self.store.by_key(tenant, key)
+        if found is None and self.shared is not None and self.shared.up:
+            return await self._generate_shared(
+                parsed, body if request is None else request, timeline, context, key,
+                request_print, stream=stream)
         if found is not None:
-            run, earlier_print = found
-            if earlier_print != request_print:
-                raise IdempotencyKeyReused(
-                    "this idempotency key was used with a different request body",
-                    param="Idempotency-Key")
-            return run, True
+            return _same_body(found, request_print), True
         run = self._open(parsed, timeline, context, stream=stream, resumable=True)
+        self.store.add(tenant, key, request_print, run)
+        return run, False
+
+    async def _generate_shared(self, parsed: ParsedRequest, request: Any,
+                               timeline: RequestTimeline, context: RequestContext, key: str,
+                               request_print: str, *, stream: bool
+                               ) -> tuple[GenerationRun, bool]:
+        """`generate` with the key recorded in Redis: the generation made under it on any
+        replica, or a new one, recorded first (the key is taken once across replicas)."""
+        assert self.shared is not None
+        tenant = self.tenant_of(context).name
+        response_id = uuid.uuid4().hex
+        record = RunRecord(
+            tenant, ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + response_id,
+            parsed.kind, request, stream, timeline.request_id, int(time.time()),
+            None if context.traffic_class is None else str(context.traffic_class),
+            context.timeout_s, key, request_print)
+        try:
+            earlier = await self.shared.open(record, key, request_print)
+        except StateUnavailable:  # the generation is this replica's alone
+            run = self._open(parsed, timeline, context, stream=stream, resumable=True)
+            self.store.add(tenant, key, request_print, run)
+            return run, False
+        if earlier is not None:
+            public_id, earlier_print = earlier
+            if earlier_print != request_print:
+                raise _key_reused()
+            found = self.store.by_key(tenant, key)
+            followed = found[0] if found is not None else await self._find_shared(tenant,
+                                                                                 public_id)
+            if followed is None:  # (expired between the two reads)
+                raise ResourceNotFound("the generation made with this idempotency key has "
+                                       "expired; send the request with a new key",
+                                       param="Idempotency-Key")
+            return followed, True
+        try:
+            run = self._open(parsed, timeline, context, stream=stream, resumable=True,
+                             response_id=response_id, created=record.created,
+                             mirror=Mirror(self.shared, record))
+        except SluiceError:
+            await self.shared.forget(record)  # refused: the key is free for a retry
+            raise
         self.store.add(tenant, key, request_print, run)
         return run, False
 
@@ -185,38 +235,105 @@ class Sluice:
             return context.tenant
         return self.tenants.authenticate(context.api_key, context.client)
 
-    def find(self, context: RequestContext, public_id: str) -> GenerationRun | None:
-        """The caller's tenant's resumable run with this id (None: unknown, expired, or
-        another tenant's)."""
+    async def find(self, context: RequestContext, public_id: str) -> GenerationRun | None:
+        """The caller's tenant's resumable run with this id, on this replica or (with shared
+        state) another (None: unknown, expired, or another tenant's)."""
         tenant = self.tenant_of(context).name
-        return self.store.by_id(tenant, public_id)
+        run = self.store.by_id(tenant, public_id)
+        if run is None and self.shared is not None and self.shared.up:
+            run = await self._find_shared(tenant, public_id)
+        return run
+
+    async def _find_shared(self, tenant: str, public_id: str) -> GenerationRun | None:
+        """A run that follows the generation another replica runs (or ran): see
+        `server.state.runs`."""
+        assert self.shared is not None
+        try:
+            record = await self.shared.find(tenant, public_id)
+        except StateUnavailable:
+            return None
+        if record is None:
+            return None
+        run = self.store.by_id(tenant, public_id)  # (another reader's, made meanwhile)
+        if run is not None:
+            return run
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; retry on another replica",
+                               retry_after=1)
+        parsed = parse_request(record.request, record.kind)
+        timeline = RequestTimeline(request_id=record.request_id, model=self.served_model,
+                                   api="chat" if record.kind == "chat" else "completions",
+                                   recorded=False)
+        context = RequestContext(
+            traffic_class=None if record.traffic_class is None
+            else TrafficClass(record.traffic_class),
+            timeout_s=record.timeout_s, tenant=self.tenants.tenant(tenant))
+        ticket, engine_request, plan = self.prepare(parsed, timeline, context)
+        shape = self._shape(parsed, timeline, engine_request, plan, stream=record.stream,
+                            response_id=record.public_id.partition("-")[2],
+                            created=record.created)
+        run = GenerationRun(shape, timeline, None, resumable=True,
+                            grace_seconds=self.grace_seconds, on_end=self._ended,
+                            follow=Follow(self.shared, record),
+                            takeover=functools.partial(self._takeover, ticket, engine_request,
+                                                       plan))
+        self.store.add(tenant, record.key, record.fingerprint, run)
+        self.live.add(run)
+        run.start()
+        return run
+
+    def _takeover(self, ticket: Ticket, request: GenerationRequest, plan: OutputPlan,
+                  run: GenerationRun) -> Admission[Any]:
+        """The admission that continues a followed run here, its replica having died: from
+        the tokens its log holds (as a preempted generation is continued), or from the start
+        when none was sent."""
+        generated = [token for event in run.log if event.kind is Kind.PIECE
+                     for token in event.token_ids]
+        if generated:
+            if not ticket.preemptible or plan.parser is not None:
+                raise GenerationFailed(
+                    "the replica running this generation stopped, and a generation with "
+                    "several choices, beams, structured or parsed output cannot be continued "
+                    "on another: send the request again with a new idempotency key")
+            ticket = ticket.continued(len(generated))
+            request = request.continued(generated, f"{request.request_id}~takeover")
+        metrics.STATE_TAKEOVERS.labels("continued" if generated else "afresh").inc()
+        run.timeline.recorded = True
+        return self.dispatcher.generation(ticket, request)
 
     def _open(self, parsed: ParsedRequest, timeline: RequestTimeline,
               context: RequestContext, *, stream: bool, resumable: bool,
-              response_id: str | None = None, first_index: int = 0) -> GenerationRun:
+              response_id: str | None = None, first_index: int = 0, created: int | None = None,
+              mirror: Mirror | None = None) -> GenerationRun:
         """Prepared, admitted (refusals are decided here, before anything awaits), started."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another replica",
                                retry_after=1)
         ticket, engine_request, plan = self.prepare(parsed, timeline, context)
         admission = self.dispatcher.generation(ticket, engine_request)
-        prompt_ids = engine_request.prompt_token_ids
-        shape = Shape(
-            parsed=parsed, model=self.served_model, stream=stream,
+        shape = self._shape(
+            parsed, timeline, engine_request, plan, stream=stream, first_index=first_index,
             # A resumable generation's id is found again by it: never the client's.
             response_id=response_id or (uuid.uuid4().hex if resumable
-                                        else timeline.request_id),
-            first_index=first_index,
+                                        else timeline.request_id), created=created)
+        run = GenerationRun(shape, timeline, admission, resumable=resumable,
+                            grace_seconds=self.grace_seconds, on_end=self._ended, mirror=mirror)
+        self.live.add(run)
+        run.start()
+        return run
+
+    def _shape(self, parsed: ParsedRequest, timeline: RequestTimeline,
+               engine_request: GenerationRequest, plan: OutputPlan, *, stream: bool,
+               response_id: str, first_index: int = 0, created: int | None = None) -> Shape:
+        prompt_ids = engine_request.prompt_token_ids
+        return Shape(
+            parsed=parsed, model=self.served_model, stream=stream, response_id=response_id,
+            first_index=first_index, created=created,
             new_parser=None if plan.parser is None else functools.partial(
                 plan.parser, prompt_ids),
             prompt_token_ids=prompt_ids if parsed.return_token_ids else None,
             echo=self._echo(parsed, prompt_ids),
         )
-        run = GenerationRun(shape, timeline, admission, resumable=resumable,
-                            grace_seconds=self.grace_seconds, on_end=self._ended)
-        self.live.add(run)
-        run.start()
-        return run
 
     def _echo(self, parsed: ParsedRequest, prompt_ids: Sequence[int]) -> Echo | None:
         if parsed.echo and parsed.messages is not None:  # vLLM's: what the answer continues
@@ -390,6 +507,20 @@ class Sluice:
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         return ids, None
+
+
+def _same_body(found: tuple[GenerationRun, str], request_print: str) -> GenerationRun:
+    """The run made under an idempotency key, if this request's body is the one it was made
+    with (else a 422)."""
+    run, earlier_print = found
+    if earlier_print != request_print:
+        raise _key_reused()
+    return run
+
+
+def _key_reused() -> IdempotencyKeyReused:
+    return IdempotencyKeyReused("this idempotency key was used with a different request body",
+                                param="Idempotency-Key")
 
 
 def receive_disconnect(receive: Receive) -> Callable[[], Awaitable[None]]:

@@ -224,7 +224,13 @@ STATE_REPLICAS = Gauge(
     "Replicas the shared state backend last counted (those renewing their leases).",
     ["backend"], registry=REGISTRY,
 )
-STATE_OPERATIONS = ("acquire", "release", "renew")
+STATE_TAKEOVERS = Counter(
+    "sluice_state_takeovers",
+    "Resumable generations this replica took over from a replica that stopped renewing its "
+    "lease (it died), by how: continued from the logged tokens, or started afresh (nothing "
+    "was sent yet).", ["how"], registry=REGISTRY,
+)
+STATE_OPERATIONS = ("acquire", "release", "renew", "open", "find", "append", "claim", "read")
 
 
 def initialise(model: str, tenant_labels: tuple[str, ...] = ()) -> None:

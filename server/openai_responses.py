@@ -87,6 +87,7 @@ class ChunkEncoder:
         self, kind: str, request_id: str, model: str, include_usage: bool,
         continuous_usage: bool = False, prompt_tokens: int = 0,
         prompt_token_ids: Sequence[int] | None = None, first_index: int = 0,
+        created: int | None = None,
     ) -> None:
         """`prompt_token_ids`: vLLM's `return_token_ids` asked for them (in the first chunk)
         and for each chunk's `token_ids`. `first_index`: the response's index of choice 0
@@ -95,7 +96,7 @@ class ChunkEncoder:
         self.first_index = first_index
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        self.created = int(time.time())
+        self.created = int(time.time()) if created is None else created
         self.model = model
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
@@ -114,6 +115,12 @@ class ChunkEncoder:
         else:
             self._suffix = b',"logprobs":null,"finish_reason":null}]'
         self._suffix += (b',"usage":null}\n\n' if include_usage else b"}\n\n")
+
+    def continuing(self, sent: dict[int, int]) -> None:
+        """The stream's beginning was sent by another replica: `sent` characters of text per
+        choice, and the first chunk's prompt token ids."""
+        self._prompt_ids = None
+        self._text_offset.update(sent)
 
     def _prefix(self, index: int) -> bytes:
         return self._head + str(index).encode() + (

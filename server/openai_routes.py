@@ -112,9 +112,9 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
             return await _batch(sluice, RequestContext.of(request), timeline.request_id,
                                 timeline, kind, prompts, stream=bool(boolean_from(body, "stream")))
         parsed = parse_request(body, kind)
-        run, replayed = sluice.generate(parsed, body, timeline,
-                                        RequestContext.of(request), key,
-                                        stream=parsed.stream)
+        run, replayed = await sluice.generate(parsed, body, timeline,
+                                              RequestContext.of(request), key,
+                                              stream=parsed.stream)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, timeline.request_id)
@@ -122,20 +122,20 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
 
 
 async def resume_chat_completion(request: Request) -> ASGIApp:
-    return _resume(request, "chat")
+    return await _resume(request, "chat")
 
 
 async def resume_completion(request: Request) -> ASGIApp:
-    return _resume(request, "completion")
+    return await _resume(request, "completion")
 
 
-def _resume(request: Request, kind: str) -> ASGIApp:
+async def _resume(request: Request, kind: str) -> ASGIApp:
     """`GET /v1/{chat/}completions/{id}/stream`: a resumable generation's stream, after the
     event named by `Last-Event-ID` or `?starting_after=N` (from the first without either)."""
     sluice: Sluice = request.app.state.sluice
     public_id = request.path_params["id"]
     try:
-        run = sluice.find(RequestContext.of(request), public_id)
+        run = await sluice.find(RequestContext.of(request), public_id)
         if run is None or run.shape.parsed.kind != kind:
             raise ResourceNotFound(f"no generation '{public_id}' to resume", param="id")
         if not run.shape.stream:

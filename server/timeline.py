@@ -46,6 +46,9 @@ class RequestTimeline:
     itl: list[float] = field(default_factory=list)
     slo: SloTargets | None = None  # the class's latency targets when it arrived (None: bulk)
     ended: bool = False
+    # False: a generation another replica runs, followed here: its metrics and access log
+    # are that replica's (until this one takes it over).
+    recorded: bool = True
     _token_metrics: tuple[Any, Any, Any] | None = None  # per-token children, looked up once
 
     def _label_values(self) -> tuple[str, str]:
@@ -100,6 +103,8 @@ class RequestTimeline:
         if self.ended:
             return
         self.ended = True
+        if not self.recorded:
+            return
         now = time.monotonic()
         model, traffic_class = self._label_values()
         metrics.REQUEST_DURATION.labels(model, traffic_class).observe(now - self.arrival)

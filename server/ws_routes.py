@@ -200,8 +200,8 @@ class Connection:
             await self._error(gen_id, InvalidRequest("too many generations on this connection"))
             return
         try:
-            run, after = (self._generate(gen_id, message) if kind == "generate"
-                          else self._resume(message))
+            run, after = await (self._generate(gen_id, message) if kind == "generate"
+                                else self._resume(message))
         except SluiceError as error:
             await self._error(gen_id, error)
             return
@@ -230,7 +230,8 @@ class Connection:
                               timeout_from(field("timeout_ms", "x-request-timeout-ms")),
                               self.client)
 
-    def _generate(self, gen_id: str, message: dict[str, Any]) -> tuple[GenerationRun, int]:
+    async def _generate(self, gen_id: str, message: dict[str, Any]
+                        ) -> tuple[GenerationRun, int]:
         sluice = self.sluice
         timeline = RequestTimeline(request_id=f"ws-{id(self):x}-{gen_id}"[:128],
                                    model=sluice.served_model, api="ws")
@@ -250,14 +251,15 @@ class Connection:
                 raise InvalidRequest("'idempotency_key' must be a string",
                                      param="idempotency_key")
             fingerprinted = {k: v for k, v in message.items() if k not in _NOT_FINGERPRINTED}
-            run, _ = sluice.generate(parsed, fingerprinted, timeline, self._context(message),
-                                     key, stream=True)
+            run, _ = await sluice.generate(parsed, fingerprinted, timeline,
+                                           self._context(message), key, stream=True,
+                                           request=request_body)
         except SluiceError as error:
             timeline.finish(outcome_for(error), status=error.status, error=error)
             raise
         return run, 0
 
-    def _resume(self, message: dict[str, Any]) -> tuple[GenerationRun, int]:
+    async def _resume(self, message: dict[str, Any]) -> tuple[GenerationRun, int]:
         public_id, after = message.get("generation"), message.get("after", 0)
         if not isinstance(public_id, str):
             raise InvalidRequest("'generation' must be the id of a generation",
@@ -265,7 +267,7 @@ class Connection:
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidRequest("'after' must be an event number (an integer >= 0)",
                                  param="after")
-        run = self.sluice.find(RequestContext(api_key_from(self.headers), client=self.client),
+        run = await self.sluice.find(RequestContext(api_key_from(self.headers), client=self.client),
                                public_id)
         if run is None or not run.shape.stream:
             raise ResourceNotFound(f"no generation '{public_id}' to resume",

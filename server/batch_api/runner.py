@@ -156,8 +156,8 @@ class BatchRunner:
             traffic_class=TrafficClass.BULK, tenant=self.sluice.tenants.tenant(batch.tenant),
             timeout_s=max(1.0, batch.expires_at - self.clock()))
         try:
-            run, _ = self.sluice.generate(parse_request(line.body, kind), line.body, timeline,
-                                          context, None, stream=False)
+            run, _ = await self.sluice.generate(parse_request(line.body, kind), line.body,
+                                                timeline, context, None, stream=False)
         except SluiceError as error:
             timeline.finish(outcome_for(error), status=error.status, error=error)
             if isinstance(error, RETRYABLE):

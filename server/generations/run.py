@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine_adapters.protocol import (
     EngineDeadError,
@@ -42,6 +42,9 @@ from server.openai_requests import ParsedRequest
 from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
 from server.scheduler.types import Admission, Generation
 from server.timeline import RequestTimeline, outcome_for
+
+if TYPE_CHECKING:
+    from server.state.runs import Follow, Mirror
 
 logger = logging.getLogger("sluice.server")
 
@@ -104,6 +107,7 @@ class Shape:
     prompt_token_ids: Sequence[int] | None = None  # with vLLM's return_token_ids
     echo: Echo | None = None  # what comes before the generated text
     first_index: int = 0  # its choice 0's index in the response (one of several prompts)
+    created: int | None = None  # its chunks' `created` (None: when its encoder is made)
 
     @property
     def public_id(self) -> str:
@@ -116,11 +120,20 @@ class Shape:
 
 class GenerationRun:
     """A generation and its event log. `start()` it once; read it with `reading()` +
-    `events(after)` / `started()` / `until_ended()`; `cancel(error)` it from anywhere."""
+    `events(after)` / `started()` / `until_ended()`; `cancel(error)` it from anywhere.
 
-    def __init__(self, shape: Shape, timeline: RequestTimeline, admission: Admission[Any], *,
+    Shared by replicas (`server.state.runs`), a run either writes its log to Redis as it
+    goes (`mirror`: its readers see what is written, `durable`), or follows another
+    replica's (`follow`) and, if that replica dies, continues it here (`takeover` makes the
+    admission that does).
+    """
+
+    def __init__(self, shape: Shape, timeline: RequestTimeline,
+                 admission: Admission[Any] | None, *,
                  resumable: bool = False, grace_seconds: float = 30.0,
-                 on_end: Callable[[GenerationRun], None] | None = None) -> None:
+                 on_end: Callable[[GenerationRun], None] | None = None,
+                 mirror: Mirror | None = None, follow: Follow | None = None,
+                 takeover: Callable[[GenerationRun], Admission[Any]] | None = None) -> None:
         self.shape = shape
         self.timeline = timeline
         self.resumable = resumable
@@ -129,8 +142,13 @@ class GenerationRun:
         self.size = 0  # bytes the log holds, roughly
         self.dispatched = False
         self.ended = False
+        self.durable: int | None = None  # events readers may see (None: all of them)
         self._admission: Admission[Any] | None = admission
         self._on_end = on_end
+        self._mirror = mirror
+        self._follow = follow
+        self._takeover = takeover
+        self._checking: asyncio.Task[None] | None = None  # for a reader on another replica
         self._task: asyncio.Task[None] | None = None
         self._running = False  # the task's coroutine has begun
         self._concluded = False  # the last event is logged
@@ -144,6 +162,8 @@ class GenerationRun:
     def start(self) -> None:
         assert self._task is None, "a run starts once"
         self._task = asyncio.get_running_loop().create_task(self._produce())
+        if self._mirror is not None:
+            self._mirror.start(self)
 
     def cancel(self, error: SluiceError) -> None:
         """End the run with `error` (a no-op once it has ended): out of the queue, or the
@@ -159,14 +179,21 @@ class GenerationRun:
     async def _produce(self) -> None:
         self._running = True
         admission = self._admission
-        assert admission is not None
         try:
             if self._cancel_with is not None:  # cancelled before it began
                 raise asyncio.CancelledError
+            if self._follow is not None:
+                if not await self._follow.into(self):
+                    return  # its log concluded on the replica that ran it
+                assert self._takeover is not None
+                admission = self._admission = self._takeover(self)
+                self._mirror = self._follow.mirror(len(self.log))
+                self._mirror.start(self)
+            assert admission is not None
             async with admission as generation:
                 self.timeline.dispatched(generation)
                 self.dispatched = True
-                self._wake()
+                self.wake()
                 try:
                     if self.shape.stream:
                         await self._stream(generation)
@@ -183,7 +210,8 @@ class GenerationRun:
             self._fail(GenerationFailed("the generation failed"))
         finally:
             # Concluded: `cancel` no longer interrupts, so this await runs to its end.
-            await admission.leave()  # idempotent; releases what was never entered
+            if admission is not None:
+                await admission.leave()  # idempotent; releases what was never entered
             self._admission = None
             self._end()
 
@@ -191,19 +219,26 @@ class GenerationRun:
         shape, timeline, parsed = self.shape, self.timeline, self.shape.parsed
         encoder = ChunkEncoder(parsed.kind, shape.response_id, shape.model, parsed.include_usage,
                                parsed.continuous_usage, timeline.prompt_tokens,
-                               shape.prompt_token_ids, shape.first_index)
+                               shape.prompt_token_ids, shape.first_index, shape.created)
         with_ids = shape.prompt_token_ids is not None  # each chunk carries its token ids
         echo = shape.echo
         answer = echo is None or not echo.prompt_only  # whether the text generated is sent
         choices = shape.choices(keep=False)
         append = self._append
-        for index in range(choices.n):
-            if parsed.kind == "chat":
-                append(Event(Kind.OPEN, encoder.role(index), index))
-            if echo is not None and echo.text:
-                append(Event(Kind.OPEN, encoder.text(echo.text, 0, None, index), index))
+        if self.log:  # taken over: the earlier replica's events are the stream's beginning
+            sent: dict[int, int] = {}  # characters of text, per choice
+            for event in self.log:
+                sent[event.index] = sent.get(event.index, 0) + len(event.text)
+            encoder.continuing(sent)
+            timeline.generated_tokens = sum(e.tokens for e in self.log)
+        else:
+            for index in range(choices.n):
+                if parsed.kind == "chat":
+                    append(Event(Kind.OPEN, encoder.role(index), index))
+                if echo is not None and echo.text:
+                    append(Event(Kind.OPEN, encoder.text(echo.text, 0, None, index), index))
         last = None  # the choice that finishes last: its chunk ends the stream
-        unsent = 0  # tokens of deltas with nothing to show, counted in the next event
+        unsent: list[int] = []  # ids of deltas with nothing to show, carried by the next event
         async for delta in generation:
             count = len(delta.token_ids)
             if count:
@@ -214,17 +249,21 @@ class GenerationRun:
                              delta.text or delta.logprobs or (with_ids and delta.token_ids)))
             # Tokens with no text of their own ride on the next piece; a choice's last ones
             # get a piece, so that the pieces' counts add up to the tokens generated.
-            shown = shown or bool(answer and delta.finish_reason is not None and unsent + count)
+            shown = shown or bool(answer and delta.finish_reason is not None
+                                  and (unsent or count))
             if shown:
                 sse = (encoder.delta(fields or {}, timeline.generated_tokens, delta.logprobs,
                                      choice.index, delta.token_ids) if choices.parsed else
                        encoder.text(delta.text, timeline.generated_tokens, delta.logprobs,
                                     choice.index, delta.token_ids))
-                append(Event(Kind.PIECE, sse, choice.index, delta.text, unsent + count, fields,
-                             delta.logprobs, delta.token_ids))
-                unsent = 0
+                # (With return_token_ids every delta with tokens is shown: `unsent` is empty
+                # whenever the ids are rendered.)
+                ids = [*unsent, *delta.token_ids] if unsent else delta.token_ids
+                append(Event(Kind.PIECE, sse, choice.index, delta.text, len(ids), fields,
+                             delta.logprobs, ids))
+                unsent = []
             else:
-                unsent += count
+                unsent.extend(delta.token_ids)
             if delta.finish_reason is None:
                 continue
             if choices.left:  # not the last to finish: its own finishing chunk now
@@ -289,25 +328,36 @@ class GenerationRun:
             event.kind is Kind.FAILED and not self.shape.stream)
         self.log.append(event)
         self.size += EVENT_BYTES + len(event.sse) + len(event.text)
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def follow(self, event: Event, dispatched: bool) -> None:
+        """An event of the run as another replica logged it."""
+        self.dispatched = self.dispatched or dispatched
+        self._append(event)
+
+    @property
+    def concluded(self) -> bool:
+        """Its last event is logged."""
+        return self._concluded
+
     def _end(self) -> None:
         if self.ended:
             return
-        if not self.timeline.ended:  # (a path above that did not log its end: a bug)
+        if not self._concluded:  # (a path above that did not log its end: a bug)
             self._fail(GenerationFailed("the generation ended without a result"))
+        self.timeline.finish("completed")  # (a followed run's, which records nothing)
         self.ended = True
         self._task = None
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None
-        self._wake()
+        self.wake()
         if self._on_end is not None:
             self._on_end(self)
 
@@ -322,16 +372,45 @@ class GenerationRun:
 
     def detach(self) -> None:
         """A reader left. When the last one leaves a running run, it is cancelled: at once, or
-        for a resumable run after `grace_seconds` without a reader."""
+        for a resumable run after `grace_seconds` without a reader (here or, for a mirrored
+        run, on another replica)."""
         self._readers -= 1
         if self._readers or self.ended:
             return
         if self.resumable:
-            self._grace = asyncio.get_running_loop().call_later(
-                self.grace_seconds, self.cancel, GenerationCancelled(
-                    f"no client read the generation for {self.grace_seconds:g} s"))
+            self._grace = asyncio.get_running_loop().call_later(self.grace_seconds,
+                                                                self._unread)
         else:
             self.cancel(GenerationCancelled("the client left"))
+
+    @property
+    def readers(self) -> int:
+        return self._readers
+
+    def _unread(self) -> None:
+        self._grace = None
+        if self._mirror is None:
+            self.cancel(self._abandoned())
+        elif self._checking is None:
+            self._checking = asyncio.get_running_loop().create_task(self._read_elsewhere())
+
+    async def _read_elsewhere(self) -> None:
+        """Cancel the run unless a replica following it has a reader."""
+        assert self._mirror is not None
+        try:
+            read = await self._mirror.read_elsewhere()
+        finally:
+            self._checking = None
+        if self._readers or self.ended:
+            return
+        if read:
+            self._grace = asyncio.get_running_loop().call_later(self.grace_seconds,
+                                                                self._unread)
+        else:
+            self.cancel(self._abandoned())
+
+    def _abandoned(self) -> GenerationCancelled:
+        return GenerationCancelled(f"no client read the generation for {self.grace_seconds:g} s")
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -342,20 +421,24 @@ class GenerationRun:
         finally:
             self.detach()
 
-    async def _changed(self) -> None:
+    async def changed(self) -> None:
+        """Until the log (or what of it readers may see) grows, or the run ends."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         await waiter
 
+    def _visible(self) -> int:
+        return len(self.log) if self.durable is None else self.durable
+
     async def started(self) -> None:
         """Until the run is dispatched to the engine, or has ended."""
         while not (self.dispatched or self.ended):
-            await self._changed()
+            await self.changed()
 
     async def until_ended(self) -> Event:
-        """The run's last event, once it has ended."""
-        while not self.ended:
-            await self._changed()
+        """The run's last event, once it has ended (and readers may see it)."""
+        while not (self.ended and self._visible() == len(self.log)):
+            await self.changed()
         return self.log[-1]
 
     async def events(self, after: int = 0) -> AsyncIterator[tuple[int, Event]]:
@@ -363,13 +446,13 @@ class GenerationRun:
         seq = after
         log = self.log
         while True:
-            while seq < len(log):
+            while seq < self._visible():
                 event = log[seq]
                 seq += 1
                 yield seq, event
-            if self.ended:
+            if self.ended and seq >= len(log):
                 return
-            await self._changed()
+            await self.changed()
 
     @property
     def failure(self) -> SluiceError | None:

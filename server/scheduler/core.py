@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from server.config import SluiceConfig
@@ -451,12 +451,7 @@ class SchedulerCore:
                 f"{request_id!r}: {generated_tokens} generated of {ticket.max_tokens}; "
                 "a request with nothing left to generate is finished, not requeued")
         self._leave_running(entry, now)
-        continuation = replace(
-            ticket,
-            prompt_tokens=ticket.prompt_tokens + generated_tokens,
-            max_tokens=ticket.max_tokens - generated_tokens,
-            resumed_tokens=ticket.resumed_tokens + generated_tokens,
-        )
+        continuation = ticket.continued(generated_tokens)
         self._queues[TrafficClass.BULK].push_front(continuation)
         self._queued[request_id] = continuation
         self._backlog.add(continuation, self.estimates.expected_output_tokens(continuation))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import replace
 from functools import partial
 
 from engine_adapters.protocol import EngineClient, GenerationRequest, TokenDelta
@@ -162,19 +161,8 @@ class RunningGeneration:
             await waiter
         finally:
             del waiter  # (see SchedulerRuntime._enter)
-        original = self._request
-        sampling = replace(
-            original.sampling,
-            max_tokens=original.sampling.max_tokens - self.output_tokens,
-            min_tokens=max(0, original.sampling.min_tokens - self.output_tokens),
-            prompt_logprobs=None,  # the client has the prompt's; this prompt is longer
-        )
-        return GenerationRequest(
-            request_id=f"{original.request_id}~{self.preemptions}",
-            prompt_token_ids=[*original.prompt_token_ids, *self._generated],
-            sampling=sampling,
-            resumed_tokens=len(self._generated),
-        )
+        return self._request.continued(self._generated,
+                                       f"{self._request.request_id}~{self.preemptions}")
 
 
 class SchedulerRuntime:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -47,6 +47,12 @@ class Ticket:
     def reserved_tokens(self) -> int:
         """Tokens held in the budget while running: the prompt plus every token it may emit."""
         return self.prompt_tokens + self.n * self.max_tokens
+
+    def continued(self, generated: int) -> Ticket:
+        """The ticket that continues this one after it generated `generated` tokens."""
+        return replace(self, prompt_tokens=self.prompt_tokens + generated,
+                       max_tokens=self.max_tokens - generated,
+                       resumed_tokens=self.resumed_tokens + generated)
 
 
 class Generation(Protocol):

@@ -23,28 +23,19 @@ outage are not counted in Redis again.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
-
-import redis.asyncio
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from typing import Any
 
 from engine_adapters.protocol import GenerationRequest
-from server import metrics
-from server.config import StateConfig, TenantConfig
+from server.config import TenantConfig
 from server.errors import TenantQuotaExceeded
 from server.scheduler.quotas import TenantQuotas
 from server.scheduler.types import Admission, Dispatcher, SloTargets, Ticket, TrafficClass
+from server.state.backend import RedisState, StateUnavailable
 
-logger = logging.getLogger("sluice.state")
-T = TypeVar("T")
-PROBE_SECONDS = 1.0  # while Redis is unavailable
 KEY_TTL_MS = 120_000  # a tenant's token window outlives its last admission by this
 
 # KEYS: the tenant's leases, admissions, admitted total. ARGV: lease, lease ms,
@@ -91,27 +82,6 @@ redis.call('PEXPIRE', KEYS[1], lease_ms * 3)
 return {1}
 """
 
-# KEYS: the replica set, then the leases set of each lease in ARGV. ARGV: replica, lease ms,
-# then the leases. Marks the replica alive and renews its leases (those still there).
-# -> the replicas alive.
-RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local lease_ms = tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[1])
-for i = 2, #KEYS do
-  redis.call('ZADD', KEYS[i], 'XX', now + lease_ms, ARGV[i + 1])
-  redis.call('PEXPIRE', KEYS[i], lease_ms * 3)
-end
-return redis.call('ZCARD', KEYS[1])
-"""
-
-
-class StateUnavailable(Exception):
-    """Redis did not answer in time, or refused the connection."""
-
-
 @dataclass(frozen=True, slots=True)
 class Hold:
     """What an admitted request holds: a lease in Redis, or a slot of the local fallback."""
@@ -126,57 +96,30 @@ def _keys(tenant: str) -> list[str]:
             f"sluice:quota:{tag}:total"]
 
 
-REPLICAS_KEY = "sluice:replicas"
-
-
 class SharedQuotas:
     """Tenant limits across replicas (see the module's docstring)."""
 
-    def __init__(self, config: StateConfig, tenants: Mapping[str, TenantConfig],
-                 client: Any = None) -> None:
-        self.config = config
+    def __init__(self, state: RedisState, tenants: Mapping[str, TenantConfig]) -> None:
+        self.state = state
         self.tenants = {name: t for name, t in tenants.items()
                         if t.max_concurrent is not None or t.tokens_per_minute is not None}
-        self.replica = uuid.uuid4().hex
-        self.replicas = config.replicas  # as Redis last counted them
-        self.up = False
-        self._client = client
-        self._held: dict[str, str] = {}  # lease -> tenant
         self._fallback: TenantQuotas | None = None
         self._fallback_holds = 0
-        self._heartbeat: asyncio.Task[None] | None = None
         self._releases: set[asyncio.Task[None]] = set()
         self._acquire: Any = None
-        self._renew: Any = None
+
+    @property
+    def up(self) -> bool:
+        return self.state.up
 
     async def start(self) -> None:
-        if self._client is None:
-            assert self.config.url is not None
-            # One retry, at once: a connection Redis dropped (a restart) fails its first call.
-            self._client = redis.asyncio.from_url(
-                self.config.url, decode_responses=True, socket_timeout=self.config.timeout_s,
-                socket_connect_timeout=self.config.timeout_s, retry=Retry(NoBackoff(), 1))
-        self._acquire = self._client.register_script(ACQUIRE)
-        self._renew = self._client.register_script(RENEW)
-        for operation in metrics.STATE_OPERATIONS:  # every series from the start, at zero
-            metrics.STATE_ERRORS.labels(operation)
-        await self._beat()
-        if not self.up:
-            logger.warning("the state backend at %s is unavailable: each tenant limit is "
-                           "divided by %d until it answers", self.config.url, self.replicas)
-        self._heartbeat = asyncio.create_task(self._beating())
+        """(Starts the state's connection if no one has yet; stopping it is its owner's.)"""
+        await self.state.start()
+        self._acquire = self.state.script(ACQUIRE)
 
     async def stop(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)
-        if self._client is not None:
-            try:
-                await self._call("release", self._client.zrem(REPLICAS_KEY, self.replica))
-            except StateUnavailable:
-                pass
-            await self._client.aclose()
 
     async def acquire(self, ticket: Ticket) -> Hold | None:
         """A hold on the tenant's share, or TenantQuotaExceeded; None: the tenant has no
@@ -184,17 +127,18 @@ class SharedQuotas:
         tenant = self.tenants.get(ticket.tenant)
         if tenant is None:
             return None
-        if self.up:
+        state = self.state
+        if state.up:
             lease = uuid.uuid4().hex
             try:
-                answer = await self._call("acquire", self._acquire(keys=_keys(tenant.name), args=[
-                    lease, int(self.config.lease_s * 1000), _limit(tenant.max_concurrent),
+                answer = await state.call("acquire", self._acquire(keys=_keys(tenant.name), args=[
+                    lease, state.lease_ms, _limit(tenant.max_concurrent),
                     _limit(tenant.tokens_per_minute), ticket.reserved_tokens, KEY_TTL_MS]))
             except StateUnavailable:
                 pass  # counted by the fallback below
             else:
                 if answer[0] == 1:
-                    self._held[lease] = tenant.name
+                    state.quota_leases[lease] = _keys(tenant.name)[0]
                     return Hold(ticket, lease)
                 raise _refusal(tenant, answer[1], int(answer[2]))
         return self._hold_locally(ticket)
@@ -205,22 +149,22 @@ class SharedQuotas:
             self._fallback.ended(hold.ticket)
             self._fallback_holds -= 1
             return
-        tenant = self._held.pop(hold.lease, None)
-        if tenant is None or not self.up:
+        key = self.state.quota_leases.pop(hold.lease, None)
+        if key is None or not self.state.up:
             return  # (its lease expires by itself)
-        task = asyncio.create_task(self._release(tenant, hold.lease))
+        task = asyncio.create_task(self._release(key, hold.lease))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _release(self, tenant: str, lease: str) -> None:
+    async def _release(self, key: str, lease: str) -> None:
         try:
-            await self._call("release", self._client.zrem(_keys(tenant)[0], lease))
+            await self.state.call("release", self.state.client.zrem(key, lease))
         except StateUnavailable:
             pass
 
     def _hold_locally(self, ticket: Ticket) -> Hold:
         if self._fallback is None or not self._fallback_holds:
-            share = max(1, self.replicas)
+            share = max(1, self.state.replicas)
             self._fallback = TenantQuotas({name: replace(
                 t, max_concurrent=_share(t.max_concurrent, share),
                 tokens_per_minute=_share(t.tokens_per_minute, share))
@@ -234,52 +178,6 @@ class SharedQuotas:
         self._fallback.admitted(ticket, now)
         self._fallback_holds += 1
         return Hold(ticket, None)
-
-    async def _beating(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.lease_s / 3 if self.up else PROBE_SECONDS)
-            await self._beat()
-
-    async def _beat(self) -> None:
-        """Mark this replica alive and renew its leases; whether Redis answers decides `up`."""
-        held = list(self._held.items())
-        try:
-            self.replicas = int(await self._call("renew", self._renew(
-                keys=[REPLICAS_KEY, *(_keys(tenant)[0] for _, tenant in held)],
-                args=[self.replica, int(self.config.lease_s * 1000),
-                      *(lease for lease, _ in held)])))
-        except StateUnavailable:
-            if self.up:
-                logger.warning("the state backend stopped answering: each tenant limit is "
-                               "divided by %d until it answers again", self.replicas)
-            self._set_up(False)
-            return
-        if not self.up:
-            logger.info("the state backend answers: tenant limits are shared by %d "
-                        "replica(s)", self.replicas)
-        self._set_up(True)
-        metrics.STATE_REPLICAS.labels("redis").set(self.replicas)
-
-    def _set_up(self, up: bool) -> None:
-        self.up = up
-        metrics.STATE_UP.labels("redis").set(1 if up else 0)
-
-    async def _call(self, operation: str, call: Awaitable[T]) -> T:
-        """One round trip, timed; StateUnavailable (and `up` false) if it fails or is slow."""
-        started = time.perf_counter()
-        try:
-            result = await asyncio.wait_for(call, self.config.timeout_s)
-        except (TimeoutError, OSError, RedisError) as exc:
-            return self._failed(operation, exc)
-        metrics.STATE_LATENCY.labels(operation).observe(time.perf_counter() - started)
-        return result
-
-    def _failed(self, operation: str, exc: BaseException) -> Any:
-        metrics.STATE_ERRORS.labels(operation).inc()
-        if self.up:
-            logger.warning("state backend %s failed: %r", operation, exc)
-        self._set_up(False)
-        raise StateUnavailable(str(exc)) from None
 
 
 def _limit(value: int | None) -> int:

@@ -44,10 +44,10 @@ async def sluice():  # type: ignore[no-untyped-def]
     await engine.stop()
 
 
-def open_run(sluice: Sluice, body: dict = BODY, key: str | None = None
+async def open_run(sluice: Sluice, body: dict = BODY, key: str | None = None
              ) -> tuple[GenerationRun, bool]:
     timeline = RequestTimeline(request_id=f"r{next(REQUEST_NUMBERS)}", model="sim", api="chat")
-    return sluice.generate(parse_request(body, "chat"), body, timeline, RequestContext(), key,
+    return await sluice.generate(parse_request(body, "chat"), body, timeline, RequestContext(), key,
                            stream=bool(body.get("stream")))
 
 
@@ -57,7 +57,7 @@ async def read_all(run: GenerationRun, after: int = 0) -> list[tuple[int, Kind]]
 
 
 async def test_a_stream_logs_numbered_events_and_ends_once(sluice: Sluice) -> None:
-    run, replayed = open_run(sluice)
+    run, replayed = await open_run(sluice)
     events = await read_all(run)
     assert not replayed and run.ended and run.timeline.ended
     assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
@@ -71,7 +71,7 @@ async def test_a_stream_logs_numbered_events_and_ends_once(sluice: Sluice) -> No
 
 
 async def test_cancelled_before_its_task_began_it_still_ends_once(sluice: Sluice) -> None:
-    run, _ = open_run(sluice)
+    run, _ = await open_run(sluice)
     run.cancel(GenerationCancelled("at once"))  # before the task has had a turn
     last = await run.until_ended()
     assert last.kind is Kind.DONE and run.log[-2].kind is Kind.FAILED
@@ -83,8 +83,8 @@ async def test_cancelled_before_its_task_began_it_still_ends_once(sluice: Sluice
 
 async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: Sluice) -> None:
     body = {**BODY, "max_tokens": 500}
-    plain, _ = open_run(sluice, body)
-    resumable, _ = open_run(sluice, body, key="k")
+    plain, _ = await open_run(sluice, body)
+    resumable, _ = await open_run(sluice, body, key="k")
     for run in (plain, resumable):
         with run.reading():
             await run.started()
@@ -97,13 +97,13 @@ async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: S
 
 
 async def test_the_same_key_attaches_and_another_body_is_refused(sluice: Sluice) -> None:
-    first, replayed_first = open_run(sluice, key="same")
-    second, replayed_second = open_run(sluice, key="same")
+    first, replayed_first = await open_run(sluice, key="same")
+    second, replayed_second = await open_run(sluice, key="same")
     assert second is first and (replayed_first, replayed_second) == (False, True)
     with pytest.raises(IdempotencyKeyReused):
-        open_run(sluice, {**BODY, "max_tokens": 3}, key="same")
+        await open_run(sluice, {**BODY, "max_tokens": 3}, key="same")
     with pytest.raises(InvalidRequest):
-        open_run(sluice, key="x" * 256)
+        await open_run(sluice, key="x" * 256)
     await read_all(first)
 
 

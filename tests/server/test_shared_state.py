@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from conftest import RedisProcess, SluiceProcess, wait_until
 
@@ -130,6 +131,98 @@ def test_a_killed_replicas_holdings_expire(redis: RedisProcess, replicas: list[S
                                   headers=KEY, timeout=30).status_code == 200,
                DOOMED_LEASE_SECONDS + 3, message="the dead replica's leases expired")
     doomed.stop()
+
+
+def _events(lines: list[str]) -> list[tuple[int | None, str]]:
+    """An SSE stream's events as (id, data)."""
+    events, seq = [], None
+    for line in lines:
+        if line.startswith("id: "):
+            seq = int(line[4:])
+        elif line.startswith("data: "):
+            events.append((seq, line[6:]))
+            seq = None
+    return events
+
+
+def _post(server: SluiceProcess, body: dict, key: str) -> httpx.Response:
+    return httpx.post(server.url + "/v1/chat/completions", json=body,
+                      headers={**KEY, "Idempotency-Key": key}, timeout=60)
+
+
+def test_an_idempotency_key_replays_on_the_other_replica(replicas: list[SluiceProcess]
+                                                         ) -> None:
+    first, other = replicas
+    whole = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+    made = _post(first, whole, "whole-1")
+    replayed = _post(other, whole, "whole-1")
+    assert made.status_code == replayed.status_code == 200
+    assert replayed.json() == made.json()
+    assert replayed.headers["idempotent-replayed"] == "true"
+    assert "idempotent-replayed" not in made.headers
+    reused = _post(other, {**whole, "max_tokens": 17}, "whole-1")
+    assert reused.status_code == 422
+    assert reused.json()["error"]["code"] == "idempotency_key_reused"
+
+    streamed = {**whole, "stream": True, "stream_options": {"include_usage": True}}
+    made = _post(first, streamed, "stream-1")
+    replayed = _post(other, streamed, "stream-1")
+    assert made.text == replayed.text  # event for event, ids and bytes
+    events = _events(made.text.splitlines())
+    assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
+    assert events[-1][1] == "[DONE]"
+
+    async def both_at_once() -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            answers = await asyncio.gather(*(client.post(
+                server.url + "/v1/chat/completions", json={**streamed, "max_tokens": 60},
+                headers={**KEY, "Idempotency-Key": "raced"}) for server in replicas))
+        return [answer.text for answer in answers]
+
+    # The same key at the same moment on both: one generation, read by both.
+    one, two = both_at_once_texts = asyncio.run(both_at_once())
+    assert one == two and "[DONE]" in one, both_at_once_texts
+
+
+def test_a_killed_replicas_generation_continues_on_the_other(
+        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
+    """SIGKILL mid-stream; the client resumes on the other replica with Last-Event-ID and
+    gets every remaining token once."""
+    doomed = _replica(config, redis)  # (leases of LEASE_SECONDS)
+    doomed.wait_ready(60)
+    survivor = replicas[0]
+    max_tokens = 400
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+    before: list[str] = []
+    with httpx.stream("POST", doomed.url + "/v1/chat/completions", json=body,
+                      headers={**KEY, "Idempotency-Key": "doomed-1"}, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        while sum(line.startswith("data: ") for line in before) < 40:
+            before.append(next(lines))
+        doomed.proc.kill()  # SIGKILL: no drain, nothing written after this
+    doomed.stop()
+    sent = _events(before)
+    last = sent[-1][0]
+    assert last is not None
+    generation = orjson.loads(sent[0][1])["id"]
+    resumed = httpx.get(f"{survivor.url}/v1/chat/completions/{generation}/stream",
+                        headers={**KEY, "Last-Event-ID": str(last)}, timeout=60)
+    assert resumed.status_code == 200, resumed.text
+    rest = _events(resumed.text.splitlines())
+    # Numbered on from where the client was, none twice, none missing.
+    assert [seq for seq, _ in rest] == list(range(last + 1, last + 1 + len(rest)))
+    assert rest[-1][1] == "[DONE]"
+    chunks = [orjson.loads(data) for _, data in sent + rest[:-1]]
+    assert {chunk["id"] for chunk in chunks} == {generation}
+    tokens = [t for chunk in chunks for choice in chunk["choices"]
+              for t in choice.get("token_ids") or ()]
+    assert len(tokens) == max_tokens  # every token once
+    assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert survivor.metric("sluice_state_takeovers_total", how="continued") == 1
 
 
 def test_redis_stopped_and_started_mid_run(redis: RedisProcess,

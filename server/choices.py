@@ -55,11 +55,7 @@ class Choices:
     def add(self, delta: TokenDelta) -> tuple[Choice, dict[str, Any] | None]:
         """The delta's choice, and for a parsed stream the chunk's `delta` fields (None:
         nothing to send yet). Raises GenerationFailed if the engine aborted the choice."""
-        choice = self.by_index.get(delta.index)
-        if choice is None:
-            choice = self.by_index[delta.index] = Choice(
-                delta.index, None if self._new_parser is None else self._new_parser(),
-                logprobs=[] if self._logprobs and self._keep else None)
+        choice = self._choice(delta.index)
         finished = delta.finish_reason is not None
         fields = None
         if delta.prompt_logprobs is not None:
@@ -78,6 +74,23 @@ class Choices:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
             self._left -= 1
         return choice, fields
+
+    def _choice(self, index: int) -> Choice:
+        choice = self.by_index.get(index)
+        if choice is None:
+            choice = self.by_index[index] = Choice(
+                index, None if self._new_parser is None else self._new_parser(),
+                logprobs=[] if self._logprobs and self._keep else None)
+        return choice
+
+    def replay(self, index: int, text: str, token_ids: Sequence[int], called_tools: bool
+               ) -> None:
+        """Output another replica streamed for choice `index` before this one took the
+        generation over: its parser reads it (what it would send was sent already)."""
+        choice = self._choice(index)
+        if choice.parser is not None:
+            choice.parser.delta(text, token_ids, False)
+        choice.called_tools = choice.called_tools or called_tools
 
     @property
     def left(self) -> int:

@@ -275,26 +275,26 @@ class Sluice:
         run = GenerationRun(shape, timeline, None, resumable=True,
                             grace_seconds=self.grace_seconds, on_end=self._ended,
                             follow=Follow(self.shared, record),
-                            takeover=functools.partial(self._takeover, ticket, engine_request,
-                                                       plan))
+                            takeover=functools.partial(self._takeover, ticket, engine_request))
         self.store.add(tenant, record.key, record.fingerprint, run)
         self.live.add(run)
         run.start()
         return run
 
-    def _takeover(self, ticket: Ticket, request: GenerationRequest, plan: OutputPlan,
-                  run: GenerationRun) -> Admission[Any]:
+    def _takeover(self, ticket: Ticket, request: GenerationRequest, run: GenerationRun
+                  ) -> Admission[Any]:
         """The admission that continues a followed run here, its replica having died: from
         the tokens its log holds (as a preempted generation is continued), or from the start
         when none was sent."""
         generated = [token for event in run.log if event.kind is Kind.PIECE
                      for token in event.token_ids]
         if generated:
-            if not ticket.preemptible or plan.parser is not None:
+            if not ticket.preemptible:
                 raise GenerationFailed(
                     "the replica running this generation stopped, and a generation with "
-                    "several choices, beams, structured or parsed output cannot be continued "
-                    "on another: send the request again with a new idempotency key")
+                    "several choices, beams, prompt embeddings or structured output cannot "
+                    "be continued on another: send the request again with a new idempotency "
+                    "key")
             ticket = ticket.continued(len(generated))
             request = request.continued(generated, f"{request.request_id}~takeover")
         metrics.STATE_TAKEOVERS.labels("continued" if generated else "afresh").inc()

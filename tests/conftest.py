@@ -173,14 +173,29 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def session_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """The vLLM server's shared state (a test may start more replicas on it)."""
+    with RedisProcess(tmp_path_factory.mktemp("session-redis")) as server:
+        yield server
+
+
+def vllm_args(demo_model_dir: Path) -> list[str]:
+    """A vLLM replica's arguments, as the session's server has them."""
+    return ["--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name",
+            "sluice-demo", *VLLM_OUTPUT_FLAGS, "--engine-arg", "enable_prompt_embeds=true"]
+
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.fixture(scope="session")
 def vllm_server(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    demo_model_dir: Path, session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SluiceProcess]:
+    """Sluice on vLLM with the demo model, its resumable generations shared in Redis."""
     server = SluiceProcess(
-        ["--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name",
-         "sluice-demo", *VLLM_OUTPUT_FLAGS, "--engine-arg", "enable_prompt_embeds=true"],
-        tmp_path_factory.mktemp("vllm") / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        [*vllm_args(demo_model_dir), "--state-url", session_redis.url],
+        tmp_path_factory.mktemp("vllm") / "server.log", env=VLLM_ENV,
     )
     try:
         server.wait_ready()

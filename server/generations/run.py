@@ -231,6 +231,10 @@ class GenerationRun:
                 sent[event.index] = sent.get(event.index, 0) + len(event.text)
             encoder.continuing(sent)
             timeline.generated_tokens = sum(e.tokens for e in self.log)
+            for event in self.log:  # the output parser reads what was sent, sending nothing
+                if event.kind is Kind.PIECE:
+                    choices.replay(event.index, event.text, event.token_ids,
+                                   bool(event.fields and "tool_calls" in event.fields))
         else:
             for index in range(choices.n):
                 if parsed.kind == "chat":
@@ -238,7 +242,10 @@ class GenerationRun:
                 if echo is not None and echo.text:
                     append(Event(Kind.OPEN, encoder.text(echo.text, 0, None, index), index))
         last = None  # the choice that finishes last: its chunk ends the stream
-        unsent: list[int] = []  # ids of deltas with nothing to show, carried by the next event
+        # Ids and text of deltas with nothing to show (the parser holds the text back), carried
+        # by the next event: the log holds every token, and every character the parser read.
+        unsent: list[int] = []
+        unsent_text = ""
         async for delta in generation:
             count = len(delta.token_ids)
             if count:
@@ -259,11 +266,12 @@ class GenerationRun:
                 # (With return_token_ids every delta with tokens is shown: `unsent` is empty
                 # whenever the ids are rendered.)
                 ids = [*unsent, *delta.token_ids] if unsent else delta.token_ids
-                append(Event(Kind.PIECE, sse, choice.index, delta.text, len(ids), fields,
-                             delta.logprobs, ids))
-                unsent = []
+                append(Event(Kind.PIECE, sse, choice.index, unsent_text + delta.text,
+                             len(ids), fields, delta.logprobs, ids))
+                unsent, unsent_text = [], ""
             else:
                 unsent.extend(delta.token_ids)
+                unsent_text += delta.text
             if delta.finish_reason is None:
                 continue
             if choices.left:  # not the last to finish: its own finishing chunk now

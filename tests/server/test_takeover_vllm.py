@@ -1,0 +1,75 @@
+"""Takeover on the real engine: a vLLM replica SIGKILLed mid-stream, its greedy generation
+continued by another vLLM replica from the tokens logged in Redis, the text the same as an
+uninterrupted run's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from conftest import VLLM_ENV, RedisProcess, SluiceProcess, vllm_args
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 200
+BODY = {"model": "sluice-demo", "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}
+
+
+def _events(lines: list[str]) -> list[tuple[int | None, str]]:
+    events, seq = [], None
+    for line in lines:
+        if line.startswith("id: "):
+            seq = int(line[4:])
+        elif line.startswith("data: "):
+            events.append((seq, line[6:]))
+            seq = None
+    return events
+
+
+def _text(events: list[tuple[int | None, str]]) -> str:
+    return "".join(choice["delta"].get("content") or ""
+                   for _, data in events if data != "[DONE]"
+                   for choice in orjson.loads(data)["choices"])
+
+
+def test_a_killed_replicas_greedy_generation_continues_unchanged(
+        vllm_server: SluiceProcess, session_redis: RedisProcess, demo_model_dir: Path,
+        tmp_path: Path) -> None:
+    config = tmp_path / "doomed.yaml"
+    config.write_text("state: {lease_seconds: 2}\n")
+    doomed = SluiceProcess([*vllm_args(demo_model_dir), "--config", str(config),
+                            "--state-url", session_redis.url], tmp_path / "doomed.log",
+                           env=VLLM_ENV)
+    try:
+        doomed.wait_ready()
+        reference = httpx.post(vllm_server.url + "/v1/chat/completions", json=BODY,
+                               timeout=120)
+        alone = _events(reference.text.splitlines())
+        before: list[str] = []
+        with httpx.stream("POST", doomed.url + "/v1/chat/completions", json=BODY,
+                          headers={"Idempotency-Key": "greedy-1"}, timeout=120) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            while sum(line.startswith("data: ") for line in before) < 60:
+                before.append(next(lines))
+            doomed.proc.kill()  # SIGKILL, mid-stream
+    finally:
+        doomed.stop()
+    sent = _events(before)
+    last = sent[-1][0]
+    assert last is not None
+    generation = orjson.loads(sent[0][1])["id"]
+    resumed = httpx.get(f"{vllm_server.url}/v1/chat/completions/{generation}/stream",
+                        headers={"Last-Event-ID": str(last)}, timeout=120)
+    assert resumed.status_code == 200, resumed.text
+    rest = _events(resumed.text.splitlines())
+    assert [seq for seq, _ in rest] == list(range(last + 1, last + 1 + len(rest)))
+    assert not [data for _, data in rest if '"error"' in data]
+    assert _text(sent + rest) == _text(alone)  # greedy: as if it had never stopped
+    usage = orjson.loads(rest[-2][1])["usage"]
+    assert usage["completion_tokens"] == MAX_TOKENS
+    assert vllm_server.metric("sluice_state_takeovers_total", how="continued") >= 1

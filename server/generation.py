@@ -365,8 +365,14 @@ class Sluice:
                 await asyncio.wait_for(self._idle.wait(), seconds)
             except TimeoutError:
                 for run in list(self.live):
-                    run.cancel(ShuttingDown("the server is shutting down; retry",
-                                            retry_after=1))
+                    if run.shared:  # another replica takes it over at once
+                        run.cancel(ShuttingDown(
+                            "the server is shutting down; resume the generation (with its "
+                            "last event id), or retry with its idempotency key: another "
+                            "replica continues it", retry_after=1), hand_over=True)
+                    else:
+                        run.cancel(ShuttingDown("the server is shutting down; retry",
+                                                retry_after=1))
                 await self._idle.wait()
 
     def prepare(

@@ -408,4 +408,6 @@ class RunResponse:
                 yield event.sse
             return
         async for seq, event in self.run.events(self.after):
-            yield b"id: %d\n%s" % (seq, event.sse)
+            # (An event of this replica's alone has no number: a client resuming elsewhere
+            # names the last event of the generation it had.)
+            yield event.sse if event.local else b"id: %d\n%s" % (seq, event.sse)

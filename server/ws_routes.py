@@ -77,6 +77,9 @@ def ws_message(local_id: str, seq: int, event: Event, run: GenerationRun
                    "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
                    "timings": timeline.timings()}
     elif event.kind is Kind.FAILED and event.error is not None:
+        if event.local:  # handed over: not an event of the generation (resume after seq - 1)
+            return {"type": "error", "id": local_id, **event.error.to_body(),
+                    "generation": run.shape.public_id}
         return {"type": "error", "id": local_id, "seq": seq, **event.error.to_body()}
     else:
         return None

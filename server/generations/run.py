@@ -81,6 +81,9 @@ class Event:
     final: dict[str, Any] | None = None  # the last FINISH: finish_reason(s), usage, timings
     body: dict[str, Any] | None = None  # WHOLE: the response
     error: SluiceError | None = None  # FAILED
+    # This replica's alone, not the generation's (not in its shared log, no number): the end
+    # of a stream this replica handed over to another as it stopped.
+    local: bool = False
 
 
 def engine_failure(exc: EngineError) -> SluiceError:
@@ -153,6 +156,7 @@ class GenerationRun:
         self._running = False  # the task's coroutine has begun
         self._concluded = False  # the last event is logged
         self._cancel_with: SluiceError | None = None
+        self._handed_over = False
         self._readers = 0
         self._grace: asyncio.TimerHandle | None = None
         self._waiters: list[asyncio.Future[None]] = []
@@ -165,12 +169,20 @@ class GenerationRun:
         if self._mirror is not None:
             self._mirror.start(self)
 
-    def cancel(self, error: SluiceError) -> None:
+    @property
+    def shared(self) -> bool:
+        """Whether its log is shared with other replicas (written there, or read from)."""
+        return self._mirror is not None or self._follow is not None
+
+    def cancel(self, error: SluiceError, *, hand_over: bool = False) -> None:
         """End the run with `error` (a no-op once it has ended): out of the queue, or the
-        engine request aborted."""
+        engine request aborted. `hand_over` (a shared run, on a replica that stops): the error
+        ends this replica's readers only; the generation is left for another replica to take
+        over at once."""
         if self._concluded or self._cancel_with is not None:
             return
         self._cancel_with = error
+        self._handed_over = hand_over and self.shared
         if self._running and self._task is not None:
             self._task.cancel()
         # Not begun yet: the coroutine sees `_cancel_with` first thing (cancelling a task
@@ -327,9 +339,11 @@ class GenerationRun:
             self.timeline.finish("cancelled", status=499)
         else:
             self.timeline.finish(outcome_for(error), status=error.status, error=error)
-        self._append(Event(Kind.FAILED, ChunkEncoder.error(error.to_body()), error=error))
+        local = self._handed_over
+        self._append(Event(Kind.FAILED, ChunkEncoder.error(error.to_body()), error=error,
+                           local=local))
         if self.shape.stream:
-            self._append(Event(Kind.DONE, DONE))
+            self._append(Event(Kind.DONE, DONE, local=local))
 
     def _append(self, event: Event) -> None:
         self._concluded = event.kind in _LAST or (

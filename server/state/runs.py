@@ -366,17 +366,28 @@ class Mirror:
                 if run.concluded:
                     return
                 await run.changed()
-            upto = len(log)
-            end = "" if not run.concluded else "ended" if run.dispatched else "refused"
+            upto = next((i for i in range(self.written, len(log)) if log[i].local), None)
+            handed_over = upto is not None
+            if upto is None:
+                upto = len(log)
+            end = ("" if not run.concluded or handed_over else
+                   "ended" if run.dispatched else "refused")
             try:
                 kept = await self.shared.append(
                     self.record, self.written + 1,
                     [encode(event, run.dispatched or event.kind is not Kind.FAILED)
                      for event in log[self.written:upto]], end)
+                if kept and handed_over:
+                    await self.shared.let_go(self.record)
             except StateUnavailable:
                 run.durable = None  # its readers go on; the log catches up later
                 await asyncio.sleep(PROBE_SECONDS)
                 continue
+            if kept and handed_over:
+                self.written = upto
+                run.durable = None  # what follows is this replica's alone
+                run.wake()
+                return
             if not kept:
                 logger.warning("generation %s was taken over by another replica",
                                self.record.public_id)

@@ -5,6 +5,7 @@ dies or Redis stops."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -223,6 +224,50 @@ def test_a_killed_replicas_generation_continues_on_the_other(
     assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert survivor.metric("sluice_state_takeovers_total", how="continued") == 1
+
+
+def test_a_stopping_replica_hands_its_generations_over(
+        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
+    """SIGTERM: a generation still running when the drain ends is let go at once (its lease
+    here outlasts the test, so only letting go lets the other replica take it), the stream
+    ending with an error event of this replica's own, without an id; resumed on the other
+    replica, nothing is lost."""
+    held = config.with_name("handing-over.yaml")
+    held.write_text(config.read_text().replace(f"lease_seconds: {LEASE_SECONDS}",
+                                               "lease_seconds: 600"))
+    stopping = SluiceProcess(["--engine", "sim", "--config", str(held), "--state-url",
+                              redis.url, "--drain-seconds", "0"],
+                             config.parent / f"stopping-{time.monotonic_ns()}.log")
+    stopping.wait_ready(60)
+    max_tokens = 1500
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+    lines: list[str] = []
+    with httpx.stream("POST", stopping.url + "/v1/chat/completions", json=body,
+                      headers={**KEY, "Idempotency-Key": "handed-over"}, timeout=60) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            if sum(line.startswith("data: ") for line in lines) == 20:
+                stopping.proc.send_signal(signal.SIGTERM)
+    assert stopping.proc.wait(timeout=30) == 0
+    stopping.stop()
+    sent = _events(lines)
+    (last_seq, _), (no_id, error), (no_id_either, done) = sent[-3:]
+    assert no_id is None and no_id_either is None and done == "[DONE]"
+    assert orjson.loads(error)["error"]["code"] == "shutting_down"
+    assert last_seq is not None
+    generation = orjson.loads(sent[0][1])["id"]
+    resumed = httpx.get(f"{replicas[1].url}/v1/chat/completions/{generation}/stream",
+                        headers={**KEY, "Last-Event-ID": str(last_seq)}, timeout=30)
+    assert resumed.status_code == 200, resumed.text
+    rest = _events(resumed.text.splitlines())
+    assert [seq for seq, _ in rest] == list(range(last_seq + 1, last_seq + 1 + len(rest)))
+    chunks = [orjson.loads(data) for _, data in sent[:-2] + rest[:-1]]
+    tokens = [t for chunk in chunks for choice in chunk["choices"]
+              for t in choice.get("token_ids") or ()]
+    assert len(tokens) == max_tokens
+    assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
 
 
 def test_redis_stopped_and_started_mid_run(redis: RedisProcess,

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+import websockets
 from conftest import RedisProcess, SluiceProcess, wait_until
 
 pytestmark = pytest.mark.slow
@@ -226,6 +227,34 @@ def test_a_killed_replicas_generation_continues_on_the_other(
     assert survivor.metric("sluice_state_takeovers_total", how="continued") == 1
 
 
+def test_a_websocket_generation_resumes_on_the_other_replica(
+        replicas: list[SluiceProcess]) -> None:
+    max_tokens = 200
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+    first, other = (server.url.replace("http://", "ws://") + "/v1/ws?api_key=acme-key"
+                    for server in replicas)
+
+    async def read() -> tuple[list[dict], list[dict]]:
+        async with websockets.connect(first) as ws:
+            await ws.send(orjson.dumps({"type": "generate", "id": "a", "request": request,
+                                        "idempotency_key": "ws-1"}).decode())
+            head = [orjson.loads(await ws.recv()) for _ in range(5)]
+        async with websockets.connect(other) as ws:
+            await ws.send(orjson.dumps({"type": "resume", "id": "b", "after": head[-1]["seq"],
+                                        "generation": head[0]["generation"]}).decode())
+            tail = [orjson.loads(await ws.recv())]
+            while tail[-1]["type"] == "delta":
+                tail.append(orjson.loads(await ws.recv()))
+        return head, tail
+
+    head, tail = asyncio.run(read())
+    seqs = [message["seq"] for message in head + tail]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert tail[-1]["type"] == "final", tail[-1]
+    assert tail[-1]["usage"]["completion_tokens"] == max_tokens
+    assert sum(m["tokens"] for m in head + tail if m["type"] == "delta") == max_tokens
+
+
 def test_a_stopping_replica_hands_its_generations_over(
         redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
     """SIGTERM: a generation still running when the drain ends is let go at once (its lease
@@ -285,6 +314,15 @@ def test_redis_stopped_and_started_mid_run(redis: RedisProcess,
     redis.stop()
     chats(20)  # each replica finds Redis gone on its next call, and falls back
     assert all(s.metric("sluice_state_backend_up") == 0 for s in replicas)
+    # A resumable generation made now is its replica's alone: resumed there, unknown elsewhere.
+    streamed = {**chat, "stream": True}
+    made = _post(replicas[0], streamed, "during-the-outage")
+    assert made.status_code == 200 and made.text.endswith("data: [DONE]\n\n")
+    generation = orjson.loads(_events(made.text.splitlines())[0][1])["id"]
+    here, elsewhere = (httpx.get(f"{server.url}/v1/chat/completions/{generation}/stream",
+                                 headers=KEY, timeout=30) for server in replicas)
+    assert here.text == made.text
+    assert elsewhere.status_code == 404
     # Without Redis, each replica holds half the limit: 2 + 2 of the eight.
     results = _eight_at_once(replicas)
     assert sorted(status for status, _, _ in results) == [200] * 4 + [429] * 4

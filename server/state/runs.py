@@ -85,9 +85,11 @@ return 1
 """
 
 # KEYS: run, lease, events. ARGV: replica, lease ms. -> the events logged, when the lease is
-# now this replica's; -1 another's lease is live; -2 the run ended (or is gone).
+# now this replica's; -2 the run ended (or is gone); -3 - its ms left: another's lease is
+# live.
 CLAIM = """
-if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+local left = redis.call('PTTL', KEYS[2])
+if left >= 0 then return -3 - left end
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'ended') == '1' then
   return -2
 end
@@ -283,8 +285,8 @@ class SharedRuns:
         return bool(written)
 
     async def claim(self, record: RunRecord) -> int:
-        """Take over a generation whose lease expired: the events logged; -1 another
-        replica's lease is live; -2 the generation ended, or is gone."""
+        """Take over a generation whose lease expired: the events logged; -2 the generation
+        ended, or is gone; -3 - its ms left while another replica's lease is live."""
         state = self.state
         count = int(await state.call("claim", self._claim(
             keys=record.keys, args=[state.replica, state.lease_ms])))
@@ -411,10 +413,12 @@ class Follow:
 
     async def into(self, run: GenerationRun) -> bool:
         seen = 0
+        block_ms = READ_BLOCK_MS
         while True:
             if run.readers:
                 await self.shared.reading(self.record)
-            news = await self.shared.read(self.record, seen, READ_BLOCK_MS)
+            news = await self.shared.read(self.record, seen, block_ms)
+            block_ms = READ_BLOCK_MS
             for seq, event, dispatched in news:
                 if seq != seen + 1:  # (never: the log is written in order)
                     raise RuntimeError(f"event {seq} follows {seen}")
@@ -425,8 +429,9 @@ class Follow:
             if news:
                 continue
             claimed = await self.shared.claim(self.record)
-            if claimed == -1:
-                continue  # its replica still holds it
+            if claimed <= -3:  # its replica holds it: read until the lease lapses
+                block_ms = min(READ_BLOCK_MS, -3 - claimed + 5)
+                continue
             if claimed == -2:  # ended, and the end is on its way; or expired meanwhile
                 if not await self.shared.find(self.record.tenant, self.record.public_id):
                     raise GenerationFailed("the generation's log expired")

@@ -370,7 +370,8 @@ ROWS: tuple[Row, ...] = (
         ),
     ),
     Row(
-        "Shared state (Redis: tenant quotas across replicas, with state.url)",
+        "Shared state (Redis: quotas and resumable generations across replicas, with "
+        "state.url)",
         (
             Panel(
                 "State backend up",
@@ -387,8 +388,10 @@ ROWS: tuple[Row, ...] = (
             ),
             Panel(
                 "State backend round trip",
-                "Time of each call to Redis by operation (acquire is on the request's path, "
-                "while it is queued; release and renew are not): p50 / p90 / p99.",
+                "Time of each call to Redis by operation: p50 / p90 / p99. On a request's "
+                "path: acquire (a quota, while it is queued), open (an idempotency key) and "
+                "append (a resumable stream's events, before its readers see them); off it: "
+                "release, renew, and a follower's find, read and claim.",
                 _quantiles("sluice_state_backend_seconds", "", "operation", "{{operation}}"),
                 unit="s",
                 width=6,
@@ -402,6 +405,20 @@ ROWS: tuple[Row, ...] = (
                         "sum by (operation) "
                         "(rate(sluice_state_backend_errors_total[$__rate_interval]))",
                         "{{operation}}",
+                    ),
+                ),
+                width=6,
+            ),
+            Panel(
+                "Generations taken over/s",
+                "Resumable generations this replica took over from a replica that died "
+                "(its lease lapsed): continued from the logged tokens, or started afresh "
+                "when nothing had been sent.",
+                (
+                    Target(
+                        "sum by (instance, how) "
+                        "(rate(sluice_state_takeovers_total[$__rate_interval]))",
+                        "{{instance}} {{how}}",
                     ),
                 ),
                 width=6,

@@ -113,11 +113,13 @@ class ResumeConfig:
 @dataclass(frozen=True, slots=True)
 class StateConfig:
     """Where state shared by replicas lives. `url` None: in this process only, as with one
-    replica. With a Redis URL, tenant quotas hold across every replica using it."""
+    replica. With a Redis URL, tenant quotas hold across every replica using it, and
+    resumable generations can be retried, resumed and taken over on any of them."""
 
     url: str | None = None
-    # A replica renews what it holds (a quota slot per running request) every third of this;
-    # a replica that dies stops renewing, and its holdings expire this long after.
+    # A replica renews what it holds (a quota slot per running request, a lease per resumable
+    # generation it runs) every third of this; a replica that dies stops renewing, and its
+    # holdings expire this long after.
     lease_s: float = 10.0
     timeout_s: float = 0.25  # a call slower than this counts as Redis being unavailable
     # With Redis unavailable, each replica enforces 1/replicas of every tenant's limits: the

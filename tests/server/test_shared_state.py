@@ -255,6 +255,36 @@ def test_a_websocket_generation_resumes_on_the_other_replica(
     assert sum(m["tokens"] for m in head + tail if m["type"] == "delta") == max_tokens
 
 
+def test_a_reader_on_another_replica_keeps_a_generation_alive(
+        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
+    """The replica running a generation with no reader of its own cancels it after the grace
+    period, unless a replica following it has one."""
+    brief = config.with_name("brief-grace.yaml")
+    brief.write_text(config.read_text() + "resume: {grace_seconds: 1}\n")
+    owner = _replica(brief, redis)
+    owner.wait_ready(60)
+    max_tokens = 1500  # some seconds of the sim engine: well past the grace period
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        lines: list[str] = []
+        with httpx.stream("POST", owner.url + "/v1/chat/completions", json=body,
+                          headers={**KEY, "Idempotency-Key": "read-elsewhere"},
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                if line.startswith("data: "):
+                    break  # the owner's only reader leaves
+        generation = orjson.loads(_events(lines)[0][1])["id"]
+        elsewhere = httpx.get(f"{replicas[0].url}/v1/chat/completions/{generation}/stream",
+                              headers=KEY, timeout=60)
+    finally:
+        owner.stop()
+    events = _events(elsewhere.text.splitlines())
+    assert not [data for _, data in events if '"error"' in data]
+    assert orjson.loads(events[-2][1])["usage"]["completion_tokens"] == max_tokens
+
+
 def test_a_stopping_replica_hands_its_generations_over(
         redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
     """SIGTERM: a generation still running when the drain ends is let go at once (its lease

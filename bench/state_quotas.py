@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import socket
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,24 @@ async def with_redis(url: str, count: int, tasks: int) -> dict[str, Any]:
     return {"tasks": tasks, "checks_per_s": round(count / elapsed), **summary(latencies)}
 
 
+@contextlib.contextmanager
+def redis_server(work: Path) -> Iterator[str]:
+    """A `redis-server` of the benchmark's own (loopback, in memory), by its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed: run scripts/install-test-deps.sh")
+    port = free_port()
+    redis = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", str(work)],
+                             stdout=subprocess.DEVNULL, process_group=0)
+    try:
+        wait_for_redis(port)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        redis.terminate()
+        redis.wait(timeout=10)
+
+
 def wait_for_redis(port: int) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -166,25 +186,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
                         "state-quotas.json")
     args = parser.parse_args()
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed: run scripts/install-test-deps.sh")
     work = Path(tempfile.mkdtemp(prefix="sluice-state-bench-"))
-    port = free_port()
-    redis = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(work)],
-                             stdout=subprocess.DEVNULL, process_group=0)
-    url = f"redis://127.0.0.1:{port}/0"
-    wait_for_redis(port)
-    try:
+    with redis_server(work) as url:
         report = {
             "in_process": in_process(args.checks),
             "redis": [asyncio.run(with_redis(url, args.checks, tasks)) for tasks in (1, 32)],
             "end_to_end": end_to_end(url, args.requests, work),
         }
-    finally:
-        redis.terminate()
-        redis.wait(timeout=10)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))

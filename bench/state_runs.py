@@ -25,9 +25,7 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,8 +36,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from overload import free_port, pct  # noqa: E402
-from state_quotas import start_sluice, summary, wait_for_redis  # noqa: E402
+from overload import pct  # noqa: E402
+from state_quotas import redis_server, start_sluice, summary  # noqa: E402
 
 KEY = {"Authorization": "Bearer acme-key"}
 
@@ -157,22 +155,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
                         "state-runs.json")
     args = parser.parse_args()
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed: run scripts/install-test-deps.sh")
     work = Path(tempfile.mkdtemp(prefix="sluice-state-bench-"))
-    port = free_port()
-    redis = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(work)],
-                             stdout=subprocess.DEVNULL, process_group=0)
-    url = f"redis://127.0.0.1:{port}/0"
-    wait_for_redis(port)
-    try:
+    with redis_server(work) as url:
         report = {"added_latency": added_latency(url, args.streams, work),
                   "takeover": takeover(url, args.rounds, work)}
-    finally:
-        redis.terminate()
-        redis.wait(timeout=10)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))

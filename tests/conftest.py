@@ -113,6 +113,18 @@ class SluiceProcess:
         return self.proc.returncode
 
 
+def parse_sse(lines: list[str]) -> list[tuple[int | None, str]]:
+    """(id, data) per event of an SSE stream (id None: the event has none)."""
+    events, event_id = [], None
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            events.append((event_id, line[6:]))
+            event_id = None
+    return events
+
+
 def wait_until(condition, timeout: float, interval: float = 0.05, message: str = "") -> None:  # type: ignore[no-untyped-def]
     """Poll `condition` until true, failing after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import websockets
-from conftest import SluiceProcess, wait_until
+from conftest import SluiceProcess, parse_sse, wait_until
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 ACME = {"Authorization": "Bearer sk-acme"}
@@ -44,18 +44,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
 def chat(max_tokens: int = 40, seed: int = 7, **extra: object) -> dict:
     return {"messages": [{"role": "user", "content": "tell me a story"}],
             "max_tokens": max_tokens, "seed": seed, "stream": True, **extra}
-
-
-def parse_sse(lines: list[str]) -> list[tuple[int | None, str]]:
-    """(id, data) per event (id None: the event has none)."""
-    events, event_id = [], None
-    for line in lines:
-        if line.startswith("id: "):
-            event_id = int(line[4:])
-        elif line.startswith("data: "):
-            events.append((event_id, line[6:]))
-            event_id = None
-    return events
 
 
 def text_of(events: list[tuple[int, str]]) -> str:

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 import websockets
-from conftest import RedisProcess, SluiceProcess, wait_until
+from conftest import RedisProcess, SluiceProcess, parse_sse, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -135,16 +135,25 @@ def test_a_killed_replicas_holdings_expire(redis: RedisProcess, replicas: list[S
     doomed.stop()
 
 
-def _events(lines: list[str]) -> list[tuple[int | None, str]]:
-    """An SSE stream's events as (id, data)."""
-    events, seq = [], None
-    for line in lines:
-        if line.startswith("id: "):
-            seq = int(line[4:])
-        elif line.startswith("data: "):
-            events.append((seq, line[6:]))
-            seq = None
-    return events
+def _rest(server: SluiceProcess, sent: list[tuple[int | None, str]]
+          ) -> list[tuple[int | None, str]]:
+    """The rest of the generation whose events `sent` a client had, resumed on `server` after
+    the last numbered one: numbered on from it, none twice, none missing, to `[DONE]`."""
+    last = [seq for seq, _ in sent if seq is not None][-1]
+    generation = orjson.loads(sent[0][1])["id"]
+    resumed = httpx.get(f"{server.url}/v1/chat/completions/{generation}/stream",
+                        headers={**KEY, "Last-Event-ID": str(last)}, timeout=60)
+    assert resumed.status_code == 200, resumed.text
+    rest = parse_sse(resumed.text.splitlines())
+    assert [seq for seq, _ in rest] == list(range(last + 1, last + 1 + len(rest)))
+    assert rest[-1][1] == "[DONE]"
+    return rest
+
+
+def _tokens(events: list[tuple[int | None, str]]) -> list[int]:
+    """The token ids the chunks carry (return_token_ids)."""
+    return [t for _, data in events if data.startswith('{"id"')
+            for choice in orjson.loads(data)["choices"] for t in choice.get("token_ids") or ()]
 
 
 def _post(server: SluiceProcess, body: dict, key: str) -> httpx.Response:
@@ -170,7 +179,7 @@ def test_an_idempotency_key_replays_on_the_other_replica(replicas: list[SluicePr
     made = _post(first, streamed, "stream-1")
     replayed = _post(other, streamed, "stream-1")
     assert made.text == replayed.text  # event for event, ids and bytes
-    events = _events(made.text.splitlines())
+    events = parse_sse(made.text.splitlines())
     assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
     assert events[-1][1] == "[DONE]"
 
@@ -206,22 +215,11 @@ def test_a_killed_replicas_generation_continues_on_the_other(
             before.append(next(lines))
         doomed.proc.kill()  # SIGKILL: no drain, nothing written after this
     doomed.stop()
-    sent = _events(before)
-    last = sent[-1][0]
-    assert last is not None
-    generation = orjson.loads(sent[0][1])["id"]
-    resumed = httpx.get(f"{survivor.url}/v1/chat/completions/{generation}/stream",
-                        headers={**KEY, "Last-Event-ID": str(last)}, timeout=60)
-    assert resumed.status_code == 200, resumed.text
-    rest = _events(resumed.text.splitlines())
-    # Numbered on from where the client was, none twice, none missing.
-    assert [seq for seq, _ in rest] == list(range(last + 1, last + 1 + len(rest)))
-    assert rest[-1][1] == "[DONE]"
+    sent = parse_sse(before)
+    rest = _rest(survivor, sent)
     chunks = [orjson.loads(data) for _, data in sent + rest[:-1]]
-    assert {chunk["id"] for chunk in chunks} == {generation}
-    tokens = [t for chunk in chunks for choice in chunk["choices"]
-              for t in choice.get("token_ids") or ()]
-    assert len(tokens) == max_tokens  # every token once
+    assert {chunk["id"] for chunk in chunks} == {chunks[0]["id"]}
+    assert len(_tokens(sent + rest)) == max_tokens  # every token once
     assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert survivor.metric("sluice_state_takeovers_total", how="continued") == 1
@@ -275,12 +273,12 @@ def test_a_reader_on_another_replica_keeps_a_generation_alive(
                 lines.append(line)
                 if line.startswith("data: "):
                     break  # the owner's only reader leaves
-        generation = orjson.loads(_events(lines)[0][1])["id"]
+        generation = orjson.loads(parse_sse(lines)[0][1])["id"]
         elsewhere = httpx.get(f"{replicas[0].url}/v1/chat/completions/{generation}/stream",
                               headers=KEY, timeout=60)
     finally:
         owner.stop()
-    events = _events(elsewhere.text.splitlines())
+    events = parse_sse(elsewhere.text.splitlines())
     assert not [data for _, data in events if '"error"' in data]
     assert orjson.loads(events[-2][1])["usage"]["completion_tokens"] == max_tokens
 
@@ -311,22 +309,14 @@ def test_a_stopping_replica_hands_its_generations_over(
                 stopping.proc.send_signal(signal.SIGTERM)
     assert stopping.proc.wait(timeout=30) == 0
     stopping.stop()
-    sent = _events(lines)
+    sent = parse_sse(lines)
     (last_seq, _), (no_id, error), (no_id_either, done) = sent[-3:]
     assert no_id is None and no_id_either is None and done == "[DONE]"
     assert orjson.loads(error)["error"]["code"] == "shutting_down"
     assert last_seq is not None
-    generation = orjson.loads(sent[0][1])["id"]
-    resumed = httpx.get(f"{replicas[1].url}/v1/chat/completions/{generation}/stream",
-                        headers={**KEY, "Last-Event-ID": str(last_seq)}, timeout=30)
-    assert resumed.status_code == 200, resumed.text
-    rest = _events(resumed.text.splitlines())
-    assert [seq for seq, _ in rest] == list(range(last_seq + 1, last_seq + 1 + len(rest)))
-    chunks = [orjson.loads(data) for _, data in sent[:-2] + rest[:-1]]
-    tokens = [t for chunk in chunks for choice in chunk["choices"]
-              for t in choice.get("token_ids") or ()]
-    assert len(tokens) == max_tokens
-    assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
+    rest = _rest(replicas[1], sent[:-2])
+    assert len(_tokens(sent + rest)) == max_tokens
+    assert orjson.loads(rest[-2][1])["usage"]["completion_tokens"] == max_tokens
 
 
 def test_redis_stopped_and_started_mid_run(redis: RedisProcess,
@@ -348,7 +338,7 @@ def test_redis_stopped_and_started_mid_run(redis: RedisProcess,
     streamed = {**chat, "stream": True}
     made = _post(replicas[0], streamed, "during-the-outage")
     assert made.status_code == 200 and made.text.endswith("data: [DONE]\n\n")
-    generation = orjson.loads(_events(made.text.splitlines())[0][1])["id"]
+    generation = orjson.loads(parse_sse(made.text.splitlines())[0][1])["id"]
     here, elsewhere = (httpx.get(f"{server.url}/v1/chat/completions/{generation}/stream",
                                  headers=KEY, timeout=30) for server in replicas)
     assert here.text == made.text

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from conftest import VLLM_ENV, RedisProcess, SluiceProcess, vllm_args
+from conftest import VLLM_ENV, RedisProcess, SluiceProcess, parse_sse, vllm_args
 
 pytestmark = pytest.mark.slow
 
@@ -17,17 +17,6 @@ MAX_TOKENS = 200
 BODY = {"model": "sluice-demo", "messages": [{"role": "user", "content": "tell me a story"}],
         "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True}}
-
-
-def _events(lines: list[str]) -> list[tuple[int | None, str]]:
-    events, seq = [], None
-    for line in lines:
-        if line.startswith("id: "):
-            seq = int(line[4:])
-        elif line.startswith("data: "):
-            events.append((seq, line[6:]))
-            seq = None
-    return events
 
 
 def _text(events: list[tuple[int | None, str]]) -> str:
@@ -48,7 +37,7 @@ def test_a_killed_replicas_greedy_generation_continues_unchanged(
         doomed.wait_ready()
         reference = httpx.post(vllm_server.url + "/v1/chat/completions", json=BODY,
                                timeout=120)
-        alone = _events(reference.text.splitlines())
+        alone = parse_sse(reference.text.splitlines())
         before: list[str] = []
         with httpx.stream("POST", doomed.url + "/v1/chat/completions", json=BODY,
                           headers={"Idempotency-Key": "greedy-1"}, timeout=120) as response:
@@ -59,14 +48,14 @@ def test_a_killed_replicas_greedy_generation_continues_unchanged(
             doomed.proc.kill()  # SIGKILL, mid-stream
     finally:
         doomed.stop()
-    sent = _events(before)
+    sent = parse_sse(before)
     last = sent[-1][0]
     assert last is not None
     generation = orjson.loads(sent[0][1])["id"]
     resumed = httpx.get(f"{vllm_server.url}/v1/chat/completions/{generation}/stream",
                         headers={"Last-Event-ID": str(last)}, timeout=120)
     assert resumed.status_code == 200, resumed.text
-    rest = _events(resumed.text.splitlines())
+    rest = parse_sse(resumed.text.splitlines())
     assert [seq for seq, _ in rest] == list(range(last + 1, last + 1 + len(rest)))
     assert not [data for _, data in rest if '"error"' in data]
     assert _text(sent + rest) == _text(alone)  # greedy: as if it had never stopped

@@ -41,6 +41,7 @@ from server.errors import (
 from server.openai_requests import ParsedRequest
 from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
 from server.scheduler.types import Admission, Generation
+from server.state.backend import StateUnavailable
 from server.timeline import RequestTimeline, outcome_for
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ class Event:
     body: dict[str, Any] | None = None  # WHOLE: the response
     error: SluiceError | None = None  # FAILED
     # This replica's alone, not the generation's (not in its shared log, no number): the end
-    # of a stream this replica handed over to another as it stopped.
+    # of a stream this replica handed over to another as it stopped, or could no longer
+    # follow (Redis stopped answering).
     local: bool = False
 
 
@@ -195,7 +197,13 @@ class GenerationRun:
             if self._cancel_with is not None:  # cancelled before it began
                 raise asyncio.CancelledError
             if self._follow is not None:
-                if not await self._follow.into(self):
+                try:
+                    continuing = await self._follow.into(self)
+                except StateUnavailable:  # its log cannot be read: this replica's end alone
+                    self._handed_over = True
+                    raise EngineUnavailable("the shared state stopped answering; resume the "
+                                            "generation again shortly", retry_after=1) from None
+                if not continuing:
                     return  # its log concluded on the replica that ran it
                 assert self._takeover is not None
                 admission = self._admission = self._takeover(self)

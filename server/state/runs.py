@@ -62,15 +62,22 @@ return {1}
 
 # KEYS: run, lease, events, idem (or the run again). ARGV: replica, retention ms, end ("",
 # "ended": the last event is in; "refused": ended before dispatch, the key freed), the first
-# event's number, then the events. Events already there (a retried write) are skipped.
-# -> 1; 0: the lease is not this replica's.
+# event's number, the lease ms, then the events. Events already there (a retried write) are
+# skipped. A lease that lapsed unclaimed (Redis was out of reach) is taken again.
+# -> 1; 0: another replica holds the lease; -1: the run is gone (Redis lost it).
 APPEND = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+local holder = redis.call('GET', KEYS[2])
+if not holder then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[5])
+elseif holder ~= ARGV[1] then
+  return 0
+end
 local top = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
 local last = 0
 if #top > 0 then last = tonumber(string.match(top[1][1], '^(%d+)')) end
 local seq = tonumber(ARGV[4])
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   if seq > last then redis.call('XADD', KEYS[3], seq .. '-0', 'e', ARGV[i]) end
   seq = seq + 1
 end
@@ -271,18 +278,19 @@ class SharedRuns:
         return RunRecord.of(tenant, public_id, fields) if fields else None
 
     async def append(self, record: RunRecord, first: int, events: Sequence[str], end: str
-                     ) -> bool:
-        """Log events `first`, `first` + 1, …; `end` "ended"/"refused" with the last. False:
-        the lease is another replica's (this one was fenced off)."""
+                     ) -> int:
+        """Log events `first`, `first` + 1, …; `end` "ended"/"refused" with the last. 1
+        written; 0 the lease is another replica's (this one was fenced off); -1 the record is
+        gone (Redis lost it)."""
         run, lease, events_key = record.keys
         state = self.state
-        written = await state.call("append", self._append(
+        written = int(await state.call("append", self._append(
             keys=[run, lease, events_key,
                   idem_key(record.tenant, record.key) if record.key else run],
-            args=[state.replica, self.retention_ms, end, first, *events]))
-        if end or not written:
+            args=[state.replica, self.retention_ms, end, first, state.lease_ms, *events])))
+        if end or written != 1:
             state.run_leases.discard(lease)
-        return bool(written)
+        return written
 
     async def claim(self, record: RunRecord) -> int:
         """Take over a generation whose lease expired: the events logged; -2 the generation
@@ -379,18 +387,24 @@ class Mirror:
                     self.record, self.written + 1,
                     [encode(event, run.dispatched or event.kind is not Kind.FAILED)
                      for event in log[self.written:upto]], end)
-                if kept and handed_over:
+                if kept == 1 and handed_over:
                     await self.shared.let_go(self.record)
             except StateUnavailable:
                 run.durable = None  # its readers go on; the log catches up later
                 await asyncio.sleep(PROBE_SECONDS)
                 continue
-            if kept and handed_over:
+            if kept == 1 and handed_over:
                 self.written = upto
                 run.durable = None  # what follows is this replica's alone
                 run.wake()
                 return
-            if not kept:
+            if kept == -1:  # (Redis restarted empty): the generation goes on, here alone
+                logger.warning("generation %s is no longer in the shared state: it goes on "
+                               "on this replica alone", self.record.public_id)
+                run.durable = None
+                run.wake()
+                return
+            if kept == 0:
                 logger.warning("generation %s was taken over by another replica",
                                self.record.public_id)
                 run.cancel(GenerationFailed("another replica took this generation over; "

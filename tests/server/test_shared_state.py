@@ -119,9 +119,13 @@ def test_a_killed_replicas_holdings_expire(redis: RedisProcess, replicas: list[S
     async def hold_four_then_kill() -> None:
         async with httpx.AsyncClient(timeout=60) as client:
             holding = [asyncio.create_task(_hold(client, doomed, 5000)) for _ in range(4)]
+            # Dispatched by the scheduler, and each lease taken (the engine waits for both;
+            # a request can show as running before its lease's round trip has returned).
             await asyncio.to_thread(
-                wait_until, lambda: doomed.metric("sluice_running_requests") == 4, 30,
-                message="the four run")
+                wait_until, lambda: doomed.metric("sluice_running_requests") == 4
+                and doomed.metric("sluice_state_backend_seconds_count",
+                                  operation="acquire") == 4, 30,
+                message="the four run, their leases taken")
             doomed.proc.kill()  # SIGKILL: nothing released, nothing renewed
             await asyncio.gather(*holding, return_exceptions=True)
 
@@ -305,8 +309,9 @@ def test_a_stopping_replica_hands_its_generations_over(
                       headers={**KEY, "Idempotency-Key": "handed-over"}, timeout=60) as response:
         for line in response.iter_lines():
             lines.append(line)
-            if sum(line.startswith("data: ") for line in lines) == 20:
-                stopping.proc.send_signal(signal.SIGTERM)
+            if line.startswith("data: ") and sum(
+                    line.startswith("data: ") for line in lines) == 20:
+                stopping.proc.send_signal(signal.SIGTERM)  # once
     assert stopping.proc.wait(timeout=30) == 0
     stopping.stop()
     sent = parse_sse(lines)
@@ -317,6 +322,59 @@ def test_a_stopping_replica_hands_its_generations_over(
     rest = _rest(replicas[1], sent[:-2])
     assert len(_tokens(sent + rest)) == max_tokens
     assert orjson.loads(rest[-2][1])["usage"]["completion_tokens"] == max_tokens
+
+
+def test_a_redis_outage_mid_stream(redis: RedisProcess, replicas: list[SluiceProcess]) -> None:
+    """Redis stops while a resumable generation streams from one replica and is followed on
+    the other: the follower's stream ends with an error of its own (no id: resume later), the
+    running replica's goes on to the end. Redis comes back empty; nothing breaks."""
+    max_tokens = 1500
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+    async def read(client: httpx.AsyncClient, method: str, url: str, started: asyncio.Event,
+                   **kwargs: object) -> list[tuple[int | None, str]]:
+        lines: list[str] = []
+        async with client.stream(method, url, headers={**KEY, "Idempotency-Key": "outage"},
+                                 **kwargs) as response:  # type: ignore[arg-type]
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                lines.append(line)
+                if sum(line.startswith("data: ") for line in lines) == 10:
+                    started.set()
+        return parse_sse(lines)
+
+    async def outage() -> tuple[list, list]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            running, following = asyncio.Event(), asyncio.Event()
+            owner = asyncio.create_task(read(client, "POST", replicas[0].url +
+                                             "/v1/chat/completions", running, json=body))
+            await running.wait()
+            # The same key on the other replica: it follows the generation.
+            follower = asyncio.create_task(read(client, "POST", replicas[1].url +
+                                                "/v1/chat/completions", following, json=body))
+            await following.wait()
+            await asyncio.to_thread(redis.stop)
+            followed = await follower
+            await asyncio.to_thread(redis.start)  # empty: the generation's record is gone
+            return await owner, followed
+
+    try:
+        owned, followed = asyncio.run(outage())
+    finally:
+        if not redis.answers():
+            redis.start()
+    # The running replica's log could not catch up: it let the shared copy go.
+    wait_until(lambda: "is no longer in the shared state" in replicas[0].log(), 10,
+               message="the mirror gave the lost record up")
+    assert orjson.loads(owned[-2][1])["usage"]["completion_tokens"] == max_tokens
+    assert owned[-1][1] == "[DONE]"
+    assert [seq for seq, _ in owned] == list(range(1, len(owned) + 1))
+    (_, error), (no_id, done) = followed[-2:]
+    assert orjson.loads(error)["error"]["code"] == "engine_unavailable"
+    assert followed[-2][0] is None and no_id is None and done == "[DONE]"
+    assert owned[:len(followed) - 2] == followed[:-2]  # what it had followed, event for event
+    _count_two(replicas)
 
 
 def test_redis_stopped_and_started_mid_run(redis: RedisProcess,

@@ -339,8 +339,9 @@ class SharedRuns:
 class Mirror:
     """Writes a run's events to its shared log, ahead of its readers: the run shows them to
     its own readers once they are written (`GenerationRun.durable`). If a write fails, the
-    readers go on from the local log and the mirror catches up when Redis answers again; if
-    the lease was lost to another replica, the run is cancelled here."""
+    readers go on from the local log and the mirror catches up when Redis answers again. If
+    the lease was lost to another replica, the run is cancelled here; if Redis lost the
+    record (restarted empty), the run goes on here alone."""
 
     def __init__(self, shared: SharedRuns, record: RunRecord, written: int = 0) -> None:
         self.shared = shared

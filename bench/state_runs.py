@@ -11,7 +11,7 @@ measures:
    alternately. With Redis each event is written to the generation's log before the client is
    sent it, so the round trip shows in what the client sees: time to the first content chunk
    and the gaps between chunks, measured by the client as bytes arrive (p50/p99 of each, and
-   their difference).
+   their difference). And what one 1,000-token stream holds in Redis, per token.
 2. **Takeover.** A replica with `state.lease_seconds` 2 streams a long resumable generation;
    after 20 chunks it is SIGKILLed and the client at once asks the other replica for the rest
    (`Last-Event-ID`). The longest the client then waits for a chunk (from the kill) is the
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -74,12 +75,13 @@ def added_latency(redis_url: str, streams: int, work: Path) -> dict[str, Any]:
                     if i >= 20:  # the first twenty warm both up
                         ttft[name].append(first)
                         gaps[name].extend(between)
+            log_bytes = redis_bytes(client, shared_url, redis_url, 1000)
     finally:
         for process in (local, shared):
             process.terminate()
             process.wait(timeout=30)
     return {
-        "streams": streams, "tokens_each": 64,
+        "streams": streams, "tokens_each": 64, "redis_bytes_per_token": log_bytes,
         **{f"ttft_{name}": summary(values) for name, values in ttft.items()},
         **{f"gap_{name}": summary(values) for name, values in gaps.items()},
         "ttft_added_p50_ms": round((pct(ttft["redis"], .5) - pct(ttft["in_process"], .5)) * 1e3,
@@ -91,6 +93,19 @@ def added_latency(redis_url: str, streams: int, work: Path) -> dict[str, Any]:
         "gap_added_p99_ms": round((pct(gaps["redis"], .99) - pct(gaps["in_process"], .99))
                                   * 1e3, 3),
     }
+
+
+def redis_bytes(client: httpx.Client, url: str, redis_url: str, tokens: int) -> int:
+    """What a resumable stream of `tokens` tokens holds in Redis (its record, key and event
+    log, by MEMORY USAGE), per token."""
+    reply = client.post(url + "/v1/chat/completions", headers={**KEY, "Idempotency-Key": "size"},
+                        json={"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": tokens, "stream": True})
+    first = next(line for line in reply.text.splitlines() if line.startswith('data: {"id"'))
+    generation = json.loads(first[6:])["id"]
+    with redis.Redis.from_url(redis_url) as store:
+        keys = [*store.keys(f"*{generation}*"), *store.keys("sluice:idem:*:size")]
+        return round(sum(store.memory_usage(key) or 0 for key in keys) / tokens)
 
 
 def takeover(redis_url: str, rounds: int, work: Path) -> dict[str, Any]:

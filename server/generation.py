@@ -170,9 +170,11 @@ class Sluice:
         request_print = fingerprint(parsed.kind, body)
         found = self.store.by_key(tenant, key)
         if found is None and self.shared is not None and self.shared.up:
-            return await self._generate_shared(
-                parsed, body if request is None else request, timeline, context, key,
+            answer = await self._generate_shared(
+                parsed, body if request is None else request, timeline, context, tenant, key,
                 request_print, stream=stream)
+            if answer is not None:
+                return answer
         if found is not None:
             return _same_body(found, request_print), True
         run = self._open(parsed, timeline, context, stream=stream, resumable=True)
@@ -180,13 +182,13 @@ class Sluice:
         return run, False
 
     async def _generate_shared(self, parsed: ParsedRequest, request: Any,
-                               timeline: RequestTimeline, context: RequestContext, key: str,
-                               request_print: str, *, stream: bool
-                               ) -> tuple[GenerationRun, bool]:
+                               timeline: RequestTimeline, context: RequestContext, tenant: str,
+                               key: str, request_print: str, *, stream: bool
+                               ) -> tuple[GenerationRun, bool] | None:
         """`generate` with the key recorded in Redis: the generation made under it on any
-        replica, or a new one, recorded first (the key is taken once across replicas)."""
+        replica, or a new one, recorded first (the key is taken once across replicas). None:
+        Redis did not answer (the generation is to be this replica's alone)."""
         assert self.shared is not None
-        tenant = self.tenant_of(context).name
         response_id = uuid.uuid4().hex
         record = RunRecord(
             tenant, ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + response_id,
@@ -195,10 +197,8 @@ class Sluice:
             context.timeout_s, key, request_print)
         try:
             earlier = await self.shared.open(record, key, request_print)
-        except StateUnavailable:  # the generation is this replica's alone
-            run = self._open(parsed, timeline, context, stream=stream, resumable=True)
-            self.store.add(tenant, key, request_print, run)
-            return run, False
+        except StateUnavailable:
+            return None
         if earlier is not None:
             public_id, earlier_print = earlier
             if earlier_print != request_print:
@@ -269,7 +269,7 @@ class Sluice:
             else TrafficClass(record.traffic_class),
             timeout_s=record.timeout_s, tenant=self.tenants.tenant(tenant))
         ticket, engine_request, plan = self.prepare(parsed, timeline, context)
-        shape = self._shape(parsed, timeline, engine_request, plan, stream=record.stream,
+        shape = self._shape(parsed, engine_request, plan, stream=record.stream,
                             response_id=record.public_id.partition("-")[2],
                             created=record.created)
         run = GenerationRun(shape, timeline, None, resumable=True,
@@ -312,7 +312,7 @@ class Sluice:
         ticket, engine_request, plan = self.prepare(parsed, timeline, context)
         admission = self.dispatcher.generation(ticket, engine_request)
         shape = self._shape(
-            parsed, timeline, engine_request, plan, stream=stream, first_index=first_index,
+            parsed, engine_request, plan, stream=stream, first_index=first_index,
             # A resumable generation's id is found again by it: never the client's.
             response_id=response_id or (uuid.uuid4().hex if resumable
                                         else timeline.request_id), created=created)
@@ -322,9 +322,9 @@ class Sluice:
         run.start()
         return run
 
-    def _shape(self, parsed: ParsedRequest, timeline: RequestTimeline,
-               engine_request: GenerationRequest, plan: OutputPlan, *, stream: bool,
-               response_id: str, first_index: int = 0, created: int | None = None) -> Shape:
+    def _shape(self, parsed: ParsedRequest, engine_request: GenerationRequest,
+               plan: OutputPlan, *, stream: bool, response_id: str, first_index: int = 0,
+               created: int | None = None) -> Shape:
         prompt_ids = engine_request.prompt_token_ids
         return Shape(
             parsed=parsed, model=self.served_model, stream=stream, response_id=response_id,

@@ -205,10 +205,12 @@ class GenerationRun:
                                             "generation again shortly", retry_after=1) from None
                 if not continuing:
                     return  # its log concluded on the replica that ran it
-                assert self._takeover is not None
-                admission = self._admission = self._takeover(self)
+                # Ours now: what happens next is written to the shared log, a refusal of the
+                # takeover too (it ends the generation for every replica, and the lease).
                 self._mirror = self._follow.mirror(len(self.log))
                 self._mirror.start(self)
+                assert self._takeover is not None
+                admission = self._admission = self._takeover(self)
             assert admission is not None
             async with admission as generation:
                 self.timeline.dispatched(generation)

@@ -199,27 +199,33 @@ def test_an_idempotency_key_replays_on_the_other_replica(replicas: list[SluicePr
     assert one == two and "[DONE]" in one, both_at_once_texts
 
 
-def test_a_killed_replicas_generation_continues_on_the_other(
-        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
-    """SIGKILL mid-stream; the client resumes on the other replica with Last-Event-ID and
-    gets every remaining token once."""
+def _killed_mid_stream(config: Path, redis: RedisProcess, body: dict, key: str
+                      ) -> list[tuple[int | None, str]]:
+    """The events a client had of a generation whose replica was SIGKILLed after 40."""
     doomed = _replica(config, redis)  # (leases of LEASE_SECONDS)
     doomed.wait_ready(60)
-    survivor = replicas[0]
-    max_tokens = 400
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
     before: list[str] = []
     with httpx.stream("POST", doomed.url + "/v1/chat/completions", json=body,
-                      headers={**KEY, "Idempotency-Key": "doomed-1"}, timeout=60) as response:
+                      headers={**KEY, "Idempotency-Key": key}, timeout=60) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         while sum(line.startswith("data: ") for line in before) < 40:
             before.append(next(lines))
         doomed.proc.kill()  # SIGKILL: no drain, nothing written after this
     doomed.stop()
-    sent = parse_sse(before)
+    return parse_sse(before)
+
+
+def test_a_killed_replicas_generation_continues_on_the_other(
+        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
+    """SIGKILL mid-stream; the client resumes on the other replica with Last-Event-ID and
+    gets every remaining token once."""
+    survivor = replicas[0]
+    max_tokens = 400
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
+    sent = _killed_mid_stream(config, redis, body, "doomed-1")
     rest = _rest(survivor, sent)
     chunks = [orjson.loads(data) for _, data in sent + rest[:-1]]
     assert {chunk["id"] for chunk in chunks} == {chunks[0]["id"]}
@@ -227,6 +233,19 @@ def test_a_killed_replicas_generation_continues_on_the_other(
     assert chunks[-1]["usage"]["completion_tokens"] == max_tokens
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert survivor.metric("sluice_state_takeovers_total", how="continued") == 1
+
+
+def test_a_generation_that_cannot_be_continued_ends_for_every_replica(
+        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
+    """Two choices cannot be continued alone: the replica that claims the generation ends it
+    with an error event in the shared log, which every replica then reads."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "n": 2,
+            "stream": True}
+    sent = _killed_mid_stream(config, redis, body, "two-choices")
+    claimed, elsewhere = (_rest(server, sent) for server in replicas)
+    assert claimed == elsewhere  # the same ending, event for event, ids included
+    error = orjson.loads(claimed[-2][1])["error"]
+    assert error["code"] == "generation_failed" and "new idempotency key" in error["message"]
 
 
 def test_a_websocket_generation_resumes_on_the_other_replica(

@@ -452,7 +452,12 @@ class Follow:
                     raise GenerationFailed("the generation's log expired")
                 continue
             # The events the dead replica logged after the last read, then ours.
-            for seq, event, dispatched in await self.shared.read(self.record, seen, None):
+            try:
+                rest = await self.shared.read(self.record, seen, None)
+            except StateUnavailable:  # not renewed: it lapses for another replica to claim
+                self.shared.state.run_leases.discard(self.record.keys[1])
+                raise
+            for seq, event, dispatched in rest:
                 seen = seq
                 run.follow(event, dispatched)
             return True

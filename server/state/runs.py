@@ -18,7 +18,7 @@ its replica's `RunStore`:
 Any replica can follow a generation it does not run (`Follow`): it reads the stream into a
 local run that its readers read like any other. When the lease has expired (the replica
 died), the follower claims it, one replica winning, and continues the generation from the
-logged tokens, as a preempted generation is continued (`Sluice.takeover`).
+logged tokens, as a preempted generation is continued (`Sluice._takeover`).
 
 Keys expire `resume.retention_seconds` after their last write. If Redis does not answer, new
 resumable generations are local to their replica, and a mirror that cannot write lets its

@@ -7,6 +7,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+LINTED := server engine_adapters tests bench
 
 .PHONY: setup run run-sim test test-quick lint bench-throughput bench-flood clean
 
@@ -29,9 +30,11 @@ test: setup
 test-quick: setup  # the pure and sim-engine tests, no vLLM, browser, Prometheus or slow ones
 	$(BIN)/pytest -m "not vllm and not browser and not prometheus and not slow" $(PYTEST_ARGS)
 
-lint: setup
-	$(BIN)/ruff check server engine_adapters tests bench
+lint: setup  # what CI runs before the tests: lint, format, types, import rules
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy server engine_adapters
+	$(BIN)/lint-imports
 
 bench-throughput: setup
 	$(BIN)/python bench/throughput.py

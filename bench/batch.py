@@ -71,8 +71,11 @@ async def chats(url: str, rate: float, seconds: float) -> list[float]:
 
     async def one(client: httpx.AsyncClient) -> None:
         start = time.perf_counter()
-        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16,
-                "stream": True}
+        body = {
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 16,
+            "stream": True,
+        }
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             lines = response.aiter_lines()
             async for line in lines:
@@ -92,10 +95,18 @@ async def chats(url: str, rate: float, seconds: float) -> list[float]:
 
 
 def batch_lines(count: int) -> bytes:
-    return "".join(json.dumps({
-        "custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-        "body": {**LINE, "messages": [{"role": "user", "content": f"question {i}"}]}}) + "\n"
-        for i in range(count)).encode()
+    return "".join(
+        json.dumps(
+            {
+                "custom_id": f"q{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {**LINE, "messages": [{"role": "user", "content": f"question {i}"}]},
+            }
+        )
+        + "\n"
+        for i in range(count)
+    ).encode()
 
 
 def completed(url: str, batch_id: str) -> int:
@@ -107,23 +118,41 @@ def run(args: argparse.Namespace, url: str) -> dict[str, object]:
     alone = asyncio.run(chats(url, args.chat_rate, args.seconds))
     report["chats alone"] = alone
 
-    upload = httpx.post(f"{url}/v1/files", data={"purpose": "batch"},
-                        files={"file": ("lines.jsonl", batch_lines(args.lines))}, timeout=60)
-    batch = httpx.post(f"{url}/v1/batches", json={
-        "input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions",
-        "completion_window": "24h"}).json()
+    upload = httpx.post(
+        f"{url}/v1/files",
+        data={"purpose": "batch"},
+        files={"file": ("lines.jsonl", batch_lines(args.lines))},
+        timeout=60,
+    )
+    batch = httpx.post(
+        f"{url}/v1/batches",
+        json={
+            "input_file_id": upload.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    ).json()
     time.sleep(2)  # settling: the batch fills its window before the measurement starts
     before, started = completed(url, batch["id"]), time.monotonic()
     with_batch = asyncio.run(chats(url, args.chat_rate, args.seconds))
-    report["batch lines/s"] = (completed(url, batch["id"]) - before) / (
-        time.monotonic() - started)
+    report["batch lines/s"] = (completed(url, batch["id"]) - before) / (time.monotonic() - started)
     report["chats with the batch"] = with_batch
     httpx.post(f"{url}/v1/batches/{batch['id']}/cancel")
 
     bulk = subprocess.Popen(
-        [sys.executable, "-c", BULK_CLIENT, url, str(WINDOW), str(args.seconds + 2),
-         json.dumps({**LINE, "messages": [{"role": "user", "content": "question 1"}]})],
-        stdout=subprocess.PIPE, text=True, process_group=0)
+        [
+            sys.executable,
+            "-c",
+            BULK_CLIENT,
+            url,
+            str(WINDOW),
+            str(args.seconds + 2),
+            json.dumps({**LINE, "messages": [{"role": "user", "content": "question 1"}]}),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
     time.sleep(2)  # settling, as for the batch
     with_bulk = asyncio.run(chats(url, args.chat_rate, args.seconds))
     out, _ = bulk.communicate(timeout=600)
@@ -141,9 +170,24 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as data:
         server = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--engine", "sim", "--port",
-             str(args.port), "--log-level", "warning", "--data-dir", data],
-            cwd=ROOT, stdout=subprocess.DEVNULL, process_group=0)
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--engine",
+                "sim",
+                "--port",
+                str(args.port),
+                "--log-level",
+                "warning",
+                "--data-dir",
+                data,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            process_group=0,
+        )
         url = f"http://127.0.0.1:{args.port}"
         try:
             for _ in range(300):
@@ -161,16 +205,20 @@ def main() -> int:
     for name in ("chats alone", "chats with the batch", "chats with plain bulk"):
         ttfts = report[name]
         assert isinstance(ttfts, list)
-        summary[name] = {"count": len(ttfts),
-                         "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
-                         "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1000, 1)}
+        summary[name] = {
+            "count": len(ttfts),
+            "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
+            "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1000, 1),
+        }
     alone_p99 = summary["chats alone"]["ttft_p99_ms"]
     summary["ttft p99 with the batch / alone"] = round(
-        summary["chats with the batch"]["ttft_p99_ms"] / alone_p99, 2)
+        summary["chats with the batch"]["ttft_p99_ms"] / alone_p99, 2
+    )
     summary["batch lines/s"] = round(float(report["batch lines/s"]), 1)  # type: ignore[arg-type]
     summary["plain bulk lines/s"] = round(float(report["bulk lines/s"]), 1)  # type: ignore[arg-type]
     summary["batch / plain bulk"] = round(
-        summary["batch lines/s"] / summary["plain bulk lines/s"], 2)  # type: ignore[operator]
+        summary["batch lines/s"] / summary["plain bulk lines/s"], 2
+    )  # type: ignore[operator]
     print(json.dumps(summary, indent=2))
     return 0
 

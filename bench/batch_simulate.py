@@ -24,18 +24,27 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1000.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    config = BatchConfig(workers=(DEFAULT_MODEL,) * args.workers, batch_time_s=0.1,
-                         max_batch=32, max_delay_s=0.010, max_queue=10**9)
+    config = BatchConfig(
+        workers=(DEFAULT_MODEL,) * args.workers,
+        batch_time_s=0.1,
+        max_batch=32,
+        max_delay_s=0.010,
+        max_queue=10**9,
+    )
     arrivals = poisson_arrivals(args.rate, args.requests / args.rate, seed=args.seed)
     started = time.perf_counter()
     result = simulate(config, arrivals, keep_batches=False)
     elapsed = time.perf_counter() - started
     lat = latencies_ms(result)
-    print(f"simulated {len(result.requests):,} requests in {elapsed:.2f} s wall "
-          f"({len(result.requests) / elapsed:,.0f} requests/s)")
-    print(f"{args.workers} workers at {args.rate:g} req/s: mean batch "
-          f"{result.mean_batch_size:.2f}, p50 {percentile(lat, 50):.1f} ms, "
-          f"p99 {percentile(lat, 99):.1f} ms")
+    print(
+        f"simulated {len(result.requests):,} requests in {elapsed:.2f} s wall "
+        f"({len(result.requests) / elapsed:,.0f} requests/s)"
+    )
+    print(
+        f"{args.workers} workers at {args.rate:g} req/s: mean batch "
+        f"{result.mean_batch_size:.2f}, p50 {percentile(lat, 50):.1f} ms, "
+        f"p99 {percentile(lat, 99):.1f} ms"
+    )
 
 
 if __name__ == "__main__":

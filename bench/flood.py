@@ -100,19 +100,44 @@ class System:
         return self.kind in ("idle", "sluice")
 
 
-def server_command(system: System, args: argparse.Namespace, port: int,
-                   config_path: str | None) -> list[str]:
+def server_command(
+    system: System, args: argparse.Namespace, port: int, config_path: str | None
+) -> list[str]:
     if system.is_sluice:
-        command = [sys.executable, "-m", "server.cli", "serve", "--engine", args.sluice_engine,
-                   "--model", args.model, "--served-model-name", SERVED_NAME, "--port", str(port),
-                   "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-")]
+        command = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--engine",
+            args.sluice_engine,
+            "--model",
+            args.model,
+            "--served-model-name",
+            SERVED_NAME,
+            "--port",
+            str(port),
+            "--data-dir",
+            tempfile.mkdtemp(prefix="sluice-bench-"),
+        ]
         if config_path:
             command += ["--config", config_path]
         return command
     policy = "priority" if system.kind == "vllm-priority" else "fcfs"
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-            "--served-model-name", SERVED_NAME, "--port", str(port),
-            "--scheduling-policy", policy, *args.vllm_arg]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        args.model,
+        "--served-model-name",
+        SERVED_NAME,
+        "--port",
+        str(port),
+        "--scheduling-policy",
+        policy,
+        *args.vllm_arg,
+    ]
 
 
 async def wait_ready(
@@ -131,7 +156,10 @@ async def wait_ready(
 
 def request_body(kind: str, max_tokens: int, bulk: bool, text: str) -> tuple[dict, dict]:
     body: dict[str, Any] = {
-        "model": SERVED_NAME, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+        "model": SERVED_NAME,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
         "messages": [{"role": "user", "content": text}],
     }
     headers: dict[str, str] = {}
@@ -149,8 +177,9 @@ async def bulk_stream(client, kind, args, window: tuple[float, float], counts: d
     while time.time() < end:
         body, headers = request_body(kind, args.bulk_tokens, True, "summarise the report " * 8)
         try:
-            async with client.stream("POST", "/v1/chat/completions", json=body,
-                                     headers=headers) as r:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=body, headers=headers
+            ) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}")
                 async for line in r.aiter_lines():
@@ -168,10 +197,12 @@ async def bulk_stream(client, kind, args, window: tuple[float, float], counts: d
 
 async def _bulk_load(kind, args, port, window, counts) -> None:
     limits = httpx.Limits(max_connections=args.bulk_streams + 8)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
-                                 timeout=httpx.Timeout(600.0)) as client:
-        await asyncio.gather(*(bulk_stream(client, kind, args, window, counts)
-                               for _ in range(args.bulk_streams)))
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=httpx.Timeout(600.0)
+    ) as client:
+        await asyncio.gather(
+            *(bulk_stream(client, kind, args, window, counts) for _ in range(args.bulk_streams))
+        )
 
 
 def bulk_load_process(kind, args, port, window, results) -> None:
@@ -186,8 +217,7 @@ async def one_chat(client, kind, args, m: Measurements) -> None:
     started = time.monotonic()
     stamps: list[float] = []
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body,
-                                 headers=headers) as r:
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 await r.aread()
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
@@ -251,17 +281,23 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-async def measure(system: System, args: argparse.Namespace, port: int,
-                  config_path: str | None, log: Any) -> Measurements:
+async def measure(
+    system: System, args: argparse.Namespace, port: int, config_path: str | None, log: Any
+) -> Measurements:
     env = {**os.environ, "SLUICE_API_KEYS": ""} if system.is_sluice else dict(os.environ)
     process = await asyncio.create_subprocess_exec(
-        *server_command(system, args, port, config_path), env=env,
-        stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, process_group=0)
+        *server_command(system, args, port, config_path),
+        env=env,
+        stdout=log or subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        process_group=0,
+    )
     limits = httpx.Limits(max_connections=args.bulk_streams + 256)
     m = Measurements()
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
-                                     timeout=httpx.Timeout(600.0)) as client:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=httpx.Timeout(600.0)
+        ) as client:
             await wait_ready(client, process, args.ready_timeout)
             now, wall = time.monotonic(), time.time()
             m.window_start, m.window_end = now + args.warmup, now + args.warmup + args.duration
@@ -270,13 +306,17 @@ async def measure(system: System, args: argparse.Namespace, port: int,
             if system.bulk:
                 context = multiprocessing.get_context("spawn")
                 results = context.Queue()
-                bulk = context.Process(target=bulk_load_process,
-                                       args=(system.kind, args, port, window, results))
+                bulk = context.Process(
+                    target=bulk_load_process, args=(system.kind, args, port, window, results)
+                )
                 bulk.start()
             stop = asyncio.Event()
             chats = asyncio.create_task(chat_arrivals(client, system.kind, args, m, stop))
-            sampler = (asyncio.create_task(sample_gauges(client, m, stop))
-                       if system.kind == "sluice" else None)
+            sampler = (
+                asyncio.create_task(sample_gauges(client, m, stop))
+                if system.kind == "sluice"
+                else None
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), args.warmup + args.duration)
             stop.set()
@@ -319,8 +359,7 @@ def run_system(system: System, args: argparse.Namespace) -> Measurements:
     with contextlib.ExitStack() as stack:
         config_path = None
         if system.sluice_config:
-            config_file = stack.enter_context(
-                tempfile.NamedTemporaryFile("w", suffix=".yaml"))
+            config_file = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
             yaml.safe_dump(system.sluice_config, config_file)
             config_file.flush()
             config_path = config_file.name
@@ -330,8 +369,9 @@ def run_system(system: System, args: argparse.Namespace) -> Measurements:
         return asyncio.run(measure(system, args, args.port, config_path, log))
 
 
-def summarise(system: System, m: Measurements, args: argparse.Namespace,
-              slo: tuple[float, float] | None) -> dict[str, Any]:
+def summarise(
+    system: System, m: Measurements, args: argparse.Namespace, slo: tuple[float, float] | None
+) -> dict[str, Any]:
     ms = 1000.0
     ttfts = [c.ttft_s * ms for c in m.chats]
     gaps = [g * ms for c in m.chats for g in c.gaps_s]
@@ -343,19 +383,26 @@ def summarise(system: System, m: Measurements, args: argparse.Namespace,
         "ttft_p99_ms": percentile(ttfts, 0.99),
         "gap_p50_ms": percentile(gaps, 0.5),
         "chat_median_gap_p99_ms": percentile(
-            [c.median_gap_s * ms for c in m.chats if c.median_gap_s is not None], 0.99),
+            [c.median_gap_s * ms for c in m.chats if c.median_gap_s is not None], 0.99
+        ),
         "e2e_p50_ms": percentile([c.total_s * ms for c in m.chats], 0.5),
         "e2e_p99_ms": percentile([c.total_s * ms for c in m.chats], 0.99),
         "bulk_tokens_per_s": round(m.bulk_tokens / args.duration, 1) if system.bulk else None,
         "bulk_failures": m.bulk_failures if system.bulk else None,
         "within_slo": None,
-        **{f"{key}_mean": round(statistics.fmean(values), 1)
-           for key, values in m.samples.items() if values},
+        **{
+            f"{key}_mean": round(statistics.fmean(values), 1)
+            for key, values in m.samples.items()
+            if values
+        },
     }
     if slo is not None:
         ttft_limit, gap_limit = slo
-        met = sum(1 for c in m.chats if c.ttft_s <= ttft_limit
-                  and (c.median_gap_s is None or c.median_gap_s <= gap_limit))
+        met = sum(
+            1
+            for c in m.chats
+            if c.ttft_s <= ttft_limit and (c.median_gap_s is None or c.median_gap_s <= gap_limit)
+        )
         total = len(m.chats) + m.chat_failures
         row["within_slo"] = round(met / total, 4) if total else None
     return row
@@ -377,14 +424,19 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         return f"{value:.1f}" if isinstance(value, float) else str(value)
 
     columns = [
-        ("system", "system"), ("chats", "chats"), ("chat_failures", "chat errors"),
-        ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-        ("gap_p50_ms", "gap p50 ms"), ("e2e_p50_ms", "chat e2e p50 ms"),
-        ("e2e_p99_ms", "chat e2e p99 ms"), ("within_slo", "chats within SLO"),
-        ("bulk_tokens_per_s", "bulk tok/s"), ("bulk_vs_fcfs", "bulk / vLLM FCFS"),
+        ("system", "system"),
+        ("chats", "chats"),
+        ("chat_failures", "chat errors"),
+        ("ttft_p50_ms", "TTFT p50 ms"),
+        ("ttft_p99_ms", "TTFT p99 ms"),
+        ("gap_p50_ms", "gap p50 ms"),
+        ("e2e_p50_ms", "chat e2e p50 ms"),
+        ("e2e_p99_ms", "chat e2e p99 ms"),
+        ("within_slo", "chats within SLO"),
+        ("bulk_tokens_per_s", "bulk tok/s"),
+        ("bulk_vs_fcfs", "bulk / vLLM FCFS"),
     ]
-    lines = [" | ".join(title for _, title in columns),
-             " | ".join("---" for _ in columns)]
+    lines = [" | ".join(title for _, title in columns), " | ".join("---" for _ in columns)]
     for row in rows:
         values = dict(row)
         if values.get("within_slo") is not None:
@@ -410,8 +462,10 @@ def plan(args: argparse.Namespace) -> list[System]:
         raise SystemExit(f"unknown systems: {sorted(unknown)}")
     systems += args.variant
     if args.tradeoff:
-        systems += [System(f"sluice[itl x{f:g}]", "sluice", {"slo": {"itl_factor": f}})
-                    for f in TRADEOFF_ITL_FACTORS]
+        systems += [
+            System(f"sluice[itl x{f:g}]", "sluice", {"slo": {"itl_factor": f}})
+            for f in TRADEOFF_ITL_FACTORS
+        ]
         systems.append(System("sluice[no cap]", "sluice", {"slo": {"cap_bulk": False}}))
     if any(s.bulk for s in systems) and not any(s.kind == "idle" for s in systems):
         systems.insert(0, System("idle", "idle"))  # the SLO is relative to it
@@ -425,32 +479,56 @@ def plan(args: argparse.Namespace) -> list[System]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None,
-                   help="model path (default: the demo model, built on first use)")
+    p.add_argument(
+        "--model", default=None, help="model path (default: the demo model, built on first use)"
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {SYSTEMS}")
-    p.add_argument("--variant", action="append", default=[], type=parse_variant,
-                   metavar="LABEL=YAML", help="another Sluice run with this configuration")
-    p.add_argument("--tradeoff", action="store_true",
-                   help=f"add Sluice runs at gap targets of {TRADEOFF_ITL_FACTORS} x the idle "
-                   "step, and one without the bulk cap")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=parse_variant,
+        metavar="LABEL=YAML",
+        help="another Sluice run with this configuration",
+    )
+    p.add_argument(
+        "--tradeoff",
+        action="store_true",
+        help=f"add Sluice runs at gap targets of {TRADEOFF_ITL_FACTORS} x the idle "
+        "step, and one without the bulk cap",
+    )
     p.add_argument("--bulk-streams", type=int, default=96)
     p.add_argument("--bulk-tokens", type=int, default=512)
     p.add_argument("--chat-rate", type=float, default=4.0, help="chats per second (Poisson)")
     p.add_argument("--chat-tokens", type=int, default=32)
-    p.add_argument("--slo-factor", type=float, default=3.0,
-                   help="a chat meets the SLO within this multiple of the idle TTFT p99 and "
-                   "median gap")
+    p.add_argument(
+        "--slo-factor",
+        type=float,
+        default=3.0,
+        help="a chat meets the SLO within this multiple of the idle TTFT p99 and median gap",
+    )
     p.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
     p.add_argument("--duration", type=float, default=60.0, help="seconds measured")
     p.add_argument("--port", type=int, default=8111)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=900.0)
-    p.add_argument("--sluice-engine", default="vllm", choices=("vllm", "sim"),
-                   help="Sluice's engine; 'sim' only to smoke-test this script without a model")
-    p.add_argument("--vllm-arg", action="append", default=[],
-                   help="extra argument for vLLM's server, e.g. --vllm-arg=--max-model-len=2048")
-    p.add_argument("--log-dir", default=None,
-                   help="keep each server's output here, and each chat's timings (JSON lines)")
+    p.add_argument(
+        "--sluice-engine",
+        default="vllm",
+        choices=("vllm", "sim"),
+        help="Sluice's engine; 'sim' only to smoke-test this script without a model",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        help="extra argument for vLLM's server, e.g. --vllm-arg=--max-model-len=2048",
+    )
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="keep each server's output here, and each chat's timings (JSON lines)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p.parse_args(argv)
 
@@ -488,12 +566,20 @@ def main(argv: list[str] | None = None) -> int:
         if fcfs and row["bulk_tokens_per_s"] is not None:
             row["bulk_vs_fcfs"] = round(row["bulk_tokens_per_s"] / fcfs, 3)
     if slo is not None:
-        print(f"SLO: TTFT <= {1000 * slo[0]:.1f} ms and median gap <= {1000 * slo[1]:.2f} ms "
-              f"({args.slo_factor:g} x the idle TTFT p99 and median gap)")
+        print(
+            f"SLO: TTFT <= {1000 * slo[0]:.1f} ms and median gap <= {1000 * slo[1]:.2f} ms "
+            f"({args.slo_factor:g} x the idle TTFT p99 and median gap)"
+        )
     if drift is not None:
-        print(f"Idle at the end against the start: TTFT p99 {drift[0]:+.0%}, median gap "
-              f"{drift[1]:+.0%}" + ("  (the machine's speed drifted: compare with care)"
-                                    if max(abs(d) for d in drift) > DRIFT_WARNING else ""))
+        print(
+            f"Idle at the end against the start: TTFT p99 {drift[0]:+.0%}, median gap "
+            f"{drift[1]:+.0%}"
+            + (
+                "  (the machine's speed drifted: compare with care)"
+                if max(abs(d) for d in drift) > DRIFT_WARNING
+                else ""
+            )
+        )
     print(json.dumps(rows, indent=2) if args.json else format_table(rows))
     return 0
 

@@ -61,8 +61,11 @@ def rss_mib(pid: int) -> float:
 
 
 def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
 
 
 async def post(port: int, body: bytes, deadline_ms: int, request_id: str) -> tuple[int, bytes]:
@@ -101,8 +104,13 @@ async def one(port: int, body: bytes, deadline_ms: int, log: list, phase: str) -
 
 
 async def run(args: argparse.Namespace, url: str, pid: int) -> dict:
-    body = json.dumps({"messages": [{"role": "user", "content": "summarise the incident report"}],
-                       "max_tokens": args.max_tokens, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "summarise the incident report"}],
+            "max_tokens": args.max_tokens,
+            "ignore_eos": True,
+        }
+    ).encode()
     port = args.port
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         probe: list = []
@@ -147,21 +155,30 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> dict:
     completed = [d for status, _, d in log if status == 200]
     refused = [d for status, _, d in log if status in (429, 503)]
     return {
-        "capacity_rps": round(capacity, 1), "offered_rps": round(rate, 1),
-        "offered": len(log), "outcomes": by_code,
+        "capacity_rps": round(capacity, 1),
+        "offered_rps": round(rate, 1),
+        "offered": len(log),
+        "outcomes": by_code,
         "completed_latency_max_s": round(max(completed), 3) if completed else None,
         "completed_after_deadline": sum(1 for d in completed if d > args.deadline_ms / 1000),
         "deadline_s": args.deadline_ms / 1000,
-        "client_refusal_ms": {"p50": round(1000 * pct(refused, 0.5), 2) if refused else None,
-                              "p99": round(1000 * pct(refused, 0.99), 2) if refused else None},
+        "client_refusal_ms": {
+            "p50": round(1000 * pct(refused, 0.5), 2) if refused else None,
+            "p99": round(1000 * pct(refused, 0.99), 2) if refused else None,
+        },
         "offered_rps_achieved": round(len(log) / args.duration, 1),
-        "rss_mib": {"start": round(rss[0], 1), "max": round(max(rss), 1),
-                    "end": round(rss[-1], 1),
-                    "max_first_half": round(max(rss[: len(rss) // 2 or 1]), 1),
-                    "max_second_half": round(max(rss[len(rss) // 2:]), 1)},
-        "after": {"budget_in_use": metric(text, "sluice_budget_in_use"),
-                  "queue_depth": metric(text, "sluice_queue_depth"),
-                  "engine_unfinished": metric(text, "sluice_engine_unfinished_requests")},
+        "rss_mib": {
+            "start": round(rss[0], 1),
+            "max": round(max(rss), 1),
+            "end": round(rss[-1], 1),
+            "max_first_half": round(max(rss[: len(rss) // 2 or 1]), 1),
+            "max_second_half": round(max(rss[len(rss) // 2 :]), 1),
+        },
+        "after": {
+            "budget_in_use": metric(text, "sluice_budget_in_use"),
+            "queue_depth": metric(text, "sluice_queue_depth"),
+            "engine_unfinished": metric(text, "sluice_engine_unfinished_requests"),
+        },
     }
 
 
@@ -169,13 +186,19 @@ def server_completed_after_deadline(log_path: Path, deadline_s: float) -> dict:
     """Overload-phase completions the server itself timed past the deadline (its access log's
     duration runs from arrival to the last byte handed to the socket). The capacity probe's
     requests have a longer deadline and are left out."""
-    durations = [json.loads(line)["duration_s"]
-                 for line in log_path.read_text(errors="replace").splitlines()
-                 if line.startswith("{") and '"outcome":"completed"' in line
-                 and '"request_id":"overload-' in line]
+    durations = [
+        json.loads(line)["duration_s"]
+        for line in log_path.read_text(errors="replace").splitlines()
+        if line.startswith("{")
+        and '"outcome":"completed"' in line
+        and '"request_id":"overload-' in line
+    ]
     late = [d for d in durations if d > deadline_s]
-    return {"completed": len(durations), "late": len(late),
-            "max_s": round(max(durations), 3) if durations else None}
+    return {
+        "completed": len(durations),
+        "late": len(late),
+        "max_s": round(max(durations), 3) if durations else None,
+    }
 
 
 def server_refusal_ms(log_path: Path) -> dict:
@@ -183,14 +206,18 @@ def server_refusal_ms(log_path: Path) -> dict:
     for line in log_path.read_text(errors="replace").splitlines():
         if line.startswith("{") and '"outcome":"rejected"' in line:
             durations.append(json.loads(line)["duration_s"] * 1000)
-    return {"count": len(durations), "p50": round(statistics.median(durations), 3)
-            if durations else None, "p99": round(pct(durations, 0.99), 3) if durations else None,
-            "max": round(max(durations), 3) if durations else None}
+    return {
+        "count": len(durations),
+        "p50": round(statistics.median(durations), 3) if durations else None,
+        "p99": round(pct(durations, 0.99), 3) if durations else None,
+        "max": round(max(durations), 3) if durations else None,
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--engine", choices=("sim", "vllm"), default="sim")
     parser.add_argument("--overload", type=float, default=10.0)
     parser.add_argument("--duration", type=float, default=60.0)
@@ -198,21 +225,39 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--probe-streams", type=int, default=64)
     parser.add_argument("--probe-seconds", type=float, default=20.0)
-    parser.add_argument("--port", type=int, default=None,
-                        help="port for the server it starts (default: a free one)")
+    parser.add_argument(
+        "--port", type=int, default=None, help="port for the server it starts (default: a free one)"
+    )
     args = parser.parse_args()
     if args.port is None:
         args.port = free_port()  # a fixed default measured whatever server already held it
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     log_path = Path(tempfile.mkdtemp()) / "server.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--engine", args.engine,
-           "--port", str(args.port), "--log-level", "warning",
-           "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-")]  # its own batch store
+    cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--engine",
+        args.engine,
+        "--port",
+        str(args.port),
+        "--log-level",
+        "warning",
+        "--data-dir",
+        tempfile.mkdtemp(prefix="sluice-bench-"),
+    ]  # its own batch store
     # A process group but not a new session (see tests/conftest.py: a separate session's
     # autogroup starved this load generator for seconds at a time).
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log_path, "wb"),
-                            stderr=subprocess.STDOUT, process_group=0)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+        process_group=0,
+    )
     url = f"http://127.0.0.1:{args.port}"
     try:
         deadline = time.monotonic() + 600
@@ -230,8 +275,7 @@ def main() -> int:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(60)
     result["server_refusal_ms"] = server_refusal_ms(log_path)
-    result["server_completed"] = server_completed_after_deadline(
-        log_path, args.deadline_ms / 1000)
+    result["server_completed"] = server_completed_after_deadline(log_path, args.deadline_ms / 1000)
     result["engine"] = args.engine
     print(json.dumps(result, indent=2))
     return 0

@@ -56,9 +56,11 @@ def ticket(i: int) -> Ticket:
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
-    return {"p50_ms": round(pct(seconds, 0.5) * 1000, 4),
-            "p99_ms": round(pct(seconds, 0.99) * 1000, 4),
-            "max_ms": round(max(seconds) * 1000, 4)}
+    return {
+        "p50_ms": round(pct(seconds, 0.5) * 1000, 4),
+        "p99_ms": round(pct(seconds, 0.99) * 1000, 4),
+        "max_ms": round(max(seconds) * 1000, 4),
+    }
 
 
 def in_process(count: int) -> dict[str, Any]:
@@ -72,8 +74,7 @@ def in_process(count: int) -> dict[str, Any]:
         quotas.admitted(t, now)
         latencies.append(time.perf_counter() - begun)
         quotas.ended(t)
-    return {"checks_per_s": round(count / (time.perf_counter() - started)),
-            **summary(latencies)}
+    return {"checks_per_s": round(count / (time.perf_counter() - started)), **summary(latencies)}
 
 
 async def with_redis(url: str, count: int, tasks: int) -> dict[str, Any]:
@@ -109,9 +110,23 @@ def redis_server(work: Path) -> Iterator[str]:
     if binary is None:
         raise SystemExit("redis-server is not installed: run scripts/install-test-deps.sh")
     port = free_port()
-    redis = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(work)],
-                             stdout=subprocess.DEVNULL, process_group=0)
+    redis = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(work),
+        ],
+        stdout=subprocess.DEVNULL,
+        process_group=0,
+    )
     try:
         wait_for_redis(port)
         yield f"redis://127.0.0.1:{port}/0"
@@ -136,9 +151,24 @@ def wait_for_redis(port: int) -> None:
 def start_sluice(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--engine", "sim", "--port", str(port),
-         "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-"), *args],
-        cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0)
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--engine",
+            "sim",
+            "--port",
+            str(port),
+            "--data-dir",
+            tempfile.mkdtemp(prefix="sluice-bench-"),
+            *args,
+        ],
+        cwd=ROOT,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        process_group=0,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -155,8 +185,9 @@ def end_to_end(redis_url: str, requests: int, work: Path) -> dict[str, Any]:
     config = work / "sluice.yaml"
     config.write_text("tenants:\n  acme: {api_keys: [acme-key], max_concurrent: 1000}\n")
     local, local_url = start_sluice(["--config", str(config)], work / "local.log")
-    shared, shared_url = start_sluice(["--config", str(config), "--state-url", redis_url],
-                                      work / "shared.log")
+    shared, shared_url = start_sluice(
+        ["--config", str(config), "--state-url", redis_url], work / "shared.log"
+    )
     ttfts: dict[str, list[float]] = {"in_process": [], "redis": []}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     try:
@@ -171,20 +202,23 @@ def end_to_end(redis_url: str, requests: int, work: Path) -> dict[str, Any]:
         for process in (local, shared):
             process.terminate()
             process.wait(timeout=30)
-    return {"requests": requests,
-            **{f"ttft_{name}": summary(values) for name, values in ttfts.items()},
-            "added_p50_ms": round((pct(ttfts["redis"], 0.5) - pct(ttfts["in_process"], 0.5))
-                                  * 1000, 4),
-            "added_p99_ms": round((pct(ttfts["redis"], 0.99) - pct(ttfts["in_process"], 0.99))
-                                  * 1000, 4)}
+    return {
+        "requests": requests,
+        **{f"ttft_{name}": summary(values) for name, values in ttfts.items()},
+        "added_p50_ms": round((pct(ttfts["redis"], 0.5) - pct(ttfts["in_process"], 0.5)) * 1000, 4),
+        "added_p99_ms": round(
+            (pct(ttfts["redis"], 0.99) - pct(ttfts["in_process"], 0.99)) * 1000, 4
+        ),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checks", type=int, default=20_000)
     parser.add_argument("--requests", type=int, default=1_000)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" /
-                        "state-quotas.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "state-quotas.json"
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sluice-state-bench-"))
     with redis_server(work) as url:

@@ -37,8 +37,9 @@ ENGINE_SETTINGS = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "seed": 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=env, process_group=0)  # not a new session: see tests/conftest.py
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, process_group=0
+    )  # not a new session: see tests/conftest.py
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], path: str, timeout: float = 300) -> None:
@@ -64,33 +65,72 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def bench_once(base_url: str, model_path: Path, num_prompts: int, concurrency: int,
-               result_name: str, traffic_class: str) -> dict:
+def bench_once(
+    base_url: str,
+    model_path: Path,
+    num_prompts: int,
+    concurrency: int,
+    result_name: str,
+    traffic_class: str,
+) -> dict:
     RESULTS.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, str(ROOT / "bench" / "vllm_bench_client.py"),
-        "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
-        "--model", MODEL_NAME, "--tokenizer", str(model_path),
-        "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "128",
-        "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-        "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(RESULTS),
-        "--result-filename", result_name, "--disable-tqdm",
-        "--header", f"X-Traffic-Class={traffic_class}",
+        sys.executable,
+        str(ROOT / "bench" / "vllm_bench_client.py"),
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        MODEL_NAME,
+        "--tokenizer",
+        str(model_path),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "128",
+        "--random-output-len",
+        "128",
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--result-dir",
+        str(RESULTS),
+        "--result-filename",
+        result_name,
+        "--disable-tqdm",
+        "--header",
+        f"X-Traffic-Class={traffic_class}",
     ]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return json.loads((RESULTS / result_name).read_text())
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--warmup-prompts", type=int, default=128)
-    parser.add_argument("--traffic-class", choices=("interactive", "bulk"),
-                        default="interactive", help="Sluice's class for every request")
+    parser.add_argument(
+        "--traffic-class",
+        choices=("interactive", "bulk"),
+        default="interactive",
+        help="Sluice's class for every request",
+    )
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
@@ -99,15 +139,41 @@ def main() -> int:
     cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
     model = build_demo_model(cache / "demo-model")
     vllm_port, sluice_port = 8301, 8302
-    vllm_cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(vllm_port),
-                "--disable-log-stats", "--disable-uvicorn-access-log"]
+    vllm_cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(vllm_port),
+        "--disable-log-stats",
+        "--disable-uvicorn-access-log",
+    ]
     for key, value in ENGINE_SETTINGS.items():
         vllm_cmd += ["--" + key.replace("_", "-"), str(value)]
-    sluice_cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(model),
-                  "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
-                  "--port", str(sluice_port), "--log-level", "warning",
-                  "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-")]
+    sluice_cmd = [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(sluice_port),
+        "--log-level",
+        "warning",
+        "--data-dir",
+        tempfile.mkdtemp(prefix="sluice-bench-"),
+    ]
     for key, value in ENGINE_SETTINGS.items():
         sluice_cmd += ["--engine-arg", f"{key}={value}"]
     systems = {
@@ -115,24 +181,40 @@ def main() -> int:
         "sluice": (f"http://127.0.0.1:{sluice_port}", sluice_cmd, "/ready"),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    procs = {name: start(cmd, RESULTS / f"{name}-server.log")
-             for name, (_, cmd, _) in systems.items()}
+    procs = {
+        name: start(cmd, RESULTS / f"{name}-server.log") for name, (_, cmd, _) in systems.items()
+    }
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     try:
         for name, (url, _, ready_path) in systems.items():
             wait_ready(url, procs[name], ready_path)
-            bench_once(url, model, args.warmup_prompts, args.concurrency, f"warmup-{name}.json",
-                       args.traffic_class)
+            bench_once(
+                url,
+                model,
+                args.warmup_prompts,
+                args.concurrency,
+                f"warmup-{name}.json",
+                args.traffic_class,
+            )
         for round_no in range(args.rounds):
             order = list(systems) if round_no % 2 == 0 else list(reversed(systems))
             for name in order:
                 url = systems[name][0]
-                result = bench_once(url, model, args.num_prompts, args.concurrency,
-                                    f"throughput-{name}-{round_no}.json", args.traffic_class)
+                result = bench_once(
+                    url,
+                    model,
+                    args.num_prompts,
+                    args.concurrency,
+                    f"throughput-{name}-{round_no}.json",
+                    args.traffic_class,
+                )
                 runs[name].append(result)
-                print(f"round {round_no} {name:6s}: {result['output_throughput']:8.0f} tok/s  "
-                      f"TTFT p50 {result['p50_ttft_ms']:7.1f} ms  "
-                      f"ITL p50 {result['p50_itl_ms']:6.2f} ms", flush=True)
+                print(
+                    f"round {round_no} {name:6s}: {result['output_throughput']:8.0f} tok/s  "
+                    f"TTFT p50 {result['p50_ttft_ms']:7.1f} ms  "
+                    f"ITL p50 {result['p50_itl_ms']:6.2f} ms",
+                    flush=True,
+                )
     finally:
         for proc in procs.values():
             stop(proc)
@@ -140,11 +222,23 @@ def main() -> int:
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])
 
-    summary = {name: {key: med(name, key) for key in
-                      ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms",
-                       "p99_itl_ms", "p50_e2el_ms")} for name in systems}
-    summary["ratio_output_throughput"] = (summary["sluice"]["output_throughput"]
-                                          / summary["vllm"]["output_throughput"])
+    summary = {
+        name: {
+            key: med(name, key)
+            for key in (
+                "output_throughput",
+                "p50_ttft_ms",
+                "p99_ttft_ms",
+                "p50_itl_ms",
+                "p99_itl_ms",
+                "p50_e2el_ms",
+            )
+        }
+        for name in systems
+    }
+    summary["ratio_output_throughput"] = (
+        summary["sluice"]["output_throughput"] / summary["vllm"]["output_throughput"]
+    )
     (RESULTS / "throughput-summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return 0

@@ -140,8 +140,9 @@ def fetch_sdist(version: str) -> Path:
     target = CACHE / f"vllm-{version}.tar.gz"
     if target.is_file():
         return target
-    request = urllib.request.Request("https://pypi.org/simple/vllm/",
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    request = urllib.request.Request(
+        "https://pypi.org/simple/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         index = json.load(response)
     entry = next(f for f in index["files"] if f["filename"] == f"vllm-{version}.tar.gz")
@@ -161,11 +162,17 @@ def extract_tests(sdist: Path, where: Path) -> Path:
     in place of theirs."""
     prefix = sdist.name.removesuffix(".tar.gz") + "/"
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(prefix + "tests/") and (
-            m.name in (prefix + "tests/__init__.py", prefix + "tests/utils.py")
-            or m.name.startswith(prefix + "tests/entrypoints/"))]
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(prefix + "tests/")
+            and (
+                m.name in (prefix + "tests/__init__.py", prefix + "tests/utils.py")
+                or m.name.startswith(prefix + "tests/entrypoints/")
+            )
+        ]
         for member in members:
-            member.name = member.name[len(prefix):]
+            member.name = member.name[len(prefix) :]
         tar.extractall(where, members=members, filter="data")
     (where / "tests" / "conftest.py").write_text(CONFTEST)
     return where / "tests" / "entrypoints" / "openai"
@@ -178,15 +185,44 @@ def model_name(test_file: Path) -> str:
 
 def server_command(system: str, model: Path, name: str, port: int) -> list[str]:
     if system == "vllm":
-        flags = [f"--{key.replace('_', '-')}" + ("" if value is True else f"={value}")
-                 for key, value in ENGINE.items()]
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", name, "--port", str(port), *flags, *TOOLS]
-    engine_args = [arg for key, value in ENGINE.items()
-                   for arg in ("--engine-arg", f"{key}={str(value).lower()}")]
-    return [sys.executable, "-m", "server.cli", "serve", "--model", str(model),
-            "--served-model-name", name, "--port", str(port), *engine_args, *TOOLS,
-            "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-")]
+        flags = [
+            f"--{key.replace('_', '-')}" + ("" if value is True else f"={value}")
+            for key, value in ENGINE.items()
+        ]
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            name,
+            "--port",
+            str(port),
+            *flags,
+            *TOOLS,
+        ]
+    engine_args = [
+        arg
+        for key, value in ENGINE.items()
+        for arg in ("--engine-arg", f"{key}={str(value).lower()}")
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--served-model-name",
+        name,
+        "--port",
+        str(port),
+        *engine_args,
+        *TOOLS,
+        "--data-dir",
+        tempfile.mkdtemp(prefix="sluice-bench-"),
+    ]
 
 
 @contextmanager
@@ -198,9 +234,14 @@ def running(system: str, model: Path, name: str, log: Path):  # type: ignore[no-
         port = int(probe.getsockname()[1])
     with open(log, "ab") as out:
         # Its own process group, not its own session (see tests/conftest.py).
-        proc = subprocess.Popen(server_command(system, model, name, port), cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT, process_group=0,
-                                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        proc = subprocess.Popen(
+            server_command(system, model, name, port),
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -208,8 +249,10 @@ def running(system: str, model: Path, name: str, log: Path):  # type: ignore[no-
             if proc.poll() is not None:
                 raise SystemExit(f"{system} exited with {proc.returncode}; see {log}")
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200 and httpx.get(
-                        url + "/v1/models", timeout=2).status_code == 200:
+                if (
+                    httpx.get(url + "/health", timeout=2).status_code == 200
+                    and httpx.get(url + "/v1/models", timeout=2).status_code == 200
+                ):
                     break
             except httpx.HTTPError:
                 pass
@@ -226,13 +269,29 @@ def running(system: str, model: Path, name: str, log: Path):  # type: ignore[no-
             proc.wait()
 
 
-def run_pytest(where: Path, files: list[Path], url: str, junit: Path, keyword: str | None
-               ) -> None:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "--rootdir", str(where), "--timeout", "180", "--junitxml", str(junit),
-               *(["-k", keyword] if keyword else []), *map(str, files)]
-    subprocess.run(command, cwd=where, env={**os.environ, "SLUICE_SUITE_URL": url,
-                                            "PYTHONPATH": str(where)}, check=False)
+def run_pytest(where: Path, files: list[Path], url: str, junit: Path, keyword: str | None) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(where),
+        "--timeout",
+        "180",
+        "--junitxml",
+        str(junit),
+        *(["-k", keyword] if keyword else []),
+        *map(str, files),
+    ]
+    subprocess.run(
+        command,
+        cwd=where,
+        env={**os.environ, "SLUICE_SUITE_URL": url, "PYTHONPATH": str(where)},
+        check=False,
+    )
 
 
 def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
@@ -245,8 +304,11 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
             element = case.find(tag)
             if element is not None:
                 outcome = "skipped" if tag == "skipped" else "failed"
-                message = (element.get("message") or "").splitlines()[0][:300] if (
-                    element.get("message")) else ""
+                message = (
+                    (element.get("message") or "").splitlines()[0][:300]
+                    if (element.get("message"))
+                    else ""
+                )
                 break
         results[test] = (outcome, message)
     return results
@@ -254,14 +316,20 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--systems", nargs="+", default=["vllm", "sluice"],
-                        choices=["vllm", "sluice"])
-    parser.add_argument("--files", nargs="+", default=list(FILES),
-                        help="paths under vLLM's tests/entrypoints/openai")
+    parser.add_argument(
+        "--systems", nargs="+", default=["vllm", "sluice"], choices=["vllm", "sluice"]
+    )
+    parser.add_argument(
+        "--files",
+        nargs="+",
+        default=list(FILES),
+        help="paths under vLLM's tests/entrypoints/openai",
+    )
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     parser.add_argument("--work", type=Path, default=Path("/tmp/sluice-vllm-suite"))
-    parser.add_argument("--out", type=Path,
-                        default=ROOT / "bench" / "results" / f"vllm-suite-{date.today()}.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / f"vllm-suite-{date.today()}.json"
+    )
     args = parser.parse_args()
 
     from engine_adapters.demo_model import build_demo_model
@@ -287,21 +355,29 @@ def main() -> None:
 
     tests = sorted(set().union(*(r.keys() for r in results.values())))
     report: dict[str, Any] = {
-        "vllm_version": version, "sluice_version": metadata.version("sluice-server"),
-        "date": str(date.today()), "files": args.files, "keyword": args.keyword,
-        "passed": {s: sum(1 for o, _ in r.values() if o == "passed")
-                   for s, r in results.items()},
-        "tests": {t: {s: results[s].get(t, ("absent", ""))[0] for s in args.systems}
-                  for t in tests},
+        "vllm_version": version,
+        "sluice_version": metadata.version("sluice-server"),
+        "date": str(date.today()),
+        "files": args.files,
+        "keyword": args.keyword,
+        "passed": {s: sum(1 for o, _ in r.values() if o == "passed") for s, r in results.items()},
+        "tests": {
+            t: {s: results[s].get(t, ("absent", ""))[0] for s in args.systems} for t in tests
+        },
     }
     if {"vllm", "sluice"} <= set(args.systems):
         report["sluice_fails_where_vllm_passes"] = {
-            t: results["sluice"].get(t, ("absent", ""))[1] for t in tests
+            t: results["sluice"].get(t, ("absent", ""))[1]
+            for t in tests
             if results["vllm"].get(t, ("",))[0] == "passed"
-            and results["sluice"].get(t, ("",))[0] != "passed"}
+            and results["sluice"].get(t, ("",))[0] != "passed"
+        }
         report["sluice_passes_where_vllm_fails"] = [
-            t for t in tests if results["sluice"].get(t, ("",))[0] == "passed"
-            and results["vllm"].get(t, ("",))[0] != "passed"]
+            t
+            for t in tests
+            if results["sluice"].get(t, ("",))[0] == "passed"
+            and results["vllm"].get(t, ("",))[0] != "passed"
+        ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report[k] for k in ("vllm_version", "passed")}, indent=1))

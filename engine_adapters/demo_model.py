@@ -44,8 +44,7 @@ _CORPUS_LINES = (
     "A client that disconnects stops costing engine time at once.",
     "Interactive traffic is a person waiting; bulk traffic is a job that can wait a little.",
     "Hello! How can I help you today? Please tell me more about your question.",
-    "The quick brown fox jumps over the lazy dog while the server streams tokens to the "
-    "browser.",
+    "The quick brown fox jumps over the lazy dog while the server streams tokens to the browser.",
     "Numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000 and symbols like , . ; : ! ? ( ) [ ] { } "
     "\" ' - + = * / % # @ & appear in text.",
 )
@@ -63,8 +62,10 @@ def _corpus() -> list[str]:
 
 
 def is_demo_model(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "tokenizer.json").is_file() and any(
-        path.glob("*.safetensors")
+    return (
+        (path / "config.json").is_file()
+        and (path / "tokenizer.json").is_file()
+        and any(path.glob("*.safetensors"))
     )
 
 

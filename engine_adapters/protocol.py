@@ -136,10 +136,12 @@ class GenerationRequest:
             min_tokens=max(0, self.sampling.min_tokens - len(generated)),
             prompt_logprobs=None,  # the client has the prompt's; this prompt is longer
         )
-        return GenerationRequest(request_id=request_id,
-                                 prompt_token_ids=[*self.prompt_token_ids, *generated],
-                                 sampling=sampling,
-                                 resumed_tokens=self.resumed_tokens + len(generated))
+        return GenerationRequest(
+            request_id=request_id,
+            prompt_token_ids=[*self.prompt_token_ids, *generated],
+            sampling=sampling,
+            resumed_tokens=self.resumed_tokens + len(generated),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,8 +215,7 @@ class OutputParser(Protocol):
     `reasoning`, `tool_calls`), as the engine's tool and reasoning parsers understand it.
     Stateful: one per choice."""
 
-    def delta(self, text: str, token_ids: Sequence[int], finished: bool
-              ) -> dict[str, Any] | None:
+    def delta(self, text: str, token_ids: Sequence[int], finished: bool) -> dict[str, Any] | None:
         """A stream chunk's `delta` for new text; None while nothing can be sent yet."""
         ...
 
@@ -243,8 +244,9 @@ PLAIN_TEXT = OutputPlan()
 
 def no_prompt_embeds(engine: str) -> EngineUnsupported:
     """The refusal of an engine that only takes token prompts."""
-    return EngineUnsupported(f"the {engine} engine does not take 'prompt_embeds'",
-                             param="prompt_embeds")
+    return EngineUnsupported(
+        f"the {engine} engine does not take 'prompt_embeds'", param="prompt_embeds"
+    )
 
 
 def plain_text_only(request: OutputRequest, engine: str) -> OutputPlan:
@@ -255,12 +257,15 @@ def plain_text_only(request: OutputRequest, engine: str) -> OutputPlan:
         if key == "response_format" and isinstance(value, dict) and value.get("type") == "text":
             continue
         if key in ("tools", "parallel_tool_calls", "include_reasoning") or (
-                key == "tool_choice" and value == "none"):
+            key == "tool_choice" and value == "none"
+        ):
             continue
         raise EngineUnsupported(f"the {engine} engine does not support '{key}'", param=key)
     if fields.get("tools") and fields.get("tool_choice") != "none":
-        raise EngineUnsupported(f"the {engine} engine does not call tools; send "
-                                "'tool_choice': 'none' with 'tools'", param="tools")
+        raise EngineUnsupported(
+            f"the {engine} engine does not call tools; send 'tool_choice': 'none' with 'tools'",
+            param="tools",
+        )
     return OutputPlan(tools=fields.get("tools"))
 
 
@@ -300,9 +305,12 @@ class EngineClient(Protocol):
         """Each token id's own string in the tokenizer's vocabulary (e.g. 'Ġword')."""
         ...
 
-    def render_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """Prompt token ids for chat messages (and the tools on offer), through the model's
         chat template, given `template_kwargs` as extra variables (vLLM's
         `chat_template_kwargs`: `enable_thinking`, say; a template ignores what it does not

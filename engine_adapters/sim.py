@@ -75,8 +75,11 @@ class SimEngine:
         self.config = config or SimConfig()
         self._model = SimTimingModel(self.config)
         self._model_info = ModelInfo(
-            name=model_name, max_model_len=self.config.max_model_len,
-            vocab_size=self.config.vocab_size, engine="sim", beam_search=False,
+            name=model_name,
+            max_model_len=self.config.max_model_len,
+            vocab_size=self.config.vocab_size,
+            engine="sim",
+            beam_search=False,
         )
         self._streams: dict[str, _Stream] = {}
         self._finishing: set[str] = set()  # finished by the step now passing, not yet delivered
@@ -145,8 +148,7 @@ class SimEngine:
         return detokenize(token_ids)
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
-        return [SPECIAL_TOKENS[t] if t < len(SPECIAL_TOKENS) else token_text(t)
-                for t in token_ids]
+        return [SPECIAL_TOKENS[t] if t < len(SPECIAL_TOKENS) else token_text(t) for t in token_ids]
 
     def _candidates(self, token_id: int, k: int) -> list[tuple[int, float]]:
         """Made-up but consistent: the token itself is the likeliest, at a log-probability
@@ -164,8 +166,10 @@ class SimEngine:
     def _prompt_logprob(self, token_id: int, k: int, as_ids: bool) -> list[PromptLogprob]:
         """A prompt position: its token ranked first, and the k likeliest (at least it)."""
         name = token_id_name if as_ids else token_text
-        return [PromptLogprob(t, name(t), lp, rank)
-                for rank, (t, lp) in enumerate(self._candidates(token_id, max(1, k)), start=1)]
+        return [
+            PromptLogprob(t, name(t), lp, rank)
+            for rank, (t, lp) in enumerate(self._candidates(token_id, max(1, k)), start=1)
+        ]
 
     def plan_output(self, request: OutputRequest) -> OutputPlan:
         return plain_text_only(request, self.model.engine)
@@ -173,9 +177,12 @@ class SimEngine:
     def load_prompt_embeds(self, data: str) -> PromptEmbeds:
         raise no_prompt_embeds(self.model.engine)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         ids = [BOS_ID]
         for message in messages:
             role = str(message.get("role", "user"))
@@ -211,9 +218,13 @@ class SimEngine:
         news: asyncio.Queue[TokenDelta | BaseException | None] = asyncio.Queue()
 
         async def run(index: int) -> None:
-            choice = replace(request, request_id=f"{request.request_id}#{index}",
-                             sampling=replace(request.sampling, n=1,
-                                              seed=None if seed is None else seed + index))
+            choice = replace(
+                request,
+                request_id=f"{request.request_id}#{index}",
+                sampling=replace(
+                    request.sampling, n=1, seed=None if seed is None else seed + index
+                ),
+            )
             try:
                 async for delta in self._generate_one(choice):
                     news.put_nowait(replace(delta, index=index))
@@ -255,9 +266,17 @@ class SimEngine:
             raise EngineRequestError(str(exc)) from exc
         stream = self._streams[rid] = _Stream()
         self._wakeup.set()
-        prompt_logprobs = None if sampling.prompt_logprobs is None else [None, *(
-            self._prompt_logprob(t, sampling.prompt_logprobs, sampling.tokens_as_ids)
-            for t in request.prompt_token_ids[1:])]
+        prompt_logprobs = (
+            None
+            if sampling.prompt_logprobs is None
+            else [
+                None,
+                *(
+                    self._prompt_logprob(t, sampling.prompt_logprobs, sampling.tokens_as_ids)
+                    for t in request.prompt_token_ids[1:]
+                ),
+            ]
+        )
         try:
             while True:
                 await stream.ready.wait()
@@ -267,12 +286,19 @@ class SimEngine:
                 token_ids, stream.token_ids = stream.token_ids, []
                 finish = stream.finish_reason
                 cached, stream.num_cached_tokens = stream.num_cached_tokens, None
-                yield TokenDelta(detokenize(token_ids), token_ids, finish_reason=finish,
-                                 num_cached_tokens=cached,
-                                 logprobs=None if sampling.logprobs is None else [
-                                     self._logprob(t, sampling.logprobs, sampling.tokens_as_ids)
-                                     for t in token_ids],
-                                 prompt_logprobs=prompt_logprobs)
+                yield TokenDelta(
+                    detokenize(token_ids),
+                    token_ids,
+                    finish_reason=finish,
+                    num_cached_tokens=cached,
+                    logprobs=None
+                    if sampling.logprobs is None
+                    else [
+                        self._logprob(t, sampling.logprobs, sampling.tokens_as_ids)
+                        for t in token_ids
+                    ],
+                    prompt_logprobs=prompt_logprobs,
+                )
                 prompt_logprobs = None  # on the first delta only
                 if finish is not None:
                     return

@@ -35,8 +35,22 @@ from engine_adapters.protocol import (
 )
 
 VOCABULARY = (
-    " the", " batch", " leaves", " at", " ten", " milliseconds", " and", " finishes",
-    " later", " a", " worker", " waits", " for", " more", " passengers", " shuttle",
+    " the",
+    " batch",
+    " leaves",
+    " at",
+    " ten",
+    " milliseconds",
+    " and",
+    " finishes",
+    " later",
+    " a",
+    " worker",
+    " waits",
+    " for",
+    " more",
+    " passengers",
+    " shuttle",
 )
 _FIRST_WORD_ID = 256
 DEFAULT_POISON_MARKER = "POISON"
@@ -120,9 +134,15 @@ class SimBatchEngine:
         seed: int = 0,
     ) -> None:
         self.batch_model = model
-        self._info = ModelInfo(name=name, max_model_len=max_model_len, vocab_size=256,  # bytes
-                               engine="sim-batch", logprobs=False,
-                               choices=False, beam_search=False)
+        self._info = ModelInfo(
+            name=name,
+            max_model_len=max_model_len,
+            vocab_size=256,  # bytes
+            engine="sim-batch",
+            logprobs=False,
+            choices=False,
+            beam_search=False,
+        )
         self._fail_rate = fail_rate
         self._rng = random.Random(seed)
         self._kills: dict[int, asyncio.Event] = {}
@@ -198,15 +218,19 @@ class SimBatchEngine:
     def load_prompt_embeds(self, data: str) -> PromptEmbeds:
         raise no_prompt_embeds(self.model.engine)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         text = "".join(f"<{m.get('role', 'user')}>{m.get('content', '')}\n" for m in messages)
         return tokenize(text)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        item = BatchItem(request.request_id, 0, request.prompt_token_ids,
-                         request.sampling.max_tokens)
+        item = BatchItem(
+            request.request_id, 0, request.prompt_token_ids, request.sampling.max_tokens
+        )
         (result,) = await self.run_batch(-1, [item])
         yield TokenDelta(result.text, result.token_ids, finish_reason=result.finish_reason)
 

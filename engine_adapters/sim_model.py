@@ -363,9 +363,14 @@ class SimTimingModel:
             self._cache_blocks(seq)
             if seq.computed == len(seq.tokens):
                 token = self._sample(seq)
-                outputs.append(SequenceOutput(
-                    seq.request_id, [token], seq.finish_reason,
-                    seq.cache_hit if seq.generated == 1 else None))
+                outputs.append(
+                    SequenceOutput(
+                        seq.request_id,
+                        [token],
+                        seq.finish_reason,
+                        seq.cache_hit if seq.generated == 1 else None,
+                    )
+                )
                 if seq.finish_reason is not None:
                     self._finish(seq)
 
@@ -386,7 +391,7 @@ class SimTimingModel:
         cache = self._prefix_cache
         digest, blocks = 0, 0
         while (blocks + 1) * size < len(seq.tokens):
-            digest = hash((digest, *seq.tokens[blocks * size:(blocks + 1) * size]))
+            digest = hash((digest, *seq.tokens[blocks * size : (blocks + 1) * size]))
             if digest not in cache:
                 break
             cache.move_to_end(digest)
@@ -401,7 +406,7 @@ class SimTimingModel:
         cache = self._prefix_cache
         while (seq.cached_blocks + 1) * size <= seq.computed:
             start = seq.cached_blocks * size
-            seq.block_hash = hash((seq.block_hash, *seq.tokens[start:start + size]))
+            seq.block_hash = hash((seq.block_hash, *seq.tokens[start : start + size]))
             cache[seq.block_hash] = None
             cache.move_to_end(seq.block_hash)
             seq.cached_blocks += 1

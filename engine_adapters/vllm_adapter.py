@@ -82,7 +82,8 @@ def to_sampling_params(options: SamplingOptions) -> Any:
         skip_special_tokens=options.skip_special_tokens,
         include_stop_str_in_output=options.include_stop_str_in_output,
         logit_bias=options.logit_bias,
-        allowed_token_ids=None if options.allowed_token_ids is None
+        allowed_token_ids=None
+        if options.allowed_token_ids is None
         else list(options.allowed_token_ids),
         bad_words=list(options.bad_words) or None,
         logprobs=options.logprobs,
@@ -105,8 +106,9 @@ class ResumedText:
 
     SEARCH = 16  # how far back in the earlier tokens to look for a character boundary
 
-    def __init__(self, tokenizer: Any, earlier: Sequence[int], *, skip_special_tokens: bool
-                 ) -> None:
+    def __init__(
+        self, tokenizer: Any, earlier: Sequence[int], *, skip_special_tokens: bool
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         start = 0
@@ -127,7 +129,7 @@ class ResumedText:
         text = self._decode(self._pending)
         if text.endswith("\ufffd") and not finished:
             return ""  # wait for the rest of the character
-        new, self._pending, self._sent = text[self._sent:], [], 0
+        new, self._pending, self._sent = text[self._sent :], [], 0
         return new
 
 
@@ -135,7 +137,10 @@ class VLLMEngine:
     """EngineClient over vLLM's AsyncLLM, running in this process (core in a subprocess)."""
 
     def __init__(
-        self, model: str, served_model_name: str, engine_args: dict[str, Any] | None = None,
+        self,
+        model: str,
+        served_model_name: str,
+        engine_args: dict[str, Any] | None = None,
         parsers: ParserOptions | None = None,
     ) -> None:
         self._model_path = model
@@ -186,8 +191,9 @@ class VLLMEngine:
     async def _warm_up(self) -> None:
         """vLLM sets up logprobs on the first request that asks for them (about 150 ms here on
         CPU): one token with logprobs now, so no user's first token pays for it."""
-        request = GenerationRequest("sluice-warm-up", self.tokenize("warm up"),
-                                    SamplingOptions(max_tokens=1, logprobs=0))
+        request = GenerationRequest(
+            "sluice-warm-up", self.tokenize("warm up"), SamplingOptions(max_tokens=1, logprobs=0)
+        )
         async for _ in self.generate(request):
             pass
 
@@ -217,11 +223,16 @@ class VLLMEngine:
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         return list(self._tokenizer.convert_ids_to_tokens(list(token_ids)))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         text = self._tokenizer.apply_chat_template(
-            list(messages), tools=None if tools is None else list(tools), tokenize=False,
+            list(messages),
+            tools=None if tools is None else list(tools),
+            tokenize=False,
             **{"add_generation_prompt": True, **(template_kwargs or {})},
         )
         return list(self._tokenizer.encode(text, add_special_tokens=False))
@@ -240,15 +251,21 @@ class VLLMEngine:
         prompt: dict[str, Any] = (
             {"prompt_token_ids": list(request.prompt_token_ids)}
             if request.prompt_embeds is None
-            else {"prompt_embeds": request.prompt_embeds.value})
-        stream = self._beam_search(request) if request.sampling.beam_search else (
-            self._llm.generate(prompt, to_sampling_params(request.sampling),
-                               request.request_id))
+            else {"prompt_embeds": request.prompt_embeds.value}
+        )
+        stream = (
+            self._beam_search(request)
+            if request.sampling.beam_search
+            else (
+                self._llm.generate(prompt, to_sampling_params(request.sampling), request.request_id)
+            )
+        )
         first = True
         resumed = None
         if request.resumed_tokens:
             resumed = ResumedText(
-                self._tokenizer, request.prompt_token_ids[-request.resumed_tokens:],
+                self._tokenizer,
+                request.prompt_token_ids[-request.resumed_tokens :],
                 skip_special_tokens=request.sampling.skip_special_tokens,
             )
         try:
@@ -258,21 +275,27 @@ class VLLMEngine:
                     if resumed is not None:
                         text = resumed.add(completion.token_ids, finished=out.finished)
                         stop = completion.stop_reason
-                        if (isinstance(stop, str) and stop in text
-                                and not request.sampling.include_stop_str_in_output):
-                            text = text[:text.index(stop)]  # vLLM cuts its own text there too
+                        if (
+                            isinstance(stop, str)
+                            and stop in text
+                            and not request.sampling.include_stop_str_in_output
+                        ):
+                            text = text[: text.index(stop)]  # vLLM cuts its own text there too
                     yield TokenDelta(
                         text=text,
                         token_ids=completion.token_ids,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
                         num_cached_tokens=out.num_cached_tokens if first else None,
-                        logprobs=None if request.sampling.logprobs is None else self._logprobs(
-                            completion.token_ids, completion.logprobs, request.sampling),
+                        logprobs=None
+                        if request.sampling.logprobs is None
+                        else self._logprobs(
+                            completion.token_ids, completion.logprobs, request.sampling
+                        ),
                         index=completion.index,
-                        prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs,
-                                                              request.sampling)
-                        if first and request.sampling.prompt_logprobs is not None else None,
+                        prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs, request.sampling)
+                        if first and request.sampling.prompt_logprobs is not None
+                        else None,
                     )
                     first = False
         except VLLMEngineDead as exc:
@@ -302,12 +325,17 @@ class VLLMEngine:
 
         s = request.sampling
         params = BeamSearchParams(
-            beam_width=s.n, max_tokens=s.max_tokens, ignore_eos=s.ignore_eos,
-            temperature=s.temperature, length_penalty=s.length_penalty,
+            beam_width=s.n,
+            max_tokens=s.max_tokens,
+            ignore_eos=s.ignore_eos,
+            temperature=s.temperature,
+            length_penalty=s.length_penalty,
             include_stop_str_in_output=s.include_stop_str_in_output,
-            skip_special_tokens=s.skip_special_tokens)
-        return Search().beam_search(tokens_input(list(request.prompt_token_ids)),
-                                    request.request_id, params)
+            skip_special_tokens=s.skip_special_tokens,
+        )
+        return Search().beam_search(
+            tokens_input(list(request.prompt_token_ids)), request.request_id, params
+        )
 
     def load_prompt_embeds(self, data: str) -> PromptEmbeds:
         """vLLM's own loader, with its checks (base64, a tensor saved with weights only, the
@@ -322,12 +350,15 @@ class VLLMEngine:
         if not config.enable_prompt_embeds:
             raise EngineUnsupported(
                 "this server takes no 'prompt_embeds': start it with --engine-arg "
-                "enable_prompt_embeds=true", param="prompt_embeds")
+                "enable_prompt_embeds=true",
+                param="prompt_embeds",
+            )
         try:
             tensor = safe_load_prompt_embeds(config, data.encode("ascii", "replace"))
         except binascii.Error as exc:
-            raise EngineRequestError(f"'prompt_embeds' is not base64: {exc}",
-                                     param="prompt_embeds") from None
+            raise EngineRequestError(
+                f"'prompt_embeds' is not base64: {exc}", param="prompt_embeds"
+            ) from None
         except (ValueError, VLLMClientError) as exc:  # vLLM's name the parameter
             raise EngineRequestError(str(exc), param="prompt_embeds") from None
         if tensor.ndim == 3 and tensor.shape[0] == 1:
@@ -335,35 +366,57 @@ class VLLMEngine:
         if tensor.ndim != 2 or tensor.shape[0] == 0:
             raise EngineRequestError(
                 "'prompt_embeds' must have the shape (positions, hidden size), got "
-                f"{tuple(tensor.shape)}", param="prompt_embeds")
+                f"{tuple(tensor.shape)}",
+                param="prompt_embeds",
+            )
         return PromptEmbeds(length=int(tensor.shape[0]), value=tensor)
 
-    def _logprobs(self, token_ids: Sequence[int], positions: Any, sampling: SamplingOptions
-                  ) -> list[TokenLogprob]:
+    def _logprobs(
+        self, token_ids: Sequence[int], positions: Any, sampling: SamplingOptions
+    ) -> list[TokenLogprob]:
         """vLLM's per-position {token id: Logprob} (the sampled token and the k best, ranked)
         as engine-neutral entries."""
         k, as_ids = sampling.logprobs or 0, sampling.tokens_as_ids
         entries = []
         for token_id, candidates in zip(token_ids, positions or (), strict=False):
-            ranked = sorted((c for c in candidates.items() if c[1].rank is not None
-                             and c[1].rank <= k), key=lambda c: c[1].rank)[:k]
-            entries.append(TokenLogprob(
-                token=self._token_text(token_id, candidates[token_id], as_ids),
-                logprob=max(candidates[token_id].logprob, -9999.0),
-                top=tuple((self._token_text(t, lp, as_ids), max(lp.logprob, -9999.0))
-                          for t, lp in ranked),
-            ))
+            ranked = sorted(
+                (c for c in candidates.items() if c[1].rank is not None and c[1].rank <= k),
+                key=lambda c: c[1].rank,
+            )[:k]
+            entries.append(
+                TokenLogprob(
+                    token=self._token_text(token_id, candidates[token_id], as_ids),
+                    logprob=max(candidates[token_id].logprob, -9999.0),
+                    top=tuple(
+                        (self._token_text(t, lp, as_ids), max(lp.logprob, -9999.0))
+                        for t, lp in ranked
+                    ),
+                )
+            )
         return entries
 
-    def _prompt_logprobs(self, positions: Any, sampling: SamplingOptions
-                         ) -> list[list[PromptLogprob] | None]:
+    def _prompt_logprobs(
+        self, positions: Any, sampling: SamplingOptions
+    ) -> list[list[PromptLogprob] | None]:
         """vLLM's per-position {token id: Logprob} as engine-neutral entries, likeliest
         first (the prompt's own token, whatever its rank, among them)."""
-        return [None if candidates is None else sorted(
-            (PromptLogprob(token_id, self._token_text(token_id, lp, sampling.tokens_as_ids),
-                           max(lp.logprob, -9999.0), lp.rank)
-             for token_id, lp in candidates.items()), key=lambda p: p.rank)
-            for candidates in positions or ()]
+        return [
+            None
+            if candidates is None
+            else sorted(
+                (
+                    PromptLogprob(
+                        token_id,
+                        self._token_text(token_id, lp, sampling.tokens_as_ids),
+                        max(lp.logprob, -9999.0),
+                        lp.rank,
+                    )
+                    for token_id, lp in candidates.items()
+                ),
+                key=lambda p: p.rank,
+            )
+            for candidates in positions or ()
+        ]
 
     def _token_text(self, token_id: int, logprob: Any, as_id: bool) -> str:
         if as_id:

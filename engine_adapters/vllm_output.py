@@ -35,8 +35,14 @@ class ParserOptions:
 
 def _blamed(request: OutputRequest) -> str | None:
     """The field to name when vLLM does not say: the constraint the request sent."""
-    return next((key for key in ("response_format", "structured_outputs", "tool_choice",
-                                 "tools") if key in request.fields), None)
+    return next(
+        (
+            key
+            for key in ("response_format", "structured_outputs", "tool_choice", "tools")
+            if key in request.fields
+        ),
+        None,
+    )
 
 
 def _validated(model: Any, body: dict[str, Any], request: OutputRequest) -> Any:
@@ -47,13 +53,15 @@ def _validated(model: Any, body: dict[str, Any], request: OutputRequest) -> Any:
     try:
         return model.model_validate(body)
     except VLLMValidationError as exc:
-        raise EngineRequestError(str(exc.args[0] if exc.args else exc),
-                                 param=exc.parameter or _blamed(request)) from None
+        raise EngineRequestError(
+            str(exc.args[0] if exc.args else exc), param=exc.parameter or _blamed(request)
+        ) from None
     except ValidationError as exc:
         error = exc.errors()[0]
         path = ".".join(str(part) for part in error["loc"])
-        raise EngineRequestError(f"'{path}': {error['msg']}",
-                                 param=str(error["loc"][0]) if error["loc"] else None) from None
+        raise EngineRequestError(
+            f"'{path}': {error['msg']}", param=str(error["loc"][0]) if error["loc"] else None
+        ) from None
 
 
 class VLLMOutputPlanner:
@@ -81,34 +89,52 @@ class VLLMOutputPlanner:
             from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
             # The prompt is checked elsewhere; vLLM's model only wants one there.
-            completion = _validated(CompletionRequest, {"prompt": "-", **request.fields},
-                                    request)
-            return OutputPlan(constraint=self._checked(completion.extract_structured_outputs(),
-                                                         request))
+            completion = _validated(CompletionRequest, {"prompt": "-", **request.fields}, request)
+            return OutputPlan(
+                constraint=self._checked(completion.extract_structured_outputs(), request)
+            )
         if not request.fields and self._parser_cls is None:
             return PLAIN_TEXT
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        chat = _validated(ChatCompletionRequest,
-                          {"messages": list(request.messages or ()), **request.fields}, request)
+        chat = _validated(
+            ChatCompletionRequest,
+            {"messages": list(request.messages or ()), **request.fields},
+            request,
+        )
         self._check_tool_choice(chat)
         parser_cls = self._parser_cls
         kwargs = dict(request.template_kwargs or {})
-        if parser_cls is not None and (parser_cls.reasoning_parser_cls is not None
-                                       or chat.tool_choice != "none"):
+        if parser_cls is not None and (
+            parser_cls.reasoning_parser_cls is not None or chat.tool_choice != "none"
+        ):
             # As vLLM's renderer does: the parser may constrain the output (a named or
             # required tool choice becomes a JSON schema).
-            chat = parser_cls(self._tokenizer, chat.tools, model_config=self._model_config,
-                              chat_template_kwargs=kwargs).adjust_request(chat)
+            chat = parser_cls(
+                self._tokenizer,
+                chat.tools,
+                model_config=self._model_config,
+                chat_template_kwargs=kwargs,
+            ).adjust_request(chat)
         tools = None if chat.tools is None else [tool.model_dump() for tool in chat.tools]
         return OutputPlan(
             constraint=self._checked(chat.extract_structured_outputs(), request),
             tools=tools,
-            parser=None if parser_cls is None else (
+            parser=None
+            if parser_cls is None
+            else (
                 lambda prompt_token_ids: VLLMOutputParser(
-                    parser_cls(self._tokenizer, chat.tools, model_config=self._model_config,
-                               chat_template_kwargs=kwargs),
-                    chat, self._options.enable_auto_tool_choice, prompt_token_ids)),
+                    parser_cls(
+                        self._tokenizer,
+                        chat.tools,
+                        model_config=self._model_config,
+                        chat_template_kwargs=kwargs,
+                    ),
+                    chat,
+                    self._options.enable_auto_tool_choice,
+                    prompt_token_ids,
+                )
+            ),
         )
 
     def _checked(self, constraint: Any, request: OutputRequest) -> Any:
@@ -122,8 +148,11 @@ class VLLMOutputPlanner:
         config = self._vllm_config
         try:
             SamplingParams(max_tokens=1, structured_outputs=constraint).verify(
-                config.model_config, config.speculative_config,
-                config.structured_outputs_config, self._tokenizer)
+                config.model_config,
+                config.speculative_config,
+                config.structured_outputs_config,
+                self._tokenizer,
+            )
         except (VLLMValidationError, ValueError) as exc:
             raise EngineRequestError(str(exc), param=_blamed(request)) from None
         return constraint
@@ -132,24 +161,33 @@ class VLLMOutputPlanner:
         """vLLM's server: any tool choice but "none" needs a tool parser; "auto" also needs
         auto tool choice enabled."""
         if chat.tool_choice in (None, "none") or (
-                self._parser_cls is not None and self._parser_cls.tool_parser_cls is not None):
+            self._parser_cls is not None and self._parser_cls.tool_parser_cls is not None
+        ):
             return
         if chat.tool_choice == "auto":
             if not self._options.enable_auto_tool_choice:
-                raise EngineRequestError('"auto" tool choice requires --enable-auto-tool-choice '
-                                         "and --tool-call-parser to be set", param="tool_choice")
+                raise EngineRequestError(
+                    '"auto" tool choice requires --enable-auto-tool-choice '
+                    "and --tool-call-parser to be set",
+                    param="tool_choice",
+                )
             return
-        described = (f'"{chat.tool_choice}"' if isinstance(chat.tool_choice, str)
-                     else f'function "{chat.tool_choice.function.name}"')
-        raise EngineRequestError(f"tool_choice={described} requires --tool-call-parser to be "
-                                 "set", param="tool_choice")
+        described = (
+            f'"{chat.tool_choice}"'
+            if isinstance(chat.tool_choice, str)
+            else f'function "{chat.tool_choice.function.name}"'
+        )
+        raise EngineRequestError(
+            f"tool_choice={described} requires --tool-call-parser to be set", param="tool_choice"
+        )
 
 
 class VLLMOutputParser(OutputParser):
     """One choice's text through vLLM's `Parser` (tool calls and reasoning), as OpenAI fields."""
 
-    def __init__(self, parser: Any, request: Any, enable_auto_tools: bool,
-                 prompt_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, parser: Any, request: Any, enable_auto_tools: bool, prompt_token_ids: Sequence[int]
+    ) -> None:
         self._parser = parser
         self._parser.set_prompt_token_ids(prompt_token_ids)
         self._prompt: list[int] | None = list(prompt_token_ids)  # for the first delta only
@@ -158,10 +196,10 @@ class VLLMOutputParser(OutputParser):
         self._named = request.tool_choice is not None and not isinstance(request.tool_choice, str)
         self._single = request.parallel_tool_calls is False
 
-    def delta(self, text: str, token_ids: Sequence[int], finished: bool
-              ) -> dict[str, Any] | None:
-        message = self._parser.parse_delta(text, list(token_ids), self._request,
-                                           prompt_token_ids=self._prompt, finished=finished)
+    def delta(self, text: str, token_ids: Sequence[int], finished: bool) -> dict[str, Any] | None:
+        message = self._parser.parse_delta(
+            text, list(token_ids), self._request, prompt_token_ids=self._prompt, finished=finished
+        )
         self._prompt = None
         if message is None:
             return None
@@ -174,15 +212,21 @@ class VLLMOutputParser(OutputParser):
         from vllm.entrypoints.generate.base.protocol import ToolCall
 
         reasoning, content, calls = self._parser.parse(
-            text, self._request, enable_auto_tools=self._auto, model_output_token_ids=token_ids)
+            text, self._request, enable_auto_tools=self._auto, model_output_token_ids=token_ids
+        )
         if not self._request.include_reasoning:
             reasoning = None
-        tool_calls = [ToolCall(id=call.id, function=call) if call.id else ToolCall(function=call)
-                      for call in calls or ()]
+        tool_calls = [
+            ToolCall(id=call.id, function=call) if call.id else ToolCall(function=call)
+            for call in calls or ()
+        ]
         if self._single:
             tool_calls = tool_calls[:1]
-        return {"content": content, "reasoning": reasoning,
-                "tool_calls": [call.model_dump() for call in tool_calls]}
+        return {
+            "content": content,
+            "reasoning": reasoning,
+            "tool_calls": [call.model_dump() for call in tool_calls],
+        }
 
     def finish_reason(self, reason: str, called_tools: bool) -> str:
         # OpenAI's: "tool_calls" when the model chose to call (auto or required), "stop" when

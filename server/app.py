@@ -98,11 +98,21 @@ async def models(request: Request) -> Response:
     sluice: Sluice = request.app.state.sluice
     sluice.tenant_of(RequestContext.of(request))
     info = sluice.engine.model
-    return JSONResponse({"object": "list", "data": [{
-        "id": sluice.served_model, "object": "model", "created": request.app.state.started,
-        "owned_by": "sluice", "root": str(info.extra.get("path", sluice.served_model)),
-        "max_model_len": info.max_model_len,
-    }]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": sluice.served_model,
+                    "object": "model",
+                    "created": request.app.state.started,
+                    "owned_by": "sluice",
+                    "root": str(info.extra.get("path", sluice.served_model)),
+                    "max_model_len": info.max_model_len,
+                }
+            ],
+        }
+    )
 
 
 async def prometheus_metrics(request: Request) -> Response:
@@ -141,26 +151,44 @@ async def sluice_error(request: Request, exc: Exception) -> Response:
 
 def metrics_app() -> Starlette:
     """`/metrics` alone, for `--metrics-port`: scraped on a port the API's clients never see."""
-    return Starlette(routes=[Route("/metrics", prometheus_metrics)],
-                     exception_handlers={HTTPException: http_error})
+    return Starlette(
+        routes=[Route("/metrics", prometheus_metrics)],
+        exception_handlers={HTTPException: http_error},
+    )
 
 
 def build_app(
-    engine: EngineClient, dispatcher: Dispatcher, config: SluiceConfig, served_model: str,
-    *, ping_seconds: float = 15.0, send_timeout_seconds: float = 30.0,
-    max_body_bytes: int = 1 << 20, on_engine_death: asyncio.Event | None = None,
-    metrics_route: bool = True, batch_store: BatchStore | None = None,
-    max_file_bytes: int = 100 << 20, state: RedisState | None = None,
+    engine: EngineClient,
+    dispatcher: Dispatcher,
+    config: SluiceConfig,
+    served_model: str,
+    *,
+    ping_seconds: float = 15.0,
+    send_timeout_seconds: float = 30.0,
+    max_body_bytes: int = 1 << 20,
+    on_engine_death: asyncio.Event | None = None,
+    metrics_route: bool = True,
+    batch_store: BatchStore | None = None,
+    max_file_bytes: int = 100 << 20,
+    state: RedisState | None = None,
 ) -> Starlette:
     """`state`: Redis, for quotas (the dispatcher's) and resumable generations shared by
     replicas."""
-    shared = None if state is None else SharedRuns(state, config.resume.retention_s,
-                                                    config.resume.grace_s)
+    shared = (
+        None
+        if state is None
+        else SharedRuns(state, config.resume.retention_s, config.resume.grace_s)
+    )
     sluice = Sluice(
-        engine=engine, dispatcher=dispatcher, tenants=TenantDirectory(config),
-        served_model=served_model, send_guard=SendGuard(send_timeout_seconds),
+        engine=engine,
+        dispatcher=dispatcher,
+        tenants=TenantDirectory(config),
+        served_model=served_model,
+        send_guard=SendGuard(send_timeout_seconds),
         store=RunStore(config.resume.retention_s, config.resume.max_bytes),
-        shared=shared, ping_seconds=ping_seconds, max_body_bytes=max_body_bytes,
+        shared=shared,
+        ping_seconds=ping_seconds,
+        max_body_bytes=max_body_bytes,
         grace_seconds=config.resume.grace_s,
     )
 
@@ -268,8 +296,9 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
     else:
         model = args.model
         name = args.served_model_name or model
-    parsers = ParserOptions(args.tool_call_parser, args.enable_auto_tool_choice,
-                            args.reasoning_parser)
+    parsers = ParserOptions(
+        args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser
+    )
     return VLLMEngine(model, name, engine_args, parsers), name
 
 
@@ -286,10 +315,13 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
-    if args.engine != "vllm" and (args.tool_call_parser or args.enable_auto_tool_choice
-                                  or args.reasoning_parser):
-        raise SystemExit("--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
-                         "read vLLM's output: they need --engine vllm")
+    if args.engine != "vllm" and (
+        args.tool_call_parser or args.enable_auto_tool_choice or args.reasoning_parser
+    ):
+        raise SystemExit(
+            "--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
+            "read vLLM's output: they need --engine vllm"
+        )
     engine: EngineClient
     dispatcher: Dispatcher
     if args.engine == "sim-batch":
@@ -313,8 +345,12 @@ def serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(
-    args: argparse.Namespace, engine: EngineClient, dispatcher: Dispatcher,
-    config: SluiceConfig, name: str, state: RedisState | None = None,
+    args: argparse.Namespace,
+    engine: EngineClient,
+    dispatcher: Dispatcher,
+    config: SluiceConfig,
+    name: str,
+    state: RedisState | None = None,
 ) -> int:
     engine_died = asyncio.Event()
     try:
@@ -323,16 +359,32 @@ async def _serve(
         logger.error("%s", exc)
         return 2
     app = build_app(
-        engine, dispatcher, config, name, ping_seconds=args.sse_ping_seconds,
-        send_timeout_seconds=args.send_timeout_seconds, max_body_bytes=args.max_body_bytes,
-        on_engine_death=engine_died, metrics_route=args.metrics_port is None,
-        batch_store=batch_store, max_file_bytes=args.max_file_bytes, state=state,
+        engine,
+        dispatcher,
+        config,
+        name,
+        ping_seconds=args.sse_ping_seconds,
+        send_timeout_seconds=args.send_timeout_seconds,
+        max_body_bytes=args.max_body_bytes,
+        on_engine_death=engine_died,
+        metrics_route=args.metrics_port is None,
+        batch_store=batch_store,
+        max_file_bytes=args.max_file_bytes,
+        state=state,
     )
-    server = DrainingServer(app.state.sluice, args.drain_seconds, uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-        timeout_graceful_shutdown=10,
-        ws_max_size=args.max_body_bytes,
-    ))
+    server = DrainingServer(
+        app.state.sluice,
+        args.drain_seconds,
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=10,
+            ws_max_size=args.max_body_bytes,
+        ),
+    )
 
     async def stop_on_engine_death() -> None:
         await engine_died.wait()
@@ -344,9 +396,16 @@ async def _serve(
     if args.metrics_port is not None:
         metrics_app_instance = metrics_app()
         metrics_app_instance.state.sluice = app.state.sluice
-        scraper = QuietServer(uvicorn.Config(
-            metrics_app_instance, host=args.metrics_host or args.host, port=args.metrics_port,
-            log_level=args.log_level, access_log=False, lifespan="off"))
+        scraper = QuietServer(
+            uvicorn.Config(
+                metrics_app_instance,
+                host=args.metrics_host or args.host,
+                port=args.metrics_port,
+                log_level=args.log_level,
+                access_log=False,
+                lifespan="off",
+            )
+        )
     # Each uvicorn Config set its loggers up anew: filter their handlers now, after the last.
     redaction.install()
     watcher = asyncio.create_task(stop_on_engine_death())
@@ -400,8 +459,11 @@ class DrainingServer(uvicorn.Server):
         self._draining = asyncio.create_task(self._drain())
 
     async def _drain(self) -> None:
-        logger.info("SIGTERM: draining (up to %gs for %d running generation(s))",
-                    self.drain_seconds, len(self.sluice.live))
+        logger.info(
+            "SIGTERM: draining (up to %gs for %d running generation(s))",
+            self.drain_seconds,
+            len(self.sluice.live),
+        )
         await self.sluice.drain(self.drain_seconds)
         logger.info("drained; shutting down")
         self.should_exit = True

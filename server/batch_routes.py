@@ -40,8 +40,12 @@ def _found(value: T | None, what: str, object_id: str) -> T:
 
 def _parts(request: Request) -> tuple[Sluice, BatchStore, BatchRunner, str]:
     sluice: Sluice = request.app.state.sluice
-    return (sluice, request.app.state.batch_store, request.app.state.batch_runner,
-            sluice.tenant_of(RequestContext.of(request)).name)
+    return (
+        sluice,
+        request.app.state.batch_store,
+        request.app.state.batch_runner,
+        sluice.tenant_of(RequestContext.of(request)).name,
+    )
 
 
 async def create_file(request: Request) -> Response:
@@ -53,8 +57,9 @@ async def create_file(request: Request) -> Response:
     try:
         form = await request.form(max_files=1, max_fields=4, max_part_size=65536)
     except Exception as exc:  # malformed multipart: python-multipart's own errors
-        raise InvalidRequest(f"expected a multipart form with 'file' and 'purpose': {exc}"
-                             ) from None
+        raise InvalidRequest(
+            f"expected a multipart form with 'file' and 'purpose': {exc}"
+        ) from None
     upload, purpose = form.get("file"), form.get("purpose")
     if not isinstance(upload, UploadFile):
         raise InvalidRequest("the form has no 'file'", param="file")
@@ -63,8 +68,7 @@ async def create_file(request: Request) -> Response:
     content = await upload.read(limit + 1)
     if len(content) > limit:
         raise PayloadTooLarge(f"the file exceeds {limit} bytes")
-    return JSONResponse(store.add_file(tenant, "batch", upload.filename or "input.jsonl",
-                                       content))
+    return JSONResponse(store.add_file(tenant, "batch", upload.filename or "input.jsonl", content))
 
 
 async def list_files(request: Request) -> Response:
@@ -100,34 +104,51 @@ async def create_batch(request: Request) -> Response:
         raise InvalidRequest("the request body must be a JSON object")
     unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
     if unknown:
-        raise InvalidRequest(f"unknown parameter '{sorted(unknown)[0]}'",
-                             param=sorted(unknown)[0])
+        raise InvalidRequest(f"unknown parameter '{sorted(unknown)[0]}'", param=sorted(unknown)[0])
     endpoint, window = body.get("endpoint"), body.get("completion_window")
     if not isinstance(endpoint, str) or endpoint not in KINDS:
         raise InvalidRequest(f"'endpoint' must be one of {', '.join(KINDS)}", param="endpoint")
     if not isinstance(window, str) or window not in WINDOWS:
         raise InvalidRequest("'completion_window' must be '24h'", param="completion_window")
     metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise InvalidRequest("'metadata' is at most 16 string keys and values",
-                             param="metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and len(metadata) <= 16
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise InvalidRequest("'metadata' is at most 16 string keys and values", param="metadata")
     file_id = body.get("input_file_id")
     if not isinstance(file_id, str):
         raise InvalidRequest("'input_file_id' must be a file id", param="input_file_id")
     content = _found(store.file_content(tenant, file_id), "file", file_id)
     now = int(time.time())
-    batch = Batch(id="batch_" + uuid.uuid4().hex, tenant=tenant, input_file_id=file_id,
-                  endpoint=endpoint, completion_window=window, created_at=now,
-                  expires_at=now + WINDOWS[window], metadata=metadata)
+    batch = Batch(
+        id="batch_" + uuid.uuid4().hex,
+        tenant=tenant,
+        input_file_id=file_id,
+        endpoint=endpoint,
+        completion_window=window,
+        created_at=now,
+        expires_at=now + WINDOWS[window],
+        metadata=metadata,
+    )
     lines, errors = _lines(content, endpoint, sluice.served_model)
     batch.request_counts["total"] = len(lines)
     if errors or not lines:
         batch.status = "failed"
         batch.times["failed"] = now
-        batch.errors = {"object": "list", "data": errors[:MAX_ERRORS] or [
-            {"code": "empty_file", "message": "the input file has no requests", "param": None,
-             "line": None}]}
+        batch.errors = {
+            "object": "list",
+            "data": errors[:MAX_ERRORS]
+            or [
+                {
+                    "code": "empty_file",
+                    "message": "the input file has no requests",
+                    "param": None,
+                    "line": None,
+                }
+            ],
+        }
         store.add_batch(batch, [])
     else:
         batch.status, batch.times["in_progress"] = "in_progress", now
@@ -137,8 +158,7 @@ async def create_batch(request: Request) -> Response:
     return JSONResponse(batch.to_api())
 
 
-def _lines(content: bytes, endpoint: str, model: str
-           ) -> tuple[list[Line], list[dict[str, Any]]]:
+def _lines(content: bytes, endpoint: str, model: str) -> tuple[list[Line], list[dict[str, Any]]]:
     """The input file's requests, and an error per line that is not one."""
     lines: list[Line] = []
     errors: list[dict[str, Any]] = []
@@ -148,8 +168,7 @@ def _lines(content: bytes, endpoint: str, model: str
         if not raw.strip():
             continue
 
-        def error(code: str, message: str, param: str | None = None,
-                  number: int = number) -> None:
+        def error(code: str, message: str, param: str | None = None, number: int = number) -> None:
             errors.append({"code": code, "message": message, "param": param, "line": number})
 
         try:
@@ -162,24 +181,29 @@ def _lines(content: bytes, endpoint: str, model: str
             continue
         custom_id, body = request.get("custom_id"), request.get("body")
         if not isinstance(custom_id, str) or not custom_id:
-            error("missing_required_parameter", "'custom_id' must be a non-empty string",
-                  "custom_id")
+            error(
+                "missing_required_parameter", "'custom_id' must be a non-empty string", "custom_id"
+            )
         elif custom_id in seen:
-            error("duplicate_custom_id", f"the custom_id '{custom_id}' appears twice",
-                  "custom_id")
+            error("duplicate_custom_id", f"the custom_id '{custom_id}' appears twice", "custom_id")
         elif request.get("method") != "POST" or request.get("url") != endpoint:
-            error("invalid_url", f"each line must be a POST to the batch's endpoint {endpoint}",
-                  "url")
+            error(
+                "invalid_url", f"each line must be a POST to the batch's endpoint {endpoint}", "url"
+            )
         elif not isinstance(body, dict) or body.get("model", model) != model:
-            error("model_not_found", f"'body.model' must be the served model '{model}'",
-                  "body.model")
+            error(
+                "model_not_found", f"'body.model' must be the served model '{model}'", "body.model"
+            )
         else:
             try:
                 if parse_request(body, kind).stream:
                     raise InvalidRequest("a batch request cannot stream", param="stream")
             except SluiceError as refused:
-                error("invalid_request", refused.message, f"body.{refused.param}"
-                      if refused.param else "body")
+                error(
+                    "invalid_request",
+                    refused.message,
+                    f"body.{refused.param}" if refused.param else "body",
+                )
             else:
                 seen.add(custom_id)
                 lines.append(Line(len(lines), custom_id, body))
@@ -193,9 +217,15 @@ async def list_batches(request: Request) -> Response:
         raise InvalidRequest("'limit' must be between 1 and 100", param="limit")
     batches, more = store.batches(tenant, request.query_params.get("after"), int(raw_limit))
     data = [batch.to_api() for batch in batches]
-    return JSONResponse({"object": "list", "data": data,
-                         "first_id": data[0]["id"] if data else None,
-                         "last_id": data[-1]["id"] if data else None, "has_more": more})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
 
 
 async def get_batch(request: Request) -> Response:

@@ -37,8 +37,9 @@ class Choices:
     """`keep`: collect each choice's text, tokens and logprobs for a whole response; else
     parse each delta for a stream as it comes."""
 
-    def __init__(self, n: int, new_parser: Callable[[], OutputParser] | None, *, keep: bool,
-                 logprobs: bool) -> None:
+    def __init__(
+        self, n: int, new_parser: Callable[[], OutputParser] | None, *, keep: bool, logprobs: bool
+    ) -> None:
         self.n = n
         self._new_parser = new_parser
         self._keep = keep
@@ -79,12 +80,13 @@ class Choices:
         choice = self.by_index.get(index)
         if choice is None:
             choice = self.by_index[index] = Choice(
-                index, None if self._new_parser is None else self._new_parser(),
-                logprobs=[] if self._logprobs and self._keep else None)
+                index,
+                None if self._new_parser is None else self._new_parser(),
+                logprobs=[] if self._logprobs and self._keep else None,
+            )
         return choice
 
-    def replay(self, index: int, text: str, token_ids: Sequence[int], called_tools: bool
-               ) -> None:
+    def replay(self, index: int, text: str, token_ids: Sequence[int], called_tools: bool) -> None:
         """Output another replica streamed for choice `index` before this one took the
         generation over: its parser reads it (what it would send was sent already)."""
         choice = self._choice(index)

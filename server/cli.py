@@ -24,34 +24,46 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
-        "--engine", choices=("vllm", "sim", "sim-batch"), default="vllm",
+        "--engine",
+        choices=("vllm", "sim", "sim-batch"),
+        default="vllm",
         help="vllm: a real vLLM AsyncLLM engine; sim: the continuous-batching timing model; "
         "sim-batch: the fixed-time batch model",
     )
     p.add_argument(
-        "--model", default=None,
+        "--model",
+        default=None,
         help="model path or id for vllm (default: the demo model in the cache directory)",
     )
     p.add_argument(
-        "--served-model-name", default=None,
+        "--served-model-name",
+        default=None,
         help="model name clients use (default: 'sluice-demo' for the demo model, else --model)",
     )
     p.add_argument(
-        "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="pass a vLLM engine argument through, e.g. max_model_len=1024 or "
         "tensor_parallel_size=8 (repeatable)",
     )
     p.add_argument(
-        "--tool-call-parser", default=None, metavar="NAME",
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
         help="vLLM's tool-call parser for the model's output (e.g. hermes, pythonic), as for "
         "vLLM's server; needed for any tool_choice but 'none'",
     )
     p.add_argument(
-        "--enable-auto-tool-choice", action="store_true",
+        "--enable-auto-tool-choice",
+        action="store_true",
         help="let the model choose to call tools (tool_choice 'auto'), as for vLLM's server",
     )
     p.add_argument(
-        "--reasoning-parser", default=None, metavar="NAME",
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
         help="vLLM's reasoning parser: the model's reasoning goes to 'reasoning', apart from "
         "'content'",
     )
@@ -59,43 +71,60 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the demo model lives"
     )
     p.add_argument(
-        "--config", type=Path, default=None,
+        "--config",
+        type=Path,
+        default=None,
         help="YAML file with tenants, API keys and scheduler limits (see README)",
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument(
-        "--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted",
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body accepted",
     )
     p.add_argument("--sse-ping-seconds", type=float, default=15.0, help="SSE keep-alive interval")
     p.add_argument(
-        "--send-timeout-seconds", type=float, default=30.0,
+        "--send-timeout-seconds",
+        type=float,
+        default=30.0,
         help="a client that accepts no bytes for this long is dropped and its request aborted",
     )
     p.add_argument(
-        "--metrics-port", type=int, default=None,
-        help="serve /metrics on this port (and not on the API's): keep it off the public "
-        "network",
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve /metrics on this port (and not on the API's): keep it off the public network",
     )
-    p.add_argument("--metrics-host", default=None,
-                   help="address for --metrics-port (default: --host)")
     p.add_argument(
-        "--data-dir", type=Path, default=default_data_dir(),
+        "--metrics-host", default=None, help="address for --metrics-port (default: --host)"
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=default_data_dir(),
         help="where the Batch API keeps its files and batches (one process per directory)",
     )
-    p.add_argument("--max-file-bytes", type=int, default=100 << 20,
-                   help="largest file /v1/files accepts")
     p.add_argument(
-        "--state-url", default=None,
+        "--max-file-bytes", type=int, default=100 << 20, help="largest file /v1/files accepts"
+    )
+    p.add_argument(
+        "--state-url",
+        default=None,
         help="Redis URL (redis://host:6379/0) for state shared by replicas: tenant quotas "
         "hold across all of them (overrides the config's state.url)",
     )
     p.add_argument(
-        "--drain-seconds", type=float, default=30.0,
+        "--drain-seconds",
+        type=float,
+        default=30.0,
         help="on SIGTERM, refuse new requests and let running generations finish for up to "
         "this long; the rest end with a 'shutting_down' error event, then Sluice exits 0",
     )
     p.add_argument(
-        "--engine-death-exit-seconds", type=float, default=2.0,
+        "--engine-death-exit-seconds",
+        type=float,
+        default=2.0,
         help="after the engine dies, answer /ready and new requests with 503 for this long, "
         "then exit with status 3",
     )
@@ -131,7 +160,8 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print per-request timelines as JSON")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--arrivals", default=None,
+        "--arrivals",
+        default=None,
         help='explicit trace, e.g. "A@0,B@7,E@1:deadline=150" (times in ms)',
     )
     p.add_argument("--workload", choices=("poisson", "bursts", "mixed"), default=None)

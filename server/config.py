@@ -164,8 +164,7 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _section(raw: Any, where: str, allowed: tuple[str, ...] | frozenset[str]
-             ) -> Mapping[str, Any]:
+def _section(raw: Any, where: str, allowed: tuple[str, ...] | frozenset[str]) -> Mapping[str, Any]:
     """`raw` as a mapping with only `allowed` keys (None: empty); else a ConfigError naming
     the path, and the key meant when one is close."""
     if raw is None:
@@ -176,8 +175,11 @@ def _section(raw: Any, where: str, allowed: tuple[str, ...] | frozenset[str]
         if key not in allowed:
             path = f"{where}.{key}" if where else str(key)
             close = difflib.get_close_matches(str(key), list(allowed), n=1)
-            hint = f"; did you mean {close[0]}?" if close else (
-                f"; expected one of: {', '.join(sorted(allowed))}")
+            hint = (
+                f"; did you mean {close[0]}?"
+                if close
+                else (f"; expected one of: {', '.join(sorted(allowed))}")
+            )
             raise ConfigError(f"{path}: unknown key{hint}")
     return raw
 
@@ -192,8 +194,11 @@ def _traffic_class(value: Any, where: str) -> TrafficClass:
 def _positive(value: Any, where: str, kind: type = float) -> Any:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or (
-            kind is int and isinstance(value, float) and not value.is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (kind is int and isinstance(value, float) and not value.is_integer())
+    ):
         expected = "a whole number" if kind is int else "a number"
         raise ConfigError(f"{where}: expected {expected}, got {value!r}")
     try:
@@ -218,8 +223,14 @@ def _share(value: Any, where: str) -> float:
     return share
 
 
-_TENANT_KEYS = ("api_keys", "api_key_sha256", "max_concurrent", "tokens_per_minute",
-                "allowed_classes", "default_class")
+_TENANT_KEYS = (
+    "api_keys",
+    "api_key_sha256",
+    "max_concurrent",
+    "tokens_per_minute",
+    "allowed_classes",
+    "default_class",
+)
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
@@ -228,12 +239,14 @@ def _keys(raw: Mapping[str, Any], where: str) -> tuple[list[str], list[str]]:
     plain, digests = raw.get("api_keys") or [], raw.get("api_key_sha256") or []
     for name, values in (("api_keys", plain), ("api_key_sha256", digests)):
         if not isinstance(values, list) or not all(
-                isinstance(v, str) and v.strip() for v in values):
+            isinstance(v, str) and v.strip() for v in values
+        ):
             raise ConfigError(f"{where}.{name}: expected a list of non-empty strings")
     for digest in digests:
         if not _DIGEST.fullmatch(digest.lower()):
-            raise ConfigError(f"{where}.api_key_sha256: {digest[:12]}… is not a SHA-256 "
-                              "digest (64 hex digits)")
+            raise ConfigError(
+                f"{where}.api_key_sha256: {digest[:12]}… is not a SHA-256 digest (64 hex digits)"
+            )
     return plain, [d.lower() for d in digests]
 
 
@@ -243,10 +256,7 @@ def _parse_tenant(name: str, raw: Mapping[str, Any]) -> TenantConfig:
     allowed_raw = raw.get("allowed_classes", [c.value for c in TrafficClass])
     if not isinstance(allowed_raw, list):
         raise ConfigError(f"{where}.allowed_classes: expected a list, got {allowed_raw!r}")
-    allowed = frozenset(
-        _traffic_class(c, f"{where}.allowed_classes")
-        for c in allowed_raw
-    )
+    allowed = frozenset(_traffic_class(c, f"{where}.allowed_classes") for c in allowed_raw)
     if not allowed:
         raise ConfigError(f"{where}.allowed_classes: must not be empty")
     default_raw = raw.get("default_class")
@@ -276,32 +286,48 @@ def _parse_classes(raw: Mapping[str, Any]) -> dict[TrafficClass, ClassConfig]:
         traffic_class = _traffic_class(key, "classes")
         where = f"classes.{key}"
         base = classes[traffic_class]
-        values = _section(values, where, ("deadline_ms", "max_queued", "max_queued_tokens",
-                                          "tenant_queue_share"))
+        values = _section(
+            values, where, ("deadline_ms", "max_queued", "max_queued_tokens", "tenant_queue_share")
+        )
         classes[traffic_class] = ClassConfig(
             deadline_s=_positive(values["deadline_ms"], f"{where}.deadline_ms") / 1000.0
             if "deadline_ms" in values
             else base.deadline_s,
-            max_queued=_positive(values.get("max_queued", base.max_queued),
-                                 f"{where}.max_queued", int),
+            max_queued=_positive(
+                values.get("max_queued", base.max_queued), f"{where}.max_queued", int
+            ),
             max_queued_tokens=_positive(
                 values.get("max_queued_tokens", base.max_queued_tokens),
-                f"{where}.max_queued_tokens", int,
+                f"{where}.max_queued_tokens",
+                int,
             ),
-            tenant_queue_share=_number(values.get("tenant_queue_share",
-                                                  base.tenant_queue_share),
-                                       f"{where}.tenant_queue_share"),
+            tenant_queue_share=_number(
+                values.get("tenant_queue_share", base.tenant_queue_share),
+                f"{where}.tenant_queue_share",
+            ),
         )
     return classes
 
 
 def _parse_budgets(raw: Mapping[str, Any]) -> BudgetConfig:
     base = BudgetConfig()
-    raw = _section(raw, "budgets", ("kv_target_utilization", "interactive_reserve_share",
-                                    "bulk_min_share", "max_running_seqs", "max_running_tokens",
-                                    "fairness_quantum_tokens", "preempt_bulk_after_ms"))
-    kv = _number(raw.get("kv_target_utilization", base.kv_target_utilization),
-                 "budgets.kv_target_utilization")
+    raw = _section(
+        raw,
+        "budgets",
+        (
+            "kv_target_utilization",
+            "interactive_reserve_share",
+            "bulk_min_share",
+            "max_running_seqs",
+            "max_running_tokens",
+            "fairness_quantum_tokens",
+            "preempt_bulk_after_ms",
+        ),
+    )
+    kv = _number(
+        raw.get("kv_target_utilization", base.kv_target_utilization),
+        "budgets.kv_target_utilization",
+    )
     if not 0.0 < kv <= 1.0:
         raise ConfigError(f"budgets.kv_target_utilization: must be in (0, 1], got {kv}")
     reserve = _share(
@@ -338,23 +364,33 @@ def _preempt_after(raw: Mapping[str, Any], default: float | None) -> float | Non
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise ConfigError(
-            f"budgets.preempt_bulk_after_ms: must be a number >= 0 or null, got {value!r}")
+            f"budgets.preempt_bulk_after_ms: must be a number >= 0 or null, got {value!r}"
+        )
     return float(value) / 1000.0
 
 
 def _parse_estimates(raw: Mapping[str, Any]) -> EstimateConfig:
     base = EstimateConfig()
-    raw = _section(raw, "estimates", ("prefill_tokens_per_s", "decode_tokens_per_s",
-                                      "smoothing", "open_ended_output_tokens",
-                                      "admission_margin", "calibrate"))
+    raw = _section(
+        raw,
+        "estimates",
+        (
+            "prefill_tokens_per_s",
+            "decode_tokens_per_s",
+            "smoothing",
+            "open_ended_output_tokens",
+            "admission_margin",
+            "calibrate",
+        ),
+    )
     return EstimateConfig(
         prefill_tokens_per_s=_positive(
             raw.get("prefill_tokens_per_s", base.prefill_tokens_per_s),
-            "estimates.prefill_tokens_per_s"
+            "estimates.prefill_tokens_per_s",
         ),
         decode_tokens_per_s=_positive(
             raw.get("decode_tokens_per_s", base.decode_tokens_per_s),
-            "estimates.decode_tokens_per_s"
+            "estimates.decode_tokens_per_s",
         ),
         smoothing=_share(raw.get("smoothing", base.smoothing), "estimates.smoothing"),
         open_ended_output_tokens=_positive(
@@ -362,7 +398,8 @@ def _parse_estimates(raw: Mapping[str, Any]) -> EstimateConfig:
             "estimates.open_ended_output_tokens",
         ),
         admission_margin=_share(
-            raw.get("admission_margin", base.admission_margin), "estimates.admission_margin"),
+            raw.get("admission_margin", base.admission_margin), "estimates.admission_margin"
+        ),
         calibrate=_flag(raw.get("calibrate", base.calibrate), "estimates.calibrate"),
     )
 
@@ -380,8 +417,11 @@ def _milliseconds(value: Any, where: str) -> float | None:
 
 def _parse_slo(raw: Mapping[str, Any]) -> SloConfig:
     base = SloConfig()
-    raw = _section(raw, "slo", ("interactive", "ttft_factor", "itl_factor", "cap_bulk",
-                                "bulk_hold_ms", "knee_share"))
+    raw = _section(
+        raw,
+        "slo",
+        ("interactive", "ttft_factor", "itl_factor", "cap_bulk", "bulk_hold_ms", "knee_share"),
+    )
     interactive = _section(raw.get("interactive"), "slo.interactive", ("ttft_ms", "itl_ms"))
     knee_share = _number(raw.get("knee_share", base.knee_share), "slo.knee_share")
     if not 0.0 < knee_share <= 1.0:
@@ -406,10 +446,12 @@ def _parse_resume(resume: Any, idempotency: Any) -> ResumeConfig:
     idempotency = _section(idempotency, "idempotency", ("retention_seconds", "max_bytes"))
     return ResumeConfig(
         grace_s=_positive(resume.get("grace_seconds", base.grace_s), "resume.grace_seconds"),
-        retention_s=_positive(idempotency.get("retention_seconds", base.retention_s),
-                              "idempotency.retention_seconds"),
-        max_bytes=_positive(idempotency.get("max_bytes", base.max_bytes),
-                            "idempotency.max_bytes", int),
+        retention_s=_positive(
+            idempotency.get("retention_seconds", base.retention_s), "idempotency.retention_seconds"
+        ),
+        max_bytes=_positive(
+            idempotency.get("max_bytes", base.max_bytes), "idempotency.max_bytes", int
+        ),
     )
 
 
@@ -417,8 +459,9 @@ def _parse_state(raw: Any) -> StateConfig:
     base = StateConfig()
     raw = _section(raw, "state", ("url", "lease_seconds", "timeout_ms", "replicas"))
     url = raw.get("url")
-    if url is not None and not (isinstance(url, str) and url.startswith(
-            ("redis://", "rediss://", "unix://"))):
+    if url is not None and not (
+        isinstance(url, str) and url.startswith(("redis://", "rediss://", "unix://"))
+    ):
         raise ConfigError(f"state.url: expected a redis://, rediss:// or unix:// URL, got {url!r}")
     timeout_ms = _positive(raw.get("timeout_ms", base.timeout_s * 1000), "state.timeout_ms")
     return StateConfig(
@@ -443,8 +486,7 @@ def parse_api_keys_env(value: str) -> dict[str, str]:
     return keys
 
 
-_TOP_LEVEL = ("tenants", "classes", "budgets", "estimates", "slo", "resume", "idempotency",
-              "state")
+_TOP_LEVEL = ("tenants", "classes", "budgets", "estimates", "slo", "resume", "idempotency", "state")
 
 
 def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> SluiceConfig:
@@ -456,8 +498,9 @@ def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> Slu
     tenants_raw = raw.get("tenants") or {}
     if not isinstance(tenants_raw, Mapping):
         raise ConfigError(f"tenants: expected a mapping of tenant names, got {tenants_raw!r}")
-    tenants = {str(name): _parse_tenant(str(name), values or {})
-               for name, values in tenants_raw.items()}
+    tenants = {
+        str(name): _parse_tenant(str(name), values or {}) for name, values in tenants_raw.items()
+    }
     api_keys: dict[str, str] = {}
     digests: dict[str, str] = {}
     for name, values in tenants_raw.items():

@@ -86,8 +86,9 @@ def traffic_class_from(value: str | None) -> TrafficClass | None:
     try:
         return TrafficClass(value.strip().lower())
     except ValueError:
-        raise InvalidRequest("X-Traffic-Class must be 'interactive' or 'bulk'",
-                             param="X-Traffic-Class") from None
+        raise InvalidRequest(
+            "X-Traffic-Class must be 'interactive' or 'bulk'", param="X-Traffic-Class"
+        ) from None
 
 
 def timeout_from(value: str | None) -> float | None:
@@ -99,8 +100,10 @@ def timeout_from(value: str | None) -> float | None:
     except ValueError:
         milliseconds = -1.0
     if not milliseconds > 0 or milliseconds == float("inf"):
-        raise InvalidRequest("X-Request-Timeout-Ms must be a positive number of milliseconds",
-                             param="X-Request-Timeout-Ms")
+        raise InvalidRequest(
+            "X-Request-Timeout-Ms must be a positive number of milliseconds",
+            param="X-Request-Timeout-Ms",
+        )
     return milliseconds / 1000.0
 
 
@@ -117,10 +120,13 @@ class RequestContext:
     tenant: Tenant | None = None  # already known (Sluice's own work, e.g. a batch's lines)
 
     @classmethod
-    def from_headers(cls, headers: Mapping[str, str], client: str | None = None
-                     ) -> RequestContext:
-        return cls(api_key_from(headers), traffic_class_from(headers.get("x-traffic-class")),
-                   timeout_from(headers.get("x-request-timeout-ms")), client=client)
+    def from_headers(cls, headers: Mapping[str, str], client: str | None = None) -> RequestContext:
+        return cls(
+            api_key_from(headers),
+            traffic_class_from(headers.get("x-traffic-class")),
+            timeout_from(headers.get("x-request-timeout-ms")),
+            client=client,
+        )
 
     @classmethod
     def of(cls, connection: HTTPConnection) -> RequestContext:
@@ -151,9 +157,17 @@ class Sluice:
     live: set[GenerationRun] = field(default_factory=set)
     _idle: asyncio.Event | None = None
 
-    async def generate(self, parsed: ParsedRequest, body: Any, timeline: RequestTimeline,
-                       context: RequestContext, key: str | None, *, stream: bool,
-                       request: Any = None) -> tuple[GenerationRun, bool]:
+    async def generate(
+        self,
+        parsed: ParsedRequest,
+        body: Any,
+        timeline: RequestTimeline,
+        context: RequestContext,
+        key: str | None,
+        *,
+        stream: bool,
+        request: Any = None,
+    ) -> tuple[GenerationRun, bool]:
         """The run that answers this request, and whether it is an earlier one replayed.
 
         With an idempotency `key`, the tenant's run made under that key with the same `body`
@@ -164,15 +178,24 @@ class Sluice:
         if key is None:
             return self._open(parsed, timeline, context, stream=stream, resumable=False), False
         if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
-            raise InvalidRequest(f"an idempotency key is 1 to {MAX_KEY_LENGTH} printable "
-                                 "characters", param="Idempotency-Key")
+            raise InvalidRequest(
+                f"an idempotency key is 1 to {MAX_KEY_LENGTH} printable characters",
+                param="Idempotency-Key",
+            )
         tenant = self.tenant_of(context).name
         request_print = fingerprint(parsed.kind, body)
         found = self.store.by_key(tenant, key)
         if found is None and self.shared is not None and self.shared.up:
             answer = await self._generate_shared(
-                parsed, body if request is None else request, timeline, context, tenant, key,
-                request_print, stream=stream)
+                parsed,
+                body if request is None else request,
+                timeline,
+                context,
+                tenant,
+                key,
+                request_print,
+                stream=stream,
+            )
             if answer is not None:
                 return answer
         if found is not None:
@@ -181,20 +204,36 @@ class Sluice:
         self.store.add(tenant, key, request_print, run)
         return run, False
 
-    async def _generate_shared(self, parsed: ParsedRequest, request: Any,
-                               timeline: RequestTimeline, context: RequestContext, tenant: str,
-                               key: str, request_print: str, *, stream: bool
-                               ) -> tuple[GenerationRun, bool] | None:
+    async def _generate_shared(
+        self,
+        parsed: ParsedRequest,
+        request: Any,
+        timeline: RequestTimeline,
+        context: RequestContext,
+        tenant: str,
+        key: str,
+        request_print: str,
+        *,
+        stream: bool,
+    ) -> tuple[GenerationRun, bool] | None:
         """`generate` with the key recorded in Redis: the generation made under it on any
         replica, or a new one, recorded first (the key is taken once across replicas). None:
         Redis did not answer (the generation is to be this replica's alone)."""
         assert self.shared is not None
         response_id = uuid.uuid4().hex
         record = RunRecord(
-            tenant, ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + response_id,
-            parsed.kind, request, stream, timeline.request_id, int(time.time()),
+            tenant,
+            ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + response_id,
+            parsed.kind,
+            request,
+            stream,
+            timeline.request_id,
+            int(time.time()),
             None if context.traffic_class is None else str(context.traffic_class),
-            context.timeout_s, key, request_print)
+            context.timeout_s,
+            key,
+            request_print,
+        )
         try:
             earlier = await self.shared.open(record, key, request_print)
         except StateUnavailable:
@@ -204,30 +243,52 @@ class Sluice:
             if earlier_print != request_print:
                 raise _key_reused()
             found = self.store.by_key(tenant, key)
-            followed = found[0] if found is not None else await self._find_shared(tenant,
-                                                                                 public_id)
+            followed = found[0] if found is not None else await self._find_shared(tenant, public_id)
             if followed is None:  # (expired between the two reads)
-                raise ResourceNotFound("the generation made with this idempotency key has "
-                                       "expired; send the request with a new key",
-                                       param="Idempotency-Key")
+                raise ResourceNotFound(
+                    "the generation made with this idempotency key has "
+                    "expired; send the request with a new key",
+                    param="Idempotency-Key",
+                )
             return followed, True
         try:
-            run = self._open(parsed, timeline, context, stream=stream, resumable=True,
-                             response_id=response_id, created=record.created,
-                             mirror=Mirror(self.shared, record))
+            run = self._open(
+                parsed,
+                timeline,
+                context,
+                stream=stream,
+                resumable=True,
+                response_id=response_id,
+                created=record.created,
+                mirror=Mirror(self.shared, record),
+            )
         except SluiceError:
             await self.shared.forget(record)  # refused: the key is free for a retry
             raise
         self.store.add(tenant, key, request_print, run)
         return run, False
 
-    def generate_part(self, parsed: ParsedRequest, timeline: RequestTimeline,
-                      context: RequestContext, *, stream: bool, response_id: str,
-                      first_index: int) -> GenerationRun:
+    def generate_part(
+        self,
+        parsed: ParsedRequest,
+        timeline: RequestTimeline,
+        context: RequestContext,
+        *,
+        stream: bool,
+        response_id: str,
+        first_index: int,
+    ) -> GenerationRun:
         """One prompt's run of a request with several: its chunks carry the request's
         `response_id`, its choices are numbered from `first_index`."""
-        return self._open(parsed, timeline, context, stream=stream, resumable=False,
-                          response_id=response_id, first_index=first_index)
+        return self._open(
+            parsed,
+            timeline,
+            context,
+            stream=stream,
+            resumable=False,
+            response_id=response_id,
+            first_index=first_index,
+        )
 
     def tenant_of(self, context: RequestContext) -> Tenant:
         """The caller's tenant (401 for a missing or wrong key, 429 after too many)."""
@@ -258,79 +319,133 @@ class Sluice:
         if run is not None:
             return run
         if self.draining:
-            raise ShuttingDown("the server is shutting down; retry on another replica",
-                               retry_after=1)
+            raise ShuttingDown(
+                "the server is shutting down; retry on another replica", retry_after=1
+            )
         parsed = parse_request(record.request, record.kind)
-        timeline = RequestTimeline(request_id=record.request_id, model=self.served_model,
-                                   api="chat" if record.kind == "chat" else "completions",
-                                   recorded=False)
+        timeline = RequestTimeline(
+            request_id=record.request_id,
+            model=self.served_model,
+            api="chat" if record.kind == "chat" else "completions",
+            recorded=False,
+        )
         context = RequestContext(
-            traffic_class=None if record.traffic_class is None
+            traffic_class=None
+            if record.traffic_class is None
             else TrafficClass(record.traffic_class),
-            timeout_s=record.timeout_s, tenant=self.tenants.tenant(tenant))
+            timeout_s=record.timeout_s,
+            tenant=self.tenants.tenant(tenant),
+        )
         ticket, engine_request, plan = self.prepare(parsed, timeline, context)
-        shape = self._shape(parsed, engine_request, plan, stream=record.stream,
-                            response_id=record.public_id.partition("-")[2],
-                            created=record.created)
-        run = GenerationRun(shape, timeline, None, resumable=True,
-                            grace_seconds=self.grace_seconds, on_end=self._ended,
-                            follow=Follow(self.shared, record),
-                            takeover=functools.partial(self._takeover, ticket, engine_request))
+        shape = self._shape(
+            parsed,
+            engine_request,
+            plan,
+            stream=record.stream,
+            response_id=record.public_id.partition("-")[2],
+            created=record.created,
+        )
+        run = GenerationRun(
+            shape,
+            timeline,
+            None,
+            resumable=True,
+            grace_seconds=self.grace_seconds,
+            on_end=self._ended,
+            follow=Follow(self.shared, record),
+            takeover=functools.partial(self._takeover, ticket, engine_request),
+        )
         self.store.add(tenant, record.key, record.fingerprint, run)
         self.live.add(run)
         run.start()
         return run
 
-    def _takeover(self, ticket: Ticket, request: GenerationRequest, run: GenerationRun
-                  ) -> Admission[Any]:
+    def _takeover(
+        self, ticket: Ticket, request: GenerationRequest, run: GenerationRun
+    ) -> Admission[Any]:
         """The admission that continues a followed run here, its replica having died: from
         the tokens its log holds (as a preempted generation is continued), or from the start
         when none was sent."""
-        generated = [token for event in run.log if event.kind is Kind.PIECE
-                     for token in event.token_ids]
+        generated = [
+            token for event in run.log if event.kind is Kind.PIECE for token in event.token_ids
+        ]
         if generated:
             if not ticket.preemptible:
                 raise GenerationFailed(
                     "the replica running this generation stopped, and a generation with "
                     "several choices, beams, prompt embeddings or structured output cannot "
                     "be continued on another: send the request again with a new idempotency "
-                    "key")
+                    "key"
+                )
             ticket = ticket.continued(len(generated))
             request = request.continued(generated, f"{request.request_id}~takeover")
         metrics.STATE_TAKEOVERS.labels("continued" if generated else "afresh").inc()
         run.timeline.recorded = True
         return self.dispatcher.generation(ticket, request)
 
-    def _open(self, parsed: ParsedRequest, timeline: RequestTimeline,
-              context: RequestContext, *, stream: bool, resumable: bool,
-              response_id: str | None = None, first_index: int = 0, created: int | None = None,
-              mirror: Mirror | None = None) -> GenerationRun:
+    def _open(
+        self,
+        parsed: ParsedRequest,
+        timeline: RequestTimeline,
+        context: RequestContext,
+        *,
+        stream: bool,
+        resumable: bool,
+        response_id: str | None = None,
+        first_index: int = 0,
+        created: int | None = None,
+        mirror: Mirror | None = None,
+    ) -> GenerationRun:
         """Prepared, admitted (refusals are decided here, before anything awaits), started."""
         if self.draining:
-            raise ShuttingDown("the server is shutting down; retry on another replica",
-                               retry_after=1)
+            raise ShuttingDown(
+                "the server is shutting down; retry on another replica", retry_after=1
+            )
         ticket, engine_request, plan = self.prepare(parsed, timeline, context)
         admission = self.dispatcher.generation(ticket, engine_request)
         shape = self._shape(
-            parsed, engine_request, plan, stream=stream, first_index=first_index,
+            parsed,
+            engine_request,
+            plan,
+            stream=stream,
+            first_index=first_index,
             # A resumable generation's id is found again by it: never the client's.
-            response_id=response_id or (uuid.uuid4().hex if resumable
-                                        else timeline.request_id), created=created)
-        run = GenerationRun(shape, timeline, admission, resumable=resumable,
-                            grace_seconds=self.grace_seconds, on_end=self._ended, mirror=mirror)
+            response_id=response_id or (uuid.uuid4().hex if resumable else timeline.request_id),
+            created=created,
+        )
+        run = GenerationRun(
+            shape,
+            timeline,
+            admission,
+            resumable=resumable,
+            grace_seconds=self.grace_seconds,
+            on_end=self._ended,
+            mirror=mirror,
+        )
         self.live.add(run)
         run.start()
         return run
 
-    def _shape(self, parsed: ParsedRequest, engine_request: GenerationRequest,
-               plan: OutputPlan, *, stream: bool, response_id: str, first_index: int = 0,
-               created: int | None = None) -> Shape:
+    def _shape(
+        self,
+        parsed: ParsedRequest,
+        engine_request: GenerationRequest,
+        plan: OutputPlan,
+        *,
+        stream: bool,
+        response_id: str,
+        first_index: int = 0,
+        created: int | None = None,
+    ) -> Shape:
         prompt_ids = engine_request.prompt_token_ids
         return Shape(
-            parsed=parsed, model=self.served_model, stream=stream, response_id=response_id,
-            first_index=first_index, created=created,
-            new_parser=None if plan.parser is None else functools.partial(
-                plan.parser, prompt_ids),
+            parsed=parsed,
+            model=self.served_model,
+            stream=stream,
+            response_id=response_id,
+            first_index=first_index,
+            created=created,
+            new_parser=None if plan.parser is None else functools.partial(plan.parser, prompt_ids),
             prompt_token_ids=prompt_ids if parsed.return_token_ids else None,
             echo=self._echo(parsed, prompt_ids),
         )
@@ -342,10 +457,16 @@ class Sluice:
             return Echo(content if isinstance(content, str) else "", (), "", prompt_only=False)
         if not parsed.echo:
             return None
-        text = parsed.prompt if isinstance(parsed.prompt, str) else self.engine.detokenize(
-            list(prompt_ids))
-        first = (token_id_name(prompt_ids[0]) if parsed.sampling.get("tokens_as_ids")
-                 else self.engine.detokenize(list(prompt_ids[:1])))
+        text = (
+            parsed.prompt
+            if isinstance(parsed.prompt, str)
+            else self.engine.detokenize(list(prompt_ids))
+        )
+        first = (
+            token_id_name(prompt_ids[0])
+            if parsed.sampling.get("tokens_as_ids")
+            else self.engine.detokenize(list(prompt_ids[:1]))
+        )
         return Echo(text, prompt_ids, first, prompt_only=parsed.max_tokens == 0)
 
     def _ended(self, run: GenerationRun) -> None:
@@ -366,13 +487,19 @@ class Sluice:
             except TimeoutError:
                 for run in list(self.live):
                     if run.shared:  # another replica takes it over at once
-                        run.cancel(ShuttingDown(
-                            "the server is shutting down; resume the generation (with its "
-                            "last event id), or retry with its idempotency key: another "
-                            "replica continues it", retry_after=1), hand_over=True)
+                        run.cancel(
+                            ShuttingDown(
+                                "the server is shutting down; resume the generation (with its "
+                                "last event id), or retry with its idempotency key: another "
+                                "replica continues it",
+                                retry_after=1,
+                            ),
+                            hand_over=True,
+                        )
                     else:
-                        run.cancel(ShuttingDown("the server is shutting down; retry",
-                                                retry_after=1))
+                        run.cancel(
+                            ShuttingDown("the server is shutting down; retry", retry_after=1)
+                        )
                 await self._idle.wait()
 
     def prepare(
@@ -388,26 +515,30 @@ class Sluice:
             raise EngineUnavailable("the engine is not available", retry_after=5)
         timeline.tenant = tenant.name
         timeline.tenant_label = tenant.metric_label if tenant.configured else None
-        timeline.traffic_class = str(self.tenants.traffic_class(
-            tenant, parsed.service_tier, context.traffic_class
-        ))
+        timeline.traffic_class = str(
+            self.tenants.traffic_class(tenant, parsed.service_tier, context.traffic_class)
+        )
         self.check_model(parsed.model)
         for key in ("logprobs", "prompt_logprobs"):
             if key in parsed.sampling and not self.engine.model.logprobs:
                 raise UnsupportedParameter(
-                    f"the {self.engine.model.engine} engine does not return logprobs",
-                    param=key)
+                    f"the {self.engine.model.engine} engine does not return logprobs", param=key
+                )
         if parsed.n > 1 and not self.engine.model.choices:
             raise UnsupportedParameter(
-                f"the {self.engine.model.engine} engine samples one choice only", param="n")
+                f"the {self.engine.model.engine} engine samples one choice only", param="n"
+            )
         if parsed.sampling.get("beam_search") and not self.engine.model.beam_search:
             raise UnsupportedParameter(
                 f"the {self.engine.model.engine} engine does not search beams",
-                param="use_beam_search")
+                param="use_beam_search",
+            )
         plan = self.plan_output(parsed)
         if parsed.sampling.get("beam_search") and plan.constraint is not None:
-            raise UnsupportedParameter("beam search does not follow structured outputs or "
-                                       "a required tool call", param="use_beam_search")
+            raise UnsupportedParameter(
+                "beam search does not follow structured outputs or a required tool call",
+                param="use_beam_search",
+            )
         self._check_token_ids(parsed)
         prompt_ids, embeds = self._prompt(parsed, plan)
         prompt_tokens = len(prompt_ids) if embeds is None else embeds.length
@@ -437,8 +568,12 @@ class Sluice:
             # A constrained generation resumed as a continuation would restart its grammar;
             # one of several choices (or beams) cannot resume alone; embeddings cannot be
             # continued with token ids.
-            preemptible=(plan.constraint is None and parsed.n == 1 and embeds is None
-                         and not parsed.sampling.get("beam_search")),
+            preemptible=(
+                plan.constraint is None
+                and parsed.n == 1
+                and embeds is None
+                and not parsed.sampling.get("beam_search")
+            ),
             n=parsed.n,
         )
         timeline.slo = self.dispatcher.slo_targets(ticket.traffic_class)
@@ -456,16 +591,16 @@ class Sluice:
             return PLAIN_TEXT
         try:
             return self.engine.plan_output(
-                OutputRequest(parsed.kind, parsed.output, parsed.messages,
-                              parsed.template_kwargs))
+                OutputRequest(parsed.kind, parsed.output, parsed.messages, parsed.template_kwargs)
+            )
         except EngineRequestError as exc:
             raise engine_failure(exc) from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model:
             raise ModelNotFound(
-                f"the model '{model}' does not exist; this server serves "
-                f"'{self.served_model}'", param="model",
+                f"the model '{model}' does not exist; this server serves '{self.served_model}'",
+                param="model",
             )
 
     def _check_token_ids(self, parsed: ParsedRequest) -> None:
@@ -475,22 +610,29 @@ class Sluice:
             check_in_vocabulary(parsed.prompt, vocab, "prompt")
         check_in_vocabulary(parsed.sampling.get("stop_token_ids", ()), vocab, "stop_token_ids")
         check_in_vocabulary(parsed.sampling.get("logit_bias") or (), vocab, "logit_bias")
-        check_in_vocabulary(parsed.sampling.get("allowed_token_ids") or (), vocab,
-                            "allowed_token_ids")
-        check_in_vocabulary(parsed.forwarded_prompt_ids or (), vocab,
-                            "kv_transfer_params.prompt_token_ids")
+        check_in_vocabulary(
+            parsed.sampling.get("allowed_token_ids") or (), vocab, "allowed_token_ids"
+        )
+        check_in_vocabulary(
+            parsed.forwarded_prompt_ids or (), vocab, "kv_transfer_params.prompt_token_ids"
+        )
 
-    def render_chat(self, messages: list[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         try:
             return self.engine.render_chat(messages, tools, template_kwargs)
         except Exception as exc:  # template errors are the client's messages' fault
-            raise InvalidRequest(f"cannot apply the chat template: {exc}",
-                                 param="messages") from None
+            raise InvalidRequest(
+                f"cannot apply the chat template: {exc}", param="messages"
+            ) from None
 
-    def _prompt(self, parsed: ParsedRequest, plan: OutputPlan
-                ) -> tuple[list[int], PromptEmbeds | None]:
+    def _prompt(
+        self, parsed: ParsedRequest, plan: OutputPlan
+    ) -> tuple[list[int], PromptEmbeds | None]:
         """The prompt's token ids (truncated as asked), or its embeddings (and no ids)."""
         if parsed.prompt_embeds is not None:
             try:
@@ -509,7 +651,7 @@ class Sluice:
         keep = parsed.truncate_prompt_tokens
         if keep is not None:  # vLLM's truncate_prompt_tokens (-1: the context's worth)
             keep = self.engine.model.max_model_len if keep == -1 else keep
-            ids = ids[max(0, len(ids) - keep):] if parsed.truncation_side == "left" else ids[:keep]
+            ids = ids[max(0, len(ids) - keep) :] if parsed.truncation_side == "left" else ids[:keep]
         if not ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         return ids, None
@@ -525,8 +667,9 @@ def _same_body(found: tuple[GenerationRun, str], request_print: str) -> Generati
 
 
 def _key_reused() -> IdempotencyKeyReused:
-    return IdempotencyKeyReused("this idempotency key was used with a different request body",
-                                param="Idempotency-Key")
+    return IdempotencyKeyReused(
+        "this idempotency key was used with a different request body", param="Idempotency-Key"
+    )
 
 
 def receive_disconnect(receive: Receive) -> Callable[[], Awaitable[None]]:

@@ -24,40 +24,102 @@ _ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
 }
 # Parameters accepted and with no effect on generation (metadata, hints).
-_IGNORED = {"user", "metadata", "store", "spaces_between_special_tokens", "request_id",
-            "priority", "stream_options"}
+_IGNORED = {
+    "user",
+    "metadata",
+    "store",
+    "spaces_between_special_tokens",
+    "request_id",
+    "priority",
+    "stream_options",
+}
 
 _SAMPLING = {
-    "temperature", "top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "max_tokens",
-    "allowed_token_ids", "bad_words",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "max_tokens",
+    "allowed_token_ids",
+    "bad_words",
 }
 # How the output is shaped (structured outputs, tools, reasoning): the engine's to apply, each
 # checked here for its JSON type only (see EngineClient.plan_output).
 _OUTPUT: dict[str, tuple[type, ...]] = {"response_format": (dict,), "structured_outputs": (dict,)}
 _CHAT_OUTPUT: dict[str, tuple[type, ...]] = {
-    **_OUTPUT, "tools": (list,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,),
-    "include_reasoning": (bool,)}
-_COMMON = {"model", "stream", "service_tier", "add_special_tokens", "logprobs", "n", "echo",
-           "return_tokens_as_token_ids", "kv_transfer_params", "use_beam_search",
-           "length_penalty",
-           "prompt_logprobs", "return_token_ids", "truncate_prompt_tokens", "truncation_side",
-           *_SAMPLING,
-           *_ONLY_DEFAULT, *_IGNORED, *_OUTPUT}
-_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
-              "add_generation_prompt", "continue_final_message", "reasoning_effort",
-              "documents", *_CHAT_OUTPUT}
+    **_OUTPUT,
+    "tools": (list,),
+    "tool_choice": (str, dict),
+    "parallel_tool_calls": (bool,),
+    "include_reasoning": (bool,),
+}
+_COMMON = {
+    "model",
+    "stream",
+    "service_tier",
+    "add_special_tokens",
+    "logprobs",
+    "n",
+    "echo",
+    "return_tokens_as_token_ids",
+    "kv_transfer_params",
+    "use_beam_search",
+    "length_penalty",
+    "prompt_logprobs",
+    "return_token_ids",
+    "truncate_prompt_tokens",
+    "truncation_side",
+    *_SAMPLING,
+    *_ONLY_DEFAULT,
+    *_IGNORED,
+    *_OUTPUT,
+}
+_CHAT_ONLY = {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "reasoning_effort",
+    "documents",
+    *_CHAT_OUTPUT,
+}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
 MAX_LOGPROBS = 20  # vLLM's default `max_logprobs`
 MAX_CHOICES = 128  # OpenAI's limit on n
 _COMPLETION_ONLY = {"prompt", "prompt_embeds"}
 # What vLLM's beam search does not apply (it would drop them): refused with it.
-_NOT_WITH_BEAM = ("top_p", "top_k", "min_p", "min_tokens", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
-                  "logit_bias", "logprobs", "prompt_logprobs", "tokens_as_ids",
-                  "allowed_token_ids", "bad_words")
+_NOT_WITH_BEAM = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "logprobs",
+    "prompt_logprobs",
+    "tokens_as_ids",
+    "allowed_token_ids",
+    "bad_words",
+)
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 
 
@@ -100,8 +162,9 @@ class ParsedRequest:
     def n(self) -> int:
         return int(self.sampling.get("n", 1))
 
-    def sampling_options(self, max_tokens: int, constraint: object | None = None
-                         ) -> SamplingOptions:
+    def sampling_options(
+        self, max_tokens: int, constraint: object | None = None
+    ) -> SamplingOptions:
         return SamplingOptions(max_tokens=max_tokens, constraint=constraint, **self.sampling)
 
 
@@ -116,7 +179,8 @@ def _number(body: Mapping[str, Any], key: str, lo: float, hi: float) -> float | 
         return None
     _check(
         isinstance(value, int | float) and not isinstance(value, bool),
-        f"'{key}' must be a number", key,
+        f"'{key}' must be a number",
+        key,
     )
     _check(lo <= value <= hi, f"'{key}' must be between {lo} and {hi}, got {value}", key)
     return float(value)
@@ -128,15 +192,24 @@ def _integer(body: Mapping[str, Any], key: str, lo: int, hi: int | None = None) 
         return None
     # One message for both failures: orjson reads an integer beyond 64 bits as a float.
     bounds = f"at least {lo}" + (f" and at most {hi}" if hi is not None else "")
-    _check(isinstance(value, int | float) and not isinstance(value, bool),
-           f"'{key}' must be an integer, {bounds}", key)
+    _check(
+        isinstance(value, int | float) and not isinstance(value, bool),
+        f"'{key}' must be an integer, {bounds}",
+        key,
+    )
     # Named as pydantic names them too (vLLM's server answers with pydantic's messages). A
     # float at a bound is an integer beyond it, rounded by orjson.
     at_bound = isinstance(value, float)
-    _check(value > lo if at_bound else value >= lo,
-           f"'{key}' must be an integer, {bounds} (greater_than_equal)", key)
-    _check(hi is None or (value < hi if at_bound else value <= hi),
-           f"'{key}' must be an integer, {bounds} (less_than_equal)", key)
+    _check(
+        value > lo if at_bound else value >= lo,
+        f"'{key}' must be an integer, {bounds} (greater_than_equal)",
+        key,
+    )
+    _check(
+        hi is None or (value < hi if at_bound else value <= hi),
+        f"'{key}' must be an integer, {bounds} (less_than_equal)",
+        key,
+    )
     _check(isinstance(value, int), f"'{key}' must be an integer, {bounds}", key)
     return int(value)
 
@@ -157,7 +230,8 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...] | None:
         return (value,)
     _check(
         isinstance(value, list) and len(value) <= 16 and all(isinstance(s, str) for s in value),
-        "'stop' must be a string or a list of at most 16 strings", "stop",
+        "'stop' must be a string or a list of at most 16 strings",
+        "stop",
     )
     return tuple(value)
 
@@ -169,7 +243,8 @@ def token_ids_from(body: Mapping[str, Any], key: str) -> tuple[int, ...] | None:
     _check(
         isinstance(value, list)
         and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value),
-        f"'{key}' must be a list of token ids", key,
+        f"'{key}' must be a list of token ids",
+        key,
     )
     return tuple(value)
 
@@ -180,19 +255,20 @@ def _forwarded_prompt_ids(body: Mapping[str, Any]) -> tuple[int, ...] | None:
     params = body.get("kv_transfer_params")
     if params is None:
         return None
-    _check(isinstance(params, dict), "'kv_transfer_params' must be an object",
-           "kv_transfer_params")
+    _check(isinstance(params, dict), "'kv_transfer_params' must be an object", "kv_transfer_params")
     for key in params:
         if key != "prompt_token_ids":
-            raise UnsupportedParameter(f"'kv_transfer_params.{key}' needs a KV connector, "
-                                       "which this server does not run",
-                                       param=f"kv_transfer_params.{key}")
+            raise UnsupportedParameter(
+                f"'kv_transfer_params.{key}' needs a KV connector, which this server does not run",
+                param=f"kv_transfer_params.{key}",
+            )
     param = "kv_transfer_params.prompt_token_ids"
     try:
         ids = token_ids_from(params, "prompt_token_ids")
     except InvalidRequest as exc:
-        raise InvalidRequest(exc.message.replace("'prompt_token_ids'", f"'{param}'"),
-                             param=param) from None
+        raise InvalidRequest(
+            exc.message.replace("'prompt_token_ids'", f"'{param}'"), param=param
+        ) from None
     _check(ids is None or len(ids) > 0, f"'{param}' must not be empty", param)
     return ids
 
@@ -200,8 +276,9 @@ def _forwarded_prompt_ids(body: Mapping[str, Any]) -> tuple[int, ...] | None:
 def _allowed_token_ids(body: Mapping[str, Any]) -> tuple[int, ...] | None:
     """vLLM's: only these tokens may be generated."""
     ids = token_ids_from(body, "allowed_token_ids")
-    _check(ids is None or len(ids) > 0, "'allowed_token_ids' must not be empty",
-           "allowed_token_ids")
+    _check(
+        ids is None or len(ids) > 0, "'allowed_token_ids' must not be empty", "allowed_token_ids"
+    )
     return ids
 
 
@@ -210,8 +287,11 @@ def _bad_words(body: Mapping[str, Any]) -> tuple[str, ...] | None:
     value = body.get("bad_words")
     if value is None:
         return None
-    _check(isinstance(value, list) and all(isinstance(w, str) and w for w in value),
-           "'bad_words' must be a list of non-empty strings", "bad_words")
+    _check(
+        isinstance(value, list) and all(isinstance(w, str) and w for w in value),
+        "'bad_words' must be a list of non-empty strings",
+        "bad_words",
+    )
     return tuple(value)
 
 
@@ -221,12 +301,18 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
         return None
     _check(isinstance(value, dict), "'logit_bias' must be an object", "logit_bias")
     bad = [key for key in value if not key.strip().isdigit()]
-    _check(not bad, "'logit_bias' keys must be token ids; not: "
-           + ", ".join(repr(key) for key in bad), "logit_bias")
+    _check(
+        not bad,
+        "'logit_bias' keys must be token ids; not: " + ", ".join(repr(key) for key in bad),
+        "logit_bias",
+    )
     bias = {}
     for key, number in value.items():
-        _check(isinstance(number, int | float) and not isinstance(number, bool),
-               f"'logit_bias' value for {key!r} must be a number", "logit_bias")
+        _check(
+            isinstance(number, int | float) and not isinstance(number, bool),
+            f"'logit_bias' value for {key!r} must be a number",
+            "logit_bias",
+        )
         bias[int(key)] = min(100.0, max(-100.0, float(number)))  # OpenAI's range, as vLLM clamps
     return bias
 
@@ -267,8 +353,16 @@ def _logprobs(body: Mapping[str, Any], kind: str) -> int | None:
 
 
 # Set by the server itself when it renders the template (the last two from their own fields).
-_TEMPLATE_OWN = {"messages", "tools", "tokenize", "conversation", "add_generation_prompt",
-                 "continue_final_message", "documents", "reasoning_effort"}
+_TEMPLATE_OWN = {
+    "messages",
+    "tools",
+    "tokenize",
+    "conversation",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "reasoning_effort",
+}
 
 
 def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -276,17 +370,25 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
     `add_generation_prompt` (default true) and `continue_final_message` (the last message
     left open for the model to go on with; then no generation prompt)."""
     value = body.get("chat_template_kwargs")
-    _check(value is None or isinstance(value, dict), "'chat_template_kwargs' must be an object",
-           "chat_template_kwargs")
+    _check(
+        value is None or isinstance(value, dict),
+        "'chat_template_kwargs' must be an object",
+        "chat_template_kwargs",
+    )
     kwargs = dict(value or {})
     for key in kwargs:
-        _check(key not in _TEMPLATE_OWN, f"'chat_template_kwargs' may not set '{key}'",
-               "chat_template_kwargs")
+        _check(
+            key not in _TEMPLATE_OWN,
+            f"'chat_template_kwargs' may not set '{key}'",
+            "chat_template_kwargs",
+        )
     generation_prompt = boolean_from(body, "add_generation_prompt")
     continue_final = boolean_from(body, "continue_final_message")
-    _check(not (continue_final and generation_prompt is not False),  # its default is true
-           "'continue_final_message' needs 'add_generation_prompt': false",
-           "continue_final_message")
+    _check(
+        not (continue_final and generation_prompt is not False),  # its default is true
+        "'continue_final_message' needs 'add_generation_prompt': false",
+        "continue_final_message",
+    )
     if continue_final:
         kwargs.update(continue_final_message=True, add_generation_prompt=False)
     elif generation_prompt is False:
@@ -294,13 +396,24 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
     # As vLLM passes them: to the template (which may ignore them), and an effort also turns
     # thinking on or off for templates that ask (unless chat_template_kwargs says).
     documents = body.get("documents")
-    _check(documents is None or (isinstance(documents, list) and all(
-        isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in documents)),
-        "'documents' must be a list of objects of strings", "documents")
+    _check(
+        documents is None
+        or (
+            isinstance(documents, list)
+            and all(
+                isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
+                for d in documents
+            )
+        ),
+        "'documents' must be a list of objects of strings",
+        "documents",
+    )
     effort = body.get("reasoning_effort")
-    _check(effort is None or effort in REASONING_EFFORTS,
-           "'reasoning_effort' must be one of " + ", ".join(REASONING_EFFORTS),
-           "reasoning_effort")
+    _check(
+        effort is None or effort in REASONING_EFFORTS,
+        "'reasoning_effort' must be one of " + ", ".join(REASONING_EFFORTS),
+        "reasoning_effort",
+    )
     if documents is not None:
         kwargs["documents"] = documents
     if effort is not None:
@@ -311,33 +424,48 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def _truncation_side(body: Mapping[str, Any]) -> str:
     side = body.get("truncation_side")
-    _check(side in (None, "left", "right"), "'truncation_side' must be 'left' or 'right'",
-           "truncation_side")
+    _check(
+        side in (None, "left", "right"),
+        "'truncation_side' must be 'left' or 'right'",
+        "truncation_side",
+    )
     return str(side or "left")
 
 
 def messages_from(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
-    _check(isinstance(messages, list) and len(messages) > 0,
-           "'messages' must be a non-empty list", "messages")
+    _check(
+        isinstance(messages, list) and len(messages) > 0,
+        "'messages' must be a non-empty list",
+        "messages",
+    )
     assert isinstance(messages, list)
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         _check(isinstance(message, dict), "each message must be an object", param)
         # Any role the chat template accepts, as vLLM's server does.
-        _check(isinstance(message.get("role"), str) and message["role"] != "",
-               "'role' must be a non-empty string", f"{param}.role")
+        _check(
+            isinstance(message.get("role"), str) and message["role"] != "",
+            "'role' must be a non-empty string",
+            f"{param}.role",
+        )
         content = message.get("content")
         if isinstance(content, list):
             for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     raise UnsupportedParameter(
                         "only text content parts are supported", param=f"{param}.content"
                     )
         else:
-            _check(isinstance(content, str) or (content is None and message["role"] == "assistant"),
-                   "'content' must be a string or a list of text parts", f"{param}.content")
+            _check(
+                isinstance(content, str) or (content is None and message["role"] == "assistant"),
+                "'content' must be a string or a list of text parts",
+                f"{param}.content",
+            )
     return messages
 
 
@@ -348,11 +476,15 @@ def split_prompts(body: Any) -> list[dict[str, Any]] | None:
     if not isinstance(body, dict):
         return None
     prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
-    texts = prompt if isinstance(prompt, list) and all(
-        isinstance(p, str | list) for p in prompt) and prompt else [prompt]
+    texts = (
+        prompt
+        if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt) and prompt
+        else [prompt]
+    )
     tensors = embeds if isinstance(embeds, list) and embeds else [embeds]
-    parts = ([{"prompt_embeds": e} for e in tensors if e is not None]
-             + [{"prompt": p} for p in texts if p not in (None, "")])
+    parts = [{"prompt_embeds": e} for e in tensors if e is not None] + [
+        {"prompt": p} for p in texts if p not in (None, "")
+    ]
     if len(parts) < 2:
         return None
     return [{**body, "prompt": None, "prompt_embeds": None, **part} for part in parts]
@@ -363,14 +495,17 @@ def _prompt(body: Mapping[str, Any]) -> str | list[int] | None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if prompt in (None, "") and embeds in (None, []):  # vLLM's message
-        raise InvalidRequest("Either prompt or prompt_embeds must be provided and non-empty.",
-                             param="prompt")
+        raise InvalidRequest(
+            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
     if prompt in (None, ""):
         return None  # the embeddings are the prompt
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
     ):
         return prompt
     raise InvalidRequest("'prompt' must be a string or a list of token ids", param="prompt")
@@ -384,14 +519,17 @@ def _prompt_embeds(body: Mapping[str, Any]) -> str | None:
         embeds = embeds[0]
     if embeds is None:
         return None
-    _check(isinstance(embeds, str) and embeds != "",
-           "'prompt_embeds' must be a base64 string or a list of them", "prompt_embeds")
-    for key, what in (("echo", "Echo is unsupported with prompt embeds."),
-                      ("prompt_logprobs", "prompt_logprobs is not compatible with prompt "
-                                          "embeds."),
-                      ("truncate_prompt_tokens", "truncate_prompt_tokens is not supported "
-                                                 "with prompt embeds."),
-                      ("use_beam_search", "Embedding prompt not supported for beam search")):
+    _check(
+        isinstance(embeds, str) and embeds != "",
+        "'prompt_embeds' must be a base64 string or a list of them",
+        "prompt_embeds",
+    )
+    for key, what in (
+        ("echo", "Echo is unsupported with prompt embeds."),
+        ("prompt_logprobs", "prompt_logprobs is not compatible with prompt embeds."),
+        ("truncate_prompt_tokens", "truncate_prompt_tokens is not supported with prompt embeds."),
+        ("use_beam_search", "Embedding prompt not supported for beam search"),
+    ):
         _check(body.get(key) in (None, False), what, key)
     _check(body.get("prompt") in (None, ""), "send 'prompt' or 'prompt_embeds'", "prompt")
     return embeds
@@ -406,10 +544,12 @@ def _beam_search(body: Mapping[str, Any], kind: str, sampling: dict[str, Any]) -
     for key in _NOT_WITH_BEAM:
         if key in sampling:
             param = {"tokens_as_ids": "return_tokens_as_token_ids"}.get(key, key)
-            raise UnsupportedParameter(f"'{param}' does not apply to beam search",
-                                       param=param)
-    _check(kind == "chat" or not boolean_from(body, "stream"),  # vLLM's rule and message
-           "Streaming is not currently supported with beam search", "stream")
+            raise UnsupportedParameter(f"'{param}' does not apply to beam search", param=param)
+    _check(
+        kind == "chat" or not boolean_from(body, "stream"),  # vLLM's rule and message
+        "Streaming is not currently supported with beam search",
+        "stream",
+    )
     sampling["beam_search"] = True
     if length_penalty is not None:
         sampling["length_penalty"] = length_penalty
@@ -423,8 +563,12 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
     for key, value in body.items():
         if key not in allowed:
             raise UnsupportedParameter(f"unsupported parameter '{key}'", param=key)
-        if key in _ONLY_DEFAULT and value is not None and not any(
-            type(value) is type(default) and value == default for default in _ONLY_DEFAULT[key]
+        if (
+            key in _ONLY_DEFAULT
+            and value is not None
+            and not any(
+                type(value) is type(default) and value == default for default in _ONLY_DEFAULT[key]
+            )
         ):
             raise UnsupportedParameter(
                 f"'{key}'={value!r} is not supported by this server", param=key
@@ -442,8 +586,11 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         sampling["logprobs"] = logprobs
     prompt_logprobs = _integer(body, "prompt_logprobs", 0, MAX_LOGPROBS)
     if prompt_logprobs is not None:
-        _check(not boolean_from(body, "stream"),
-               "'prompt_logprobs' are not available when streaming", "prompt_logprobs")
+        _check(
+            not boolean_from(body, "stream"),
+            "'prompt_logprobs' are not available when streaming",
+            "prompt_logprobs",
+        )
         sampling["prompt_logprobs"] = prompt_logprobs
     if boolean_from(body, "return_tokens_as_token_ids"):
         sampling["tokens_as_ids"] = True
@@ -452,17 +599,23 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         sampling["n"] = n
     echo = bool(boolean_from(body, "echo"))
     if echo and kind == "completion" and logprobs is not None:  # the prompt's come first
-        _check(not boolean_from(body, "stream"), "'echo' with 'logprobs' needs the prompt's "
-               "logprobs, which are not available when streaming", "echo")
+        _check(
+            not boolean_from(body, "stream"),
+            "'echo' with 'logprobs' needs the prompt's "
+            "logprobs, which are not available when streaming",
+            "echo",
+        )
         sampling.setdefault("prompt_logprobs", logprobs)
     # With echo, 0 asks for the prompt alone (vLLM then generates one token and drops it).
     max_tokens = _integer(body, "max_tokens", 0 if echo and kind == "completion" else 1)
     if kind == "chat":
         max_tokens = _integer(body, "max_completion_tokens", 1) or max_tokens
         if boolean_from(body, "add_special_tokens"):
-            raise UnsupportedParameter("'add_special_tokens' is not supported for chat: the chat "
-                                       "template adds the model's special tokens",
-                                       param="add_special_tokens")
+            raise UnsupportedParameter(
+                "'add_special_tokens' is not supported for chat: the chat "
+                "template adds the model's special tokens",
+                param="add_special_tokens",
+            )
     elif max_tokens is None:
         max_tokens = 16  # OpenAI's default for completions
     _beam_search(body, kind, sampling)
@@ -475,20 +628,27 @@ def parse_request(body: Any, kind: str) -> ParsedRequest:
         _check(stream, "'stream_options' is only allowed when 'stream' is true", "stream_options")
         for key in options:
             if key not in _STREAM_OPTIONS:
-                raise UnsupportedParameter(f"unsupported stream option '{key}'",
-                                           param=f"stream_options.{key}")
+                raise UnsupportedParameter(
+                    f"unsupported stream option '{key}'", param=f"stream_options.{key}"
+                )
         include_usage = boolean_from(options, "include_usage") or False
         continuous_usage = boolean_from(options, "continuous_usage_stats") or False
         continuous_usage = continuous_usage and include_usage  # as vLLM: no usage, none
     output = {}
     for key, types in (_CHAT_OUTPUT if kind == "chat" else _OUTPUT).items():
         if body.get(key) is not None:
-            _check(isinstance(body[key], types),
-                   f"'{key}' must be " + " or ".join(_JSON_NAMES[t] for t in types), key)
+            _check(
+                isinstance(body[key], types),
+                f"'{key}' must be " + " or ".join(_JSON_NAMES[t] for t in types),
+                key,
+            )
             output[key] = body[key]
     tier = body.get("service_tier")
-    _check(tier is None or tier in ("auto", "default", "flex", "priority"),
-           "'service_tier' must be one of auto, default, flex, priority", "service_tier")
+    _check(
+        tier is None or tier in ("auto", "default", "flex", "priority"),
+        "'service_tier' must be one of auto, default, flex, priority",
+        "service_tier",
+    )
     return ParsedRequest(
         kind=kind,
         model=model,

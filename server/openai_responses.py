@@ -21,10 +21,17 @@ DONE = b"data: [DONE]\n\n"
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """OpenAI's chat `logprobs.content` entries."""
-    return [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
-             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                              for t, lp in e.top]}
-            for e in entries]
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode()),
+            "top_logprobs": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top
+            ],
+        }
+        for e in entries
+    ]
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
@@ -34,9 +41,12 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> di
     for e in entries:
         offsets.append(text_offset)
         text_offset += len(e.token)
-    return {"text_offset": offsets, "token_logprobs": [e.logprob for e in entries],
-            "tokens": [e.token for e in entries],
-            "top_logprobs": [{e.token: e.logprob, **dict(e.top)} for e in entries]}
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [e.logprob for e in entries],
+        "tokens": [e.token for e in entries],
+        "top_logprobs": [{e.token: e.logprob, **dict(e.top)} for e in entries],
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +62,16 @@ class Echo:
     prompt_only: bool
 
 
-def echoed_logprobs(echo: Echo, positions: Sequence[Sequence[PromptLogprob] | None]
-                    ) -> dict[str, list[Any]]:
+def echoed_logprobs(
+    echo: Echo, positions: Sequence[Sequence[PromptLogprob] | None]
+) -> dict[str, list[Any]]:
     """The prompt's part of a completion's `logprobs`, from its prompt logprobs."""
-    part: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [],
-                                  "top_logprobs": []}
+    part: dict[str, list[Any]] = {
+        "text_offset": [],
+        "token_logprobs": [],
+        "tokens": [],
+        "top_logprobs": [],
+    }
     offset = 0
     for token_id, candidates in zip(echo.token_ids, positions, strict=True):
         if candidates is None:
@@ -65,8 +80,12 @@ def echoed_logprobs(echo: Echo, positions: Sequence[Sequence[PromptLogprob] | No
             own = next(c for c in candidates if c.token_id == token_id)
             token, logprob = own.token, own.logprob
             top = {c.token: c.logprob for c in candidates}
-        for key, value in (("text_offset", offset), ("token_logprobs", logprob),
-                           ("tokens", token), ("top_logprobs", top)):
+        for key, value in (
+            ("text_offset", offset),
+            ("token_logprobs", logprob),
+            ("tokens", token),
+            ("top_logprobs", top),
+        ):
             part[key].append(value)
         offset += len(token)
     return part
@@ -84,9 +103,15 @@ class ChunkEncoder:
     """Renders `data: {...}\\n\\n` events for one streamed chat or text completion."""
 
     def __init__(
-        self, kind: str, request_id: str, model: str, include_usage: bool,
-        continuous_usage: bool = False, prompt_tokens: int = 0,
-        prompt_token_ids: Sequence[int] | None = None, first_index: int = 0,
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        continuous_usage: bool = False,
+        prompt_tokens: int = 0,
+        prompt_token_ids: Sequence[int] | None = None,
+        first_index: int = 0,
         created: int | None = None,
     ) -> None:
         """`prompt_token_ids`: vLLM's `return_token_ids` asked for them (in the first chunk)
@@ -106,15 +131,19 @@ class ChunkEncoder:
         self._plain = not (continuous_usage or self._ids)  # text alone changes per chunk
         # Characters of text sent so far, per choice (completions' text_offset).
         self._text_offset: dict[int, int] = {}
-        self._head = b"data: " + orjson.dumps(
-            {"id": self.id, "object": self.object, "created": self.created, "model": model}
-        )[:-1] + b',"choices":[{"index":'
+        self._head = (
+            b"data: "
+            + orjson.dumps(
+                {"id": self.id, "object": self.object, "created": self.created, "model": model}
+            )[:-1]
+            + b',"choices":[{"index":'
+        )
         self._prefixes = [self._prefix(0)]  # per choice index, made when first needed
         if kind == "chat":
             self._suffix = b'},"logprobs":null,"finish_reason":null}]'
         else:
             self._suffix = b',"logprobs":null,"finish_reason":null}]'
-        self._suffix += (b',"usage":null}\n\n' if include_usage else b"}\n\n")
+        self._suffix += b',"usage":null}\n\n' if include_usage else b"}\n\n"
 
     def continuing(self, sent: dict[int, int]) -> None:
         """The stream's beginning was sent by another replica: `sent` characters of text per
@@ -123,8 +152,11 @@ class ChunkEncoder:
         self._text_offset.update(sent)
 
     def _prefix(self, index: int) -> bytes:
-        return self._head + str(index).encode() + (
-            b',"delta":{"content":' if self.kind == "chat" else b',"text":')
+        return (
+            self._head
+            + str(index).encode()
+            + (b',"delta":{"content":' if self.kind == "chat" else b',"text":')
+        )
 
     def _event(self, payload: dict[str, Any]) -> bytes:
         return b"data: " + orjson.dumps(payload) + b"\n\n"
@@ -138,8 +170,12 @@ class ChunkEncoder:
 
     def role(self, index: int = 0) -> bytes:
         """A chat choice's first chunk: the assistant role, empty content (as OpenAI sends it)."""
-        choice = {"index": index + self.first_index, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}
+        choice = {
+            "index": index + self.first_index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
             payload["usage"] = self._usage(0)
@@ -147,9 +183,14 @@ class ChunkEncoder:
             payload["prompt_token_ids"], self._prompt_ids = self._prompt_ids, None
         return self._event(payload)
 
-    def text(self, text: str, completion_tokens: int,
-             logprobs: Sequence[TokenLogprob] | None = None, index: int = 0,
-             token_ids: Sequence[int] = ()) -> bytes:
+    def text(
+        self,
+        text: str,
+        completion_tokens: int,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        index: int = 0,
+        token_ids: Sequence[int] = (),
+    ) -> bytes:
         """A chunk of a choice's generated text (and its tokens' logprobs when asked)."""
         if logprobs is None and self._plain:
             index += self.first_index
@@ -161,24 +202,36 @@ class ChunkEncoder:
         # With logprobs every chunk takes this path, so the offset counts all the text.
         offset = self._text_offset.get(index, 0)
         self._text_offset[index] = offset + len(text)
-        choice = {"index": index + self.first_index, "text": text, "logprobs": None
-                  if logprobs is None else completion_logprobs(logprobs, offset),
-                  "finish_reason": None}
+        choice = {
+            "index": index + self.first_index,
+            "text": text,
+            "logprobs": None if logprobs is None else completion_logprobs(logprobs, offset),
+            "finish_reason": None,
+        }
         if self._prompt_ids is not None:  # a completion's first chunk
             choice["prompt_token_ids"], self._prompt_ids = self._prompt_ids, None
         return self._chunk(choice, completion_tokens, token_ids)
 
-    def delta(self, delta: dict[str, Any], completion_tokens: int,
-              logprobs: Sequence[TokenLogprob] | None = None, index: int = 0,
-              token_ids: Sequence[int] = ()) -> bytes:
+    def delta(
+        self,
+        delta: dict[str, Any],
+        completion_tokens: int,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        index: int = 0,
+        token_ids: Sequence[int] = (),
+    ) -> bytes:
         """A chat chunk with `delta`'s fields (content, reasoning, tool calls)."""
-        choice = {"index": index + self.first_index, "delta": delta, "logprobs": None
-                  if logprobs is None else {"content": chat_logprobs(logprobs)},
-                  "finish_reason": None}
+        choice = {
+            "index": index + self.first_index,
+            "delta": delta,
+            "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},
+            "finish_reason": None,
+        }
         return self._chunk(choice, completion_tokens, token_ids)
 
-    def _chunk(self, choice: dict[str, Any], completion_tokens: int,
-               token_ids: Sequence[int]) -> bytes:
+    def _chunk(
+        self, choice: dict[str, Any], completion_tokens: int, token_ids: Sequence[int]
+    ) -> bytes:
         if self._ids:
             choice["token_ids"] = list(token_ids)
         payload = {**self._base(), "choices": [choice]}
@@ -186,17 +239,26 @@ class ChunkEncoder:
             payload["usage"] = self._usage(completion_tokens)
         return self._event(payload)
 
-    def finish(self, finish_reason: str, stop_reason: Any, last: dict[str, Any] | None,
-               completion_tokens: int, index: int = 0) -> bytes:
+    def finish(
+        self,
+        finish_reason: str,
+        stop_reason: Any,
+        last: dict[str, Any] | None,
+        completion_tokens: int,
+        index: int = 0,
+    ) -> bytes:
         """The chunk carrying a choice's finish_reason; `last` adds usage/timings when it ends
         the stream."""
         index += self.first_index
         if self.kind == "chat":
-            choice: dict[str, Any] = {"index": index, "delta": {}, "logprobs": None,
-                                      "finish_reason": finish_reason}
+            choice: dict[str, Any] = {
+                "index": index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
-            choice = {"index": index, "text": "", "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
         choice["stop_reason"] = stop_reason
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
@@ -213,21 +275,34 @@ class ChunkEncoder:
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-def prompt_logprobs(positions: Sequence[Sequence[PromptLogprob] | None] | None
-                    ) -> list[dict[str, dict[str, Any]] | None] | None:
+def prompt_logprobs(
+    positions: Sequence[Sequence[PromptLogprob] | None] | None,
+) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt position, {token id: {logprob, rank,
     decoded_token}} (null at the first position)."""
     if positions is None:
         return None
-    return [None if candidates is None else {
-        str(c.token_id): {"logprob": c.logprob, "rank": c.rank, "decoded_token": c.token}
-        for c in candidates} for candidates in positions]
+    return [
+        None
+        if candidates is None
+        else {
+            str(c.token_id): {"logprob": c.logprob, "rank": c.rank, "decoded_token": c.token}
+            for c in candidates
+        }
+        for candidates in positions
+    ]
 
 
 def whole_response(
-    kind: str, request_id: str, model: str, choices: Choices, prompt_tokens: int,
-    completion_tokens: int, timings: dict[str, Any],
-    prompt_token_ids: Sequence[int] | None = None, echo: Echo | None = None,
+    kind: str,
+    request_id: str,
+    model: str,
+    choices: Choices,
+    prompt_tokens: int,
+    completion_tokens: int,
+    timings: dict[str, Any],
+    prompt_token_ids: Sequence[int] | None = None,
+    echo: Echo | None = None,
 ) -> dict[str, Any]:
     """A non-streamed chat.completion or text_completion object. A chat choice's message is
     its parser's fields (content, reasoning, tool calls), or else its text is the content.
@@ -239,8 +314,12 @@ def whole_response(
     for choice in choices.in_order():
         logprobs = choice.logprobs
         if kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": choice.text,
-                                       "refusal": None, "annotations": []}
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": choice.text,
+                "refusal": None,
+                "annotations": [],
+            }
             if echo is not None:
                 message["content"] = echo.text + choice.text
             called = None
@@ -249,13 +328,16 @@ def whole_response(
                 called = bool(message.get("tool_calls"))
                 if not called:  # absent when none, as OpenAI's (and vLLM's) message has it
                     message.pop("tool_calls", None)
-            shaped.append({
-                "index": choice.index, "message": message,
-                "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},
-                "finish_reason": Choices.finish_reason(choice, called),
-                "stop_reason": choice.stop_reason,
-                "token_ids": None if ids is None else choice.token_ids,
-            })
+            shaped.append(
+                {
+                    "index": choice.index,
+                    "message": message,
+                    "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},
+                    "finish_reason": Choices.finish_reason(choice, called),
+                    "stop_reason": choice.stop_reason,
+                    "token_ids": None if ids is None else choice.token_ids,
+                }
+            )
         else:
             text = choice.text
             shaped_logprobs = None if logprobs is None else completion_logprobs(logprobs, 0)
@@ -263,17 +345,28 @@ def whole_response(
                 text = echo.text + ("" if echo.prompt_only else choice.text)
                 if logprobs is not None:
                     assert choices.prompt_logprobs is not None
-                    answer = completion_logprobs([] if echo.prompt_only else logprobs,
-                                                 len(echo.text))
-                    shaped_logprobs = {key: value + answer[key] for key, value in
-                                       echoed_logprobs(echo, choices.prompt_logprobs).items()}
-            shaped.append({"index": choice.index, "text": text, "logprobs": shaped_logprobs,
-                           "finish_reason": choice.finish_reason,
-                           "stop_reason": choice.stop_reason, "prompt_logprobs": prompt,
-                           "prompt_token_ids": ids,
-                           "token_ids": None if ids is None else choice.token_ids})
-    object_name, prefix = (("chat.completion", "chatcmpl-") if kind == "chat"
-                           else ("text_completion", "cmpl-"))
+                    answer = completion_logprobs(
+                        [] if echo.prompt_only else logprobs, len(echo.text)
+                    )
+                    shaped_logprobs = {
+                        key: value + answer[key]
+                        for key, value in echoed_logprobs(echo, choices.prompt_logprobs).items()
+                    }
+            shaped.append(
+                {
+                    "index": choice.index,
+                    "text": text,
+                    "logprobs": shaped_logprobs,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                    "prompt_logprobs": prompt,
+                    "prompt_token_ids": ids,
+                    "token_ids": None if ids is None else choice.token_ids,
+                }
+            )
+    object_name, prefix = (
+        ("chat.completion", "chatcmpl-") if kind == "chat" else ("text_completion", "cmpl-")
+    )
     body = {
         "id": prefix + request_id,
         "object": object_name,

@@ -106,15 +106,24 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
         prompts = split_prompts(body) if kind == "completion" else None
         if prompts is not None:  # several: one generation each, choices in prompt order
             if key is not None:
-                raise UnsupportedParameter("a request with several prompts cannot be "
-                                           "idempotent: send one prompt per request",
-                                           param="Idempotency-Key")
-            return await _batch(sluice, RequestContext.of(request), timeline.request_id,
-                                timeline, kind, prompts, stream=bool(boolean_from(body, "stream")))
+                raise UnsupportedParameter(
+                    "a request with several prompts cannot be "
+                    "idempotent: send one prompt per request",
+                    param="Idempotency-Key",
+                )
+            return await _batch(
+                sluice,
+                RequestContext.of(request),
+                timeline.request_id,
+                timeline,
+                kind,
+                prompts,
+                stream=bool(boolean_from(body, "stream")),
+            )
         parsed = parse_request(body, kind)
-        run, replayed = await sluice.generate(parsed, body, timeline,
-                                              RequestContext.of(request), key,
-                                              stream=parsed.stream)
+        run, replayed = await sluice.generate(
+            parsed, body, timeline, RequestContext.of(request), key, stream=parsed.stream
+        )
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, timeline.request_id)
@@ -139,9 +148,11 @@ async def _resume(request: Request, kind: str) -> ASGIApp:
         if run is None or run.shape.parsed.kind != kind:
             raise ResourceNotFound(f"no generation '{public_id}' to resume", param="id")
         if not run.shape.stream:
-            raise InvalidRequest("this generation is answered whole, not streamed: send the "
-                                 "request again with its Idempotency-Key for the answer",
-                                 param="id")
+            raise InvalidRequest(
+                "this generation is answered whole, not streamed: send the "
+                "request again with its Idempotency-Key for the answer",
+                param="id",
+            )
         after = _after(request)
     except SluiceError as error:
         return error_response(error)
@@ -149,13 +160,14 @@ async def _resume(request: Request, kind: str) -> ASGIApp:
 
 
 def _after(request: Request) -> int:
-    for name, value in (("Last-Event-ID", request.headers.get("last-event-id")),
-                        ("starting_after", request.query_params.get("starting_after"))):
+    for name, value in (
+        ("Last-Event-ID", request.headers.get("last-event-id")),
+        ("starting_after", request.query_params.get("starting_after")),
+    ):
         if value is not None:
             value = value.strip()
             if not value.isdigit() or len(value) > 18:
-                raise InvalidRequest(f"'{name}' must be an event id (an integer >= 0)",
-                                     param=name)
+                raise InvalidRequest(f"'{name}' must be an event id (an integer >= 0)", param=name)
             return int(value)
     return 0
 
@@ -171,29 +183,53 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
     try:
         body = await read_json(request, sluice.max_body_bytes)
         conversations = body.get("messages") if isinstance(body, dict) else None
-        if not (isinstance(conversations, list) and conversations
-                and all(isinstance(c, list) and c for c in conversations)):
-            raise InvalidRequest("'messages' must be a non-empty list of conversations, each "
-                                 "a non-empty list of messages", param="messages")
-        for key, allowed in (("stream", (None, False)), ("n", (None, 1)), ("tools", (None,)),
-                             ("kv_transfer_params", (None,))):
+        if not (
+            isinstance(conversations, list)
+            and conversations
+            and all(isinstance(c, list) and c for c in conversations)
+        ):
+            raise InvalidRequest(
+                "'messages' must be a non-empty list of conversations, each "
+                "a non-empty list of messages",
+                param="messages",
+            )
+        for key, allowed in (
+            ("stream", (None, False)),
+            ("n", (None, 1)),
+            ("tools", (None,)),
+            ("kv_transfer_params", (None,)),
+        ):
             if body.get(key) not in allowed:
-                raise UnsupportedParameter(f"'{key}' is not supported on the batch endpoint",
-                                           param=key)
+                raise UnsupportedParameter(
+                    f"'{key}' is not supported on the batch endpoint", param=key
+                )
         if "idempotency-key" in request.headers:
-            raise UnsupportedParameter("the batch endpoint is not idempotent",
-                                       param="Idempotency-Key")
+            raise UnsupportedParameter(
+                "the batch endpoint is not idempotent", param="Idempotency-Key"
+            )
         context = RequestContext.of(request)
     except SluiceError as error:
         timeline.finish(outcome_for(error), status=error.status, error=error)
         return error_response(error, request_id)
-    return await _batch(sluice, context, request_id, timeline, "chat",
-                        [{**body, "messages": conversation} for conversation in conversations])
+    return await _batch(
+        sluice,
+        context,
+        request_id,
+        timeline,
+        "chat",
+        [{**body, "messages": conversation} for conversation in conversations],
+    )
 
 
-async def _batch(sluice: Sluice, context: RequestContext, request_id: str,
-                 timeline: RequestTimeline, kind: str, bodies: list[dict[str, Any]],
-                 stream: bool = False) -> ASGIApp:
+async def _batch(
+    sluice: Sluice,
+    context: RequestContext,
+    request_id: str,
+    timeline: RequestTimeline,
+    kind: str,
+    bodies: list[dict[str, Any]],
+    stream: bool = False,
+) -> ASGIApp:
     """A BatchResponse (or, streamed, a StreamedBatchResponse) over one generation per body,
     each admitted (or, if one is refused, none: those before it are cancelled and the
     refusal is the answer)."""
@@ -202,12 +238,20 @@ async def _batch(sluice: Sluice, context: RequestContext, request_id: str,
         first_index = 0
         for i, body in enumerate(bodies):
             parsed = parse_request(body, kind)
-            one = RequestTimeline(request_id=f"{request_id}-{i}", model=sluice.served_model,
-                                  api=timeline.api)
+            one = RequestTimeline(
+                request_id=f"{request_id}-{i}", model=sluice.served_model, api=timeline.api
+            )
             try:
-                runs.append(sluice.generate_part(parsed, one, context, stream=stream,
-                                                 response_id=request_id,
-                                                 first_index=first_index))
+                runs.append(
+                    sluice.generate_part(
+                        parsed,
+                        one,
+                        context,
+                        stream=stream,
+                        response_id=request_id,
+                        first_index=first_index,
+                    )
+                )
                 first_index += parsed.n
             except SluiceError as error:
                 one.finish(outcome_for(error), status=error.status, error=error)
@@ -235,8 +279,11 @@ async def _unless_gone(waiting: Awaitable[Any], receive: Receive) -> bool:
     return waited in done
 
 
-async def _each(runs: list[GenerationRun], wait: Callable[[GenerationRun], Awaitable[Any]],
-                failed: Callable[[GenerationRun], bool]) -> None:
+async def _each(
+    runs: list[GenerationRun],
+    wait: Callable[[GenerationRun], Awaitable[Any]],
+    failed: Callable[[GenerationRun], bool],
+) -> None:
     """Until `wait` has returned for every run, or one run has `failed`."""
     pending = {asyncio.ensure_future(wait(run)) for run in runs}
     try:
@@ -260,8 +307,9 @@ def _reading(runs: list[GenerationRun]) -> Iterator[None]:
 
 def _settled(runs: list[GenerationRun]) -> Awaitable[None]:
     """Until every run has ended, or one has failed."""
-    return _each(runs, GenerationRun.until_ended,
-                 lambda run: run.ended and run.log[-1].kind is Kind.FAILED)
+    return _each(
+        runs, GenerationRun.until_ended, lambda run: run.ended and run.log[-1].kind is Kind.FAILED
+    )
 
 
 class StreamedBatchResponse:
@@ -279,8 +327,7 @@ class StreamedBatchResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         with _reading(self.runs):
-            started = _each(self.runs, GenerationRun.started,
-                            lambda run: run.failure is not None)
+            started = _each(self.runs, GenerationRun.started, lambda run: run.failure is not None)
             if not await _unless_gone(started, receive):
                 return
             failure = next((run.failure for run in self.runs if run.failure), None)
@@ -288,7 +335,8 @@ class StreamedBatchResponse:
                 await error_response(failure, self.request_id)(scope, receive, send)
                 return
             await GuardedEventSourceResponse(
-                self._events(), headers={"X-Request-Id": self.request_id},
+                self._events(),
+                headers={"X-Request-Id": self.request_id},
                 ping=self.sluice.ping_seconds,
             )(scope, receive, self.sluice.send_guard.wrap(send))
 
@@ -320,8 +368,9 @@ class StreamedBatchResponse:
                 task.cancel()
         shape = self.runs[0].shape
         if shape.parsed.include_usage and done == len(self.runs):
-            yield ChunkEncoder(shape.parsed.kind, shape.response_id, shape.model, True
-                               ).usage_chunk({"usage": totals, "timings": timings})
+            yield ChunkEncoder(shape.parsed.kind, shape.response_id, shape.model, True).usage_chunk(
+                {"usage": totals, "timings": timings}
+            )
         yield DONE
 
 
@@ -338,26 +387,33 @@ class BatchResponse:
         with _reading(self.runs):
             if not await _unless_gone(_settled(self.runs), receive):
                 return  # the client left: each part is cancelled as its reader leaves
-        failed = next((run.log[-1].error for run in self.runs
-                       if run.log and run.log[-1].kind is Kind.FAILED), None)
+        failed = next(
+            (run.log[-1].error for run in self.runs if run.log and run.log[-1].kind is Kind.FAILED),
+            None,
+        )
         if failed is not None:
             await error_response(failed, self.request_id)(scope, receive, send)
             return
         bodies = [run.log[-1].body or {} for run in self.runs]
-        choices = [{**choice, "index": i} for i, choice in enumerate(
-            choice for body in bodies for choice in body["choices"])]
-        totals = {key: sum(body["usage"][key] for body in bodies)
-                  for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        choices = [
+            {**choice, "index": i}
+            for i, choice in enumerate(choice for body in bodies for choice in body["choices"])
+        ]
+        totals = {
+            key: sum(body["usage"][key] for body in bodies)
+            for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+        }
         prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
-        reply = {**bodies[0], "id": prefix + self.request_id, "choices": choices,
-                 "usage": totals}
-        per_part = ("timings", "prompt_logprobs", "prompt_token_ids") if self.kind == "chat" else (
-            "timings",)  # (a completion's prompt fields are in its choices already)
+        reply = {**bodies[0], "id": prefix + self.request_id, "choices": choices, "usage": totals}
+        per_part = (
+            ("timings", "prompt_logprobs", "prompt_token_ids")
+            if self.kind == "chat"
+            else ("timings",)
+        )  # (a completion's prompt fields are in its choices already)
         for key in per_part:
             each = [body[key] for body in bodies]
             reply[key] = each if any(value is not None for value in each) else None
-        await JSONResponse(reply, headers={"X-Request-Id": self.request_id})(
-            scope, receive, send)
+        await JSONResponse(reply, headers={"X-Request-Id": self.request_id})(scope, receive, send)
 
 
 class RunResponse:
@@ -369,8 +425,9 @@ class RunResponse:
     failures after the stream started end it with an error event and `[DONE]`.
     """
 
-    def __init__(self, sluice: Sluice, run: GenerationRun, *, after: int = 0,
-                 replayed: bool = False) -> None:
+    def __init__(
+        self, sluice: Sluice, run: GenerationRun, *, after: int = 0, replayed: bool = False
+    ) -> None:
         self.sluice = sluice
         self.run = run
         self.after = after
@@ -390,13 +447,17 @@ class RunResponse:
                 return
             if stream:
                 await GuardedEventSourceResponse(
-                    self._events(), headers=self.headers, ping=self.sluice.ping_seconds,
+                    self._events(),
+                    headers=self.headers,
+                    ping=self.sluice.ping_seconds,
                 )(scope, receive, self.sluice.send_guard.wrap(send))
                 return
             last = run.log[-1]
-            response = (error_response(last.error, run.timeline.request_id)
-                        if last.error is not None else
-                        JSONResponse(last.body, headers=self.headers))
+            response = (
+                error_response(last.error, run.timeline.request_id)
+                if last.error is not None
+                else JSONResponse(last.body, headers=self.headers)
+            )
             await response(scope, receive, send)
 
     async def _events(self) -> AsyncIterator[bytes]:

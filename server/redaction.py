@@ -22,8 +22,8 @@ LOGGERS = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "sluice.access")
 
 def redact(text: str) -> str:
     return _SECRETS.sub(
-        lambda m: (m.group("prefix") or m.group("scheme") or m.group("protocol")) + REDACTED,
-        text)
+        lambda m: (m.group("prefix") or m.group("scheme") or m.group("protocol")) + REDACTED, text
+    )
 
 
 class RedactSecrets(logging.Filter):

@@ -69,5 +69,4 @@ class SendGuard:
         while True:
             await asyncio.sleep(self.interval)
             if self.check(loop.time()):
-                logger.info("dropped stalled client(s): no bytes accepted for %.1fs",
-                            self.timeout)
+                logger.info("dropped stalled client(s): no bytes accepted for %.1fs", self.timeout)

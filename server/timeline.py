@@ -92,9 +92,11 @@ class RequestTimeline:
         now = time.monotonic()
         return {
             "queue_wait_s": _round(self.dispatched_at - self.arrival)
-            if self.dispatched_at is not None else None,
+            if self.dispatched_at is not None
+            else None,
             "time_to_first_token_s": _round(self.first_token_at - self.arrival)
-            if self.first_token_at is not None else None,
+            if self.first_token_at is not None
+            else None,
             "inter_token_latency_median_s": _round(median(self.itl)),
             "duration_s": _round(now - self.arrival),
         }
@@ -126,25 +128,33 @@ class RequestTimeline:
             metrics.ENGINE_ABORTS.labels(model, reason).inc()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         median_itl = median(self.itl)
-        verdict = slo_result(outcome, error.code if error is not None else None,
-                             now - self.arrival, ttft, median_itl, self.slo)
+        verdict = slo_result(
+            outcome,
+            error.code if error is not None else None,
+            now - self.arrival,
+            ttft,
+            median_itl,
+            self.slo,
+        )
         if verdict is not None:
             metrics.SLO_REQUESTS.labels(model, traffic_class, *verdict).inc()
-        log_request(AccessRecord(
-            request_id=self.request_id,
-            tenant=self.tenant,
-            traffic_class=traffic_class,
-            model=model,
-            outcome=outcome,
-            status=status,
-            ttft_s=ttft,
-            median_itl_s=median_itl,
-            duration_s=now - self.arrival,
-            prompt_tokens=self.prompt_tokens,
-            generated_tokens=self.generated_tokens,
-            api=self.api,  # type: ignore[arg-type]
-            preemptions=self.generation.preemptions if self.generation is not None else 0,
-        ))
+        log_request(
+            AccessRecord(
+                request_id=self.request_id,
+                tenant=self.tenant,
+                traffic_class=traffic_class,
+                model=model,
+                outcome=outcome,
+                status=status,
+                ttft_s=ttft,
+                median_itl_s=median_itl,
+                duration_s=now - self.arrival,
+                prompt_tokens=self.prompt_tokens,
+                generated_tokens=self.generated_tokens,
+                api=self.api,  # type: ignore[arg-type]
+                preemptions=self.generation.preemptions if self.generation is not None else 0,
+            )
+        )
 
 
 def _round(value: float | None) -> float | None:

@@ -39,8 +39,9 @@ async def version(request: Request) -> Response:
     return JSONResponse({"version": VERSION})
 
 
-async def _body(request: Request, allowed: Callable[[dict[str, Any]], set[str]]
-                ) -> tuple[Sluice, dict[str, Any]]:
+async def _body(
+    request: Request, allowed: Callable[[dict[str, Any]], set[str]]
+) -> tuple[Sluice, dict[str, Any]]:
     """The authenticated JSON body; `allowed(body)` names the keys it may have."""
     sluice: Sluice = request.app.state.sluice
     sluice.tenant_of(RequestContext.of(request))
@@ -63,18 +64,27 @@ async def tokenize(request: Request) -> Response:
     )
     if "messages" in body:
         generation_prompt = boolean_from(body, "add_generation_prompt") is not False
-        tokens = sluice.render_chat(messages_from(body), template_kwargs={
-            "add_generation_prompt": generation_prompt})
+        tokens = sluice.render_chat(
+            messages_from(body), template_kwargs={"add_generation_prompt": generation_prompt}
+        )
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise InvalidRequest("'prompt' must be a string", param="prompt")
-        tokens = sluice.engine.tokenize(prompt,
-                                        boolean_from(body, "add_special_tokens") is not False)
-    strings = (sluice.engine.token_strings(tokens)
-               if boolean_from(body, "return_token_strs") else None)
-    return JSONResponse({"count": len(tokens), "max_model_len": sluice.engine.model.max_model_len,
-                         "tokens": tokens, "token_strs": strings})
+        tokens = sluice.engine.tokenize(
+            prompt, boolean_from(body, "add_special_tokens") is not False
+        )
+    strings = (
+        sluice.engine.token_strings(tokens) if boolean_from(body, "return_token_strs") else None
+    )
+    return JSONResponse(
+        {
+            "count": len(tokens),
+            "max_model_len": sluice.engine.model.max_model_len,
+            "tokens": tokens,
+            "token_strs": strings,
+        }
+    )
 
 
 async def detokenize(request: Request) -> Response:

@@ -52,13 +52,17 @@ OUTBOX_SIZE = 1024
 _NOT_FINGERPRINTED = ("type", "id", "idempotency_key")
 
 
-def ws_message(local_id: str, seq: int, event: Event, run: GenerationRun
-               ) -> dict[str, Any] | None:
+def ws_message(local_id: str, seq: int, event: Event, run: GenerationRun) -> dict[str, Any] | None:
     """The WebSocket message for one event of a run's log (None: the event has none)."""
     message: dict[str, Any]
     if event.kind is Kind.PIECE:
-        message = {"type": "delta", "id": local_id, "seq": seq, "text": event.text,
-                   "tokens": event.tokens}
+        message = {
+            "type": "delta",
+            "id": local_id,
+            "seq": seq,
+            "text": event.text,
+            "tokens": event.tokens,
+        }
         if run.shape.parsed.n > 1:
             message["index"] = event.index
         if run.shape.new_parser is not None:  # the parsed content is the text
@@ -73,13 +77,22 @@ def ws_message(local_id: str, seq: int, event: Event, run: GenerationRun
         message = {"type": "final", "id": local_id, "seq": seq, **event.final}
     elif event.kind is Kind.FAILED and isinstance(event.error, GenerationCancelled):
         timeline = run.timeline
-        message = {"type": "final", "id": local_id, "seq": seq, "finish_reason": "cancelled",
-                   "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
-                   "timings": timeline.timings()}
+        message = {
+            "type": "final",
+            "id": local_id,
+            "seq": seq,
+            "finish_reason": "cancelled",
+            "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
+            "timings": timeline.timings(),
+        }
     elif event.kind is Kind.FAILED and event.error is not None:
         if event.local:  # handed over: not an event of the generation (resume after seq - 1)
-            return {"type": "error", "id": local_id, **event.error.to_body(),
-                    "generation": run.shape.public_id}
+            return {
+                "type": "error",
+                "id": local_id,
+                **event.error.to_body(),
+                "generation": run.shape.public_id,
+            }
         return {"type": "error", "id": local_id, "seq": seq, **event.error.to_body()}
     else:
         return None
@@ -100,11 +113,16 @@ class Connection:
         # A browser cannot set headers on a WebSocket: its key comes as a subprotocol
         # (`new WebSocket(url, ["sluice.bearer." + key])`), echoed when accepted, or as
         # `?api_key=` (kept working; logs redact it).
-        self.subprotocol = next((p for p in websocket.scope.get("subprotocols", ())
-                                 if p.startswith(BEARER_PROTOCOL)), None)
+        self.subprotocol = next(
+            (p for p in websocket.scope.get("subprotocols", ()) if p.startswith(BEARER_PROTOCOL)),
+            None,
+        )
         if "authorization" not in self.headers:
-            key = (self.subprotocol[len(BEARER_PROTOCOL):] if self.subprotocol
-                   else websocket.query_params.get("api_key"))
+            key = (
+                self.subprotocol[len(BEARER_PROTOCOL) :]
+                if self.subprotocol
+                else websocket.query_params.get("api_key")
+            )
             if key:
                 self.headers["authorization"] = "Bearer " + key
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue(OUTBOX_SIZE)
@@ -180,8 +198,10 @@ class Connection:
             return
         gen_id = message.get("id")
         if not isinstance(gen_id, str) or not gen_id or len(gen_id) > 128:
-            await self._error(gen_id if isinstance(gen_id, str | int) else None,
-                              InvalidRequest("'id' must be a non-empty string", param="id"))
+            await self._error(
+                gen_id if isinstance(gen_id, str | int) else None,
+                InvalidRequest("'id' must be a non-empty string", param="id"),
+            )
             return
         kind = message.get("type")
         if kind == "cancel":
@@ -192,19 +212,23 @@ class Connection:
                 run.cancel(GenerationCancelled("the client cancelled the generation"))
             return
         if kind not in ("generate", "resume"):
-            await self._error(gen_id, InvalidRequest(
-                "'type' must be 'generate', 'resume' or 'cancel'", param="type"))
+            await self._error(
+                gen_id,
+                InvalidRequest("'type' must be 'generate', 'resume' or 'cancel'", param="type"),
+            )
             return
         if gen_id in self.readers:
-            await self._error(gen_id, InvalidRequest(f"id {gen_id!r} is already in use",
-                                                     param="id"))
+            await self._error(
+                gen_id, InvalidRequest(f"id {gen_id!r} is already in use", param="id")
+            )
             return
         if len(self.readers) >= MAX_GENERATIONS_PER_CONNECTION:
             await self._error(gen_id, InvalidRequest("too many generations on this connection"))
             return
         try:
-            run, after = await (self._generate(gen_id, message) if kind == "generate"
-                                else self._resume(message))
+            run, after = await (
+                self._generate(gen_id, message) if kind == "generate" else self._resume(message)
+            )
         except SluiceError as error:
             await self._error(gen_id, error)
             return
@@ -224,39 +248,50 @@ class Connection:
 
     def _context(self, message: dict[str, Any]) -> RequestContext:
         """The connection's key; the message's class and timeout, else its headers'."""
+
         def field(name: str, header: str) -> str | None:
             value = message.get(name)
             return self.headers.get(header) if value is None else str(value)
 
-        return RequestContext(api_key_from(self.headers),
-                              traffic_class_from(field("traffic_class", "x-traffic-class")),
-                              timeout_from(field("timeout_ms", "x-request-timeout-ms")),
-                              self.client)
+        return RequestContext(
+            api_key_from(self.headers),
+            traffic_class_from(field("traffic_class", "x-traffic-class")),
+            timeout_from(field("timeout_ms", "x-request-timeout-ms")),
+            self.client,
+        )
 
-    async def _generate(self, gen_id: str, message: dict[str, Any]
-                        ) -> tuple[GenerationRun, int]:
+    async def _generate(self, gen_id: str, message: dict[str, Any]) -> tuple[GenerationRun, int]:
         sluice = self.sluice
-        timeline = RequestTimeline(request_id=f"ws-{id(self):x}-{gen_id}"[:128],
-                                   model=sluice.served_model, api="ws")
+        timeline = RequestTimeline(
+            request_id=f"ws-{id(self):x}-{gen_id}"[:128], model=sluice.served_model, api="ws"
+        )
         try:
             request_body = message.get("request")
             if isinstance(request_body, dict) and request_body.get("stream") is False:
                 raise InvalidRequest("WebSocket generations always stream", param="stream")
             parsed = parse_request(request_body, "chat")
             # What only a whole response carries; a WebSocket generation always streams.
-            for name, asked in (("prompt_logprobs", "prompt_logprobs" in parsed.sampling),
-                                ("echo", parsed.echo)):
+            for name, asked in (
+                ("prompt_logprobs", "prompt_logprobs" in parsed.sampling),
+                ("echo", parsed.echo),
+            ):
                 if asked:
-                    raise InvalidRequest(f"'{name}' is not available over the WebSocket",
-                                         param=name)
+                    raise InvalidRequest(
+                        f"'{name}' is not available over the WebSocket", param=name
+                    )
             key = message.get("idempotency_key")
             if key is not None and not isinstance(key, str):
-                raise InvalidRequest("'idempotency_key' must be a string",
-                                     param="idempotency_key")
+                raise InvalidRequest("'idempotency_key' must be a string", param="idempotency_key")
             fingerprinted = {k: v for k, v in message.items() if k not in _NOT_FINGERPRINTED}
-            run, _ = await sluice.generate(parsed, fingerprinted, timeline,
-                                           self._context(message), key, stream=True,
-                                           request=request_body)
+            run, _ = await sluice.generate(
+                parsed,
+                fingerprinted,
+                timeline,
+                self._context(message),
+                key,
+                stream=True,
+                request=request_body,
+            )
         except SluiceError as error:
             timeline.finish(outcome_for(error), status=error.status, error=error)
             raise
@@ -265,16 +300,14 @@ class Connection:
     async def _resume(self, message: dict[str, Any]) -> tuple[GenerationRun, int]:
         public_id, after = message.get("generation"), message.get("after", 0)
         if not isinstance(public_id, str):
-            raise InvalidRequest("'generation' must be the id of a generation",
-                                 param="generation")
+            raise InvalidRequest("'generation' must be the id of a generation", param="generation")
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-            raise InvalidRequest("'after' must be an event number (an integer >= 0)",
-                                 param="after")
-        run = await self.sluice.find(RequestContext(api_key_from(self.headers), client=self.client),
-                               public_id)
+            raise InvalidRequest("'after' must be an event number (an integer >= 0)", param="after")
+        run = await self.sluice.find(
+            RequestContext(api_key_from(self.headers), client=self.client), public_id
+        )
         if run is None or not run.shape.stream:
-            raise ResourceNotFound(f"no generation '{public_id}' to resume",
-                                     param="generation")
+            raise ResourceNotFound(f"no generation '{public_id}' to resume", param="generation")
         return run, after
 
     async def _read(self, gen_id: str, run: GenerationRun, after: int) -> None:
@@ -289,12 +322,12 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     connection = Connection(websocket, sluice)
     try:
         # Authenticate once per connection, so a bad key is refused before any work.
-        sluice.tenant_of(RequestContext(api_key_from(connection.headers),
-                                        client=connection.client))
+        sluice.tenant_of(RequestContext(api_key_from(connection.headers), client=connection.client))
     except SluiceError as error:
         await websocket.accept(subprotocol=connection.subprotocol)
-        await websocket.send_text(orjson.dumps({"type": "error", "id": None,
-                                                **error.to_body()}).decode())
+        await websocket.send_text(
+            orjson.dumps({"type": "error", "id": None, **error.to_body()}).decode()
+        )
         await websocket.close(code=1008)
         return
     await connection.serve()

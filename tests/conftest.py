@@ -26,9 +26,11 @@ READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "240"))
 # Tool calls read by vLLM's pythonic parser (plain text: the demo tokenizer has no tool-call
 # tokens), and JSON without free whitespace, which a random-weight model would emit forever.
 VLLM_OUTPUT_FLAGS = [
-    "--tool-call-parser", "pythonic", "--enable-auto-tool-choice",
-    "--engine-arg", 'structured_outputs_config={"backend": "xgrammar", '
-    '"disable_any_whitespace": true}',
+    "--tool-call-parser",
+    "pythonic",
+    "--enable-auto-tool-choice",
+    "--engine-arg",
+    'structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": true}',
 ]
 
 
@@ -56,18 +58,34 @@ class SluiceProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # Each server its own data directory (one process owns one), unless the test names one.
-        data_dir = [] if "--data-dir" in args else [
-            "--data-dir", str(log_path.parent / f"data-{self.port}")]
+        data_dir = (
+            []
+            if "--data-dir" in args
+            else ["--data-dir", str(log_path.parent / f"data-{self.port}")]
+        )
         self.log_path = log_path
         self._log = open(log_path, "wb")
         # Its own process group (stopped as a whole: vLLM's engine processes too), but not its
         # own session: Linux gives each session an autogroup, and the engine's busy processes in
         # a separate autogroup starved this test process for seconds at a time on 2 cores.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), *data_dir, *args],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})}, process_group=0,
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *data_dir,
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            process_group=0,
         )
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
@@ -151,9 +169,23 @@ class RedisProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            process_group=0,
+        )
         wait_until(self.answers, 10, message="redis-server answers")
 
     def answers(self) -> bool:
@@ -193,8 +225,17 @@ def session_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisPro
 
 def vllm_args(demo_model_dir: Path) -> list[str]:
     """A vLLM replica's arguments, as the session's server has them."""
-    return ["--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name",
-            "sluice-demo", *VLLM_OUTPUT_FLAGS, "--engine-arg", "enable_prompt_embeds=true"]
+    return [
+        "--engine",
+        "vllm",
+        "--model",
+        str(demo_model_dir),
+        "--served-model-name",
+        "sluice-demo",
+        *VLLM_OUTPUT_FLAGS,
+        "--engine-arg",
+        "enable_prompt_embeds=true",
+    ]
 
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -207,7 +248,8 @@ def vllm_server(
     """Sluice on vLLM with the demo model, its resumable generations shared in Redis."""
     server = SluiceProcess(
         [*vllm_args(demo_model_dir), "--state-url", session_redis.url],
-        tmp_path_factory.mktemp("vllm") / "server.log", env=VLLM_ENV,
+        tmp_path_factory.mktemp("vllm") / "server.log",
+        env=VLLM_ENV,
     )
     try:
         server.wait_ready()

@@ -39,23 +39,37 @@ from server.timeline import RequestTimeline, outcome_for
 logger = logging.getLogger("sluice.batches")
 
 # Refusals that say "not now": the line waits and is offered again.
-RETRYABLE = (Overloaded, TenantQuotaExceeded, DeadlineUnmeetable, EngineUnavailable,
-             ShuttingDown)
+RETRYABLE = (Overloaded, TenantQuotaExceeded, DeadlineUnmeetable, EngineUnavailable, ShuttingDown)
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
-def line_result(batch: Batch, line: Line, status: int | None, body: dict[str, Any] | None,
-                error: dict[str, str] | None = None) -> dict[str, Any]:
+def line_result(
+    batch: Batch,
+    line: Line,
+    status: int | None,
+    body: dict[str, Any] | None,
+    error: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """One line of the output or error file, as OpenAI's."""
-    return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": line.custom_id,
-            "response": None if status is None else {
-                "status_code": status, "request_id": f"{batch.id}-{line.index}", "body": body},
-            "error": error}
+    return {
+        "id": "batch_req_" + uuid.uuid4().hex,
+        "custom_id": line.custom_id,
+        "response": None
+        if status is None
+        else {"status_code": status, "request_id": f"{batch.id}-{line.index}", "body": body},
+        "error": error,
+    }
 
 
 class BatchRunner:
-    def __init__(self, sluice: Sluice, store: BatchStore, window: int = 64,
-                 retry_seconds: float = 0.5, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        sluice: Sluice,
+        store: BatchStore,
+        window: int = 64,
+        retry_seconds: float = 0.5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.sluice = sluice
         self.store = store
         self.window = window
@@ -122,19 +136,27 @@ class BatchRunner:
                 stopping = batch.status == "cancelling" or now >= batch.expires_at
                 if stopping:
                     for run in runs.values():
-                        run.cancel(GenerationCancelled("the batch was cancelled"
-                                                       if batch.status == "cancelling" else
-                                                       "the batch's window ended"))
+                        run.cancel(
+                            GenerationCancelled(
+                                "the batch was cancelled"
+                                if batch.status == "cancelling"
+                                else "the batch's window ended"
+                            )
+                        )
                 elif now >= retry_at and len(running) < self.window:
-                    for line in self.store.pending(batch.id, self.window - len(running),
-                                                   skip=running.values()):
+                    for line in self.store.pending(
+                        batch.id, self.window - len(running), skip=running.values()
+                    ):
                         running[asyncio.ensure_future(self._line(batch, line, runs))] = line.index
                 if not running and (stopping or not self.store.pending(batch.id, 1)):
                     break
                 until = retry_at if now < retry_at else batch.expires_at
                 waker = asyncio.ensure_future(wake.wait())
-                done, _ = await asyncio.wait({*running, waker}, return_when=asyncio.FIRST_COMPLETED,
-                                             timeout=max(0.0, min(until, batch.expires_at) - now))
+                done, _ = await asyncio.wait(
+                    {*running, waker},
+                    return_when=asyncio.FIRST_COMPLETED,
+                    timeout=max(0.0, min(until, batch.expires_at) - now),
+                )
                 waker.cancel()
                 wake.clear()
                 for task in done - {waker}:
@@ -149,15 +171,20 @@ class BatchRunner:
     async def _line(self, batch: Batch, line: Line, runs: dict[int, GenerationRun]) -> str:
         """Run one line; write its result. "retry" if the scheduler refused it for now."""
         kind = KINDS[batch.endpoint]
-        timeline = RequestTimeline(request_id=f"{batch.id}-{line.index}",
-                                   model=self.sluice.served_model,
-                                   api="chat" if kind == "chat" else "completions")
+        timeline = RequestTimeline(
+            request_id=f"{batch.id}-{line.index}",
+            model=self.sluice.served_model,
+            api="chat" if kind == "chat" else "completions",
+        )
         context = RequestContext(
-            traffic_class=TrafficClass.BULK, tenant=self.sluice.tenants.tenant(batch.tenant),
-            timeout_s=max(1.0, batch.expires_at - self.clock()))
+            traffic_class=TrafficClass.BULK,
+            tenant=self.sluice.tenants.tenant(batch.tenant),
+            timeout_s=max(1.0, batch.expires_at - self.clock()),
+        )
         try:
-            run, _ = await self.sluice.generate(parse_request(line.body, kind), line.body,
-                                                timeline, context, None, stream=False)
+            run, _ = await self.sluice.generate(
+                parse_request(line.body, kind), line.body, timeline, context, None, stream=False
+            )
         except SluiceError as error:
             timeline.finish(outcome_for(error), status=error.status, error=error)
             if isinstance(error, RETRYABLE):
@@ -182,8 +209,9 @@ class BatchRunner:
         self._write(batch, line, "failed", failure.status, failure.to_body())
         return "failed"
 
-    def _write(self, batch: Batch, line: Line, state: str, status: int,
-               body: dict[str, Any] | None) -> None:
+    def _write(
+        self, batch: Batch, line: Line, state: str, status: int, body: dict[str, Any] | None
+    ) -> None:
         self.store.finish_line(batch, line.index, state, line_result(batch, line, status, body))
         metrics.BATCH_LINES.labels("completed" if state == "done" else "failed").inc()
 
@@ -194,10 +222,23 @@ class BatchRunner:
         elif now >= batch.expires_at and self.store.pending(batch.id, 1):
             status = "expired"
             for line in self.store.pending(batch.id, 1 << 62):
-                self.store.finish_line(batch, line.index, "expired", line_result(
-                    batch, line, None, None, {"code": "batch_expired", "message": "This "
-                                              "request could not be executed before the "
-                                              "completion window expired."}))
+                self.store.finish_line(
+                    batch,
+                    line.index,
+                    "expired",
+                    line_result(
+                        batch,
+                        line,
+                        None,
+                        None,
+                        {
+                            "code": "batch_expired",
+                            "message": "This "
+                            "request could not be executed before the "
+                            "completion window expired.",
+                        },
+                    ),
+                )
                 metrics.BATCH_LINES.labels("expired").inc()
         else:
             status = "completed"
@@ -205,8 +246,9 @@ class BatchRunner:
             batch.status, batch.times["finalizing"] = "finalizing", now
             self.store.save(batch)
         output = "".join(r + "\n" for r in self.store.results(batch.id, "done")).encode()
-        errors = "".join(r + "\n" for state in ("failed", "expired")
-                         for r in self.store.results(batch.id, state)).encode()
+        errors = "".join(
+            r + "\n" for state in ("failed", "expired") for r in self.store.results(batch.id, state)
+        ).encode()
         self.store.finalize(batch, status, output, errors, now)
         self.count_batches()
         logger.info("batch %s %s: %s", batch.id, status, json.dumps(batch.request_counts))

@@ -40,18 +40,42 @@ def _add_batch_shape(p: Any) -> None:
     _add(p, "--workers", type=int, default=1, help="batch workers (one batch at a time each)")
     _add(p, "--batch-ms", type=float, default=100.0, help="fixed time of one batch")
     _add(p, "--max-batch", type=int, default=32, help="most requests in one batch")
-    _add(p, "--max-delay-ms", type=float, default=10.0,
-         help="longest a partial batch waits for company once a worker is free")
+    _add(
+        p,
+        "--max-delay-ms",
+        type=float,
+        default=10.0,
+        help="longest a partial batch waits for company once a worker is free",
+    )
     _add(p, "--max-queue", type=int, default=10_000, help="queued requests per model, at most")
-    _add(p, "--attempts", type=int, default=None,
-         help="dispatches allowed per request (default: ceil(log2(max-batch)) + 3)")
-    _add(p, "--lease-ms", type=float, default=None,
-         help="a batch unanswered this long after it started is presumed lost "
-         "(default: 3 x batch-ms)")
-    _add(p, "--poison-marker", default=DEFAULT_POISON_MARKER,
-         help="a prompt containing this text crashes its batch (failure injection)")
-    _add(p, "--batch-fail-rate", type=float, default=0.0,
-         help="probability that any batch crashes its worker (failure injection)")
+    _add(
+        p,
+        "--attempts",
+        type=int,
+        default=None,
+        help="dispatches allowed per request (default: ceil(log2(max-batch)) + 3)",
+    )
+    _add(
+        p,
+        "--lease-ms",
+        type=float,
+        default=None,
+        help="a batch unanswered this long after it started is presumed lost "
+        "(default: 3 x batch-ms)",
+    )
+    _add(
+        p,
+        "--poison-marker",
+        default=DEFAULT_POISON_MARKER,
+        help="a prompt containing this text crashes its batch (failure injection)",
+    )
+    _add(
+        p,
+        "--batch-fail-rate",
+        type=float,
+        default=0.0,
+        help="probability that any batch crashes its worker (failure injection)",
+    )
 
 
 def add_serve_arguments(serve_parser: argparse.ArgumentParser) -> None:
@@ -85,19 +109,52 @@ def build_serving(
 def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     group = simulate_parser.add_argument_group("batch mode (--mode batch)")
     _add_batch_shape(group)
-    _add(group, "--models", default=None, metavar="MODEL=N,...",
-         help="workers per model version, e.g. 'a=2,b=1' (overrides --workers)")
-    _add(group, "--deadline-ms", type=float, default=None,
-         help="deadline of generated arrivals, relative to their arrival")
-    _add(group, "--poison-rate", type=float, default=0.0,
-         help="fraction of generated arrivals whose prompt carries the poison marker")
-    _add(group, "--kill", action="append", default=[], metavar="WORKER@MS",
-         help="the worker dies at this time, mid-batch if busy (repeatable)")
-    _add(group, "--hang", action="append", default=[], metavar="WORKER@MS",
-         help="the worker's next batch from this time answers only after --hang-ms")
+    _add(
+        group,
+        "--models",
+        default=None,
+        metavar="MODEL=N,...",
+        help="workers per model version, e.g. 'a=2,b=1' (overrides --workers)",
+    )
+    _add(
+        group,
+        "--deadline-ms",
+        type=float,
+        default=None,
+        help="deadline of generated arrivals, relative to their arrival",
+    )
+    _add(
+        group,
+        "--poison-rate",
+        type=float,
+        default=0.0,
+        help="fraction of generated arrivals whose prompt carries the poison marker",
+    )
+    _add(
+        group,
+        "--kill",
+        action="append",
+        default=[],
+        metavar="WORKER@MS",
+        help="the worker dies at this time, mid-batch if busy (repeatable)",
+    )
+    _add(
+        group,
+        "--hang",
+        action="append",
+        default=[],
+        metavar="WORKER@MS",
+        help="the worker's next batch from this time answers only after --hang-ms",
+    )
     _add(group, "--hang-ms", type=float, default=1000.0, help="how late a hung batch answers")
-    _add(group, "--cancel", action="append", default=[], metavar="ID@MS",
-         help="the caller of request ID leaves at this time (repeatable)")
+    _add(
+        group,
+        "--cancel",
+        action="append",
+        default=[],
+        metavar="ID@MS",
+        help="the caller of request ID leaves at this time (repeatable)",
+    )
     _add(group, "--restart-ms", type=float, default=0.0, help="time for a lost worker to return")
 
 
@@ -121,9 +178,14 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     result = plan(
-        args.rate, batch_ms=args.batch_ms, max_batch=args.max_batch,
-        max_delay_ms=args.max_delay_ms, p99_target_ms=args.p99_ms, duration_s=args.duration,
-        seed=args.seed, candidates=args.candidates,
+        args.rate,
+        batch_ms=args.batch_ms,
+        max_batch=args.max_batch,
+        max_delay_ms=args.max_delay_ms,
+        p99_target_ms=args.p99_ms,
+        duration_s=args.duration,
+        seed=args.seed,
+        candidates=args.candidates,
     )
     print(json.dumps(result.to_json(), indent=2) if args.json else format_plan(result))
     return 0
@@ -134,8 +196,11 @@ def config_from_args(args: argparse.Namespace) -> BatchConfig:
     lease_ms = getattr(args, "lease_ms", None)
     workers = models or (DEFAULT_MODEL,) * args.workers
     return BatchConfig(
-        workers=workers, batch_time_s=args.batch_ms / 1000, max_batch=args.max_batch,
-        max_delay_s=args.max_delay_ms / 1000, max_queue=args.max_queue,
+        workers=workers,
+        batch_time_s=args.batch_ms / 1000,
+        max_batch=args.max_batch,
+        max_delay_s=args.max_delay_ms / 1000,
+        max_queue=args.max_queue,
         max_attempts=args.attempts,
         lease_s=None if lease_ms is None else lease_ms / 1000,
     )
@@ -147,9 +212,12 @@ def run_simulate(args: argparse.Namespace) -> int:
         arrivals = _arrivals(args)
         faults = Faults(
             kills=tuple(_worker_at(k) for k in args.kill),
-            hangs=tuple(_worker_at(h) for h in args.hang), hang_s=args.hang_ms / 1000,
-            cancels=tuple(_id_at(c) for c in args.cancel), fail_rate=args.batch_fail_rate,
-            restart_s=args.restart_ms / 1000, seed=args.seed,
+            hangs=tuple(_worker_at(h) for h in args.hang),
+            hang_s=args.hang_ms / 1000,
+            cancels=tuple(_id_at(c) for c in args.cancel),
+            fail_rate=args.batch_fail_rate,
+            restart_s=args.restart_ms / 1000,
+            seed=args.seed,
         )
         model = BatchModel(config.batch_time_s, config.max_batch, args.poison_marker or None)
     except (TraceError, ValueError) as exc:
@@ -170,15 +238,17 @@ def _arrivals(args: argparse.Namespace) -> Iterable[Arrival]:
     if args.workload != "poisson":
         raise ValueError("--mode batch needs --arrivals or --workload poisson")
     deadline = None if args.deadline_ms is None else args.deadline_ms / 1000
-    generated = poisson_arrivals(args.rate, args.duration, seed=args.seed,
-                                 relative_deadline_s=deadline)
+    generated = poisson_arrivals(
+        args.rate, args.duration, seed=args.seed, relative_deadline_s=deadline
+    )
     if args.poison_rate > 0:
         return _with_poison(generated, args.poison_rate, args.poison_marker, args.seed)
     return generated
 
 
-def _with_poison(arrivals: Iterable[Arrival], rate: float, marker: str, seed: int
-                 ) -> Iterator[Arrival]:
+def _with_poison(
+    arrivals: Iterable[Arrival], rate: float, marker: str, seed: int
+) -> Iterator[Arrival]:
     rng = random.Random(seed + 1)
     for arrival in arrivals:
         yield replace(arrival, prompt=marker) if rng.random() < rate else arrival
@@ -212,16 +282,29 @@ def result_json(result: SimResult) -> dict[str, Any]:
     return {
         "requests": [
             {
-                "id": r.id, "arrival_ms": _ms(r.arrival), "deadline_ms": _ms(r.deadline),
-                "dispatch_ms": _ms(r.dispatch), "finish_ms": _ms(r.finish),
-                "ended_ms": _ms(r.ended), "outcome": None if r.outcome is None else str(r.outcome),
-                "worker": r.worker, "attempts": r.attempts, "reason": r.reason,
+                "id": r.id,
+                "arrival_ms": _ms(r.arrival),
+                "deadline_ms": _ms(r.deadline),
+                "dispatch_ms": _ms(r.dispatch),
+                "finish_ms": _ms(r.finish),
+                "ended_ms": _ms(r.ended),
+                "outcome": None if r.outcome is None else str(r.outcome),
+                "worker": r.worker,
+                "attempts": r.attempts,
+                "reason": r.reason,
             }
             for r in result.requests
         ],
         "batches": [
-            {"lease": b.lease_id, "worker": b.worker, "size": b.size, "start_ms": _ms(b.start),
-             "end_ms": _ms(b.end), "status": b.status, "retry": b.retry}
+            {
+                "lease": b.lease_id,
+                "worker": b.worker,
+                "size": b.size,
+                "start_ms": _ms(b.start),
+                "end_ms": _ms(b.end),
+                "status": b.status,
+                "retry": b.retry,
+            }
             for b in result.batches
         ],
         "summary": summary(result),
@@ -235,8 +318,10 @@ def summary(result: SimResult) -> dict[str, Any]:
         outcomes[key] = outcomes.get(key, 0) + 1
     lat = latencies_ms(result)
     return {
-        "requests": len(result.requests), "outcomes": outcomes,
-        "batches": result.batch_count, "mean_batch_size": round(result.mean_batch_size, 2),
+        "requests": len(result.requests),
+        "outcomes": outcomes,
+        "batches": result.batch_count,
+        "mean_batch_size": round(result.mean_batch_size, 2),
         "latency_ms": {f"p{q}": _round(percentile(lat, q)) for q in (50, 90, 99, 99.9)},
         "discarded_results": result.discarded_results,
         "duplicate_deliveries": result.duplicate_deliveries,
@@ -257,15 +342,22 @@ def format_result(result: SimResult, *, timeline: bool) -> str:
             if r.outcome in ("rejected", "expired", "failed", "cancelled") and r.ended is not None:
                 events.append((r.ended, 2, f"{r.id} {r.outcome}: {r.reason or ''}".rstrip(": ")))
         for b in result.batches:
-            events.append((b.start, 1, f"worker {b.worker} starts batch {b.lease_id} "
-                                       f"({b.size} request{'s' * (b.size != 1)})"
-                                       f"{' [retry]' if b.retry else ''}"))
+            events.append(
+                (
+                    b.start,
+                    1,
+                    f"worker {b.worker} starts batch {b.lease_id} "
+                    f"({b.size} request{'s' * (b.size != 1)})"
+                    f"{' [retry]' if b.retry else ''}",
+                )
+            )
             if b.end is not None:
                 events.append((b.end, 1, f"worker {b.worker} batch {b.lease_id} {b.status}"))
         for r in result.requests:
             if r.finish is not None:
-                events.append((r.finish, 3, f"{r.id} completes after "
-                                            f"{(r.finish - r.arrival) * 1000:g} ms"))
+                events.append(
+                    (r.finish, 3, f"{r.id} completes after {(r.finish - r.arrival) * 1000:g} ms")
+                )
         events.sort(key=lambda e: (e[0], e[1]))
         for at, _, text in events[:_TIMELINE_LIMIT]:
             lines.append(f"{at * 1000:10.3f} ms  {text}")

@@ -105,6 +105,13 @@ class FailureOutcome:
 
 
 __all__ = [
-    "BatchCompletion", "BatchConfig", "CancelStage", "Dispatch", "Ended", "FailureOutcome",
-    "Outcome", "RejectReason", "Step",
+    "BatchCompletion",
+    "BatchConfig",
+    "CancelStage",
+    "Dispatch",
+    "Ended",
+    "FailureOutcome",
+    "Outcome",
+    "RejectReason",
+    "Step",
 ]

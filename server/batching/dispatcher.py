@@ -104,8 +104,12 @@ class BatchDispatcher:
         else:
             free_at = now
         reason = admit(
-            now=now, deadline=deadline, queue_depth=queue.depth if queue else 0,
-            queue_limit=self.config.max_queue, earliest_worker_free=free_at, service_s=service,
+            now=now,
+            deadline=deadline,
+            queue_depth=queue.depth if queue else 0,
+            queue_limit=self.config.max_queue,
+            earliest_worker_free=free_at,
+            service_s=service,
         )
         if reason is not None or queue is None:
             return reason

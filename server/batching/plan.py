@@ -76,16 +76,24 @@ def latencies_ms(result: SimResult) -> list[float]:
 
 
 def simulate_candidate(
-    workers: int, *, rate: float, batch_s: float, max_batch: int, max_delay_s: float,
-    duration_s: float, seed: int, p99_target_ms: float,
+    workers: int,
+    *,
+    rate: float,
+    batch_s: float,
+    max_batch: int,
+    max_delay_s: float,
+    duration_s: float,
+    seed: int,
+    p99_target_ms: float,
 ) -> Candidate:
     config = BatchConfig(
-        workers=(DEFAULT_MODEL,) * workers, batch_time_s=batch_s, max_batch=max_batch,
-        max_delay_s=max_delay_s, max_queue=10**9,
+        workers=(DEFAULT_MODEL,) * workers,
+        batch_time_s=batch_s,
+        max_batch=max_batch,
+        max_delay_s=max_delay_s,
+        max_queue=10**9,
     )
-    result = simulate(
-        config, poisson_arrivals(rate, duration_s, seed=seed), keep_batches=False
-    )
+    result = simulate(config, poisson_arrivals(rate, duration_s, seed=seed), keep_batches=False)
     lat = latencies_ms(result)
     p99 = percentile(lat, 99)
     ideal = per_worker_rps(batch_s, max_batch)
@@ -96,16 +104,24 @@ def simulate_candidate(
         p99_ms=_round(p99),
         mean_batch_size=round(result.mean_batch_size, 2),
         throughput_rps=round(len(lat) / result.end_time, 1) if result.end_time else 0.0,
-        capacity_at_mean_batch_rps=round(workers * per_worker_rps(batch_s,
-                                                                   result.mean_batch_size), 1),
+        capacity_at_mean_batch_rps=round(
+            workers * per_worker_rps(batch_s, result.mean_batch_size), 1
+        ),
         meets_target=p99 is not None and p99 <= p99_target_ms,
     )
 
 
 def plan(
-    rate: float, *, batch_ms: float = 100.0, max_batch: int = 32, max_delay_ms: float = 10.0,
-    p99_target_ms: float = 200.0, duration_s: float = 30.0, seed: int = 0,
-    candidates: int = 3, max_extra: int = 8,
+    rate: float,
+    *,
+    batch_ms: float = 100.0,
+    max_batch: int = 32,
+    max_delay_ms: float = 10.0,
+    p99_target_ms: float = 200.0,
+    duration_s: float = 30.0,
+    seed: int = 0,
+    candidates: int = 3,
+    max_extra: int = 8,
 ) -> CapacityPlan:
     """Simulate `candidates` worker counts from the minimum up, and more (up to `max_extra`
     above the minimum) until one meets the p99 target."""
@@ -114,18 +130,27 @@ def plan(
     lowest = min_workers(rate, ideal)
     sizes = sorted({max_batch, max(1, max_batch // 2), max(1, max_batch // 4)}, reverse=True)
     table = [
-        {"batch_size": s, "per_worker_rps": per_worker_rps(batch_s, s),
-         "min_workers": min_workers(rate, per_worker_rps(batch_s, s))}
+        {
+            "batch_size": s,
+            "per_worker_rps": per_worker_rps(batch_s, s),
+            "min_workers": min_workers(rate, per_worker_rps(batch_s, s)),
+        }
         for s in sizes
     ]
-    result = CapacityPlan(rate, batch_ms, max_batch, max_delay_ms, p99_target_ms, ideal,
-                          lowest, table)
+    result = CapacityPlan(
+        rate, batch_ms, max_batch, max_delay_ms, p99_target_ms, ideal, lowest, table
+    )
     for workers in range(lowest, lowest + max_extra + 1):
         if workers >= lowest + candidates and result.recommended_workers is not None:
             break
         candidate = simulate_candidate(
-            workers, rate=rate, batch_s=batch_s, max_batch=max_batch,
-            max_delay_s=max_delay_ms / 1000, duration_s=duration_s, seed=seed,
+            workers,
+            rate=rate,
+            batch_s=batch_s,
+            max_batch=max_batch,
+            max_delay_s=max_delay_ms / 1000,
+            duration_s=duration_s,
+            seed=seed,
             p99_target_ms=p99_target_ms,
         )
         result.candidates.append(candidate)
@@ -148,8 +173,10 @@ def format_plan(p: CapacityPlan) -> str:
         "If batches are not full (same fixed batch time):",
     ]
     for row in p.batch_size_table:
-        lines.append(f"  average batch {row['batch_size']:g}: {row['per_worker_rps']:g} "
-                     f"req/s per worker, {row['min_workers']:g} workers minimum")
+        lines.append(
+            f"  average batch {row['batch_size']:g}: {row['per_worker_rps']:g} "
+            f"req/s per worker, {row['min_workers']:g} workers minimum"
+        )
     lines.append("Simulated (Poisson arrivals):")
     lines.append("  workers  utilization  p50 ms   p99 ms   mean batch  capacity@mean batch")
     for c in p.candidates:
@@ -160,7 +187,8 @@ def format_plan(p: CapacityPlan) -> str:
         )
     rec = p.recommended_workers
     lines.append(
-        f"Recommended: {rec} workers" if rec is not None
+        f"Recommended: {rec} workers"
+        if rec is not None
         else "No candidate met the p99 target; raise --p99-ms or the worker range."
     )
     return "\n".join(lines)

@@ -84,8 +84,9 @@ class _Waiter:
 class BatchGeneration:
     """One dispatched request: a single delta with the whole response once its batch ends."""
 
-    def __init__(self, ticket: Ticket, waiter: _Waiter, dispatched_at: float,
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, ticket: Ticket, waiter: _Waiter, dispatched_at: float, clock: Callable[[], float]
+    ) -> None:
         self._ticket = ticket
         self._waiter = waiter
         self._dispatched_at = dispatched_at
@@ -152,9 +153,7 @@ class BatchRuntime:
     def slo_targets(self, traffic_class: TrafficClass) -> SloTargets | None:
         return None  # whole answers from fixed-time batches: no stream to pace
 
-    def generation(
-        self, ticket: Ticket, request: GenerationRequest
-    ) -> Admission[BatchGeneration]:
+    def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[BatchGeneration]:
         if self._stopping:
             raise EngineUnavailable("the batch runtime is not running")
         reason = self.core.submit(ticket, self.clock())
@@ -213,8 +212,14 @@ class BatchRuntime:
             if not waiter.dispatched.done():
                 waiter.dispatched.set_result(dispatch.started)
             req = waiter.request
-            items.append(BatchItem(ticket.request_id, dispatch.attempt_id,
-                                   req.prompt_token_ids, req.sampling.max_tokens))
+            items.append(
+                BatchItem(
+                    ticket.request_id,
+                    dispatch.attempt_id,
+                    req.prompt_token_ids,
+                    req.sampling.max_tokens,
+                )
+            )
         task = asyncio.get_running_loop().create_task(self._run(dispatch, items))
         self._tasks[dispatch.worker_id] = task
 

@@ -132,8 +132,14 @@ class BatchSimulation:
         if arrival.prompt and self.model.is_poison_text(arrival.prompt):
             self._poison.add(arrival.id)
         ticket = Ticket(
-            arrival.id, arrival.tenant, arrival.traffic_class, arrival.model, arrival.time_s,
-            math.inf if deadline is None else deadline, arrival.prompt_tokens, arrival.max_tokens,
+            arrival.id,
+            arrival.tenant,
+            arrival.traffic_class,
+            arrival.model,
+            arrival.time_s,
+            math.inf if deadline is None else deadline,
+            arrival.prompt_tokens,
+            arrival.max_tokens,
         )
         reason = self.core.submit(ticket, now)
         if reason is not None:
@@ -230,8 +236,9 @@ class BatchSimulation:
         result.batch_count += 1
         result.batch_sizes += len(dispatch.tickets)
         if self._keep_batches:
-            batch = BatchRecord(dispatch.lease_id, worker, len(dispatch.tickets), now,
-                                retry=dispatch.retry)
+            batch = BatchRecord(
+                dispatch.lease_id, worker, len(dispatch.tickets), now, retry=dispatch.retry
+            )
             result.batches.append(batch)
             self._batches[dispatch.lease_id] = batch
         poison = self._poison

@@ -91,8 +91,9 @@ class Event:
 def engine_failure(exc: EngineError) -> SluiceError:
     """An engine's error as the client's: what it cannot do or refuses is a 400."""
     if isinstance(exc, EngineDeadError):
-        return EngineUnavailable("the engine stopped while generating; retry shortly",
-                                 retry_after=5)
+        return EngineUnavailable(
+            "the engine stopped while generating; retry shortly", retry_after=5
+        )
     if isinstance(exc, EngineUnsupported):
         return UnsupportedParameter(str(exc), param=exc.param)
     if isinstance(exc, EngineRequestError):
@@ -119,8 +120,12 @@ class Shape:
         return ("chatcmpl-" if self.parsed.kind == "chat" else "cmpl-") + self.response_id
 
     def choices(self, *, keep: bool) -> Choices:
-        return Choices(self.parsed.n, self.new_parser, keep=keep,
-                       logprobs=self.parsed.sampling.get("logprobs") is not None)
+        return Choices(
+            self.parsed.n,
+            self.new_parser,
+            keep=keep,
+            logprobs=self.parsed.sampling.get("logprobs") is not None,
+        )
 
 
 class GenerationRun:
@@ -133,12 +138,19 @@ class GenerationRun:
     admission that does).
     """
 
-    def __init__(self, shape: Shape, timeline: RequestTimeline,
-                 admission: Admission[Any] | None, *,
-                 resumable: bool = False, grace_seconds: float = 30.0,
-                 on_end: Callable[[GenerationRun], None] | None = None,
-                 mirror: Mirror | None = None, follow: Follow | None = None,
-                 takeover: Callable[[GenerationRun], Admission[Any]] | None = None) -> None:
+    def __init__(
+        self,
+        shape: Shape,
+        timeline: RequestTimeline,
+        admission: Admission[Any] | None,
+        *,
+        resumable: bool = False,
+        grace_seconds: float = 30.0,
+        on_end: Callable[[GenerationRun], None] | None = None,
+        mirror: Mirror | None = None,
+        follow: Follow | None = None,
+        takeover: Callable[[GenerationRun], Admission[Any]] | None = None,
+    ) -> None:
         self.shape = shape
         self.timeline = timeline
         self.resumable = resumable
@@ -201,8 +213,10 @@ class GenerationRun:
                     continuing = await self._follow.into(self)
                 except StateUnavailable:  # its log cannot be read: this replica's end alone
                     self._handed_over = True
-                    raise EngineUnavailable("the shared state stopped answering; resume the "
-                                            "generation again shortly", retry_after=1) from None
+                    raise EngineUnavailable(
+                        "the shared state stopped answering; resume the generation again shortly",
+                        retry_after=1,
+                    ) from None
                 if not continuing:
                     return  # its log concluded on the replica that ran it
                 # Ours now: what happens next is written to the shared log, a refusal of the
@@ -239,9 +253,17 @@ class GenerationRun:
 
     async def _stream(self, generation: Generation) -> None:
         shape, timeline, parsed = self.shape, self.timeline, self.shape.parsed
-        encoder = ChunkEncoder(parsed.kind, shape.response_id, shape.model, parsed.include_usage,
-                               parsed.continuous_usage, timeline.prompt_tokens,
-                               shape.prompt_token_ids, shape.first_index, shape.created)
+        encoder = ChunkEncoder(
+            parsed.kind,
+            shape.response_id,
+            shape.model,
+            parsed.include_usage,
+            parsed.continuous_usage,
+            timeline.prompt_tokens,
+            shape.prompt_token_ids,
+            shape.first_index,
+            shape.created,
+        )
         with_ids = shape.prompt_token_ids is not None  # each chunk carries its token ids
         echo = shape.echo
         answer = echo is None or not echo.prompt_only  # whether the text generated is sent
@@ -255,8 +277,12 @@ class GenerationRun:
             timeline.generated_tokens = sum(e.tokens for e in self.log)
             for event in self.log:  # the output parser reads what was sent, sending nothing
                 if event.kind is Kind.PIECE:
-                    choices.replay(event.index, event.text, event.token_ids,
-                                   bool(event.fields and "tool_calls" in event.fields))
+                    choices.replay(
+                        event.index,
+                        event.text,
+                        event.token_ids,
+                        bool(event.fields and "tool_calls" in event.fields),
+                    )
         else:
             for index in range(choices.n):
                 if parsed.kind == "chat":
@@ -273,23 +299,47 @@ class GenerationRun:
             if count:
                 timeline.wrote_tokens(count)
             choice, fields = choices.add(delta)
-            shown = bool(fields or delta.logprobs or (with_ids and delta.token_ids)
-                         if choices.parsed else answer and (
-                             delta.text or delta.logprobs or (with_ids and delta.token_ids)))
+            shown = bool(
+                fields or delta.logprobs or (with_ids and delta.token_ids)
+                if choices.parsed
+                else answer and (delta.text or delta.logprobs or (with_ids and delta.token_ids))
+            )
             # Tokens with no text of their own ride on the next piece; a choice's last ones
             # get a piece, so that the pieces' counts add up to the tokens generated.
-            shown = shown or bool(answer and delta.finish_reason is not None
-                                  and (unsent or count))
+            shown = shown or bool(answer and delta.finish_reason is not None and (unsent or count))
             if shown:
-                sse = (encoder.delta(fields or {}, timeline.generated_tokens, delta.logprobs,
-                                     choice.index, delta.token_ids) if choices.parsed else
-                       encoder.text(delta.text, timeline.generated_tokens, delta.logprobs,
-                                    choice.index, delta.token_ids))
+                sse = (
+                    encoder.delta(
+                        fields or {},
+                        timeline.generated_tokens,
+                        delta.logprobs,
+                        choice.index,
+                        delta.token_ids,
+                    )
+                    if choices.parsed
+                    else encoder.text(
+                        delta.text,
+                        timeline.generated_tokens,
+                        delta.logprobs,
+                        choice.index,
+                        delta.token_ids,
+                    )
+                )
                 # (With return_token_ids every delta with tokens is shown: `unsent` is empty
                 # whenever the ids are rendered.)
                 ids = [*unsent, *delta.token_ids] if unsent else delta.token_ids
-                append(Event(Kind.PIECE, sse, choice.index, unsent_text + delta.text,
-                             len(ids), fields, delta.logprobs, ids))
+                append(
+                    Event(
+                        Kind.PIECE,
+                        sse,
+                        choice.index,
+                        unsent_text + delta.text,
+                        len(ids),
+                        fields,
+                        delta.logprobs,
+                        ids,
+                    )
+                )
                 unsent, unsent_text = [], ""
             else:
                 unsent.extend(delta.token_ids)
@@ -297,16 +347,28 @@ class GenerationRun:
             if delta.finish_reason is None:
                 continue
             if choices.left:  # not the last to finish: its own finishing chunk now
-                append(Event(Kind.FINISH, encoder.finish(
-                    Choices.finish_reason(choice), choice.stop_reason, None,
-                    timeline.generated_tokens, choice.index), choice.index))
+                append(
+                    Event(
+                        Kind.FINISH,
+                        encoder.finish(
+                            Choices.finish_reason(choice),
+                            choice.stop_reason,
+                            None,
+                            timeline.generated_tokens,
+                            choice.index,
+                        ),
+                        choice.index,
+                    )
+                )
             else:
                 last = choice
         choices.check_all_finished()
         assert last is not None
         finish_reason = Choices.finish_reason(last)
-        summary = {"usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
-                   "timings": timeline.timings()}
+        summary = {
+            "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
+            "timings": timeline.timings(),
+        }
         ended = [(c.index, Choices.finish_reason(c)) for c in choices.in_order()]
         final: dict[str, Any] = {"finish_reason": ended[0][1]}
         if choices.n > 1:
@@ -314,15 +376,30 @@ class GenerationRun:
         final.update(summary)
         generated = timeline.generated_tokens
         if parsed.include_usage:
-            append(Event(Kind.FINISH, encoder.finish(finish_reason, last.stop_reason, None,
-                                                     generated, last.index),
-                         last.index, final=final))
+            append(
+                Event(
+                    Kind.FINISH,
+                    encoder.finish(finish_reason, last.stop_reason, None, generated, last.index),
+                    last.index,
+                    final=final,
+                )
+            )
             append(Event(Kind.USAGE, encoder.usage_chunk(summary)))
         else:
-            append(Event(Kind.FINISH, encoder.finish(finish_reason, last.stop_reason,
-                                                     {"timings": summary["timings"]},
-                                                     generated, last.index),
-                         last.index, final=final))
+            append(
+                Event(
+                    Kind.FINISH,
+                    encoder.finish(
+                        finish_reason,
+                        last.stop_reason,
+                        {"timings": summary["timings"]},
+                        generated,
+                        last.index,
+                    ),
+                    last.index,
+                    final=final,
+                )
+            )
         timeline.finish("completed")
         append(Event(Kind.DONE, DONE))
 
@@ -333,9 +410,17 @@ class GenerationRun:
             timeline.wrote_tokens(len(delta.token_ids))
             choices.add(delta)
         choices.check_all_finished()
-        body = whole_response(shape.parsed.kind, shape.response_id, shape.model, choices,
-                              timeline.prompt_tokens, timeline.generated_tokens,
-                              timeline.timings(), shape.prompt_token_ids, shape.echo)
+        body = whole_response(
+            shape.parsed.kind,
+            shape.response_id,
+            shape.model,
+            choices,
+            timeline.prompt_tokens,
+            timeline.generated_tokens,
+            timeline.timings(),
+            shape.prompt_token_ids,
+            shape.echo,
+        )
         timeline.finish("completed")
         self._append(Event(Kind.WHOLE, body=body))
 
@@ -350,14 +435,16 @@ class GenerationRun:
         else:
             self.timeline.finish(outcome_for(error), status=error.status, error=error)
         local = self._handed_over
-        self._append(Event(Kind.FAILED, ChunkEncoder.error(error.to_body()), error=error,
-                           local=local))
+        self._append(
+            Event(Kind.FAILED, ChunkEncoder.error(error.to_body()), error=error, local=local)
+        )
         if self.shape.stream:
             self._append(Event(Kind.DONE, DONE, local=local))
 
     def _append(self, event: Event) -> None:
         self._concluded = event.kind in _LAST or (
-            event.kind is Kind.FAILED and not self.shape.stream)
+            event.kind is Kind.FAILED and not self.shape.stream
+        )
         self.log.append(event)
         self.size += EVENT_BYTES + len(event.sse) + len(event.text)
         self.wake()
@@ -410,8 +497,7 @@ class GenerationRun:
         if self._readers or self.ended:
             return
         if self.resumable:
-            self._grace = asyncio.get_running_loop().call_later(self.grace_seconds,
-                                                                self._unread)
+            self._grace = asyncio.get_running_loop().call_later(self.grace_seconds, self._unread)
         else:
             self.cancel(GenerationCancelled("the client left"))
 
@@ -436,8 +522,7 @@ class GenerationRun:
         if self._readers or self.ended:
             return
         if read:
-            self._grace = asyncio.get_running_loop().call_later(self.grace_seconds,
-                                                                self._unread)
+            self._grace = asyncio.get_running_loop().call_later(self.grace_seconds, self._unread)
         else:
             self.cancel(self._abandoned())
 

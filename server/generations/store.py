@@ -37,8 +37,9 @@ class _Record:
 
 
 class RunStore:
-    def __init__(self, retention_seconds: float, max_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, retention_seconds: float, max_bytes: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.retention_seconds = retention_seconds
         self.max_bytes = max_bytes
         self._clock = clock

@@ -49,7 +49,10 @@ class Backlog:
         return expected_output
 
     def seconds_ahead(
-        self, traffic_class: TrafficClass, tenant: str | None, own_seconds: float,
+        self,
+        traffic_class: TrafficClass,
+        tenant: str | None,
+        own_seconds: float,
         seconds: WorkSeconds,
     ) -> float:
         """Sequence-seconds queued ahead of a new request of `tenant` in `traffic_class`.
@@ -72,6 +75,9 @@ class Backlog:
             own_line = seconds(own.prompt_tokens, own.output_tokens) if own else 0.0
             total += own_line
             share = own_line + own_seconds
-            total += sum(min(share, seconds(w.prompt_tokens, w.output_tokens))
-                         for name, w in by_tenant.items() if name != tenant)
+            total += sum(
+                min(share, seconds(w.prompt_tokens, w.output_tokens))
+                for name, w in by_tenant.items()
+                if name != tenant
+            )
         return total

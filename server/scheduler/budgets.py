@@ -70,9 +70,7 @@ class BudgetLedger:
             max(1, math.floor(limit * (1.0 - config.interactive_reserve_share)))
             for limit in self._limit
         )
-        self._bulk_floor = tuple(
-            math.floor(limit * config.bulk_min_share) for limit in self._limit
-        )
+        self._bulk_floor = tuple(math.floor(limit * config.bulk_min_share) for limit in self._limit)
         self._total = [0, 0, 0]
         self._by_class = {traffic_class: [0, 0, 0] for traffic_class in TrafficClass}
 
@@ -87,9 +85,7 @@ class BudgetLedger:
         cap = self.class_cap(ticket.traffic_class)
         return all(d <= c for d, c in zip(self.demand(ticket), cap, strict=True))
 
-    def fits(
-        self, ticket: Ticket, *, bulk_waiting: bool, freeing: Iterable[Ticket] = ()
-    ) -> bool:
+    def fits(self, ticket: Ticket, *, bulk_waiting: bool, freeing: Iterable[Ticket] = ()) -> bool:
         """Whether `ticket` fits now, or once the running bulk tickets `freeing` have left."""
         demand = self.demand(ticket)
         total = self._total

@@ -54,8 +54,7 @@ class BulkCap:
         estimates = self._estimates
         if estimates.idle_ttft_s is not None:
             return estimates.idle_ttft_s
-        return (estimates.steps.at(1.0)
-                + TYPICAL_CHAT_PROMPT_TOKENS / estimates.prefill_tokens_per_s)
+        return estimates.steps.at(1.0) + TYPICAL_CHAT_PROMPT_TOKENS / estimates.prefill_tokens_per_s
 
     def knee(self) -> int:
         """The fewest sequences past which more add little throughput (the budget's limit

@@ -112,16 +112,23 @@ def seed(estimates: RateEstimates, probe: Probe) -> Calibration:
 
 
 async def calibrate(
-    engine: EngineClient, estimates: RateEstimates, *, max_sequences: int, tokens: int = 16,
+    engine: EngineClient,
+    estimates: RateEstimates,
+    *,
+    max_sequences: int,
+    tokens: int = 16,
     clock: Callable[[], float] = time.monotonic,
 ) -> Calibration:
     """Probe the engine and seed `estimates` with what it showed."""
     started = clock()
-    result = seed(estimates, await probe(engine, max_sequences=max_sequences, tokens=tokens,
-                                         clock=clock))
+    result = seed(
+        estimates, await probe(engine, max_sequences=max_sequences, tokens=tokens, clock=clock)
+    )
     logger.info(
         "engine calibrated in %.1fs: idle time to first token %.1f ms; prefill %s tokens/s; "
-        "step time %s", clock() - started, 1000 * result.idle_ttft_s,
+        "step time %s",
+        clock() - started,
+        1000 * result.idle_ttft_s,
         "?" if result.prefill_tokens_per_s is None else f"{result.prefill_tokens_per_s:.0f}",
         ", ".join(f"{n}: {1000 * s:.1f} ms" for n, s in result.step_s.items()),
     )
@@ -129,16 +136,25 @@ async def calibrate(
 
 
 async def probe(
-    engine: EngineClient, *, max_sequences: int, tokens: int, clock: Callable[[], float],
+    engine: EngineClient,
+    *,
+    max_sequences: int,
+    tokens: int,
+    clock: Callable[[], float],
 ) -> Probe:
     prompt = engine.tokenize(PROMPT)
-    request = GenerationRequest("sluice-calibration", prompt,
-                                SamplingOptions(max_tokens=tokens, ignore_eos=True))
+    request = GenerationRequest(
+        "sluice-calibration", prompt, SamplingOptions(max_tokens=tokens, ignore_eos=True)
+    )
 
     async def run(request_id: str, prompt_ids: list[int] = prompt) -> StreamTiming:
         sent = clock()
-        deltas = [(clock(), len(delta.token_ids)) async for delta in engine.generate(
-            replace(request, request_id=request_id, prompt_token_ids=prompt_ids))]
+        deltas = [
+            (clock(), len(delta.token_ids))
+            async for delta in engine.generate(
+                replace(request, request_id=request_id, prompt_token_ids=prompt_ids)
+            )
+        ]
         return stream_timing(sent, deltas)
 
     await run("sluice-calibration-warmup")

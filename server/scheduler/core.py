@@ -119,9 +119,12 @@ class SchedulerCore:
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self._quotas = TenantQuotas(config.tenants)
-        self.bulk_cap = BulkCap(config.slo, self.estimates,
-                                limit=self.ledger.class_cap(TrafficClass.BULK)[2],
-                                min_share=config.budgets.bulk_min_share)
+        self.bulk_cap = BulkCap(
+            config.slo,
+            self.estimates,
+            limit=self.ledger.class_cap(TrafficClass.BULK)[2],
+            min_share=config.budgets.bulk_min_share,
+        )
         self._chats_quiet_since: float | None = -math.inf  # None while chats run or wait
         self._pacer = PrefillPacer()  # bulk prefill per engine step
         self._mean_reserved = 1024.0
@@ -135,13 +138,20 @@ class SchedulerCore:
             raise ValueError(f"duplicate request id {ticket.request_id!r}")
         tc = ticket.traffic_class
         if not self.ledger.ever_fits(ticket):
-            return Rejected(ticket, "request_too_large", (
-                f"the request reserves {ticket.reserved_tokens} tokens (prompt + max_tokens"
-                + (f" for each of {ticket.n} choices) and {ticket.n} sequences, "
-                   if ticket.n > 1 else "), ")
-                + f"more than the {tc} budget allows; lower max_tokens"
-                + (" or n" if ticket.n > 1 else "")
-            ))
+            return Rejected(
+                ticket,
+                "request_too_large",
+                (
+                    f"the request reserves {ticket.reserved_tokens} tokens (prompt + max_tokens"
+                    + (
+                        f" for each of {ticket.n} choices) and {ticket.n} sequences, "
+                        if ticket.n > 1
+                        else "), "
+                    )
+                    + f"more than the {tc} budget allows; lower max_tokens"
+                    + (" or n" if ticket.n > 1 else "")
+                ),
+            )
         refusal = self._check_tenant(ticket, now)
         if refusal is not None:
             return refusal
@@ -152,21 +162,31 @@ class SchedulerCore:
             or queue.queued_tokens + ticket.reserved_tokens > class_config.max_queued_tokens
         ):
             drain = self.predicted_wait(ticket, now)
-            return Rejected(ticket, "overloaded", f"the {tc} queue is full; retry later",
-                            retry_after=max(1.0, drain))
+            return Rejected(
+                ticket,
+                "overloaded",
+                f"the {tc} queue is full; retry later",
+                retry_after=max(1.0, drain),
+            )
         wait = self.predicted_wait(ticket, now)
         # It runs among as many sequences as run now, or, if it must queue, as many as fit.
-        concurrency = (self._sequences() + ticket.n if wait == 0.0
-                       else self._concurrency(ticket.traffic_class))
+        concurrency = (
+            self._sequences() + ticket.n if wait == 0.0 else self._concurrency(ticket.traffic_class)
+        )
         predicted_start = now + wait
         predicted_end = predicted_start + self.estimates.service_seconds(ticket, concurrency)
         margin = self.config.estimates.admission_margin * (predicted_end - now)
         if predicted_end + margin > ticket.deadline:
-            return Rejected(ticket, "deadline_unmeetable", (
-                f"predicted completion in {predicted_end - now:.3f}s (plus a "
-                f"{self.config.estimates.admission_margin:.0%} margin) exceeds the deadline "
-                f"in {max(0.0, ticket.deadline - now):.3f}s"
-            ), retry_after=max(1.0, predicted_start - now))
+            return Rejected(
+                ticket,
+                "deadline_unmeetable",
+                (
+                    f"predicted completion in {predicted_end - now:.3f}s (plus a "
+                    f"{self.config.estimates.admission_margin:.0%} margin) exceeds the deadline "
+                    f"in {max(0.0, ticket.deadline - now):.3f}s"
+                ),
+                retry_after=max(1.0, predicted_start - now),
+            )
         self._admit(ticket, now)
         if tc is TrafficClass.INTERACTIVE:
             self._chats_changed(now)
@@ -175,15 +195,20 @@ class SchedulerCore:
     def _check_tenant(self, ticket: Ticket, now: float) -> Rejected | None:
         quota = self._quotas.check(ticket, now)
         if quota is not None:
-            return Rejected(ticket, "tenant_quota_exceeded", quota.message,
-                            retry_after=quota.retry_after)
+            return Rejected(
+                ticket, "tenant_quota_exceeded", quota.message, retry_after=quota.retry_after
+            )
         class_config = self.config.classes[ticket.traffic_class]
         if self._many_tenants:
             share = max(1, math.ceil(class_config.max_queued * class_config.tenant_queue_share))
             if self._queues[ticket.traffic_class].count_for(ticket.tenant) >= share:
-                return Rejected(ticket, "tenant_quota_exceeded",
-                                f"tenant {ticket.tenant!r} holds its share of the "
-                                f"{ticket.traffic_class} queue ({share})", retry_after=1.0)
+                return Rejected(
+                    ticket,
+                    "tenant_quota_exceeded",
+                    f"tenant {ticket.tenant!r} holds its share of the "
+                    f"{ticket.traffic_class} queue ({share})",
+                    retry_after=1.0,
+                )
         return None
 
     def _admit(self, ticket: Ticket, now: float) -> None:
@@ -226,15 +251,24 @@ class SchedulerCore:
 
     def pressure(self, traffic_class: TrafficClass, now: float) -> float:
         """Predicted queue wait for a typical new request over the class's deadline budget."""
-        probe = Ticket("", "", traffic_class, "", now, now, int(self._mean_reserved) // 2,
-                       int(self._mean_reserved) - int(self._mean_reserved) // 2)
+        probe = Ticket(
+            "",
+            "",
+            traffic_class,
+            "",
+            now,
+            now,
+            int(self._mean_reserved) // 2,
+            int(self._mean_reserved) - int(self._mean_reserved) // 2,
+        )
         wait = self.predicted_wait(probe, now, fair=False)
         return wait / self.config.classes[traffic_class].deadline_s
 
     # --- the bulk cap ------------------------------------------------------------------
     def _chats(self) -> int:
-        return (self._running_per_class[TrafficClass.INTERACTIVE]
-                + len(self._queues[TrafficClass.INTERACTIVE]))
+        return self._running_per_class[TrafficClass.INTERACTIVE] + len(
+            self._queues[TrafficClass.INTERACTIVE]
+        )
 
     def _chats_changed(self, now: float) -> None:
         self.estimates.chats_changed(self._chats(), now)
@@ -289,8 +323,11 @@ class SchedulerCore:
             if (
                 bulk_head is not None
                 and self._bulk_may_start(bulk_head, now)
-                and (self.ledger.fits(bulk_head, bulk_waiting=True) if head is None
-                     else self.ledger.fits_bulk_floor(bulk_head))
+                and (
+                    self.ledger.fits(bulk_head, bulk_waiting=True)
+                    if head is None
+                    else self.ledger.fits_bulk_floor(bulk_head)
+                )
             ):
                 bulk.pop(bulk_head)
                 self._pacer.spend(self._prefill_s(bulk_head))
@@ -328,7 +365,8 @@ class SchedulerCore:
         expected_output = self._backlog.remove(ticket)
         self.ledger.acquire(ticket)
         self._running[ticket.request_id] = _Running(
-            ticket, now, expected_output, others_at_dispatch=self._sequences())
+            ticket, now, expected_output, others_at_dispatch=self._sequences()
+        )
         self._running_output_left += expected_output
         self._running_per_class[ticket.traffic_class] += ticket.n
         self.estimates.running_changed(self._sequences(), now)
@@ -366,8 +404,7 @@ class SchedulerCore:
                 if ready > now:  # else the budgets hold it, and a release will poll
                     times.append(ready)
             hold_until = self._hold_until()
-            if (hold_until is not None and now < hold_until
-                    and running < self.bulk_cap.idle()):
+            if hold_until is not None and now < hold_until and running < self.bulk_cap.idle():
                 times.append(hold_until)
         return min(times, default=None)
 
@@ -397,9 +434,13 @@ class SchedulerCore:
         """Running preemptible bulk not yet named, the cheapest to resume first."""
         block = self.ledger.limits.block_size
         return sorted(
-            (e for e in self._running.values()
-             if e.ticket.traffic_class is TrafficClass.BULK and e.ticket.preemptible
-             and not e.preempting),
+            (
+                e
+                for e in self._running.values()
+                if e.ticket.traffic_class is TrafficClass.BULK
+                and e.ticket.preemptible
+                and not e.preempting
+            ),
             key=lambda e: (e.resume_cost(block), -e.dispatched_at),
         )
 
@@ -429,8 +470,9 @@ class SchedulerCore:
         chosen: list[_Running] = []
         for entry in self._victims():
             chosen.append(entry)
-            if self.ledger.fits(head, bulk_waiting=True,
-                                freeing=leaving + [e.ticket for e in chosen]):
+            if self.ledger.fits(
+                head, bulk_waiting=True, freeing=leaving + [e.ticket for e in chosen]
+            ):
                 return chosen
         return []  # even stopping every bulk request would not make room
 
@@ -449,7 +491,8 @@ class SchedulerCore:
         if generated_tokens >= ticket.max_tokens:
             raise ValueError(
                 f"{request_id!r}: {generated_tokens} generated of {ticket.max_tokens}; "
-                "a request with nothing left to generate is finished, not requeued")
+                "a request with nothing left to generate is finished, not requeued"
+            )
         self._leave_running(entry, now)
         continuation = ticket.continued(generated_tokens)
         self._queues[TrafficClass.BULK].push_front(continuation)
@@ -469,10 +512,13 @@ class SchedulerCore:
             entry.first_token_at = now
             ticket = entry.ticket
             if not ticket.resumed_tokens:  # a continuation's prefix is mostly cached
-                self.estimates.observe_prefill(ticket.prompt_tokens, now - entry.dispatched_at,
-                                               entry.others_at_dispatch)
-            if (ticket.traffic_class is TrafficClass.INTERACTIVE
-                    and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS):
+                self.estimates.observe_prefill(
+                    ticket.prompt_tokens, now - entry.dispatched_at, entry.others_at_dispatch
+                )
+            if (
+                ticket.traffic_class is TrafficClass.INTERACTIVE
+                and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS
+            ):
                 self.estimates.observe_idle_ttft(now - ticket.arrival)
         entry.generated += tokens
         self._running_output_left -= tokens

@@ -86,7 +86,6 @@ class StepTimes:
         (c0, s0), (c1, s1) = points[i - 1], points[i]
         return s0 + (s1 - s0) * (c - c0) / (c1 - c0)
 
-
     def within(self, step_s: float) -> float:
         """The most sequences that can run with steps of at most `step_s`: the first point where
         the estimate crosses it (0 when even one sequence's step is slower)."""
@@ -181,8 +180,12 @@ class RateEstimates:
     def tokens_generated(self, tokens: int, now: float) -> None:
         """The engine produced `tokens` output tokens (across sequences) by `now`."""
         window = self._window
-        if (window.busy_s >= STEP_WINDOW_S and window.tokens > 0
-                and self._changed_at is not None and now > self._changed_at):
+        if (
+            window.busy_s >= STEP_WINDOW_S
+            and window.tokens > 0
+            and self._changed_at is not None
+            and now > self._changed_at
+        ):
             # The window closes before the time moves on, so it holds whole engine steps.
             # Sequence-seconds per token is the step time; busy time gives the concurrency.
             step = window.decode_step_s()
@@ -233,7 +236,8 @@ class RateEstimates:
     def observe_completion(self, output_tokens: int, ticket: Ticket) -> None:
         if ticket.open_ended:
             self.open_ended_output_tokens = self._blend(
-                self.open_ended_output_tokens, float(output_tokens))
+                self.open_ended_output_tokens, float(output_tokens)
+            )
         elif ticket.max_tokens > 0:
             fraction = min(1.0, output_tokens / ticket.max_tokens)
             self.output_fraction = self._blend(self.output_fraction, fraction)
@@ -255,7 +259,6 @@ class RateEstimates:
         """Expected time from dispatch to the last token of `ticket`, running among
         `concurrency` sequences (its choices run side by side)."""
         expected_output = max(1.0, self.expected_output_tokens(ticket) / ticket.n)
-        return (
-            ticket.prompt_tokens / self.prefill_tokens_per_s
-            + expected_output * self.steps.at(concurrency)
+        return ticket.prompt_tokens / self.prefill_tokens_per_s + expected_output * self.steps.at(
+            concurrency
         )

@@ -60,25 +60,30 @@ class TenantQuotas:
             return None
         active = self._active.get(ticket.tenant, 0)
         if tenant.max_concurrent is not None and active >= tenant.max_concurrent:
-            return QuotaRefusal(f"tenant {ticket.tenant!r} has {active} requests in flight, "
-                                f"its limit is {tenant.max_concurrent}", retry_after=1.0)
+            return QuotaRefusal(
+                f"tenant {ticket.tenant!r} has {active} requests in flight, "
+                f"its limit is {tenant.max_concurrent}",
+                retry_after=1.0,
+            )
         if tenant.tokens_per_minute is not None:
             window = self._windows.setdefault(ticket.tenant, TokenWindow())
             window.trim(now)
             if window.total + ticket.reserved_tokens > tenant.tokens_per_minute:
                 wait = window.seconds_until_room(
-                    now, ticket.reserved_tokens, tenant.tokens_per_minute)
-                return QuotaRefusal(f"tenant {ticket.tenant!r} exceeded "
-                                    f"{tenant.tokens_per_minute} tokens per minute",
-                                    retry_after=max(1.0, wait))
+                    now, ticket.reserved_tokens, tenant.tokens_per_minute
+                )
+                return QuotaRefusal(
+                    f"tenant {ticket.tenant!r} exceeded "
+                    f"{tenant.tokens_per_minute} tokens per minute",
+                    retry_after=max(1.0, wait),
+                )
         return None
 
     def admitted(self, ticket: Ticket, now: float) -> None:
         self._active[ticket.tenant] = self._active.get(ticket.tenant, 0) + 1
         tenant = self._tenants.get(ticket.tenant)
         if tenant is not None and tenant.tokens_per_minute is not None:
-            self._windows.setdefault(ticket.tenant, TokenWindow()).add(
-                now, ticket.reserved_tokens)
+            self._windows.setdefault(ticket.tenant, TokenWindow()).add(now, ticket.reserved_tokens)
 
     def ended(self, ticket: Ticket) -> None:
         left = self._active[ticket.tenant] - 1

@@ -33,7 +33,10 @@ class RunningGeneration:
     """
 
     def __init__(
-        self, runtime: SchedulerRuntime, ticket: Ticket, request: GenerationRequest,
+        self,
+        runtime: SchedulerRuntime,
+        ticket: Ticket,
+        request: GenerationRequest,
         dispatched_at: float,
     ) -> None:
         self._runtime = runtime
@@ -99,8 +102,7 @@ class RunningGeneration:
                 try:
                     while not self._must_yield_engine():
                         if self._deadline_passed:
-                            raise DeadlineExceeded(
-                                "the request's deadline passed while generating")
+                            raise DeadlineExceeded("the request's deadline passed while generating")
                         delta = await self._next_delta(deltas)
                         if delta is None:
                             if self._must_yield_engine():
@@ -132,7 +134,8 @@ class RunningGeneration:
             if (self._deadline_passed or self._preempt_requested) and task.uncancel() == 0:
                 if self._deadline_passed:
                     raise DeadlineExceeded(
-                        "the request's deadline passed while generating") from None
+                        "the request's deadline passed while generating"
+                    ) from None
                 return None
             raise
         finally:
@@ -142,10 +145,12 @@ class RunningGeneration:
     def _count(self, delta: TokenDelta, request: GenerationRequest) -> None:
         if request.resumed_tokens and delta.num_cached_tokens is not None:
             metrics.RESUMED_PREFILL_TOKENS.labels(self._runtime.model_name).inc(
-                request.prompt_length - delta.num_cached_tokens)
+                request.prompt_length - delta.num_cached_tokens
+            )
         if delta.token_ids:
-            self._runtime.core.generated(self._ticket.request_id, len(delta.token_ids),
-                                         self._runtime.clock())
+            self._runtime.core.generated(
+                self._ticket.request_id, len(delta.token_ids), self._runtime.clock()
+            )
             self.output_tokens += len(delta.token_ids)
             self._generated.extend(delta.token_ids)
         if delta.finish_reason is not None and delta.finish_reason != "abort":
@@ -161,8 +166,9 @@ class RunningGeneration:
             await waiter
         finally:
             del waiter  # (see SchedulerRuntime._enter)
-        return self._request.continued(self._generated,
-                                       f"{self._request.request_id}~{self.preemptions}")
+        return self._request.continued(
+            self._generated, f"{self._request.request_id}~{self.preemptions}"
+        )
 
 
 class SchedulerRuntime:
@@ -209,8 +215,8 @@ class SchedulerRuntime:
         self._stopping = False
         if self.config.estimates.calibrate:
             self.calibration = await calibrate(
-                self.engine, self._core.estimates, max_sequences=limits.sequences,
-                clock=self.clock)
+                self.engine, self._core.estimates, max_sequences=limits.sequences, clock=self.clock
+            )
         for name, limit in self._core.ledger.limits_by_name().items():
             metrics.BUDGET_LIMIT.labels(budget=name).set(limit)
         self._record_state()
@@ -241,8 +247,9 @@ class SchedulerRuntime:
         waiter: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = waiter
         self._dispatch()
-        return Admission(partial(self._enter, ticket, request, waiter),
-                         partial(self._leave, ticket))
+        return Admission(
+            partial(self._enter, ticket, request, waiter), partial(self._leave, ticket)
+        )
 
     async def _enter(
         self, ticket: Ticket, request: GenerationRequest, waiter: asyncio.Future[float]
@@ -264,8 +271,9 @@ class SchedulerRuntime:
         self._preempt_on_start.discard(ticket.request_id)
         if running is not None:
             await running.aclose()
-        self.core.release(ticket.request_id, self.clock(),
-                          completed=running.completed if running else False)
+        self.core.release(
+            ticket.request_id, self.clock(), completed=running.completed if running else False
+        )
         self._dispatch()
 
     def requeue(self, request_id: str) -> asyncio.Future[float]:

@@ -16,8 +16,12 @@ CAPACITY_REFUSALS = frozenset({"overloaded", "deadline_unmeetable", "engine_unav
 
 
 def slo_result(
-    outcome: str, refusal: str | None, waited_s: float, ttft_s: float | None,
-    median_itl_s: float | None, targets: SloTargets | None,
+    outcome: str,
+    refusal: str | None,
+    waited_s: float,
+    ttft_s: float | None,
+    median_itl_s: float | None,
+    targets: SloTargets | None,
 ) -> tuple[str, str] | None:
     """(result, reason) for sluice_slo_requests_total, or None when the request does not count.
 

@@ -41,8 +41,7 @@ class Tenant:
         return self.name if self.configured else "other"
 
 
-def requested_class(service_tier: str | None, asked: TrafficClass | None
-                    ) -> TrafficClass | None:
+def requested_class(service_tier: str | None, asked: TrafficClass | None) -> TrafficClass | None:
     """The class the client asked for, or None when it did not say."""
     if asked is not None:
         return asked
@@ -62,8 +61,7 @@ class FailedAttempts:
     sends, so the refusal tells nothing about any key. At most `max_clients` addresses are
     remembered (the least recent forgotten first)."""
 
-    def __init__(self, limit: int = 10, window_s: float = 60.0, max_clients: int = 10_000
-                 ) -> None:
+    def __init__(self, limit: int = 10, window_s: float = 60.0, max_clients: int = 10_000) -> None:
         self.limit = limit
         self.window_s = window_s
         self.max_clients = max_clients
@@ -92,17 +90,19 @@ class FailedAttempts:
 
 
 class TenantDirectory:
-    def __init__(self, config: SluiceConfig, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+    def __init__(self, config: SluiceConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._clock = clock
         self.failed_attempts = FailedAttempts()
         # Every accepted key as a digest: a key is checked against each of them in full,
         # whichever matches, and plain keys are not kept beyond the configuration.
-        self._digests = [(bytes.fromhex(digest), tenant)
-                         for digest, tenant in config.api_key_digests.items()]
-        self._digests += [(hashlib.sha256(key.encode()).digest(), tenant)
-                          for key, tenant in config.api_keys.items()]
+        self._digests = [
+            (bytes.fromhex(digest), tenant) for digest, tenant in config.api_key_digests.items()
+        ]
+        self._digests += [
+            (hashlib.sha256(key.encode()).digest(), tenant)
+            for key, tenant in config.api_keys.items()
+        ]
         self._tenants = {
             name: Tenant(name, tenant_config, configured=True)
             for name, tenant_config in config.tenants.items()
@@ -129,8 +129,10 @@ class TenantDirectory:
         now = self._clock()
         wait = self.failed_attempts.blocked_for(client, now)
         if wait is not None:
-            raise TooManyFailedAttempts("too many failed authentications from this address; "
-                                        "retry later", retry_after=max(1.0, wait))
+            raise TooManyFailedAttempts(
+                "too many failed authentications from this address; retry later",
+                retry_after=max(1.0, wait),
+            )
         if not api_key:
             self.failed_attempts.failed(client, now)
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
@@ -169,8 +171,9 @@ class TenantDirectory:
         n: int = 1,
     ) -> Ticket:
         traffic_class = self.traffic_class(tenant, service_tier, asked_class)
-        timeout = timeout_s if timeout_s is not None else (
-            self._config.classes[traffic_class].deadline_s)
+        timeout = (
+            timeout_s if timeout_s is not None else (self._config.classes[traffic_class].deadline_s)
+        )
         return Ticket(
             request_id=request_id,
             tenant=tenant.name,

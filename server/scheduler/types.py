@@ -50,9 +50,12 @@ class Ticket:
 
     def continued(self, generated: int) -> Ticket:
         """The ticket that continues this one after it generated `generated` tokens."""
-        return replace(self, prompt_tokens=self.prompt_tokens + generated,
-                       max_tokens=self.max_tokens - generated,
-                       resumed_tokens=self.resumed_tokens + generated)
+        return replace(
+            self,
+            prompt_tokens=self.prompt_tokens + generated,
+            max_tokens=self.max_tokens - generated,
+            resumed_tokens=self.resumed_tokens + generated,
+        )
 
 
 class Generation(Protocol):

@@ -21,9 +21,7 @@ class WakeupTimer:
         self.cancel()
         self._at = wake
         if wake is not None:
-            self._handle = asyncio.get_running_loop().call_later(
-                max(0.0, wake - now), self._fire
-            )
+            self._handle = asyncio.get_running_loop().call_later(max(0.0, wake - now), self._fire)
 
     def cancel(self) -> None:
         if self._handle is not None:

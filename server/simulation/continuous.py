@@ -91,13 +91,21 @@ class ContinuousSimulation:
         self.config = config
         self.loop = EventLoop()
         self.model = SimTimingModel(sim)
-        self.core = SchedulerCore(config, BudgetLimits.from_engine(
-            config.budgets, block_size=sim.block_size, num_blocks=sim.kv_blocks,
-            max_model_len=sim.max_model_len, engine_max_seqs=sim.max_num_seqs,
-        ))
+        self.core = SchedulerCore(
+            config,
+            BudgetLimits.from_engine(
+                config.budgets,
+                block_size=sim.block_size,
+                num_blocks=sim.kv_blocks,
+                max_model_len=sim.max_model_len,
+                engine_max_seqs=sim.max_num_seqs,
+            ),
+        )
         if config.estimates.calibrate:
-            seed(self.core.estimates, probe_timing_model(
-                sim, max_sequences=self.core.ledger.limits.sequences))
+            seed(
+                self.core.estimates,
+                probe_timing_model(sim, max_sequences=self.core.ledger.limits.sequences),
+            )
         self.timelines: dict[str, Timeline] = {}
         self.peak_budget_in_use = dict.fromkeys(self.core.ledger.in_use(), 0)
         self._targets: dict[str, SloTargets] = {}  # interactive requests' targets at arrival
@@ -132,10 +140,17 @@ class ContinuousSimulation:
         request_id = f"bulk{stream}.{sequence}"
         self._streams[request_id] = (stream, sequence)
         shape = streams.shape
-        self._arrive(Arrival(
-            request_id, now,
-            None if shape.deadline_s is None else now + shape.deadline_s,
-            TrafficClass.BULK, streams.tenant, shape.prompt_tokens, shape.max_tokens))
+        self._arrive(
+            Arrival(
+                request_id,
+                now,
+                None if shape.deadline_s is None else now + shape.deadline_s,
+                TrafficClass.BULK,
+                streams.tenant,
+                shape.prompt_tokens,
+                shape.max_tokens,
+            )
+        )
 
     def cancel_at(self, request_id: str, time_s: float) -> None:
         self.loop.call_at(time_s, partial(self._cancel, request_id))
@@ -150,8 +165,16 @@ class ContinuousSimulation:
         deadline = arrival.deadline_s
         if deadline is None:
             deadline = now + self.config.classes[tc].deadline_s
-        ticket = Ticket(arrival.id, arrival.tenant, tc, arrival.model, now, deadline,
-                        arrival.prompt_tokens, arrival.max_tokens)
+        ticket = Ticket(
+            arrival.id,
+            arrival.tenant,
+            tc,
+            arrival.model,
+            now,
+            deadline,
+            arrival.prompt_tokens,
+            arrival.max_tokens,
+        )
         timeline = Timeline(arrival.id, arrival.tenant, tc.value, now, deadline)
         self.timelines[arrival.id] = timeline
         if tc is TrafficClass.INTERACTIVE:
@@ -199,7 +222,8 @@ class ContinuousSimulation:
             timeline.dispatched = now
         timeline.outcome = "running"
         self._running_deadlines[rid] = self.loop.call_at(
-            max(now, ticket.deadline), partial(self._running_deadline, rid))
+            max(now, ticket.deadline), partial(self._running_deadline, rid)
+        )
 
     def _prompt(self, request_id: str, length: int) -> list[int]:
         first = len(SPECIAL_TOKENS)
@@ -294,10 +318,17 @@ class ContinuousSimulation:
         if gaps:
             timeline.median_gap = statistics.median(gaps)
         ttft = None if timeline.first_token is None else timeline.first_token - timeline.arrival
-        verdict = slo_result(outcome, timeline.reason, now - timeline.arrival, ttft,
-                             timeline.median_gap, self._targets.pop(timeline.id, None))
-        timeline.slo = None if verdict is None else (
-            "met" if verdict[0] == "met" else f"missed:{verdict[1]}")
+        verdict = slo_result(
+            outcome,
+            timeline.reason,
+            now - timeline.arrival,
+            ttft,
+            timeline.median_gap,
+            self._targets.pop(timeline.id, None),
+        )
+        timeline.slo = (
+            None if verdict is None else ("met" if verdict[0] == "met" else f"missed:{verdict[1]}")
+        )
         sent_by = self._streams.pop(timeline.id, None)
         if sent_by is not None:
             assert self._bulk_streams is not None
@@ -335,11 +366,13 @@ def summarize(simulation: ContinuousSimulation, wall_s: float) -> dict[str, Any]
             "requests": len(mine),
             "outcomes": dict(sorted(outcomes.items())),
             "queue_wait_ms": ms(
-                [t.dispatched - t.arrival for t in mine if t.dispatched is not None]),
+                [t.dispatched - t.arrival for t in mine if t.dispatched is not None]
+            ),
             "ttft_ms": ms([t.first_token - t.arrival for t in done if t.first_token is not None]),
             "latency_ms": ms([t.finished - t.arrival for t in done if t.finished is not None]),
             "completed_after_deadline": sum(
-                1 for t in done if t.finished is not None and t.finished > t.deadline),
+                1 for t in done if t.finished is not None and t.finished > t.deadline
+            ),
             "median_gap_ms": ms([t.median_gap for t in done if t.median_gap is not None]),
             "tokens_per_s": round(sum(t.output_tokens for t in done) / end, 1) if end else 0.0,
             "preemptions": sum(t.preemptions for t in mine),
@@ -359,8 +392,10 @@ def summarize(simulation: ContinuousSimulation, wall_s: float) -> dict[str, Any]
         "budget_limits": simulation.core.ledger.limits_by_name(),
         "budget_peak_in_use": simulation.peak_budget_in_use,
         "budget_in_use_at_end": simulation.core.ledger.in_use(),
-        "slo_targets_ms": {"ttft": round(1000 * targets.ttft_s, 3),
-                           "itl": round(1000 * targets.itl_s, 3)},
+        "slo_targets_ms": {
+            "ttft": round(1000 * targets.ttft_s, 3),
+            "itl": round(1000 * targets.itl_s, 3),
+        },
         "bulk_knee": simulation.core.bulk_cap.knee(),
         "engine_unfinished_at_end": simulation.model.num_unfinished,
     }
@@ -384,23 +419,50 @@ def _add(parser: Any, *flags: str, **kwargs: Any) -> None:
 def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     g = simulate_parser.add_argument_group("continuous mode (--mode continuous)")
     _add(g, "--config", type=Path, default=None, help="scheduler YAML (tenants, budgets)")
-    _add(g, "--interactive-share", type=float, default=None,
-         help="share of generated arrivals that are interactive (default 1; 0.5 for mixed)")
-    _add(g, "--tenants", default=None, metavar="NAME=WEIGHT,...",
-         help="tenants of generated arrivals and their weights (default 'default'; mixed: "
-         "'flood=9,steady=1')")
+    _add(
+        g,
+        "--interactive-share",
+        type=float,
+        default=None,
+        help="share of generated arrivals that are interactive (default 1; 0.5 for mixed)",
+    )
+    _add(
+        g,
+        "--tenants",
+        default=None,
+        metavar="NAME=WEIGHT,...",
+        help="tenants of generated arrivals and their weights (default 'default'; mixed: "
+        "'flood=9,steady=1')",
+    )
     _add(g, "--prompt-tokens", type=int, default=64, help="prompt tokens of interactive arrivals")
     _add(g, "--max-tokens", type=int, default=32, help="max_tokens of interactive arrivals")
     _add(g, "--bulk-prompt-tokens", type=int, default=256)
     _add(g, "--bulk-max-tokens", type=int, default=256)
-    _add(g, "--deadline-ms", type=float, default=None,
-         help="deadline of generated arrivals, relative to their arrival (default: class's)")
+    _add(
+        g,
+        "--deadline-ms",
+        type=float,
+        default=None,
+        help="deadline of generated arrivals, relative to their arrival (default: class's)",
+    )
     _add(g, "--burst-size", type=int, default=20, help="arrivals per burst (--workload bursts)")
-    _add(g, "--bulk-streams", type=int, default=0, metavar="N",
-         help="besides the arrivals, N closed-loop bulk streams for --duration seconds (each "
-         "sends its next request when the previous ends; shaped by --bulk-*-tokens)")
-    _add(g, "--cancel", action="append", default=[], metavar="ID@MS",
-         help="the caller of request ID leaves at this time (repeatable)")
+    _add(
+        g,
+        "--bulk-streams",
+        type=int,
+        default=0,
+        metavar="N",
+        help="besides the arrivals, N closed-loop bulk streams for --duration seconds (each "
+        "sends its next request when the previous ends; shaped by --bulk-*-tokens)",
+    )
+    _add(
+        g,
+        "--cancel",
+        action="append",
+        default=[],
+        metavar="ID@MS",
+        help="the caller of request ID leaves at this time (repeatable)",
+    )
     existing = getattr(simulate_parser, "_option_string_actions", {})
     if "--sim-kv-blocks" not in existing:
         add_sim_arguments(simulate_parser)
@@ -446,9 +508,14 @@ def run(args: argparse.Namespace) -> int:
     simulation = ContinuousSimulation(config, SimConfig.from_args(args))
     simulation.add_arrivals(arrivals)
     if args.bulk_streams:
-        simulation.add_bulk_streams(BulkStreams(
-            args.bulk_streams, RequestShape(args.bulk_prompt_tokens, args.bulk_max_tokens, None),
-            until_s=args.duration, tenant=next(iter(config.tenants))))
+        simulation.add_bulk_streams(
+            BulkStreams(
+                args.bulk_streams,
+                RequestShape(args.bulk_prompt_tokens, args.bulk_max_tokens, None),
+                until_s=args.duration,
+                tenant=next(iter(config.tenants)),
+            )
+        )
     for item in args.cancel:
         rid, _, at = item.partition("@")
         simulation.cancel_at(rid, float(at) / 1000.0)

@@ -34,8 +34,9 @@ def probe_timing_model(sim: SimConfig, *, max_sequences: int, tokens: int = 16) 
         return [stream_timing(0.0, stream) for stream in deltas.values()]
 
     solo = run(1, prompt) * SOLO_RUNS  # deterministic: every solo run is the same
-    together = {n: [gap for _, gaps in run(n, prompt) for gap in gaps]
-                for n in levels(max_sequences)[1:]}
+    together = {
+        n: [gap for _, gaps in run(n, prompt) for gap in gaps] for n in levels(max_sequences)[1:]
+    }
     long_ids = long_prompt(prompt, sim.max_model_len)
     long_result = None if long_ids is None else (len(long_ids), run(1, long_ids)[0][0])
     return Probe(solo, together, len(prompt), long_result)

@@ -111,8 +111,15 @@ def poisson_arrivals(
     while t < duration_s:
         deadline = None if relative_deadline_s is None else t + relative_deadline_s
         yield Arrival(
-            f"{id_prefix}{n}", t, deadline, base.traffic_class, base.tenant,
-            base.prompt_tokens, base.max_tokens, base.model, base.prompt,
+            f"{id_prefix}{n}",
+            t,
+            deadline,
+            base.traffic_class,
+            base.tenant,
+            base.prompt_tokens,
+            base.max_tokens,
+            base.model,
+            base.prompt,
         )
         n += 1
         t += expovariate(rate)

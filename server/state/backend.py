@@ -84,20 +84,32 @@ class RedisState:
             assert self.config.url is not None
             # One retry, at once: a connection Redis dropped (a restart) fails its first call.
             self.client = redis.asyncio.from_url(
-                self.config.url, decode_responses=True, socket_timeout=self.config.timeout_s,
-                socket_connect_timeout=self.config.timeout_s, retry=Retry(NoBackoff(), 1))
+                self.config.url,
+                decode_responses=True,
+                socket_timeout=self.config.timeout_s,
+                socket_connect_timeout=self.config.timeout_s,
+                retry=Retry(NoBackoff(), 1),
+            )
         if self.config.url is not None:
             self.reader = redis.asyncio.from_url(
-                self.config.url, decode_responses=True, socket_timeout=None,
-                socket_connect_timeout=self.config.timeout_s, retry=Retry(NoBackoff(), 1))
+                self.config.url,
+                decode_responses=True,
+                socket_timeout=None,
+                socket_connect_timeout=self.config.timeout_s,
+                retry=Retry(NoBackoff(), 1),
+            )
         self._renew = self.script(RENEW)
         for operation in metrics.STATE_OPERATIONS:  # every series from the start, at zero
             metrics.STATE_ERRORS.labels(operation)
         await self._beat()
         if not self.up:
-            logger.warning("the state backend at %s is unavailable: each tenant limit is "
-                           "divided by %d and generations resume only on their own replica "
-                           "until it answers", self.config.url, self.replicas)
+            logger.warning(
+                "the state backend at %s is unavailable: each tenant limit is "
+                "divided by %d and generations resume only on their own replica "
+                "until it answers",
+                self.config.url,
+                self.replicas,
+            )
         self._heartbeat = asyncio.create_task(self._beating())
 
     async def stop(self) -> None:
@@ -126,26 +138,41 @@ class RedisState:
         """Mark this replica alive and renew its leases; whether Redis answers decides `up`."""
         quotas = list(self.quota_leases.items())
         try:
-            self.replicas = int(await self.call("renew", self._renew(
-                keys=[REPLICAS_KEY, *(key for _, key in quotas), *self.run_leases],
-                args=[self.replica, self.lease_ms, len(quotas), *(lease for lease, _ in quotas)])))
+            self.replicas = int(
+                await self.call(
+                    "renew",
+                    self._renew(
+                        keys=[REPLICAS_KEY, *(key for _, key in quotas), *self.run_leases],
+                        args=[
+                            self.replica,
+                            self.lease_ms,
+                            len(quotas),
+                            *(lease for lease, _ in quotas),
+                        ],
+                    ),
+                )
+            )
         except StateUnavailable:
             return
         if not self.up:
-            logger.info("the state backend answers: tenant limits are shared by %d "
-                        "replica(s)", self.replicas)
+            logger.info(
+                "the state backend answers: tenant limits are shared by %d replica(s)",
+                self.replicas,
+            )
         self._set_up(True)
         metrics.STATE_REPLICAS.labels("redis").set(self.replicas)
 
     def _set_up(self, up: bool) -> None:
         if self.up and not up:
-            logger.warning("the state backend stopped answering: each tenant limit is divided "
-                           "by %d until it answers again", self.replicas)
+            logger.warning(
+                "the state backend stopped answering: each tenant limit is divided "
+                "by %d until it answers again",
+                self.replicas,
+            )
         self.up = up
         metrics.STATE_UP.labels("redis").set(1 if up else 0)
 
-    async def call(self, operation: str, call: Awaitable[T], limit_s: float | None = None
-                   ) -> T:
+    async def call(self, operation: str, call: Awaitable[T], limit_s: float | None = None) -> T:
         """One round trip, timed; StateUnavailable (and `up` false) if it fails or is slower
         than `limit_s` (`state.timeout_ms` by default)."""
         started = time.perf_counter()

@@ -82,6 +82,7 @@ redis.call('PEXPIRE', KEYS[1], lease_ms * 3)
 return {1}
 """
 
+
 @dataclass(frozen=True, slots=True)
 class Hold:
     """What an admitted request holds: a lease in Redis, or a slot of the local fallback."""
@@ -92,8 +93,11 @@ class Hold:
 
 def _keys(tenant: str) -> list[str]:
     tag = "{" + tenant + "}"  # one hash slot per tenant (Redis Cluster)
-    return [f"sluice:quota:{tag}:leases", f"sluice:quota:{tag}:admitted",
-            f"sluice:quota:{tag}:total"]
+    return [
+        f"sluice:quota:{tag}:leases",
+        f"sluice:quota:{tag}:admitted",
+        f"sluice:quota:{tag}:total",
+    ]
 
 
 class SharedQuotas:
@@ -101,8 +105,11 @@ class SharedQuotas:
 
     def __init__(self, state: RedisState, tenants: Mapping[str, TenantConfig]) -> None:
         self.state = state
-        self.tenants = {name: t for name, t in tenants.items()
-                        if t.max_concurrent is not None or t.tokens_per_minute is not None}
+        self.tenants = {
+            name: t
+            for name, t in tenants.items()
+            if t.max_concurrent is not None or t.tokens_per_minute is not None
+        }
         self._fallback: TenantQuotas | None = None
         self._fallback_holds = 0
         self._releases: set[asyncio.Task[None]] = set()
@@ -131,9 +138,20 @@ class SharedQuotas:
         if state.up:
             lease = uuid.uuid4().hex
             try:
-                answer = await state.call("acquire", self._acquire(keys=_keys(tenant.name), args=[
-                    lease, state.lease_ms, _limit(tenant.max_concurrent),
-                    _limit(tenant.tokens_per_minute), ticket.reserved_tokens, KEY_TTL_MS]))
+                answer = await state.call(
+                    "acquire",
+                    self._acquire(
+                        keys=_keys(tenant.name),
+                        args=[
+                            lease,
+                            state.lease_ms,
+                            _limit(tenant.max_concurrent),
+                            _limit(tenant.tokens_per_minute),
+                            ticket.reserved_tokens,
+                            KEY_TTL_MS,
+                        ],
+                    ),
+                )
             except StateUnavailable:
                 pass  # counted by the fallback below
             else:
@@ -165,16 +183,23 @@ class SharedQuotas:
     def _hold_locally(self, ticket: Ticket) -> Hold:
         if self._fallback is None or not self._fallback_holds:
             share = max(1, self.state.replicas)
-            self._fallback = TenantQuotas({name: replace(
-                t, max_concurrent=_share(t.max_concurrent, share),
-                tokens_per_minute=_share(t.tokens_per_minute, share))
-                for name, t in self.tenants.items()})
+            self._fallback = TenantQuotas(
+                {
+                    name: replace(
+                        t,
+                        max_concurrent=_share(t.max_concurrent, share),
+                        tokens_per_minute=_share(t.tokens_per_minute, share),
+                    )
+                    for name, t in self.tenants.items()
+                }
+            )
         now = time.monotonic()
         refusal = self._fallback.check(ticket, now)
         if refusal is not None:
             raise TenantQuotaExceeded(
                 f"{refusal.message} (this replica's share: the shared state is unavailable)",
-                retry_after=refusal.retry_after)
+                retry_after=refusal.retry_after,
+            )
         self._fallback.admitted(ticket, now)
         self._fallback_holds += 1
         return Hold(ticket, None)
@@ -192,10 +217,14 @@ def _refusal(tenant: TenantConfig, limit: str, amount: int) -> TenantQuotaExceed
     if limit == "concurrent":
         return TenantQuotaExceeded(
             f"tenant {tenant.name!r} has {amount} requests in flight across all replicas, "
-            f"its limit is {tenant.max_concurrent}", retry_after=1.0)
+            f"its limit is {tenant.max_concurrent}",
+            retry_after=1.0,
+        )
     return TenantQuotaExceeded(
         f"tenant {tenant.name!r} exceeded {tenant.tokens_per_minute} tokens per minute "
-        "across all replicas", retry_after=max(1.0, amount / 1000.0))
+        "across all replicas",
+        retry_after=max(1.0, amount / 1000.0),
+    )
 
 
 class SharedQuotaDispatcher:

@@ -148,19 +148,42 @@ class RunRecord:
         return self._key(":reader")
 
     def fields(self) -> list[str]:
-        return ["kind", self.kind, "request", orjson.dumps(self.request).decode(),
-                "stream", "1" if self.stream else "0", "request_id", self.request_id,
-                "created", str(self.created), "traffic_class", self.traffic_class or "",
-                "timeout_s", "" if self.timeout_s is None else repr(self.timeout_s),
-                "key", self.key or "", "fingerprint", self.fingerprint]
+        return [
+            "kind",
+            self.kind,
+            "request",
+            orjson.dumps(self.request).decode(),
+            "stream",
+            "1" if self.stream else "0",
+            "request_id",
+            self.request_id,
+            "created",
+            str(self.created),
+            "traffic_class",
+            self.traffic_class or "",
+            "timeout_s",
+            "" if self.timeout_s is None else repr(self.timeout_s),
+            "key",
+            self.key or "",
+            "fingerprint",
+            self.fingerprint,
+        ]
 
     @classmethod
     def of(cls, tenant: str, public_id: str, fields: dict[str, str]) -> RunRecord:
-        return cls(tenant, public_id, fields["kind"], orjson.loads(fields["request"]),
-                   fields["stream"] == "1", fields["request_id"], int(fields["created"]),
-                   fields["traffic_class"] or None,
-                   float(fields["timeout_s"]) if fields["timeout_s"] else None,
-                   fields["key"] or None, fields["fingerprint"])
+        return cls(
+            tenant,
+            public_id,
+            fields["kind"],
+            orjson.loads(fields["request"]),
+            fields["stream"] == "1",
+            fields["request_id"],
+            int(fields["created"]),
+            fields["traffic_class"] or None,
+            float(fields["timeout_s"]) if fields["timeout_s"] else None,
+            fields["key"] or None,
+            fields["fingerprint"],
+        )
 
 
 def idem_key(tenant: str, key: str) -> str:
@@ -196,12 +219,21 @@ def decode(raw: str) -> tuple[Event, bool]:
     logprobs = wire.get("l")
     error = wire.get("err")
     return Event(
-        Kind(wire["k"]), wire["s"].encode(), wire.get("i", 0), wire.get("t", ""),
-        wire.get("n", 0), wire.get("f"),
-        None if logprobs is None else [
+        Kind(wire["k"]),
+        wire["s"].encode(),
+        wire.get("i", 0),
+        wire.get("t", ""),
+        wire.get("n", 0),
+        wire.get("f"),
+        None
+        if logprobs is None
+        else [
             TokenLogprob(p["token"], p["logprob"], tuple(tuple(t) for t in p["top"]))
-            for p in logprobs],
-        wire.get("ids", ()), wire.get("final"), wire.get("body"),
+            for p in logprobs
+        ],
+        wire.get("ids", ()),
+        wire.get("final"),
+        wire.get("body"),
         None if error is None else restored(error[0], error[1], error[2]),
     ), not wire.get("undispatched", False)
 
@@ -240,17 +272,26 @@ class SharedRuns:
         if mirrors:
             await asyncio.gather(*mirrors, return_exceptions=True)
 
-    async def open(self, record: RunRecord, key: str, fingerprint: str
-                   ) -> tuple[str, str] | None:
+    async def open(self, record: RunRecord, key: str, fingerprint: str) -> tuple[str, str] | None:
         """Record a new generation under `key`, this replica holding its lease. None: made;
         else (the id, the fingerprint) of the generation already made under the key.
         StateUnavailable: nothing is recorded."""
         run, lease, _ = record.keys
         state = self.state
-        answer = await state.call("open", self._open(
-            keys=[idem_key(record.tenant, key), run, lease],
-            args=[record.public_id, fingerprint, state.replica, state.lease_ms,
-                  self.retention_ms, *record.fields()]))
+        answer = await state.call(
+            "open",
+            self._open(
+                keys=[idem_key(record.tenant, key), run, lease],
+                args=[
+                    record.public_id,
+                    fingerprint,
+                    state.replica,
+                    state.lease_ms,
+                    self.retention_ms,
+                    *record.fields(),
+                ],
+            ),
+        )
         if answer[0] == 1:
             state.run_leases.add(lease)
             return None
@@ -264,9 +305,13 @@ class SharedRuns:
         lease = record.keys[1]
         self.state.run_leases.discard(lease)
         try:
-            await self.state.call("release", self._forget(
-                keys=[idem_key(record.tenant, record.key), *record.keys],
-                args=[record.public_id + " "]))
+            await self.state.call(
+                "release",
+                self._forget(
+                    keys=[idem_key(record.tenant, record.key), *record.keys],
+                    args=[record.public_id + " "],
+                ),
+            )
         except StateUnavailable:
             # The key stays taken; a retry follows the record, which holds no events, until
             # its lease expires, then claims it and starts the generation afresh.
@@ -277,17 +322,26 @@ class SharedRuns:
         fields = await self.state.call("find", self.state.client.hgetall(probe.keys[0]))
         return RunRecord.of(tenant, public_id, fields) if fields else None
 
-    async def append(self, record: RunRecord, first: int, events: Sequence[str], end: str
-                     ) -> int:
+    async def append(self, record: RunRecord, first: int, events: Sequence[str], end: str) -> int:
         """Log events `first`, `first` + 1, …; `end` "ended"/"refused" with the last. 1
         written; 0 the lease is another replica's (this one was fenced off); -1 the record is
         gone (Redis lost it)."""
         run, lease, events_key = record.keys
         state = self.state
-        written = int(await state.call("append", self._append(
-            keys=[run, lease, events_key,
-                  idem_key(record.tenant, record.key) if record.key else run],
-            args=[state.replica, self.retention_ms, end, first, state.lease_ms, *events])))
+        written = int(
+            await state.call(
+                "append",
+                self._append(
+                    keys=[
+                        run,
+                        lease,
+                        events_key,
+                        idem_key(record.tenant, record.key) if record.key else run,
+                    ],
+                    args=[state.replica, self.retention_ms, end, first, state.lease_ms, *events],
+                ),
+            )
+        )
         if end or written != 1:
             state.run_leases.discard(lease)
         return written
@@ -296,8 +350,11 @@ class SharedRuns:
         """Take over a generation whose lease expired: the events logged; -2 the generation
         ended, or is gone; -3 - its ms left while another replica's lease is live."""
         state = self.state
-        count = int(await state.call("claim", self._claim(
-            keys=record.keys, args=[state.replica, state.lease_ms])))
+        count = int(
+            await state.call(
+                "claim", self._claim(keys=record.keys, args=[state.replica, state.lease_ms])
+            )
+        )
         if count >= 0:
             state.run_leases.add(record.keys[1])
         return count
@@ -308,32 +365,38 @@ class SharedRuns:
         self.state.run_leases.discard(lease)
         await self.state.call("release", self._let_go(keys=[lease], args=[self.state.replica]))
 
-    async def read(self, record: RunRecord, after: int, block_ms: int | None
-                   ) -> list[tuple[int, Event, bool]]:
+    async def read(
+        self, record: RunRecord, after: int, block_ms: int | None
+    ) -> list[tuple[int, Event, bool]]:
         """The events after number `after`: waiting up to `block_ms` for one; None: all
         there are, at once."""
         events_key = record.keys[2]
         if block_ms is None:
-            entries = await self.state.call("read", self.state.client.xrange(
-                events_key, f"{after + 1}-0", "+"))
+            entries = await self.state.call(
+                "read", self.state.client.xrange(events_key, f"{after + 1}-0", "+")
+            )
         else:
             answer = await self.state.call(
-                "read", self.state.reader.xread({events_key: f"{after}-0"}, count=READ_COUNT,
-                                                block=block_ms),
-                limit_s=block_ms / 1000 + self.state.config.timeout_s)
+                "read",
+                self.state.reader.xread(
+                    {events_key: f"{after}-0"}, count=READ_COUNT, block=block_ms
+                ),
+                limit_s=block_ms / 1000 + self.state.config.timeout_s,
+            )
             entries = [entry for _, stream in answer or () for entry in stream]
-        return [(int(entry_id.split("-", 1)[0]), *decode(fields["e"]))
-                for entry_id, fields in entries]
+        return [
+            (int(entry_id.split("-", 1)[0]), *decode(fields["e"])) for entry_id, fields in entries
+        ]
 
     async def being_read(self, record: RunRecord) -> bool:
         """Whether a follower on some replica has a reader (within the grace period)."""
-        return bool(await self.state.call("find",
-                                          self.state.client.exists(record.reader_key)))
+        return bool(await self.state.call("find", self.state.client.exists(record.reader_key)))
 
     async def reading(self, record: RunRecord) -> None:
         """A follower has a reader now."""
-        await self.state.call("renew", self.state.client.set(record.reader_key, 1,
-                                                              px=self.grace_ms))
+        await self.state.call(
+            "renew", self.state.client.set(record.reader_key, 1, px=self.grace_ms)
+        )
 
 
 class Mirror:
@@ -381,13 +444,19 @@ class Mirror:
             handed_over = upto is not None
             if upto is None:
                 upto = len(log)
-            end = ("" if not run.concluded or handed_over else
-                   "ended" if run.dispatched else "refused")
+            end = (
+                "" if not run.concluded or handed_over else "ended" if run.dispatched else "refused"
+            )
             try:
                 kept = await self.shared.append(
-                    self.record, self.written + 1,
-                    [encode(event, run.dispatched or event.kind is not Kind.FAILED)
-                     for event in log[self.written:upto]], end)
+                    self.record,
+                    self.written + 1,
+                    [
+                        encode(event, run.dispatched or event.kind is not Kind.FAILED)
+                        for event in log[self.written : upto]
+                    ],
+                    end,
+                )
                 if kept == 1 and handed_over:
                     await self.shared.let_go(self.record)
             except StateUnavailable:
@@ -400,16 +469,21 @@ class Mirror:
                 run.wake()
                 return
             if kept == -1:  # (Redis restarted empty): the generation goes on, here alone
-                logger.warning("generation %s is no longer in the shared state: it goes on "
-                               "on this replica alone", self.record.public_id)
+                logger.warning(
+                    "generation %s is no longer in the shared state: it goes on "
+                    "on this replica alone",
+                    self.record.public_id,
+                )
                 run.durable = None
                 run.wake()
                 return
             if kept == 0:
-                logger.warning("generation %s was taken over by another replica",
-                               self.record.public_id)
-                run.cancel(GenerationFailed("another replica took this generation over; "
-                                            "resume it there"))
+                logger.warning(
+                    "generation %s was taken over by another replica", self.record.public_id
+                )
+                run.cancel(
+                    GenerationFailed("another replica took this generation over; resume it there")
+                )
                 return
             self.written = upto
             if run.durable is not None or self.written == len(log):

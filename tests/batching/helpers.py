@@ -13,7 +13,10 @@ MODEL = "sluice-demo"
 def exercise_config(**overrides: object) -> BatchConfig:
     """The design problem's exercise: one worker, batches of four, 10 ms delay, 100 ms."""
     values: dict[str, object] = {
-        "workers": (MODEL,), "batch_time_s": 0.1, "max_batch": 4, "max_delay_s": 0.010,
+        "workers": (MODEL,),
+        "batch_time_s": 0.1,
+        "max_batch": 4,
+        "max_delay_s": 0.010,
     }
     values.update(overrides)
     return BatchConfig(**values)  # type: ignore[arg-type]
@@ -23,8 +26,14 @@ def ticket(
     request_id: str, arrival: float, *, deadline: float = math.inf, model: str = MODEL
 ) -> Ticket:
     return Ticket(
-        request_id=request_id, tenant="default", traffic_class=TrafficClass.INTERACTIVE,
-        model=model, arrival=arrival, deadline=deadline, prompt_tokens=8, max_tokens=4,
+        request_id=request_id,
+        tenant="default",
+        traffic_class=TrafficClass.INTERACTIVE,
+        model=model,
+        arrival=arrival,
+        deadline=deadline,
+        prompt_tokens=8,
+        max_tokens=4,
     )
 
 

@@ -14,19 +14,35 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-EXERCISE = ("simulate", "--mode", "batch", "--workers", "1", "--max-batch", "4",
-            "--max-delay-ms", "10", "--batch-ms", "100", "--json")
+EXERCISE = (
+    "simulate",
+    "--mode",
+    "batch",
+    "--workers",
+    "1",
+    "--max-batch",
+    "4",
+    "--max-delay-ms",
+    "10",
+    "--batch-ms",
+    "100",
+    "--json",
+)
 
 
 def rows(out: dict) -> dict[str, tuple]:
-    return {r["id"]: (r["arrival_ms"], r["dispatch_ms"], r["finish_ms"], r["outcome"],
-                      r["worker"]) for r in out["requests"]}
+    return {
+        r["id"]: (r["arrival_ms"], r["dispatch_ms"], r["finish_ms"], r["outcome"], r["worker"])
+        for r in out["requests"]
+    }
 
 
 def test_simulate_sparse_arrivals_json(capsys: pytest.CaptureFixture[str]) -> None:
     out = run_json(capsys, *EXERCISE, "--arrivals", "A@0,B@7")
-    assert rows(out) == {"A": (0.0, 10.0, 110.0, "completed", 0),
-                         "B": (7.0, 10.0, 110.0, "completed", 0)}
+    assert rows(out) == {
+        "A": (0.0, 10.0, 110.0, "completed", 0),
+        "B": (7.0, 10.0, 110.0, "completed", 0),
+    }
 
 
 def test_simulate_busy_worker_and_deadline_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -35,13 +51,25 @@ def test_simulate_busy_worker_and_deadline_json(capsys: pytest.CaptureFixture[st
     out = run_json(capsys, *EXERCISE, "--arrivals", "A@0,B@0,C@0,D@0,E@1:deadline=150")
     e = next(r for r in out["requests"] if r["id"] == "E")
     assert (e["outcome"], e["dispatch_ms"], e["finish_ms"], e["ended_ms"]) == (
-        "rejected", None, None, 1.0)
+        "rejected",
+        None,
+        None,
+        1.0,
+    )
     assert all(r["finish_ms"] == 100.0 for r in out["requests"] if r["id"] != "E")
 
 
 def test_simulate_poison_and_kill_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(capsys, *EXERCISE, "--workers", "2", "--kill", "1@50",
-                   "--arrivals", "A@0,B@0,C@0:prompt=POISON,D@0,E@0,F@0,G@0,H@0")
+    out = run_json(
+        capsys,
+        *EXERCISE,
+        "--workers",
+        "2",
+        "--kill",
+        "1@50",
+        "--arrivals",
+        "A@0,B@0,C@0:prompt=POISON,D@0,E@0,F@0,G@0,H@0",
+    )
     outcomes = {r["id"]: r["outcome"] for r in out["requests"]}
     assert outcomes.pop("C") == "failed"
     assert set(outcomes.values()) == {"completed"}
@@ -49,8 +77,26 @@ def test_simulate_poison_and_kill_flags(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_simulate_poisson_text_summary(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--mode", "batch", "--workers", "2", "--workload", "poisson",
-                 "--rate", "200", "--duration", "2", "--seed", "1"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--mode",
+                "batch",
+                "--workers",
+                "2",
+                "--workload",
+                "poisson",
+                "--rate",
+                "200",
+                "--duration",
+                "2",
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "mean size" in text and "p99" in text
 
@@ -68,8 +114,21 @@ def test_simulate_rejects_a_bad_trace(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_plan_reproduces_the_design_problem_numbers(capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(capsys, "plan", "--rate", "1000", "--batch-ms", "100", "--max-batch", "32",
-                   "--p99-ms", "200", "--duration", "10", "--json")
+    out = run_json(
+        capsys,
+        "plan",
+        "--rate",
+        "1000",
+        "--batch-ms",
+        "100",
+        "--max-batch",
+        "32",
+        "--p99-ms",
+        "200",
+        "--duration",
+        "10",
+        "--json",
+    )
     assert out["per_worker_rps"] == 320
     assert out["min_workers"] == 4
     by_workers = {c["workers"]: c for c in out["candidates"]}
@@ -82,7 +141,8 @@ def test_plan_reproduces_the_design_problem_numbers(capsys: pytest.CaptureFixtur
     half = next(row for row in out["batch_size_table"] if row["batch_size"] == 16)
     assert half["per_worker_rps"] == 160
     assert out["recommended_workers"] == min(
-        c["workers"] for c in out["candidates"] if c["p99_ms"] <= 200)
+        c["workers"] for c in out["candidates"] if c["p99_ms"] <= 200
+    )
 
 
 def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:

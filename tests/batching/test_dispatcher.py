@@ -48,12 +48,14 @@ def test_results_of_a_failed_attempt_are_fenced_and_each_request_resolves_once()
     (second,) = core.poll(0.050).dispatches
     assert second.retry and second.attempt_id != first.attempt_id
 
-    late = core.complete_batch(first.lease_id, [("A", first.attempt_id),
-                                                ("B", first.attempt_id)], 0.08)
+    late = core.complete_batch(
+        first.lease_id, [("A", first.attempt_id), ("B", first.attempt_id)], 0.08
+    )
     assert late.delivered == [] and len(late.discarded) == 2 and not late.worker_freed
 
-    done = core.complete_batch(second.lease_id, [("A", second.attempt_id),
-                                                 ("B", second.attempt_id)], 0.15)
+    done = core.complete_batch(
+        second.lease_id, [("A", second.attempt_id), ("B", second.attempt_id)], 0.15
+    )
     assert [t.request_id for t in done.delivered] == ["A", "B"]
     again = core.complete_batch(second.lease_id, [("A", second.attempt_id)], 0.16)
     assert again.delivered == [] and core.live_requests == 0
@@ -89,8 +91,9 @@ def test_cancelling_a_running_request_fences_its_result() -> None:
     core.submit(ticket("B", 0.0), 0.0)
     (dispatch,) = core.poll(0.010).dispatches
     assert core.cancel("A") is CancelStage.RUNNING
-    done = core.complete_batch(dispatch.lease_id, [("A", dispatch.attempt_id),
-                                                   ("B", dispatch.attempt_id)], 0.11)
+    done = core.complete_batch(
+        dispatch.lease_id, [("A", dispatch.attempt_id), ("B", dispatch.attempt_id)], 0.11
+    )
     assert [t.request_id for t in done.delivered] == ["B"]
     assert done.discarded == [("A", dispatch.attempt_id)] and done.worker_freed
 

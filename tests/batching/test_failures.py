@@ -29,7 +29,9 @@ def test_worker_death_mid_batch_retries_the_unfinished_requests() -> None:
     assert finishes == {100.0: 4, 150.0: 4}  # worker 0's batch reran from 50 ms
     assert sorted(r.attempts for r in result.requests) == [1] * 4 + [2] * 4
     assert [(b.size, b.status, b.retry) for b in result.batches] == [
-        (4, "crashed", False), (4, "completed", False), (4, "completed", True),
+        (4, "crashed", False),
+        (4, "completed", False),
+        (4, "completed", True),
     ]
 
 

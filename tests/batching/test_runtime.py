@@ -24,8 +24,13 @@ def make(
     *, batch_s: float = 0.02, max_batch: int = 4, workers: int = 1, **config: object
 ) -> tuple[SimBatchEngine, BatchRuntime]:
     engine = SimBatchEngine(BatchModel(batch_s, max_batch), name=MODEL)
-    cfg = BatchConfig(workers=(MODEL,) * workers, batch_time_s=batch_s, max_batch=max_batch,
-                      max_delay_s=0.005, **config)  # type: ignore[arg-type]
+    cfg = BatchConfig(
+        workers=(MODEL,) * workers,
+        batch_time_s=batch_s,
+        max_batch=max_batch,
+        max_delay_s=0.005,
+        **config,
+    )  # type: ignore[arg-type]
     return engine, BatchRuntime(cfg, engine)
 
 
@@ -39,16 +44,19 @@ async def runtime() -> AsyncIterator[tuple[SimBatchEngine, BatchRuntime]]:
     await engine.stop()
 
 
-def request(rid: str, prompt: str = "hello", *, deadline: float = math.inf
-            ) -> tuple[Ticket, GenerationRequest]:
+def request(
+    rid: str, prompt: str = "hello", *, deadline: float = math.inf
+) -> tuple[Ticket, GenerationRequest]:
     ids = tokenize(prompt)
-    ticket = Ticket(rid, "default", TrafficClass.INTERACTIVE, MODEL, time.monotonic(),
-                    deadline, len(ids), 4)
+    ticket = Ticket(
+        rid, "default", TrafficClass.INTERACTIVE, MODEL, time.monotonic(), deadline, len(ids), 4
+    )
     return ticket, GenerationRequest(rid, ids, SamplingOptions(max_tokens=4))
 
 
-async def generate(rt: BatchRuntime, rid: str, prompt: str = "hello",
-                   entered: asyncio.Event | None = None) -> tuple[float, list[TokenDelta]]:
+async def generate(
+    rt: BatchRuntime, rid: str, prompt: str = "hello", entered: asyncio.Event | None = None
+) -> tuple[float, list[TokenDelta]]:
     ticket, req = request(rid, prompt)
     async with rt.generation(ticket, req) as gen:
         if entered is not None:
@@ -76,8 +84,7 @@ async def test_an_unmeetable_deadline_is_refused_at_admission() -> None:
     await engine.start()
     await rt.start()
     entered = [asyncio.Event() for _ in range(4)]
-    tasks = [asyncio.create_task(generate(rt, f"R{i}", entered=e)) for i, e in
-             enumerate(entered)]
+    tasks = [asyncio.create_task(generate(rt, f"R{i}", entered=e)) for i, e in enumerate(entered)]
     await asyncio.gather(*(e.wait() for e in entered))
     ticket, req = request("E", deadline=time.monotonic() + 1.0)
     with pytest.raises(DeadlineUnmeetable):
@@ -113,8 +120,11 @@ async def test_a_full_queue_answers_overloaded() -> None:
 async def test_a_poison_request_fails_alone_and_its_batch_mates_complete(runtime) -> None:
     _, rt = runtime
     results = await asyncio.gather(
-        generate(rt, "R0"), generate(rt, "P", prompt="a POISON prompt"),
-        generate(rt, "R1"), generate(rt, "R2"), return_exceptions=True,
+        generate(rt, "R0"),
+        generate(rt, "P", prompt="a POISON prompt"),
+        generate(rt, "R1"),
+        generate(rt, "R2"),
+        return_exceptions=True,
     )
     poison = results[1]
     assert isinstance(poison, GenerationFailed) and "alone" in poison.message
@@ -125,11 +135,9 @@ async def test_a_poison_request_fails_alone_and_its_batch_mates_complete(runtime
 
 async def test_a_worker_killed_mid_batch_has_its_requests_retried(runtime) -> None:
     engine, rt = runtime
-    failures, retries = sample("sluice_worker_failures_total"), sample(
-        "sluice_batch_retries_total")
+    failures, retries = sample("sluice_worker_failures_total"), sample("sluice_batch_retries_total")
     entered = [asyncio.Event() for _ in range(4)]
-    tasks = [asyncio.create_task(generate(rt, f"R{i}", entered=e))
-             for i, e in enumerate(entered)]
+    tasks = [asyncio.create_task(generate(rt, f"R{i}", entered=e)) for i, e in enumerate(entered)]
     await asyncio.gather(*(e.wait() for e in entered))
     engine.kill_worker(0)
     results = await asyncio.gather(*tasks)
@@ -141,8 +149,7 @@ async def test_a_worker_killed_mid_batch_has_its_requests_retried(runtime) -> No
 async def test_cancelling_a_running_request_fences_it_and_the_rest_complete(runtime) -> None:
     _, rt = runtime
     entered = [asyncio.Event() for _ in range(4)]
-    tasks = [asyncio.create_task(generate(rt, f"R{i}", entered=e))
-             for i, e in enumerate(entered)]
+    tasks = [asyncio.create_task(generate(rt, f"R{i}", entered=e)) for i, e in enumerate(entered)]
     await asyncio.gather(*(e.wait() for e in entered))
     tasks[0].cancel()
     results = await asyncio.gather(*tasks, return_exceptions=True)

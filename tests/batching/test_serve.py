@@ -13,8 +13,18 @@ from conftest import SluiceProcess  # tests/conftest.py, the shared server fixtu
 @pytest.fixture(scope="module")
 def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
     server = SluiceProcess(
-        ["--engine", "sim-batch", "--workers", "2", "--batch-ms", "20", "--max-batch", "4",
-         "--max-delay-ms", "5"],
+        [
+            "--engine",
+            "sim-batch",
+            "--workers",
+            "2",
+            "--batch-ms",
+            "20",
+            "--max-batch",
+            "4",
+            "--max-delay-ms",
+            "5",
+        ],
         Path(tmp_path_factory.mktemp("sim-batch")) / "server.log",
     )
     try:
@@ -27,7 +37,8 @@ def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluicePro
 def complete(server: SluiceProcess, prompt: str) -> httpx.Response:
     return httpx.post(
         server.url + "/v1/completions",
-        json={"model": "sluice-demo", "prompt": prompt, "max_tokens": 5}, timeout=30,
+        json={"model": "sluice-demo", "prompt": prompt, "max_tokens": 5},
+        timeout=30,
     )
 
 
@@ -50,14 +61,25 @@ def test_a_poison_prompt_fails_with_a_clear_error(batch_server: SluiceProcess) -
     assert batch_server.metric("sluice_worker_failures_total", model="sluice-demo") > failures
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("logprobs", 1), ("prompt_logprobs", 0), ("n", 2),
-    ("response_format", {"type": "json_object"})])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logprobs", 1),
+        ("prompt_logprobs", 0),
+        ("n", 2),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
 def test_what_fixed_batches_cannot_do_is_refused_naming_the_engine(
-    batch_server: SluiceProcess, field: str, value: object,
+    batch_server: SluiceProcess,
+    field: str,
+    value: object,
 ) -> None:
-    response = httpx.post(batch_server.url + "/v1/completions", timeout=30, json={
-        "model": "sluice-demo", "prompt": "hello", "max_tokens": 5, field: value})
+    response = httpx.post(
+        batch_server.url + "/v1/completions",
+        timeout=30,
+        json={"model": "sluice-demo", "prompt": "hello", "max_tokens": 5, field: value},
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "unsupported_parameter" and error["param"] == field

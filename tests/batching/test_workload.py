@@ -18,7 +18,12 @@ def test_trace_times_and_absolute_deadlines_are_in_ms() -> None:
 def test_trace_options() -> None:
     (x,) = parse_trace("X@2:class=bulk:tenant=acme:model=m2:max_tokens=9:prompt=POISON")
     assert (x.traffic_class, x.tenant, x.model, x.max_tokens, x.prompt) == (
-        TrafficClass.BULK, "acme", "m2", 9, "POISON")
+        TrafficClass.BULK,
+        "acme",
+        "m2",
+        9,
+        "POISON",
+    )
 
 
 @pytest.mark.parametrize("bad", ["A", "A@-1", "A@0:colour=red", "A@0,A@1", "A@0:deadline"])

@@ -30,8 +30,10 @@ def _serve_args(args: list[str]) -> Any:
     return build_parser().parse_args(["serve", *args])
 
 
-MANIFESTS = [*sorted(DEPLOY.glob("kubernetes/*.yaml")),
-             DEPLOY / "autoscaling" / "hpa-prometheus-adapter.yaml"]
+MANIFESTS = [
+    *sorted(DEPLOY.glob("kubernetes/*.yaml")),
+    DEPLOY / "autoscaling" / "hpa-prometheus-adapter.yaml",
+]
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(DEPLOY)))
@@ -53,11 +55,14 @@ def test_the_deployment_fits_sluices_drain_and_probes() -> None:
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": 8000, "metrics": args.metrics_port}  # the image listens on 8000
-    config = parse_config(yaml.safe_load(
-        by_kind[("ConfigMap", "sluice-config")]["data"]["sluice.yaml"]))
+    config = parse_config(
+        yaml.safe_load(by_kind[("ConfigMap", "sluice-config")]["data"]["sluice.yaml"])
+    )
     redis_service = by_kind[("Service", "redis")]
-    assert config.state.url == (f"redis://{redis_service['metadata']['name']}."
-                                f"{redis_service['metadata']['namespace']}.svc:6379/0")
+    assert config.state.url == (
+        f"redis://{redis_service['metadata']['name']}."
+        f"{redis_service['metadata']['namespace']}.svc:6379/0"
+    )
 
 
 def test_the_compose_file_references_what_exists() -> None:
@@ -93,7 +98,11 @@ def test_the_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     # As mounted in the container: the config, and Sluice's rules beside it.
     shutil.copy(DEPLOY / "compose" / "prometheus.yml", tmp_path / "prometheus.yml")
     shutil.copytree(ROOT / "dashboards" / "prometheus" / "rules", tmp_path / "rules")
-    checked = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
-                             capture_output=True, text=True, timeout=60)
+    checked = subprocess.run(
+        [promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS" in checked.stdout + checked.stderr

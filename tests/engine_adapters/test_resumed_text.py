@@ -23,8 +23,10 @@ def seen_before_preemption(tokenizer, ids: list[int]) -> str:  # type: ignore[no
 
 def resumed(tokenizer, earlier: list[int], later: list[int], step: int) -> str:  # type: ignore[no-untyped-def]
     text = ResumedText(tokenizer, earlier, skip_special_tokens=True)
-    parts = [text.add(later[i:i + step], finished=i + step >= len(later))
-             for i in range(0, len(later), step)]
+    parts = [
+        text.add(later[i : i + step], finished=i + step >= len(later))
+        for i in range(0, len(later), step)
+    ]
     return "".join(parts)
 
 
@@ -36,7 +38,8 @@ def test_text_across_a_resumption_equals_the_uninterrupted_text(tokenizer) -> No
         cut = rng.randrange(1, len(ids))
         whole = tokenizer.decode(ids, skip_special_tokens=True)
         text = seen_before_preemption(tokenizer, ids[:cut]) + resumed(
-            tokenizer, ids[:cut], ids[cut:], step=rng.choice((1, 2, 3)))
+            tokenizer, ids[:cut], ids[cut:], step=rng.choice((1, 2, 3))
+        )
         assert text == whole, (ids, cut)
 
 
@@ -44,5 +47,6 @@ def test_a_character_cut_in_half_by_the_resumption_is_completed(tokenizer) -> No
     ids = tokenizer.encode("naïve 好的 ok", add_special_tokens=False)
     for cut in range(1, len(ids)):
         text = seen_before_preemption(tokenizer, ids[:cut]) + resumed(
-            tokenizer, ids[:cut], ids[cut:], step=1)
+            tokenizer, ids[:cut], ids[cut:], step=1
+        )
         assert text == "naïve 好的 ok"

@@ -121,21 +121,24 @@ def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
     assert server.metric_sum("sluice_cancellations_total", stage="running") >= 1
 
 
-def test_chromium_authenticates_the_websocket_with_the_bearer_subprotocol(tmp_path: Path
-                                                                          ) -> None:
+def test_chromium_authenticates_the_websocket_with_the_bearer_subprotocol(tmp_path: Path) -> None:
     """`new WebSocket(url, ["sluice.bearer." + key])`: a browser's way to send a key."""
     chromium = require_tool("chromium")
     sync_playwright = _sync_playwright()
     key = "sk-browser-5e1d"
     request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    with run_sluice(tmp_path, env={"SLUICE_API_KEYS": f"{key}:acme"}) as server, \
-            sync_playwright() as playwright:  # type: ignore[operator]
-        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
-                                             args=CHROMIUM_FLAGS)
+    with (
+        run_sluice(tmp_path, env={"SLUICE_API_KEYS": f"{key}:acme"}) as server,
+        sync_playwright() as playwright,
+    ):  # type: ignore[operator]
+        browser = playwright.chromium.launch(
+            executable_path=chromium, headless=True, args=CHROMIUM_FLAGS
+        )
         try:
             page = browser.new_page()
             page.goto(f"{server.base_url}/")
-            result = page.evaluate("""([url, key, request]) => new Promise((resolve) => {
+            result = page.evaluate(
+                """([url, key, request]) => new Promise((resolve) => {
                 const ws = new WebSocket(url, ["sluice.bearer." + key]);
                 ws.onopen = () => ws.send(JSON.stringify(
                     {type: "generate", id: "b", request: request}));
@@ -147,7 +150,9 @@ def test_chromium_authenticates_the_websocket_with_the_bearer_subprotocol(tmp_pa
                     }
                 };
                 ws.onerror = () => resolve({protocol: null, type: "socket error"});
-            })""", [server.base_url.replace("http://", "ws://") + "/v1/ws", key, request])
+            })""",
+                [server.base_url.replace("http://", "ws://") + "/v1/ws", key, request],
+            )
         finally:
             browser.close()
     assert result == {"protocol": f"sluice.bearer.{key}", "type": "final"}

@@ -75,8 +75,12 @@ SLUICE_CONFIG = {
     # Rate priors far above the sim's real speed, never updated: Sluice admits requests whose
     # deadline it will then miss while they run (deadline misses, engine aborts "deadline").
     # (No start-up calibration: it would replace them with what the engine shows.)
-    "estimates": {"prefill_tokens_per_s": 1e7, "decode_tokens_per_s": 1e6, "smoothing": 0.0,
-                  "calibrate": False},
+    "estimates": {
+        "prefill_tokens_per_s": 1e7,
+        "decode_tokens_per_s": 1e6,
+        "smoothing": 0.0,
+        "calibrate": False,
+    },
 }
 
 
@@ -421,8 +425,9 @@ def stack(tmp_path: Path) -> Iterator[tuple[RunningPrometheus, RunningSluice, Ru
     common = ("--served-model-name", MODEL, "--config", str(config_path))
     with (
         RedisProcess(tmp_path) as redis,
-        run_sluice(tmp_path, *common, "--state-url", redis.url, engine="sim",
-                   name="sluice-sim") as continuous,
+        run_sluice(
+            tmp_path, *common, "--state-url", redis.url, engine="sim", name="sluice-sim"
+        ) as continuous,
         run_sluice(tmp_path, *common, engine="sim-batch", name="sluice-sim-batch") as batch,
         _start_prometheus(
             tmp_path, {"sluice-0": continuous.port, "sluice-batch-0": batch.port}

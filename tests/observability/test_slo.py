@@ -13,8 +13,12 @@ from .conftest import run_sluice
 
 
 def _chat(url: str, **headers: str) -> httpx.Response:
-    return httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30, json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+    return httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=headers,
+        timeout=30,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+    )
 
 
 def test_the_server_counts_every_verdict_from_zero(tmp_path: Path) -> None:
@@ -22,17 +26,25 @@ def test_the_server_counts_every_verdict_from_zero(tmp_path: Path) -> None:
     config = tmp_path / "sluice.yaml"
     config.write_text(yaml.safe_dump({"slo": {"interactive": {"ttft_ms": 0.001, "itl_ms": 60000}}}))
     with run_sluice(tmp_path, "--config", str(config)) as server:
+
         def count(tc: str, result: str, reason: str) -> float:
-            return server.metric_sum("sluice_slo_requests_total", traffic_class=tc,
-                                     result=result, reason=reason)
+            return server.metric_sum(
+                "sluice_slo_requests_total", traffic_class=tc, result=result, reason=reason
+            )
 
         text = server.metrics_text()
         for tc, verdicts in SLO_RESULTS.items():  # every series exists before any request
             for result, reason in verdicts:
-                assert (f'sluice_slo_requests_total{{model="sim",reason="{reason}",'
-                        f'result="{result}",traffic_class="{tc}"}} 0.0') in text
-        for name in ("sluice_rejections_total", "sluice_cancellations_total",
-                     "sluice_engine_aborts_total", "sluice_deadline_misses_total"):
+                assert (
+                    f'sluice_slo_requests_total{{model="sim",reason="{reason}",'
+                    f'result="{result}",traffic_class="{tc}"}} 0.0'
+                ) in text
+        for name in (
+            "sluice_rejections_total",
+            "sluice_cancellations_total",
+            "sluice_engine_aborts_total",
+            "sluice_deadline_misses_total",
+        ):
             assert f"\n{name}{{" in text, name
         assert _chat(server.base_url).status_code == 200
         assert count("interactive", "missed", "ttft") == 1

@@ -23,19 +23,30 @@ def config(**sections: Any) -> SluiceConfig:
 
 
 def core(
-    cfg: SluiceConfig | None = None, *, tokens: int = 10_000, kv_blocks: int = 10_000,
-    sequences: int = 100, block_size: int = 16,
+    cfg: SluiceConfig | None = None,
+    *,
+    tokens: int = 10_000,
+    kv_blocks: int = 10_000,
+    sequences: int = 100,
+    block_size: int = 16,
 ) -> SchedulerCore:
     return SchedulerCore(cfg or config(), BudgetLimits(tokens, kv_blocks, sequences, block_size))
 
 
 def ticket(
-    request_id: str, *, at: float = 0.0, deadline: float = 1000.0,
-    traffic_class: TrafficClass = CHAT, tenant: str = "default", prompt: int = 10,
-    max_tokens: int = 10, open_ended: bool = False,
+    request_id: str,
+    *,
+    at: float = 0.0,
+    deadline: float = 1000.0,
+    traffic_class: TrafficClass = CHAT,
+    tenant: str = "default",
+    prompt: int = 10,
+    max_tokens: int = 10,
+    open_ended: bool = False,
 ) -> Ticket:
-    return Ticket(request_id, tenant, traffic_class, "m", at, deadline, prompt, max_tokens,
-                  open_ended)
+    return Ticket(
+        request_id, tenant, traffic_class, "m", at, deadline, prompt, max_tokens, open_ended
+    )
 
 
 def admit(scheduler: SchedulerCore, t: Ticket, now: float | None = None) -> None:

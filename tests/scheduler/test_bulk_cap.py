@@ -143,8 +143,13 @@ def test_a_gap_target_in_milliseconds_overrides_the_idle_multiple() -> None:
     s = calibrated()
     assert s.bulk_cap.targets().itl_s == pytest.approx(0.006)
     assert s.bulk_cap.targets().ttft_s == pytest.approx(0.030)
-    s = core(config(slo={"interactive": {"itl_ms": 8, "ttft_ms": 100}}), tokens=10**6,
-             kv_blocks=10**6, sequences=100, block_size=BLOCK)
+    s = core(
+        config(slo={"interactive": {"itl_ms": 8, "ttft_ms": 100}}),
+        tokens=10**6,
+        kv_blocks=10**6,
+        sequences=100,
+        block_size=BLOCK,
+    )
     for n, step_ms in CPU_STEPS_MS.items():
         s.estimates.steps.observe(n, step_ms / 1000)
     assert (s.bulk_cap.targets().itl_s, s.bulk_cap.targets().ttft_s) == (0.008, 0.1)
@@ -235,9 +240,19 @@ def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
 def test_a_request_is_named_once_when_both_causes_preempt_in_one_poll() -> None:
     # One bulk sequence budget beyond the chats', no reserve, preemption for a waiting chat
     # after 0 ms: a chat arriving when bulk fills every seat is over the cap and waiting.
-    s = core(config(budgets={"interactive_reserve_share": 0.0, "bulk_min_share": 0.0,
-                             "preempt_bulk_after_ms": 0}),
-             tokens=10**6, kv_blocks=10**6, sequences=32, block_size=BLOCK)
+    s = core(
+        config(
+            budgets={
+                "interactive_reserve_share": 0.0,
+                "bulk_min_share": 0.0,
+                "preempt_bulk_after_ms": 0,
+            }
+        ),
+        tokens=10**6,
+        kv_blocks=10**6,
+        sequences=32,
+        block_size=BLOCK,
+    )
     for n, step_ms in CPU_STEPS_MS.items():
         s.estimates.steps.observe(n, step_ms / 1000)
     s.estimates.observe_idle_ttft(IDLE_TTFT_S)

@@ -145,9 +145,16 @@ def test_tenant_fair_share_holds_while_another_tenant_floods() -> None:
 
 def test_a_light_tenant_is_judged_by_its_fair_share_of_the_queue() -> None:
     # 10 ms steps, one seat: each 10-token request takes 0.1 s.
-    cfg = config(**{**TWO_TENANTS, "estimates": {"prefill_tokens_per_s": 1e9,
-                                                  "decode_tokens_per_s": 100,
-                                                  "admission_margin": 0}})
+    cfg = config(
+        **{
+            **TWO_TENANTS,
+            "estimates": {
+                "prefill_tokens_per_s": 1e9,
+                "decode_tokens_per_s": 100,
+                "admission_margin": 0,
+            },
+        }
+    )
     s = core(cfg, sequences=1)
     for n in range(50):
         admit(s, ticket(f"f{n}", tenant="flood", deadline=100.0))  # 5 s of work
@@ -232,8 +239,9 @@ def test_queue_bounded_by_tokens() -> None:
 # --- deadlines -----------------------------------------------------------------------------
 # The estimate's own rules, without admission's safety margin (tested on its own below).
 def test_unmeetable_deadline_is_rejected_at_admission() -> None:
-    cfg = config(estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 10,
-                            "admission_margin": 0})
+    cfg = config(
+        estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 10, "admission_margin": 0}
+    )
     s = core(cfg)
     # 100 prompt tokens at 1000/s + 20 output tokens at 10/s = 2.1 s of service.
     decision = s.submit(ticket("late", deadline=2.0, prompt=100, max_tokens=20), 0.0)
@@ -243,8 +251,9 @@ def test_unmeetable_deadline_is_rejected_at_admission() -> None:
 
 
 def test_queue_ahead_counts_toward_the_deadline_estimate() -> None:
-    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10,
-                            "admission_margin": 0})
+    cfg = config(
+        estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10, "admission_margin": 0}
+    )
     s = core(cfg, sequences=1)
     admit(s, ticket("running", max_tokens=10, deadline=100.0))  # 1 s of service
     s.poll(0.0)
@@ -256,9 +265,15 @@ def test_queue_ahead_counts_toward_the_deadline_estimate() -> None:
 
 
 def test_an_answer_without_max_tokens_is_judged_by_its_typical_length() -> None:
-    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10,
-                            "open_ended_output_tokens": 50, "smoothing": 0.5,
-                            "admission_margin": 0})
+    cfg = config(
+        estimates={
+            "prefill_tokens_per_s": 1e9,
+            "decode_tokens_per_s": 10,
+            "open_ended_output_tokens": 50,
+            "smoothing": 0.5,
+            "admission_margin": 0,
+        }
+    )
     s = core(cfg)
     # It reserves the rest of a 2,000-token context, but such answers run ~50 tokens: 5 s.
     rest = 2000 - 10
@@ -276,8 +291,9 @@ def test_an_answer_without_max_tokens_is_judged_by_its_typical_length() -> None:
 
 
 def test_admission_keeps_a_margin_for_the_estimates_error() -> None:
-    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10,
-                            "admission_margin": 0.1})
+    cfg = config(
+        estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10, "admission_margin": 0.1}
+    )
     s = core(cfg)
     # 20 tokens at 10/s: 2 s predicted, so with a 10% margin it needs 2.2 s.
     decision = s.submit(ticket("edge", deadline=2.1, max_tokens=20), 0.0)
@@ -333,8 +349,9 @@ def test_cancelled_queued_request_is_removed_without_dispatch() -> None:
 
 # --- estimates -----------------------------------------------------------------------------
 def test_prefill_rate_is_learned_from_the_first_token_of_a_long_prompt() -> None:
-    cfg = config(estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 100,
-                            "smoothing": 0.5})
+    cfg = config(
+        estimates={"prefill_tokens_per_s": 1000, "decode_tokens_per_s": 100, "smoothing": 0.5}
+    )
     s = core(cfg)
     admit(s, ticket("a", prompt=1000, max_tokens=11))
     admit(s, ticket("b", prompt=1000, max_tokens=11))
@@ -349,8 +366,9 @@ def test_prefill_rate_is_learned_from_the_first_token_of_a_long_prompt() -> None
     assert s.estimates.prefill_tokens_per_s == pytest.approx(2500)
 
 
-def run_steps(s: SchedulerCore, request_ids: list[str], start: float, step_s: float,
-              steps: int) -> float:
+def run_steps(
+    s: SchedulerCore, request_ids: list[str], start: float, step_s: float, steps: int
+) -> float:
     """Each running request gets one token per engine step; returns the time after the last."""
     now = start
     for _ in range(steps):
@@ -361,8 +379,9 @@ def run_steps(s: SchedulerCore, request_ids: list[str], start: float, step_s: fl
 
 
 def test_decode_step_time_is_learned_at_the_concurrency_it_ran_at() -> None:
-    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10,
-                            "smoothing": 0.5})
+    cfg = config(
+        estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 10, "smoothing": 0.5}
+    )
     s = core(cfg)
     admit(s, ticket("solo", max_tokens=1000))
     s.poll(0.0)
@@ -380,8 +399,14 @@ def test_decode_step_time_is_learned_at_the_concurrency_it_ran_at() -> None:
 
 def test_admission_judges_queued_work_at_the_step_time_it_sees_now() -> None:
     # The prior says 10 ms steps; the engine, once four sequences run, takes 40 ms.
-    cfg = config(estimates={"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 100,
-                            "smoothing": 0.5, "admission_margin": 0})
+    cfg = config(
+        estimates={
+            "prefill_tokens_per_s": 1e9,
+            "decode_tokens_per_s": 100,
+            "smoothing": 0.5,
+            "admission_margin": 0,
+        }
+    )
     s = core(cfg, sequences=4)
     running = [f"r{n}" for n in range(4)]
     for request_id in running:

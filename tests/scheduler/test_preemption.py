@@ -13,8 +13,13 @@ from .helpers import BULK, admit, config, core, ids, ticket
 
 # No interactive reserve and no bulk floor: bulk may fill every sequence, and a chat can only
 # start by preempting it. Four sequences, preemption after 500 ms.
-FULL_OF_BULK = {"budgets": {"interactive_reserve_share": 0.0, "bulk_min_share": 0.0,
-                            "preempt_bulk_after_ms": 500}}
+FULL_OF_BULK = {
+    "budgets": {
+        "interactive_reserve_share": 0.0,
+        "bulk_min_share": 0.0,
+        "preempt_bulk_after_ms": 500,
+    }
+}
 
 
 def busy_with_bulk(n: int = 4, **budgets: object) -> SchedulerCore:
@@ -56,8 +61,13 @@ def test_bulk_that_could_not_resume_is_never_preempted() -> None:
     cfg = config(budgets=FULL_OF_BULK["budgets"])
     s = core(cfg, sequences=4)
     for i in range(4):
-        admit(s, replace(ticket(f"bulk{i}", at=0.25 * i, traffic_class=BULK, max_tokens=100),
-                         preemptible=i != 3))
+        admit(
+            s,
+            replace(
+                ticket(f"bulk{i}", at=0.25 * i, traffic_class=BULK, max_tokens=100),
+                preemptible=i != 3,
+            ),
+        )
         s.poll(0.25 * i)
     admit(s, ticket("chat", at=1.0))
     assert ids(s.poll(1.5).preempted) == ["bulk2"]
@@ -150,8 +160,9 @@ def test_requeue_refuses_a_request_with_nothing_left() -> None:
 
 def test_preempt_threshold_is_validated() -> None:
     assert parse_config({}).budgets.preempt_bulk_after_s == 0.5
-    assert parse_config({"budgets": {"preempt_bulk_after_ms": 0}}).budgets \
-        .preempt_bulk_after_s == 0.0
+    assert (
+        parse_config({"budgets": {"preempt_bulk_after_ms": 0}}).budgets.preempt_bulk_after_s == 0.0
+    )
     with pytest.raises(ConfigError):
         parse_config({"budgets": {"preempt_bulk_after_ms": -1}})
     with pytest.raises(ConfigError):

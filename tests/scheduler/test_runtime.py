@@ -16,20 +16,26 @@ from server.scheduler.types import Ticket, TrafficClass
 
 # Priors only (no start-up calibration), so optimistic that admission never predicts a miss:
 # the deadline itself decides.
-OPTIMISTIC = {"estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9,
-                            "calibrate": False}}
+OPTIMISTIC = {
+    "estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9, "calibrate": False}
+}
 
 
-def make_ticket(request_id: str, *, deadline_s: float = 30.0, max_tokens: int = 8,
-                traffic_class: TrafficClass = TrafficClass.INTERACTIVE) -> Ticket:
+def make_ticket(
+    request_id: str,
+    *,
+    deadline_s: float = 30.0,
+    max_tokens: int = 8,
+    traffic_class: TrafficClass = TrafficClass.INTERACTIVE,
+) -> Ticket:
     now = time.monotonic()
-    return Ticket(request_id, "default", traffic_class, "sim", now, now + deadline_s, 4,
-                  max_tokens)
+    return Ticket(request_id, "default", traffic_class, "sim", now, now + deadline_s, 4, max_tokens)
 
 
 def make_request(ticket: Ticket) -> GenerationRequest:
     return GenerationRequest(
-        ticket.request_id, [7] * ticket.prompt_tokens,
+        ticket.request_id,
+        [7] * ticket.prompt_tokens,
         SamplingOptions(max_tokens=ticket.max_tokens, ignore_eos=True),
     )
 
@@ -56,11 +62,9 @@ async def collect(
 
 
 async def test_requests_stream_to_the_end_and_release_every_budget() -> None:
-    engine, runtime = await started_runtime(
-        parse_config({"budgets": {"max_running_seqs": 2}}))
+    engine, runtime = await started_runtime(parse_config({"budgets": {"max_running_seqs": 2}}))
     try:
-        results = await asyncio.gather(*(collect(runtime, make_ticket(f"r{i}"))
-                                         for i in range(6)))
+        results = await asyncio.gather(*(collect(runtime, make_ticket(f"r{i}")) for i in range(6)))
         assert [len(r) for r in results] == [8] * 6
         assert runtime.core.is_idle()
         assert engine.num_unfinished_requests() == 0
@@ -69,8 +73,9 @@ async def test_requests_stream_to_the_end_and_release_every_budget() -> None:
 
 
 async def test_full_queue_is_refused_at_once_with_overloaded() -> None:
-    config = parse_config({"budgets": {"max_running_seqs": 1},
-                           "classes": {"interactive": {"max_queued": 1}}})
+    config = parse_config(
+        {"budgets": {"max_running_seqs": 1}, "classes": {"interactive": {"max_queued": 1}}}
+    )
     engine, runtime = await started_runtime(config)
     try:
         first = asyncio.create_task(collect(runtime, make_ticket("a", max_tokens=64)))
@@ -120,7 +125,8 @@ async def test_running_deadline_aborts_the_engine_request() -> None:
 async def test_queued_deadline_expires_at_the_deadline() -> None:
     slow = SimConfig(step_base_ms=20.0)
     engine, runtime = await started_runtime(
-        parse_config({**OPTIMISTIC, "budgets": {"max_running_seqs": 1}}), slow)
+        parse_config({**OPTIMISTIC, "budgets": {"max_running_seqs": 1}}), slow
+    )
     try:
         blocker = asyncio.create_task(collect(runtime, make_ticket("a", max_tokens=30)))
         await asyncio.sleep(0)
@@ -161,16 +167,27 @@ async def test_state_gauges_follow_the_scheduler() -> None:
 
 
 async def test_preempted_bulk_stream_resumes_and_delivers_every_token() -> None:
-    config = parse_config({**OPTIMISTIC, "budgets": {
-        "max_running_seqs": 2, "interactive_reserve_share": 0.0, "bulk_min_share": 0.0,
-        "preempt_bulk_after_ms": 50}})
+    config = parse_config(
+        {
+            **OPTIMISTIC,
+            "budgets": {
+                "max_running_seqs": 2,
+                "interactive_reserve_share": 0.0,
+                "bulk_min_share": 0.0,
+                "preempt_bulk_after_ms": 50,
+            },
+        }
+    )
     engine, runtime = await started_runtime(config)
     try:
-        bulk = [make_ticket(f"bulk{i}", max_tokens=400, traffic_class=TrafficClass.BULK)
-                for i in range(2)]
+        bulk = [
+            make_ticket(f"bulk{i}", max_tokens=400, traffic_class=TrafficClass.BULK)
+            for i in range(2)
+        ]
         running = [asyncio.Event() for _ in bulk]
-        streams = [asyncio.create_task(collect(runtime, t, e))
-                   for t, e in zip(bulk, running, strict=True)]
+        streams = [
+            asyncio.create_task(collect(runtime, t, e)) for t, e in zip(bulk, running, strict=True)
+        ]
         for event in running:
             await event.wait()
         chat = make_ticket("chat", max_tokens=8)
@@ -190,12 +207,21 @@ async def test_a_resumed_request_computes_again_only_what_follows_its_cached_blo
 
     def resumed_prefill() -> float:
         value = metrics.REGISTRY.get_sample_value(
-            "sluice_resumed_prefill_tokens_total", {"model": "sim"})
+            "sluice_resumed_prefill_tokens_total", {"model": "sim"}
+        )
         return value or 0.0
 
-    config = parse_config({**OPTIMISTIC, "budgets": {
-        "max_running_seqs": 1, "interactive_reserve_share": 0.0, "bulk_min_share": 0.0,
-        "preempt_bulk_after_ms": 1}})
+    config = parse_config(
+        {
+            **OPTIMISTIC,
+            "budgets": {
+                "max_running_seqs": 1,
+                "interactive_reserve_share": 0.0,
+                "bulk_min_share": 0.0,
+                "preempt_bulk_after_ms": 1,
+            },
+        }
+    )
     engine, runtime = await started_runtime(config, SimConfig(block_size=16))
     before = resumed_prefill()
     try:

@@ -39,14 +39,25 @@ def directory(raw: dict | None = None, env: str | None = None) -> TenantDirector
 
 def make(d: TenantDirectory, key: str | None = None, **headers: str | None):
     """A ticket for a request with these headers (and `service_tier`), read as the edge does."""
-    context = RequestContext.from_headers({
-        "x-traffic-class": headers.get("traffic_class_header"),
-        "x-request-timeout-ms": headers.get("timeout_ms_header")})
-    values = {"service_tier": headers.get("service_tier"),
-              "asked_class": context.traffic_class, "timeout_s": context.timeout_s}
+    context = RequestContext.from_headers(
+        {
+            "x-traffic-class": headers.get("traffic_class_header"),
+            "x-request-timeout-ms": headers.get("timeout_ms_header"),
+        }
+    )
+    values = {
+        "service_tier": headers.get("service_tier"),
+        "asked_class": context.traffic_class,
+        "timeout_s": context.timeout_s,
+    }
     return d.make_ticket(
-        tenant=d.authenticate(key), request_id="req-1", model="m", prompt_tokens=5,
-        max_tokens=7, arrival=100.0, **values,
+        tenant=d.authenticate(key),
+        request_id="req-1",
+        model="m",
+        prompt_tokens=5,
+        max_tokens=7,
+        arrival=100.0,
+        **values,
     )
 
 
@@ -138,26 +149,48 @@ def test_ticket_carries_identity() -> None:
     assert (t.request_id, t.tenant, t.model, t.reserved_tokens) == ("req-1", "default", "m", 12)
 
 
-@pytest.mark.parametrize(("raw", "message"), [
-    ({"tenants": {"acme": {"api_keys": ["k1"], "max_concurent": 1}}},
-     "tenants.acme.max_concurent: unknown key; did you mean max_concurrent?"),
-    ({"budget": {"max_running_seqs": 8}}, "budget: unknown key; did you mean budgets?"),
-    ({"budgets": {"max_running_seqs": "many"}},
-     "budgets.max_running_seqs: expected a whole number, got 'many'"),
-    ({"classes": {"interactive": {"max_queued": 2.5}}},
-     "classes.interactive.max_queued: expected a whole number, got 2.5"),
-    ({"slo": {"interactive": {"ttft": 200}}},
-     "slo.interactive.ttft: unknown key; did you mean ttft_ms?"),
-    ({"budgets": {"kv_target_utilization": True}},
-     "budgets.kv_target_utilization: expected a number, got True"),
-    ({"tenants": {"acme": {"api_key_sha256": ["abc"]}}},
-     "tenants.acme.api_key_sha256: abc… is not a SHA-256 digest (64 hex digits)"),
-    ({"tenants": {"a": {"api_keys": ["k"]}, "b": {"api_keys": ["k"]}}},
-     "tenants.b.api_keys: a key is configured for both a and b"),
-    ({"state": {"url": "http://redis:6379"}},
-     "state.url: expected a redis://, rediss:// or unix:// URL, got 'http://redis:6379'"),
-    ({"state": {"lease_secs": 5}}, "state.lease_secs: unknown key; did you mean lease_seconds?"),
-])
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"tenants": {"acme": {"api_keys": ["k1"], "max_concurent": 1}}},
+            "tenants.acme.max_concurent: unknown key; did you mean max_concurrent?",
+        ),
+        ({"budget": {"max_running_seqs": 8}}, "budget: unknown key; did you mean budgets?"),
+        (
+            {"budgets": {"max_running_seqs": "many"}},
+            "budgets.max_running_seqs: expected a whole number, got 'many'",
+        ),
+        (
+            {"classes": {"interactive": {"max_queued": 2.5}}},
+            "classes.interactive.max_queued: expected a whole number, got 2.5",
+        ),
+        (
+            {"slo": {"interactive": {"ttft": 200}}},
+            "slo.interactive.ttft: unknown key; did you mean ttft_ms?",
+        ),
+        (
+            {"budgets": {"kv_target_utilization": True}},
+            "budgets.kv_target_utilization: expected a number, got True",
+        ),
+        (
+            {"tenants": {"acme": {"api_key_sha256": ["abc"]}}},
+            "tenants.acme.api_key_sha256: abc… is not a SHA-256 digest (64 hex digits)",
+        ),
+        (
+            {"tenants": {"a": {"api_keys": ["k"]}, "b": {"api_keys": ["k"]}}},
+            "tenants.b.api_keys: a key is configured for both a and b",
+        ),
+        (
+            {"state": {"url": "http://redis:6379"}},
+            "state.url: expected a redis://, rediss:// or unix:// URL, got 'http://redis:6379'",
+        ),
+        (
+            {"state": {"lease_secs": 5}},
+            "state.lease_secs: unknown key; did you mean lease_seconds?",
+        ),
+    ],
+)
 def test_the_configuration_is_strict_and_names_the_path(raw: dict, message: str) -> None:
     with pytest.raises(ConfigError) as raised:
         parse_config(raw)

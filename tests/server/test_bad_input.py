@@ -23,8 +23,9 @@ def _post(server: SluiceProcess, path: str, **kwargs) -> httpx.Response:  # type
 def _sse_events(server: SluiceProcess, path: str, body: dict) -> list[dict]:
     """The JSON events of a streamed response ([DONE] left out)."""
     with httpx.stream("POST", server.url + path, json=body, timeout=10) as response:
-        return [json.loads(line[6:]) for line in response.iter_lines()
-                if line.startswith("data: {")]
+        return [
+            json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")
+        ]
 
 
 def _over_websocket(server: SluiceProcess, request: dict) -> list[dict]:
@@ -68,15 +69,24 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "top_logprobs": 3}, "invalid_request", "top_logprobs"),  # needs logprobs
         ({**CHAT, "logprobs": True, "top_logprobs": 21}, "invalid_request", "top_logprobs"),
         ({**CHAT, "echo": 1}, "invalid_request", "echo"),
-        ({**CHAT, "continue_final_message": True}, "invalid_request",
-         "continue_final_message"),  # it needs add_generation_prompt: false
+        (
+            {**CHAT, "continue_final_message": True},
+            "invalid_request",
+            "continue_final_message",
+        ),  # it needs add_generation_prompt: false
         ({**CHAT, "prompt_logprobs": -1}, "invalid_request", "prompt_logprobs"),
         ({**CHAT, "stream": True, "prompt_logprobs": 1}, "invalid_request", "prompt_logprobs"),
         ({**CHAT, "add_special_tokens": True}, "unsupported_parameter", "add_special_tokens"),
-        ({**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}},
-         "invalid_request", "include_usage"),
-        ({**CHAT, "stream": True, "stream_options": {"sparkle": True}},
-         "unsupported_parameter", "stream_options.sparkle"),
+        (
+            {**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}},
+            "invalid_request",
+            "include_usage",
+        ),
+        (
+            {**CHAT, "stream": True, "stream_options": {"sparkle": True}},
+            "unsupported_parameter",
+            "stream_options.sparkle",
+        ),
         ({**CHAT, "logit_bias": {"hello": 5}}, "invalid_request", "logit_bias"),
         ({**CHAT, "logit_bias": {"5": "high"}}, "invalid_request", "logit_bias"),
         ({**CHAT, "logit_bias": {"999999": 5}}, "invalid_request", "logit_bias"),
@@ -85,18 +95,27 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ({**CHAT, "tools": [{"type": "function"}]}, "unsupported_parameter", "tools"),  # sim
         ({**CHAT, "tools": 5}, "invalid_request", "tools"),
         ({**CHAT, "tool_choice": ["auto"]}, "invalid_request", "tool_choice"),
-        ({**CHAT, "response_format": {"type": "json_object"}}, "unsupported_parameter",
-         "response_format"),  # the sim engine generates free text only
+        (
+            {**CHAT, "response_format": {"type": "json_object"}},
+            "unsupported_parameter",
+            "response_format",
+        ),  # the sim engine generates free text only
         ({**CHAT, "structured_outputs": "json"}, "invalid_request", "structured_outputs"),
         ({**CHAT, "frobnicate": 1}, "unsupported_parameter", "frobnicate"),
         ({**CHAT, "chat_template_kwargs": 3}, "invalid_request", "chat_template_kwargs"),
-        ({**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}, "invalid_request",
-         "chat_template_kwargs"),  # the server's own
+        (
+            {**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}},
+            "invalid_request",
+            "chat_template_kwargs",
+        ),  # the server's own
         ({**CHAT, "reasoning_effort": "extreme"}, "invalid_request", "reasoning_effort"),
         ({**CHAT, "documents": [{"title": 1}]}, "invalid_request", "documents"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
-        ({"messages": [{"role": "user", "content": "word " * 5000}]},
-         "context_length_exceeded", "messages"),
+        (
+            {"messages": [{"role": "user", "content": "word " * 5000}]},
+            "context_length_exceeded",
+            "messages",
+        ),
     ],
 )
 def test_chat_body_errors(sim_server: SluiceProcess, body: dict, code: str, param: str) -> None:
@@ -112,14 +131,24 @@ def test_error_messages_name_what_is_wrong(sim_server: SluiceProcess) -> None:
     assert "2048" in vocab.json()["error"]["message"]
     seed = _post(sim_server, "/v1/chat/completions", json={**CHAT, "seed": -(2**63) - 1})
     assert "at least -9223372036854775808" in seed.json()["error"]["message"]
-    schema = _post(sim_server, "/v1/completions", json={
-        "prompt": "x", "structured_outputs": {"regex": "[ab]+"}})
+    schema = _post(
+        sim_server,
+        "/v1/completions",
+        json={"prompt": "x", "structured_outputs": {"regex": "[ab]+"}},
+    )
     assert _assert_error(schema, 400, "unsupported_parameter")["param"] == "structured_outputs"
     assert "sim engine" in schema.json()["error"]["message"]
     # Tools shown to the template but never called: accepted by an engine that cannot call.
-    shown = _post(sim_server, "/v1/chat/completions", json={
-        **CHAT, "max_tokens": 2, "tool_choice": "none",
-        "tools": [{"type": "function", "function": {"name": "f"}}]})
+    shown = _post(
+        sim_server,
+        "/v1/chat/completions",
+        json={
+            **CHAT,
+            "max_tokens": 2,
+            "tool_choice": "none",
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+    )
     assert shown.status_code == 200, shown.text
 
 
@@ -132,24 +161,39 @@ def test_any_role_the_template_takes_is_accepted(sim_server: SluiceProcess) -> N
 
 def test_transport_level_errors(sim_server: SluiceProcess) -> None:
     as_json = {"Content-Type": "application/json"}
-    _assert_error(_post(sim_server, "/v1/chat/completions", content=b"{not json",
-                        headers=as_json), 400, "invalid_request")
-    _assert_error(_post(sim_server, "/v1/chat/completions", content=b"[1, 2]",
-                        headers=as_json), 400, "invalid_request")
+    _assert_error(
+        _post(sim_server, "/v1/chat/completions", content=b"{not json", headers=as_json),
+        400,
+        "invalid_request",
+    )
+    _assert_error(
+        _post(sim_server, "/v1/chat/completions", content=b"[1, 2]", headers=as_json),
+        400,
+        "invalid_request",
+    )
     for content_type in (None, "text/plain", "application/x-www-form-urlencoded"):
         headers = {"Content-Type": content_type} if content_type else {}
-        wrong = _post(sim_server, "/v1/chat/completions", content=json.dumps(CHAT).encode(),
-                      headers=headers)
+        wrong = _post(
+            sim_server, "/v1/chat/completions", content=json.dumps(CHAT).encode(), headers=headers
+        )
         assert "application/json" in _assert_error(wrong, 400, "invalid_request")["message"]
     charset = {"Content-Type": "application/json; charset=utf-8"}
-    assert _post(sim_server, "/v1/chat/completions", content=json.dumps(CHAT).encode(),
-                 headers=charset).status_code == 200
-    _assert_error(_post(sim_server, "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}),
-                  404, "model_not_found")
+    assert (
+        _post(
+            sim_server, "/v1/chat/completions", content=json.dumps(CHAT).encode(), headers=charset
+        ).status_code
+        == 200
+    )
+    _assert_error(
+        _post(sim_server, "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}),
+        404,
+        "model_not_found",
+    )
     huge = {"messages": [{"role": "user", "content": "x" * (2 << 20)}]}
     _assert_error(_post(sim_server, "/v1/chat/completions", json=huge), 413, "payload_too_large")
-    _assert_error(_post(sim_server, "/v1/completions", json={"prompt": [[-1], "b"]}),
-                  400, "invalid_request")
+    _assert_error(
+        _post(sim_server, "/v1/completions", json={"prompt": [[-1], "b"]}), 400, "invalid_request"
+    )
     _assert_error(httpx.get(sim_server.url + "/v1/chat/completions"), 405, "method_not_allowed")
     _assert_error(httpx.get(sim_server.url + "/v2/nothing"), 404, "not_found")
 
@@ -192,8 +236,12 @@ async def test_garbage_on_the_websocket_gets_errors_and_the_connection_survives(
 
 
 def test_nothing_leaks_after_bad_input(sim_server: SluiceProcess) -> None:
-    for body in ({**CHAT, "n": 0}, {"messages": [{"role": "user", "content": "word " * 5000}]},
-                 {"messages": 1}, {**CHAT, "stop_token_ids": [10**6]}):
+    for body in (
+        {**CHAT, "n": 0},
+        {"messages": [{"role": "user", "content": "word " * 5000}]},
+        {"messages": 1},
+        {**CHAT, "stop_token_ids": [10**6]},
+    ):
         _post(sim_server, "/v1/chat/completions", json=body)
     assert sim_server.metric("sluice_running_requests") == 0
     assert sim_server.metric("sluice_queue_depth") == 0
@@ -203,19 +251,23 @@ def test_nothing_leaks_after_bad_input(sim_server: SluiceProcess) -> None:
 
 
 def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -> None:
-    chat = _post(sim_server, "/v1/chat/completions", json={
-        **CHAT, "logprobs": True, "top_logprobs": 2}).json()["choices"][0]
+    chat = _post(
+        sim_server, "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2}
+    ).json()["choices"][0]
     content = chat["logprobs"]["content"]
     assert len(content) == 4 and "".join(e["token"] for e in content) == chat["message"]["content"]
     assert all(len(e["top_logprobs"]) == 2 for e in content)
-    text = _post(sim_server, "/v1/completions", json={
-        "prompt": "hello", "max_tokens": 5, "logprobs": 0}).json()["choices"][0]
+    text = _post(
+        sim_server, "/v1/completions", json={"prompt": "hello", "max_tokens": 5, "logprobs": 0}
+    ).json()["choices"][0]
     assert "".join(text["logprobs"]["tokens"]) == text["text"]
     assert [list(top) for top in text["logprobs"]["top_logprobs"]] == [
-        [token] for token in text["logprobs"]["tokens"]]  # logprobs 0: the sampled token alone
+        [token] for token in text["logprobs"]["tokens"]
+    ]  # logprobs 0: the sampled token alone
 
-    deltas = [m for m in _over_websocket(sim_server, {**CHAT, "logprobs": True})
-              if m["type"] == "delta"]
+    deltas = [
+        m for m in _over_websocket(sim_server, {**CHAT, "logprobs": True}) if m["type"] == "delta"
+    ]
     for refused in ("prompt_logprobs", "echo"):  # nothing a stream cannot carry is ignored
         (error,) = _over_websocket(sim_server, {**CHAT, refused: 1 if refused != "echo" else True})
         assert error["type"] == "error" and error["error"]["param"] == refused
@@ -223,20 +275,33 @@ def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -
 
     # vLLM's prompt_logprobs: each prompt token's (null for the first) and the k likeliest.
     prompt_ids = [5, 6, 7, 8]
-    body = _post(sim_server, "/v1/completions", json={
-        "prompt": prompt_ids, "max_tokens": 2, "prompt_logprobs": 2}).json()
+    body = _post(
+        sim_server,
+        "/v1/completions",
+        json={"prompt": prompt_ids, "max_tokens": 2, "prompt_logprobs": 2},
+    ).json()
     positions = body["choices"][0]["prompt_logprobs"]
     assert positions[0] is None and len(positions) == len(prompt_ids)
     for token_id, candidates in zip(prompt_ids[1:], positions[1:], strict=True):
         assert str(token_id) in candidates and len(candidates) == 2
         assert sorted(c["rank"] for c in candidates.values()) == [1, 2]
     # vLLM's return_tokens_as_token_ids: tokens named "token_id:N" instead of by their text.
-    named = _post(sim_server, "/v1/completions", json={
-        "prompt": prompt_ids, "max_tokens": 2, "prompt_logprobs": 1, "logprobs": 1,
-        "return_tokens_as_token_ids": True, "return_token_ids": True}).json()["choices"][0]
+    named = _post(
+        sim_server,
+        "/v1/completions",
+        json={
+            "prompt": prompt_ids,
+            "max_tokens": 2,
+            "prompt_logprobs": 1,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+        },
+    ).json()["choices"][0]
     assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in named["token_ids"]]
     assert [c["decoded_token"] for p in named["prompt_logprobs"][1:] for c in p.values()] == [
-        f"token_id:{t}" for p in named["prompt_logprobs"][1:] for t in p]
+        f"token_id:{t}" for p in named["prompt_logprobs"][1:] for t in p
+    ]
     chat = _post(sim_server, "/v1/chat/completions", json={**CHAT, "prompt_logprobs": 0}).json()
     assert all(p is None or len(p) == 1 for p in chat["prompt_logprobs"])
     plain = _post(sim_server, "/v1/chat/completions", json=CHAT).json()
@@ -244,8 +309,11 @@ def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -
 
 
 def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: SluiceProcess) -> None:
-    events = _sse_events(sim_server, "/v1/completions", {
-        "prompt": "hello", "max_tokens": 3, "n": 2, "seed": 1, "stream": True})
+    events = _sse_events(
+        sim_server,
+        "/v1/completions",
+        {"prompt": "hello", "max_tokens": 3, "n": 2, "seed": 1, "stream": True},
+    )
     texts = ["", ""]
     for event in events:
         for choice in event["choices"]:
@@ -261,8 +329,11 @@ def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: SluiceProcess) 
 
 def test_sim_engine_return_token_ids_streamed_and_whole(sim_server: SluiceProcess) -> None:
     prompt = _post(sim_server, "/tokenize", json={"prompt": "hello there"}).json()["tokens"]
-    whole = _post(sim_server, "/v1/completions", json={
-        "prompt": "hello there", "max_tokens": 5, "return_token_ids": True}).json()["choices"][0]
+    whole = _post(
+        sim_server,
+        "/v1/completions",
+        json={"prompt": "hello there", "max_tokens": 5, "return_token_ids": True},
+    ).json()["choices"][0]
     assert whole["prompt_token_ids"] == prompt and len(whole["token_ids"]) == 5
     detokenized = _post(sim_server, "/detokenize", json={"tokens": whole["token_ids"]}).json()
     assert detokenized["prompt"] == whole["text"]
@@ -285,28 +356,45 @@ def test_batched_chat_completions_one_choice_per_conversation(sim_server: Sluice
     assert batch.status_code == 200, batch.text
     reply = batch.json()
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
-    singles = [_post(sim_server, "/v1/chat/completions", json={
-        **body, "messages": conversation}).json() for conversation in conversations]
+    singles = [
+        _post(sim_server, "/v1/chat/completions", json={**body, "messages": conversation}).json()
+        for conversation in conversations
+    ]
     # Each conversation is answered as it would be alone (seeded), and usage adds up.
     assert [c["message"]["content"] for c in reply["choices"]] == [
-        s["choices"][0]["message"]["content"] for s in singles]
+        s["choices"][0]["message"]["content"] for s in singles
+    ]
     assert reply["usage"]["completion_tokens"] == 12
     assert reply["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
     assert len(reply["timings"]) == 3
 
 
-@pytest.mark.parametrize(("body", "code", "param"), [
-    ({"messages": [{"role": "user", "content": "flat"}]}, "invalid_request", "messages"),
-    ({"messages": [[]]}, "invalid_request", "messages"),
-    ({"messages": [[{"role": "user", "content": "x"}]], "stream": True},
-     "unsupported_parameter", "stream"),
-    ({"messages": [[{"role": "user", "content": "x"}]], "n": 2}, "unsupported_parameter", "n"),
-    ({"messages": [[{"role": "user", "content": "x"}],
-                   [{"role": "user", "content": "word " * 5000}]]},
-     "context_length_exceeded", "messages"),  # the second refused: the first is let go
-])
-def test_a_refused_batch_holds_nothing(sim_server: SluiceProcess, body: dict, code: str,
-                                       param: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "flat"}]}, "invalid_request", "messages"),
+        ({"messages": [[]]}, "invalid_request", "messages"),
+        (
+            {"messages": [[{"role": "user", "content": "x"}]], "stream": True},
+            "unsupported_parameter",
+            "stream",
+        ),
+        ({"messages": [[{"role": "user", "content": "x"}]], "n": 2}, "unsupported_parameter", "n"),
+        (
+            {
+                "messages": [
+                    [{"role": "user", "content": "x"}],
+                    [{"role": "user", "content": "word " * 5000}],
+                ]
+            },
+            "context_length_exceeded",
+            "messages",
+        ),  # the second refused: the first is let go
+    ],
+)
+def test_a_refused_batch_holds_nothing(
+    sim_server: SluiceProcess, body: dict, code: str, param: str
+) -> None:
     error = _assert_error(_post(sim_server, "/v1/chat/completions/batch", json=body), 400, code)
     assert error["param"] == param
     assert sim_server.metric("sluice_budget_in_use") == 0
@@ -314,13 +402,21 @@ def test_a_refused_batch_holds_nothing(sim_server: SluiceProcess, body: dict, co
 
 
 def test_a_batch_whose_client_leaves_is_cancelled(sim_server: SluiceProcess) -> None:
-    body = {"messages": [[{"role": "user", "content": "go on"}]] * 2, "max_tokens": 1000,
-            "ignore_eos": True}
+    body = {
+        "messages": [[{"role": "user", "content": "go on"}]] * 2,
+        "max_tokens": 1000,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(sim_server.url + "/v1/chat/completions/batch", json=body, timeout=0.3)
-    wait_until(lambda: sim_server.metric("sluice_engine_unfinished_requests") == 0
-               and sim_server.metric("sluice_budget_in_use") == 0, 10,
-               message="the batch's generations were not cancelled")
+    wait_until(
+        lambda: (
+            sim_server.metric("sluice_engine_unfinished_requests") == 0
+            and sim_server.metric("sluice_budget_in_use") == 0
+        ),
+        10,
+        message="the batch's generations were not cancelled",
+    )
 
 
 def test_sim_engine_echo_puts_the_prompt_first(sim_server: SluiceProcess) -> None:
@@ -343,33 +439,54 @@ def test_sim_engine_echo_puts_the_prompt_first(sim_server: SluiceProcess) -> Non
     alone = _post(sim_server, "/v1/completions", json={**body, "max_tokens": 0, "logprobs": 0})
     choice = alone.json()["choices"][0]
     assert choice["text"] == prompt and len(choice["logprobs"]["tokens"]) == len(ids)
-    texts = [event["choices"][0]["text"] for event in _sse_events(
-        sim_server, "/v1/completions", {**body, "stream": True}) if event["choices"]]
+    texts = [
+        event["choices"][0]["text"]
+        for event in _sse_events(sim_server, "/v1/completions", {**body, "stream": True})
+        if event["choices"]
+    ]
     assert texts[0] == prompt and "".join(texts) == echoed["text"]
     refused = _post(sim_server, "/v1/completions", json={**body, "stream": True, "logprobs": 1})
     assert _assert_error(refused, 400, "invalid_request")["param"] == "echo"
     # Chat: the assistant message the answer continues comes first.
     opening = "the old horse"
-    chat = _post(sim_server, "/v1/chat/completions", json={
-        **CHAT, "echo": True, "continue_final_message": True, "add_generation_prompt": False,
-        "messages": [*CHAT["messages"], {"role": "assistant", "content": opening}]}).json()
+    chat = _post(
+        sim_server,
+        "/v1/chat/completions",
+        json={
+            **CHAT,
+            "echo": True,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "messages": [*CHAT["messages"], {"role": "assistant", "content": opening}],
+        },
+    ).json()
     assert chat["choices"][0]["message"]["content"].startswith(opening)
     assert len(chat["choices"][0]["message"]["content"]) > len(opening)
 
 
 def test_several_prompts_one_choice_each_in_order(sim_server: SluiceProcess) -> None:
     prompts = [[5, 6, 7], [8, 9], [5, 6, 7]]
-    reply = _post(sim_server, "/v1/completions", json={
-        "prompt": prompts, "max_tokens": 3, "n": 2, "seed": 2}).json()
+    reply = _post(
+        sim_server, "/v1/completions", json={"prompt": prompts, "max_tokens": 3, "n": 2, "seed": 2}
+    ).json()
     assert [c["index"] for c in reply["choices"]] == list(range(6))  # prompt i: 2i and 2i + 1
     texts = [c["text"] for c in reply["choices"]]
     assert texts[0:2] == texts[4:6]  # the same prompt and seed: the same two answers
     assert reply["usage"]["prompt_tokens"] == 8 and reply["usage"]["completion_tokens"] == 18
     # Streamed as vLLM streams it: one id, choices numbered across the prompts, each chunk
     # one choice's, then one usage chunk with the totals.
-    events = _sse_events(sim_server, "/v1/completions", {
-        "prompt": prompts, "max_tokens": 3, "n": 2, "seed": 2, "stream": True,
-        "stream_options": {"include_usage": True}})
+    events = _sse_events(
+        sim_server,
+        "/v1/completions",
+        {
+            "prompt": prompts,
+            "max_tokens": 3,
+            "n": 2,
+            "seed": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert len({event["id"] for event in events}) == 1
     streamed = [""] * 6
     for event in events[:-1]:
@@ -378,19 +495,33 @@ def test_several_prompts_one_choice_each_in_order(sim_server: SluiceProcess) -> 
     assert streamed == texts
     assert events[-1]["choices"] == [] and events[-1]["usage"] == reply["usage"]
     # A part refused before the stream began: the refusal is the answer, nothing is held.
-    too_long = _post(sim_server, "/v1/completions", json={
-        "prompt": [[5] * 3, [5] * 100_000], "max_tokens": 3, "stream": True})
+    too_long = _post(
+        sim_server,
+        "/v1/completions",
+        json={"prompt": [[5] * 3, [5] * 100_000], "max_tokens": 3, "stream": True},
+    )
     assert _assert_error(too_long, 400, "context_length_exceeded")["param"] == "prompt"
-    wait_until(lambda: sim_server.metric("sluice_budget_in_use") == 0
-               and sim_server.metric("sluice_engine_unfinished_requests") == 0, 5,
-               message="the first part, admitted, is cancelled with the refusal")
+    wait_until(
+        lambda: (
+            sim_server.metric("sluice_budget_in_use") == 0
+            and sim_server.metric("sluice_engine_unfinished_requests") == 0
+        ),
+        5,
+        message="the first part, admitted, is cancelled with the refusal",
+    )
 
 
 def test_reasoning_effort_and_documents_reach_the_template_as_vllm_passes_them() -> None:
-    parsed = parse_request({**CHAT, "reasoning_effort": "none",
-                            "documents": [{"title": "t", "text": "x"}]}, "chat")
-    assert parsed.template_kwargs == {"documents": [{"title": "t", "text": "x"}],
-                                      "reasoning_effort": "none", "enable_thinking": False}
-    chosen = parse_request({**CHAT, "reasoning_effort": "high",
-                            "chat_template_kwargs": {"enable_thinking": False}}, "chat")
+    parsed = parse_request(
+        {**CHAT, "reasoning_effort": "none", "documents": [{"title": "t", "text": "x"}]}, "chat"
+    )
+    assert parsed.template_kwargs == {
+        "documents": [{"title": "t", "text": "x"}],
+        "reasoning_effort": "none",
+        "enable_thinking": False,
+    }
+    chosen = parse_request(
+        {**CHAT, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+        "chat",
+    )
     assert chosen.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}

@@ -27,10 +27,19 @@ def jsonl(lines: list[dict]) -> bytes:
 
 
 def chat_lines(count: int, max_tokens: int = 8, model: str = "sim") -> list[dict]:
-    return [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": model, "max_tokens": max_tokens,
-                      "messages": [{"role": "user", "content": f"question {i}"}]}}
-            for i in range(count)]
+    return [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": f"question {i}"}],
+            },
+        }
+        for i in range(count)
+    ]
 
 
 def client_for(server: SluiceProcess) -> openai.OpenAI:
@@ -39,14 +48,19 @@ def client_for(server: SluiceProcess) -> openai.OpenAI:
 
 def start_batch(client: openai.OpenAI, lines: list[dict]) -> str:
     file = client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
-    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h", metadata={"job": "test"})
+    batch = client.batches.create(
+        input_file_id=file.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "test"},
+    )
     assert batch.status == "in_progress" and batch.request_counts.total == len(lines)
     return batch.id
 
 
-def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 120
-             ) -> openai.types.Batch:
+def wait_for(
+    client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 120
+) -> openai.types.Batch:
     found: list[openai.types.Batch] = []
 
     def reached() -> bool:
@@ -65,8 +79,10 @@ def output_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
-    process = SluiceProcess(["--engine", "sim", "--max-file-bytes", "200000"],
-                            tmp_path_factory.mktemp("batches") / "server.log")
+    process = SluiceProcess(
+        ["--engine", "sim", "--max-file-bytes", "200000"],
+        tmp_path_factory.mktemp("batches") / "server.log",
+    )
     try:
         process.wait_ready(60)
         yield process
@@ -115,20 +131,30 @@ def test_input_that_cannot_run_fails_the_batch_naming_the_lines(server: SluicePr
     lines[5]["body"]["temperature"] = "hot"
     raw = jsonl(lines) + b"not json\n"
     file = client.files.create(file=("bad.jsonl", raw), purpose="batch")
-    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     assert batch.status == "failed" and batch.errors is not None
     assert [(e.line, e.code) for e in batch.errors.data] == [
-        (3, "duplicate_custom_id"), (4, "invalid_url"), (5, "model_not_found"),
-        (6, "invalid_request"), (7, "invalid_json_line")]
+        (3, "duplicate_custom_id"),
+        (4, "invalid_url"),
+        (5, "model_not_found"),
+        (6, "invalid_request"),
+        (7, "invalid_json_line"),
+    ]
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id=file.id, endpoint="/v1/embeddings",
-                              completion_window="24h")
+        client.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
     with pytest.raises(openai.NotFoundError):
-        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
-                              completion_window="24h")
-    too_big = httpx.post(server.url + "/v1/files", data={"purpose": "batch"},
-                         files={"file": ("big.jsonl", b"x" * 300_000)})
+        client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    too_big = httpx.post(
+        server.url + "/v1/files",
+        data={"purpose": "batch"},
+        files={"file": ("big.jsonl", b"x" * 300_000)},
+    )
     assert too_big.status_code == 413
 
 
@@ -172,7 +198,8 @@ def test_cancel_stops_the_batch_and_keeps_what_is_done(slow_server) -> None:  # 
 
 
 def test_sigkill_mid_batch_then_restart_loses_and_repeats_no_line(  # type: ignore[no-untyped-def]
-    slow_server, tmp_path: Path,
+    slow_server,
+    tmp_path: Path,
 ) -> None:
     server, args = slow_server
     client = client_for(server)
@@ -193,8 +220,10 @@ def test_sigkill_mid_batch_then_restart_loses_and_repeats_no_line(  # type: igno
         again.stop()
 
 
-def test_a_batch_past_its_window_expires_with_what_is_done(slow_server, tmp_path: Path  # type: ignore[no-untyped-def]
-                                                           ) -> None:
+def test_a_batch_past_its_window_expires_with_what_is_done(
+    slow_server,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
     server, args = slow_server
     client = client_for(server)
     batch_id = start_batch(client, chat_lines(150, max_tokens=40))
@@ -202,8 +231,9 @@ def test_a_batch_past_its_window_expires_with_what_is_done(slow_server, tmp_path
     server.stop()
     # Down past the window's end: its expiry, as the store will read it on restart.
     with sqlite3.connect(Path(args[-1]) / "batches.sqlite3") as db:
-        body = json.loads(db.execute("SELECT body FROM batches WHERE id = ?",
-                                     (batch_id,)).fetchone()[0])
+        body = json.loads(
+            db.execute("SELECT body FROM batches WHERE id = ?", (batch_id,)).fetchone()[0]
+        )
         body["expires_at"] = int(time.time()) - 1
         db.execute("UPDATE batches SET body = ? WHERE id = ?", (json.dumps(body), batch_id))
     again = SluiceProcess(args, tmp_path / "server-1.log")

@@ -32,64 +32,113 @@ def test_beam_search_as_vllms_server(client: openai.OpenAI, vllm_server: SluiceP
     # One beam is greedy decoding: the same tokens as temperature 0. (Not quite the same text:
     # the search decodes its tokens at the end, a character cut short and all, as vLLM's does.)
     ask: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
-    greedy = client.completions.create(**ask, extra_body={"ignore_eos": True,
-                                                          "return_token_ids": True})
-    one_beam = client.completions.create(**ask, extra_body={
-        "use_beam_search": True, "ignore_eos": True, "return_token_ids": True})
-    assert one_beam.choices[0].model_extra["token_ids"] == greedy.choices[0].model_extra[
-        "token_ids"]
+    greedy = client.completions.create(
+        **ask, extra_body={"ignore_eos": True, "return_token_ids": True}
+    )
+    one_beam = client.completions.create(
+        **ask, extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True}
+    )
+    assert (
+        one_beam.choices[0].model_extra["token_ids"] == greedy.choices[0].model_extra["token_ids"]
+    )
 
     # Several prompts, two beams each: the two best, per prompt, numbered across prompts.
-    beams = client.completions.create(model=MODEL, prompt=[PROMPT, PROMPT], n=2, max_tokens=5,
-                                      temperature=0, extra_body={"use_beam_search": True,
-                                                                 "ignore_eos": True})
+    beams = client.completions.create(
+        model=MODEL,
+        prompt=[PROMPT, PROMPT],
+        n=2,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
     texts = [c.text for c in beams.choices]
     assert [c.index for c in beams.choices] == [0, 1, 2, 3]
     assert texts[0] != texts[1] and texts[:2] == texts[2:]
     assert beams.usage is not None and beams.usage.completion_tokens == 4 * 5
 
     # A chat streams its beams (each whole, when the search ends).
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], n=2, max_tokens=4,
-        temperature=0, stream=True, extra_body={"use_beam_search": True}))
-    finished = sorted((c.index, c.finish_reason) for chunk in chunks for c in chunk.choices
-                      if c.finish_reason)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            n=2,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_body={"use_beam_search": True},
+        )
+    )
+    finished = sorted(
+        (c.index, c.finish_reason) for chunk in chunks for c in chunk.choices if c.finish_reason
+    )
     assert [index for index, _ in finished] == [0, 1]
 
     # What vLLM's beam search would drop is refused, and a completion does not stream it.
-    for extra, param in (({"top_p": 0.5}, "top_p"), ({"stop": ["x"]}, "stop"),
-                         ({"logprobs": 2}, "logprobs"), ({"stream": True}, "stream")):
+    for extra, param in (
+        ({"top_p": 0.5}, "top_p"),
+        ({"stop": ["x"]}, "stop"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"stream": True}, "stream"),
+    ):
         stream = extra.pop("stream", False)
         with pytest.raises(openai.BadRequestError) as raised:
-            client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=4,
-                                      stream=stream, extra_body={"use_beam_search": True,
-                                                                 **extra})
+            client.completions.create(
+                model=MODEL,
+                prompt=PROMPT,
+                n=2,
+                max_tokens=4,
+                stream=stream,
+                extra_body={"use_beam_search": True, **extra},
+            )
         assert _error(raised)["param"] == param
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
-            response_format={"type": "json_object"}, extra_body={"use_beam_search": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4,
+            response_format={"type": "json_object"},
+            extra_body={"use_beam_search": True},
+        )
     assert _error(raised)["param"] == "use_beam_search"
-    wait_until(lambda: vllm_server.metric("sluice_budget_in_use") == 0
-               and vllm_server.metric("sluice_engine_unfinished_requests") == 0, 10,
-               message="every beam's engine request ended")
+    wait_until(
+        lambda: (
+            vllm_server.metric("sluice_budget_in_use") == 0
+            and vllm_server.metric("sluice_engine_unfinished_requests") == 0
+        ),
+        10,
+        message="every beam's engine request ended",
+    )
 
 
 def test_a_client_leaving_ends_the_beam_search(vllm_server: SluiceProcess) -> None:
     aborts_before = vllm_server.metric("sluice_engine_aborts_total", reason="client_cancelled")
-    body = {"messages": [{"role": "user", "content": PROMPT}], "n": 3, "max_tokens": 500,
-            "ignore_eos": True, "use_beam_search": True, "stream": True}
-    with httpx.stream("POST", vllm_server.url + "/v1/chat/completions", json=body,
-                      timeout=30) as response:
+    body = {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "n": 3,
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "use_beam_search": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", vllm_server.url + "/v1/chat/completions", json=body, timeout=30
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if '"role":"assistant"' in line:
                 break  # dispatched: leaving closes the connection mid-search
-    wait_until(lambda: vllm_server.metric("sluice_engine_unfinished_requests") == 0
-               and vllm_server.metric("sluice_running_requests") == 0, 10,
-               message="the search's engine requests aborted")
-    assert vllm_server.metric("sluice_engine_aborts_total",
-                              reason="client_cancelled") == aborts_before + 1
+    wait_until(
+        lambda: (
+            vllm_server.metric("sluice_engine_unfinished_requests") == 0
+            and vllm_server.metric("sluice_running_requests") == 0
+        ),
+        10,
+        message="the search's engine requests aborted",
+    )
+    assert (
+        vllm_server.metric("sluice_engine_aborts_total", reason="client_cancelled")
+        == aborts_before + 1
+    )
 
 
 def _embeds(demo_model_dir: Path, token_ids: list[int]) -> str:
@@ -100,24 +149,35 @@ def _embeds(demo_model_dir: Path, token_ids: list[int]) -> str:
     return _embeds_of(weights[token_ids].clone())
 
 
-def test_prompt_embeds_generate_as_their_tokens(client: openai.OpenAI, vllm_server: SluiceProcess,
-                                                demo_model_dir: Path) -> None:
+def test_prompt_embeds_generate_as_their_tokens(
+    client: openai.OpenAI, vllm_server: SluiceProcess, demo_model_dir: Path
+) -> None:
     from torch import zeros
 
-    token_ids = httpx.post(vllm_server.url + "/tokenize",
-                           json={"prompt": PROMPT}, timeout=10).json()["tokens"]
+    token_ids = httpx.post(
+        vllm_server.url + "/tokenize", json={"prompt": PROMPT}, timeout=10
+    ).json()["tokens"]
     embeds = _embeds(demo_model_dir, token_ids)
-    by_tokens = client.completions.create(model=MODEL, prompt=token_ids, max_tokens=8,
-                                          temperature=0)
-    by_embeds = client.completions.create(model=MODEL, prompt=None, max_tokens=8, temperature=0,
-                                          extra_body={"prompt_embeds": embeds})
+    by_tokens = client.completions.create(
+        model=MODEL, prompt=token_ids, max_tokens=8, temperature=0
+    )
+    by_embeds = client.completions.create(
+        model=MODEL, prompt=None, max_tokens=8, temperature=0, extra_body={"prompt_embeds": embeds}
+    )
     assert by_embeds.choices[0].text == by_tokens.choices[0].text
     assert by_embeds.usage is not None and by_embeds.usage.prompt_tokens == len(token_ids)
 
     # With a prompt too: two prompts, the embeddings' first (as vLLM orders them), streamed.
-    chunks = list(client.completions.create(
-        model=MODEL, prompt="The queue", max_tokens=8, temperature=0, stream=True,
-        extra_body={"prompt_embeds": embeds}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The queue",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"prompt_embeds": embeds},
+        )
+    )
     streamed = ["", ""]
     for chunk in chunks:
         for choice in chunk.choices:
@@ -125,11 +185,12 @@ def test_prompt_embeds_generate_as_their_tokens(client: openai.OpenAI, vllm_serv
     assert streamed[0] == by_tokens.choices[0].text and streamed[1]
 
     for extra, param, message in (
-            ({"prompt_embeds": []}, "prompt", "Either prompt or prompt_embeds must be provided"),
-            ({"prompt_embeds": "not base64!"}, "prompt_embeds", "base64"),
-            ({"prompt_embeds": _embeds_of(zeros(3, 7))}, "prompt_embeds", "hidden_size"),
-            ({"prompt_embeds": _embeds_of(zeros(2, 3, 256))}, "prompt_embeds", "shape"),
-            ({"prompt_embeds": embeds, "echo": True}, "echo", "Echo")):
+        ({"prompt_embeds": []}, "prompt", "Either prompt or prompt_embeds must be provided"),
+        ({"prompt_embeds": "not base64!"}, "prompt_embeds", "base64"),
+        ({"prompt_embeds": _embeds_of(zeros(3, 7))}, "prompt_embeds", "hidden_size"),
+        ({"prompt_embeds": _embeds_of(zeros(2, 3, 256))}, "prompt_embeds", "shape"),
+        ({"prompt_embeds": embeds, "echo": True}, "echo", "Echo"),
+    ):
         with pytest.raises(openai.BadRequestError) as raised:
             client.completions.create(model=MODEL, prompt=None, max_tokens=4, extra_body=extra)
         assert _error(raised)["param"] == param and message in _error(raised)["message"]
@@ -146,10 +207,15 @@ def _embeds_of(tensor: Any) -> str:
 
 
 def test_the_sim_engine_refuses_both_naming_itself(sim_server: SluiceProcess) -> None:
-    for extra, param in (({"use_beam_search": True, "n": 2}, "use_beam_search"),
-                         ({"prompt_embeds": "AAAA"}, "prompt_embeds")):
-        reply = httpx.post(sim_server.url + "/v1/completions",
-                           json={"prompt": "x", "max_tokens": 2, **extra}, timeout=10)
+    for extra, param in (
+        ({"use_beam_search": True, "n": 2}, "use_beam_search"),
+        ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ):
+        reply = httpx.post(
+            sim_server.url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 2, **extra},
+            timeout=10,
+        )
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["code"] == "unsupported_parameter" and error["param"] == param

@@ -16,8 +16,13 @@ LONG_DEADLINE_MS = 600_000
 
 
 def _chat(i: int, max_tokens: int) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": f"client {i} asks"}],
-            "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"client {i} asks"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 def _engine_idle(server: SluiceProcess) -> bool:
@@ -30,8 +35,12 @@ async def test_fifty_sse_clients_disconnect_mid_generation(vllm_server: SluicePr
 
     async def leave_after_tokens(client: httpx.AsyncClient, i: int) -> int:
         received = 0
-        async with client.stream("POST", "/v1/chat/completions", json=_chat(i, 1500),
-                                 headers={"X-Request-Timeout-Ms": str(LONG_DEADLINE_MS)}) as r:
+        async with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json=_chat(i, 1500),
+            headers={"X-Request-Timeout-Ms": str(LONG_DEADLINE_MS)},
+        ) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and '"content":"' in line and '"role"' not in line:
@@ -69,8 +78,16 @@ async def test_websocket_twenty_generations_half_cancelled(vllm_server: SluicePr
         for i in range(20):
             long = i % 2 == 0  # even ids are cancelled, so they ask for a long answer
             request = {**_chat(i, 1500 if long else 24)}
-            await ws.send(json.dumps({"type": "generate", "id": f"g{i}", "request": request,
-                                      "timeout_ms": LONG_DEADLINE_MS}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "id": f"g{i}",
+                        "request": request,
+                        "timeout_ms": LONG_DEADLINE_MS,
+                    }
+                )
+            )
         cancelled: set[str] = set()
         while len(finals) < 20:
             message = json.loads(await asyncio.wait_for(ws.recv(), 120))
@@ -102,14 +119,24 @@ async def test_closing_the_websocket_aborts_its_generations(vllm_server: SluiceP
     ws_url = vllm_server.url.replace("http://", "ws://") + "/v1/ws"
     async with websockets.connect(ws_url) as ws:
         for i in range(5):
-            await ws.send(json.dumps({"type": "generate", "id": f"c{i}",
-                                      "request": _chat(i, 1500),
-                                      "timeout_ms": LONG_DEADLINE_MS}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "id": f"c{i}",
+                        "request": _chat(i, 1500),
+                        "timeout_ms": LONG_DEADLINE_MS,
+                    }
+                )
+            )
         message = json.loads(await asyncio.wait_for(ws.recv(), 60))
         assert message["type"] == "delta", message
         # All five are generating (seen by the server, whatever this client has read so far).
-        wait_until(lambda: vllm_server.metric("sluice_engine_unfinished_requests") == 5, 30,
-                   message="five generations in the engine")
+        wait_until(
+            lambda: vllm_server.metric("sluice_engine_unfinished_requests") == 5,
+            30,
+            message="five generations in the engine",
+        )
     wait_until(lambda: _engine_idle(vllm_server), 30, message="closing aborted the engine work")
     aborted = vllm_server.metric("sluice_engine_aborts_total", reason="client_cancelled")
     assert aborted - aborts_before == 5  # aborted, not run to their end

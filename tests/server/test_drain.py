@@ -24,8 +24,10 @@ def start_server(tmp_path: Path) -> Iterator[object]:
     started: list[SluiceProcess] = []
 
     def start(*args: str) -> SluiceProcess:
-        process = SluiceProcess(["--engine", "sim", "--sim-step-base-ms", "20", *args],
-                                tmp_path / f"server-{len(started)}.log")
+        process = SluiceProcess(
+            ["--engine", "sim", "--sim-step-base-ms", "20", *args],
+            tmp_path / f"server-{len(started)}.log",
+        )
         started.append(process)
         process.wait_ready(60)
         return process
@@ -35,13 +37,18 @@ def start_server(tmp_path: Path) -> Iterator[object]:
         process.stop()
 
 
-async def _stream(client: httpx.AsyncClient, max_tokens: int, streaming: asyncio.Event
-                  ) -> list[str]:
-    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens,
-            "stream": True}
+async def _stream(
+    client: httpx.AsyncClient, max_tokens: int, streaming: asyncio.Event
+) -> list[str]:
+    body = {
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
     data = []
-    async with client.stream("POST", "/v1/chat/completions", json=body,
-                             headers={"X-Request-Timeout-Ms": "600000"}) as response:
+    async with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"X-Request-Timeout-Ms": "600000"}
+    ) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: "):
@@ -50,8 +57,9 @@ async def _stream(client: httpx.AsyncClient, max_tokens: int, streaming: asyncio
     return data
 
 
-async def _drain_with_streams(server: SluiceProcess, count: int, max_tokens: int
-                              ) -> list[list[str]]:
+async def _drain_with_streams(
+    server: SluiceProcess, count: int, max_tokens: int
+) -> list[list[str]]:
     """Start `count` streams, SIGTERM once all stream, check the refusals, collect them."""
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
         started = [asyncio.Event() for _ in range(count)]
@@ -61,8 +69,10 @@ async def _drain_with_streams(server: SluiceProcess, count: int, max_tokens: int
         # Draining: not ready, and a new request is refused, with Retry-After.
         ready = await client.get("/ready")
         assert ready.status_code == 503
-        refused = await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "late"}], "max_tokens": 4})
+        refused = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "late"}], "max_tokens": 4},
+        )
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "shutting_down"
         assert "retry-after" in refused.headers

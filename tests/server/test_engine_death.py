@@ -16,9 +16,11 @@ from conftest import SluiceProcess, wait_until
 
 @pytest.fixture
 def doomed_server(demo_model_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
-    server = SluiceProcess(["--model", str(demo_model_dir), "--engine-death-exit-seconds", "8"],
-                           tmp_path / "server.log",
-                           env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    server = SluiceProcess(
+        ["--model", str(demo_model_dir), "--engine-death-exit-seconds", "8"],
+        tmp_path / "server.log",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     try:
         server.wait_ready()
         yield server
@@ -38,10 +40,19 @@ def test_engine_death_is_visible_and_fatal(doomed_server: SluiceProcess) -> None
     first_token = threading.Event()
 
     def stream() -> None:
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", doomed_server.url + "/v1/chat/completions", json=body,
-                          headers={"X-Request-Timeout-Ms": "600000"}, timeout=60) as r:
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1900,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST",
+            doomed_server.url + "/v1/chat/completions",
+            json=body,
+            headers={"X-Request-Timeout-Ms": "600000"},
+            timeout=60,
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -58,10 +69,15 @@ def test_engine_death_is_visible_and_fatal(doomed_server: SluiceProcess) -> None
     error = json.loads(events[-2])["error"]
     assert error["code"] == "engine_unavailable"
     # The process notices: not ready, new requests refused, then it exits non-zero.
-    wait_until(lambda: httpx.get(doomed_server.url + "/ready").status_code == 503, 10,
-               message="/ready fails")
-    refused = httpx.post(doomed_server.url + "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "anyone?"}], "max_tokens": 4})
+    wait_until(
+        lambda: httpx.get(doomed_server.url + "/ready").status_code == 503,
+        10,
+        message="/ready fails",
+    )
+    refused = httpx.post(
+        doomed_server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "anyone?"}], "max_tokens": 4},
+    )
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "engine_unavailable"
     assert "retry-after" in refused.headers

@@ -24,11 +24,16 @@ from server.scheduler.runtime import SchedulerRuntime
 from server.send_guard import SendGuard
 from server.timeline import RequestTimeline
 
-OPTIMISTIC = {"estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9,
-                            "calibrate": False}}
+OPTIMISTIC = {
+    "estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9, "calibrate": False}
+}
 REQUEST_NUMBERS = itertools.count()
-BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "seed": 3,
-        "stream": True}
+BODY = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 12,
+    "seed": 3,
+    "stream": True,
+}
 
 
 @pytest.fixture
@@ -44,11 +49,18 @@ async def sluice():  # type: ignore[no-untyped-def]
     await engine.stop()
 
 
-async def open_run(sluice: Sluice, body: dict = BODY, key: str | None = None
-             ) -> tuple[GenerationRun, bool]:
+async def open_run(
+    sluice: Sluice, body: dict = BODY, key: str | None = None
+) -> tuple[GenerationRun, bool]:
     timeline = RequestTimeline(request_id=f"r{next(REQUEST_NUMBERS)}", model="sim", api="chat")
-    return await sluice.generate(parse_request(body, "chat"), body, timeline, RequestContext(), key,
-                           stream=bool(body.get("stream")))
+    return await sluice.generate(
+        parse_request(body, "chat"),
+        body,
+        timeline,
+        RequestContext(),
+        key,
+        stream=bool(body.get("stream")),
+    )
 
 
 async def read_all(run: GenerationRun, after: int = 0) -> list[tuple[int, Kind]]:
@@ -130,22 +142,28 @@ def test_the_store_keeps_ended_runs_within_its_bound() -> None:
 
 def test_chunks_render_as_openai_objects_on_both_paths() -> None:
     encoder = ChunkEncoder("chat", "abc", "m", include_usage=True)
-    fast = json.loads(encoder.text("hé", 1)[len(b"data: "):])
+    fast = json.loads(encoder.text("hé", 1)[len(b"data: ") :])
     assert fast["id"] == "chatcmpl-abc" and fast["choices"][0]["delta"] == {"content": "hé"}
     assert fast["usage"] is None
-    full = json.loads(ChunkEncoder("chat", "abc", "m", True, continuous_usage=True,
-                                   prompt_tokens=2).text("hé", 1)[len(b"data: "):])
+    full = json.loads(
+        ChunkEncoder("chat", "abc", "m", True, continuous_usage=True, prompt_tokens=2).text(
+            "hé", 1
+        )[len(b"data: ") :]
+    )
     assert full["choices"][0]["delta"] == {"content": "hé"}
     assert full["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
-    finish = json.loads(encoder.finish("stop", None, None, 1)[len(b"data: "):])
+    finish = json.loads(encoder.finish("stop", None, None, 1)[len(b"data: ") :])
     assert finish["choices"][0]["finish_reason"] == "stop"
 
 
 def test_the_request_parser_names_the_bad_field() -> None:
     parsed = parse_request({**BODY, "temperature": 0.5}, "chat")
     assert parsed.stream and parsed.max_tokens == 12 and parsed.sampling["temperature"] == 0.5
-    for bad, param in (({"temperature": "hot"}, "temperature"), ({"n": 0}, "n"),
-                       ({"frobnicate": 1}, "frobnicate")):
+    for bad, param in (
+        ({"temperature": "hot"}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"frobnicate": 1}, "frobnicate"),
+    ):
         with pytest.raises(InvalidRequest) as raised:
             parse_request({**BODY, **bad}, "chat")
         assert raised.value.param == param

@@ -19,8 +19,12 @@ def client(vllm_server) -> openai.OpenAI:  # type: ignore[no-untyped-def]
 
 def test_streams_a_chat_completion_with_usage_and_timings(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=24, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -40,7 +44,12 @@ def test_streams_a_chat_completion_with_usage_and_timings(client: openai.OpenAI)
 
 def test_chat_completion_without_streaming(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=12, temperature=0.7, top_p=0.9, seed=7,
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0.7,
+        top_p=0.9,
+        seed=7,
         extra_body={"ignore_eos": True, "top_k": 20, "min_tokens": 4, "repetition_penalty": 1.1},
     )
     assert reply.object == "chat.completion"
@@ -53,7 +62,11 @@ def test_chat_completion_without_streaming(client: openai.OpenAI) -> None:
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     def sample() -> str:
         reply = client.completions.create(
-            model=MODEL, prompt="The queue", max_tokens=16, temperature=1.0, seed=1234,
+            model=MODEL,
+            prompt="The queue",
+            max_tokens=16,
+            temperature=1.0,
+            seed=1234,
             extra_body={"ignore_eos": True},
         )
         return reply.choices[0].text
@@ -63,7 +76,10 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
 
 def test_text_completion_streaming(client: openai.OpenAI) -> None:
     stream = client.completions.create(
-        model=MODEL, prompt="A batch leaves when", max_tokens=10, stream=True,
+        model=MODEL,
+        prompt="A batch leaves when",
+        max_tokens=10,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
@@ -79,8 +95,11 @@ async def test_async_client_streams_concurrently(vllm_server) -> None:  # type: 
 
     async def one(i: int) -> int:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"question {i}"}],
-            max_tokens=16, stream=True, stream_options={"include_usage": True},
+            model=MODEL,
+            messages=[{"role": "user", "content": f"question {i}"}],
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
         usage = None
@@ -100,26 +119,46 @@ def test_continuous_usage_counts_tokens_in_every_chunk(client: openai.OpenAI, ki
     options = {"include_usage": True, "continuous_usage_stats": True}
     if kind == "chat":
         stream: Any = client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=20, stream=True, stream_options=options,
-            extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=20,
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
     else:
         stream = client.completions.create(
-            model=MODEL, prompt="Tell me about schedulers.", max_tokens=20, stream=True,
-            stream_options=options, extra_body={"ignore_eos": True})
+            model=MODEL,
+            prompt="Tell me about schedulers.",
+            max_tokens=20,
+            stream=True,
+            stream_options=options,
+            extra_body={"ignore_eos": True},
+        )
     chunks = list(stream)
     assert all(c.usage is not None for c in chunks)
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts) and counts[-1] == 20  # so far, never backwards
     assert len({c.usage.prompt_tokens for c in chunks}) == 1
-    with_text = [c for c in chunks if c.choices and (
-        c.choices[0].delta.content if kind == "chat" else c.choices[0].text)]
+    with_text = [
+        c
+        for c in chunks
+        if c.choices and (c.choices[0].delta.content if kind == "chat" else c.choices[0].text)
+    ]
     assert with_text and all(c.usage.completion_tokens >= 1 for c in with_text)
     assert chunks[-1].choices == []  # the usage chunk still comes last
 
 
 def test_chat_logprobs_are_consistent_streamed_or_not(client: openai.OpenAI) -> None:
-    ask: dict[str, Any] = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
-                               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    ask: dict[str, Any] = dict(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     reply = client.chat.completions.create(**ask)
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 8  # one per generated token
@@ -131,14 +170,20 @@ def test_chat_logprobs_are_consistent_streamed_or_not(client: openai.OpenAI) -> 
         assert entry.logprob == pytest.approx(tops[0])
         assert entry.bytes == list(entry.token.encode())
     streamed = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
-    entries = [e for c in streamed if c.choices[0].logprobs
-               for e in c.choices[0].logprobs.content or []]
+    entries = [
+        e for c in streamed if c.choices[0].logprobs for e in c.choices[0].logprobs.content or []
+    ]
     assert [e.token for e in entries] == [e.token for e in content]
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
-    reply = client.completions.create(model=MODEL, prompt="Tell me about schedulers.",
-                                      max_tokens=8, logprobs=2, extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model=MODEL,
+        prompt="Tell me about schedulers.",
+        max_tokens=8,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens and len(logprobs.tokens) == 8
     assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
@@ -148,10 +193,18 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_n_streams_three_indexed_choices(client: openai.OpenAI) -> None:
-    ask: dict[str, Any] = dict(model=MODEL, messages=CHAT, max_tokens=6, n=3, temperature=1.0,
-                               seed=11, extra_body={"ignore_eos": True})
-    chunks = list(client.chat.completions.create(
-        **ask, stream=True, stream_options={"include_usage": True}))
+    ask: dict[str, Any] = dict(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        n=3,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(
+        client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    )
     texts = ["", "", ""]
     finished = []
     roles = []
@@ -170,8 +223,9 @@ def test_n_streams_three_indexed_choices(client: openai.OpenAI) -> None:
     assert [c.index for c in whole.choices] == [0, 1, 2]
     assert [c.message.content for c in whole.choices] == texts  # seeded: the same samples
     assert whole.usage is not None and whole.usage.completion_tokens == 18
-    completions = client.completions.create(model=MODEL, prompt="The queue", max_tokens=4, n=2,
-                                            extra_body={"ignore_eos": True})
+    completions = client.completions.create(
+        model=MODEL, prompt="The queue", max_tokens=4, n=2, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in completions.choices] == [0, 1]
     assert all(c.finish_reason == "length" and c.text for c in completions.choices)
 
@@ -179,32 +233,42 @@ def test_n_streams_three_indexed_choices(client: openai.OpenAI) -> None:
 def test_prompt_logprobs_as_vllm_gives_them(client: openai.OpenAI, vllm_server: Any) -> None:
     prompt = "Tell me about schedulers."
     ids = httpx.post(vllm_server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
-    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
-                                      extra_body={"prompt_logprobs": 1})
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 1}
+    )
     positions = reply.choices[0].model_extra["prompt_logprobs"]
     assert len(positions) == len(ids) and positions[0] is None
     for token_id, candidates in zip(ids[1:], positions[1:], strict=True):
         assert str(token_id) in candidates and 1 <= len(candidates) <= 2  # it, and the best
         assert all(c["logprob"] <= 0 and c["rank"] >= 1 for c in candidates.values())
     named = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=3, logprobs=True, top_logprobs=2,
-        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    )
     content = named.choices[0].logprobs.content  # type: ignore[union-attr]
     assert [e.token for e in content or ()] == [
-        f"token_id:{t}" for t in named.choices[0].model_extra["token_ids"]]
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
-                                          extra_body={"prompt_logprobs": 0})
+        f"token_id:{t}" for t in named.choices[0].model_extra["token_ids"]
+    ]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, extra_body={"prompt_logprobs": 0}
+    )
     assert chat.model_extra["prompt_logprobs"][0] is None
     assert all(len(p) == 1 for p in chat.model_extra["prompt_logprobs"][1:])
 
 
-def test_echo_scores_a_prompt_as_eval_harnesses_ask(client: openai.OpenAI,
-                                                    vllm_server: Any) -> None:
+def test_echo_scores_a_prompt_as_eval_harnesses_ask(
+    client: openai.OpenAI, vllm_server: Any
+) -> None:
     prompt = "The quick brown fox jumps over the lazy dog"
     ids = httpx.post(vllm_server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
     # lm-eval's loglikelihood request: the prompt alone, echoed, each token scored.
-    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
-                                       logprobs=1, temperature=0)
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
     choice = scored.choices[0]
     assert choice.text == prompt
     logprobs = choice.logprobs
@@ -212,9 +276,14 @@ def test_echo_scores_a_prompt_as_eval_harnesses_ask(client: openai.OpenAI,
     assert len(logprobs.tokens) == len(ids) and "".join(logprobs.tokens) == prompt
     assert logprobs.token_logprobs is not None and logprobs.token_logprobs[0] is None
     assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
-    with_answer = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
-                                            echo=True, temperature=0,
-                                            extra_body={"ignore_eos": True})
+    with_answer = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=3,
+        echo=True,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert with_answer.choices[0].text.startswith(prompt)
     assert len(with_answer.choices[0].text) > len(prompt)
 
@@ -229,13 +298,15 @@ def test_errors_arrive_as_openai_errors(client: openai.OpenAI, vllm_server: Any)
     assert not_found.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as too_long:
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "word " * 5000}], max_tokens=4)
+            model=MODEL, messages=[{"role": "user", "content": "word " * 5000}], max_tokens=4
+        )
     assert too_long.value.code == "context_length_exceeded"
     # A max_tokens beyond the context left is lowered to what is left, as vLLM's server does.
     context = httpx.post(vllm_server.url + "/tokenize", json={"prompt": "x"}).json()
     prompt = [5] * (context["max_model_len"] - 3)
-    clamped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10**6,
-                                        extra_body={"ignore_eos": True})
+    clamped = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10**6, extra_body={"ignore_eos": True}
+    )
     assert clamped.usage is not None and clamped.usage.completion_tokens == 3
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"best_of": 2})
@@ -246,22 +317,36 @@ def test_forwarded_prompt_token_ids_are_the_prompt(client: openai.OpenAI) -> Non
     """vLLM's kv_transfer_params.prompt_token_ids (a disaggregated-serving router forwards the
     prefill stage's prompt): used verbatim instead of the request's own messages."""
     baseline = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
-        extra_body={"return_token_ids": True})
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     reused = baseline.model_extra["prompt_token_ids"]
     assert reused
     for stream in (False, True):
         reply = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "unrelated text"}], max_tokens=8,
-            temperature=0, stream=stream, extra_body={
-                "kv_transfer_params": {"prompt_token_ids": reused}, "return_token_ids": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": "unrelated text"}],
+            max_tokens=8,
+            temperature=0,
+            stream=stream,
+            extra_body={
+                "kv_transfer_params": {"prompt_token_ids": reused},
+                "return_token_ids": True,
+            },
+        )
         first = next(iter(reply)) if stream else reply
         assert first.model_extra["prompt_token_ids"] == reused
-    for bad, param in (({"prompt_token_ids": []}, "kv_transfer_params.prompt_token_ids"),
-                       ({"remote_engine_id": "x"}, "kv_transfer_params.remote_engine_id")):
+    for bad, param in (
+        ({"prompt_token_ids": []}, "kv_transfer_params.prompt_token_ids"),
+        ({"remote_engine_id": "x"}, "kv_transfer_params.remote_engine_id"),
+    ):
         with pytest.raises(openai.BadRequestError) as raised:
-            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
-                                           extra_body={"kv_transfer_params": bad})
+            client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=4, extra_body={"kv_transfer_params": bad}
+            )
         assert raised.value.body["param"] == param  # type: ignore[index]
 
 
@@ -269,29 +354,49 @@ def test_allowed_token_ids_and_bad_words_as_vllm_applies_them(client: openai.Ope
     """vLLM's allowed_token_ids (only these may be generated) and bad_words (never these)."""
     allowed = [100, 200, 300]
     reply = client.completions.create(
-        model=MODEL, prompt="The queue", max_tokens=12, temperature=1.0, seed=3,
-        extra_body={"allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True})
+        model=MODEL,
+        prompt="The queue",
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True},
+    )
     generated = reply.choices[0].model_extra["token_ids"]
     assert len(generated) == 12 and set(generated) <= set(allowed)
 
     # A word that is one token of the greedy answer, alone or after a space (vLLM bans both).
-    greedy = client.completions.create(model=MODEL, prompt="The queue", max_tokens=8,
-                                       temperature=0, extra_body={"ignore_eos": True,
-                                                                  "return_token_ids": True})
+    greedy = client.completions.create(
+        model=MODEL,
+        prompt="The queue",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     url = str(client.base_url).removesuffix("/v1/")
     word, token_id = next(
-        (word, token_id) for token_id in greedy.choices[0].model_extra["token_ids"]
-        if (word := httpx.post(url + "/detokenize", json={"tokens": [token_id]}).json()[
-            "prompt"].strip())
-        and [token_id] in (_tokens(url, word), _tokens(url, " " + word)))
+        (word, token_id)
+        for token_id in greedy.choices[0].model_extra["token_ids"]
+        if (
+            word := httpx.post(url + "/detokenize", json={"tokens": [token_id]})
+            .json()["prompt"]
+            .strip()
+        )
+        and [token_id] in (_tokens(url, word), _tokens(url, " " + word))
+    )
     banned = client.completions.create(
-        model=MODEL, prompt="The queue", max_tokens=8, temperature=0,
-        extra_body={"ignore_eos": True, "bad_words": [word], "return_token_ids": True})
+        model=MODEL,
+        prompt="The queue",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "bad_words": [word], "return_token_ids": True},
+    )
     assert token_id not in banned.choices[0].model_extra["token_ids"]
 
-    for extra, param in (({"allowed_token_ids": []}, "allowed_token_ids"),
-                         ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
-                         ({"bad_words": ["ok", ""]}, "bad_words")):
+    for extra, param in (
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ({"bad_words": ["ok", ""]}, "bad_words"),
+    ):
         with pytest.raises(openai.BadRequestError) as raised:
             client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=extra)
         assert raised.value.body["param"] == param  # type: ignore[index]
@@ -299,11 +404,13 @@ def test_allowed_token_ids_and_bad_words_as_vllm_applies_them(client: openai.Ope
 
 def test_reasoning_effort_as_the_openai_client_sends_it(client: openai.OpenAI) -> None:
     """Given to the chat template (the demo's ignores it), as vLLM's server does."""
-    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3,
-                                           reasoning_effort="low")
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=3, reasoning_effort="low"
+    )
     assert reply.choices[0].finish_reason in ("length", "stop")
 
 
 def _tokens(url: str, text: str) -> list[int]:
-    return httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}
-                      ).json()["tokens"]
+    return httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()[
+        "tokens"
+    ]

@@ -31,41 +31,63 @@ def test_the_document_lists_every_accepted_field(sim_server: SluiceProcess) -> N
 
 # The paths /openapi.json lists (schemathesis leaves out the document's own), each fuzzed
 # with well-formed and with malformed input.
-OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-              ("POST", "/invocations"), ("POST", "/v1/chat/completions/batch"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
-              ("GET", "/version"), ("GET", "/health"), ("GET", "/ready"),
-              ("GET", "/v1/chat/completions/{id}/stream"), ("GET", "/v1/completions/{id}/stream"),
-              ("POST", "/v1/files"), ("GET", "/v1/files"), ("GET", "/v1/files/{id}"),
-              ("DELETE", "/v1/files/{id}"), ("GET", "/v1/files/{id}/content"),
-              ("POST", "/v1/batches"), ("GET", "/v1/batches"), ("GET", "/v1/batches/{id}"),
-              ("POST", "/v1/batches/{id}/cancel")]
+OPERATIONS = [
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/invocations"),
+    ("POST", "/v1/chat/completions/batch"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/v1/models"),
+    ("GET", "/version"),
+    ("GET", "/health"),
+    ("GET", "/ready"),
+    ("GET", "/v1/chat/completions/{id}/stream"),
+    ("GET", "/v1/completions/{id}/stream"),
+    ("POST", "/v1/files"),
+    ("GET", "/v1/files"),
+    ("GET", "/v1/files/{id}"),
+    ("DELETE", "/v1/files/{id}"),
+    ("GET", "/v1/files/{id}/content"),
+    ("POST", "/v1/batches"),
+    ("GET", "/v1/batches"),
+    ("GET", "/v1/batches/{id}"),
+    ("POST", "/v1/batches/{id}/cancel"),
+]
 
 
-def test_the_fuzzed_operations_are_the_documented_ones(api_schema: schemathesis.BaseSchema
-                                                        ) -> None:
-    documented = {(op.ok().method.upper(), op.ok().path)
-                  for op in api_schema.get_all_operations()}
+def test_the_fuzzed_operations_are_the_documented_ones(api_schema: schemathesis.BaseSchema) -> None:
+    documented = {(op.ok().method.upper(), op.ok().path) for op in api_schema.get_all_operations()}
     assert documented == set(OPERATIONS)
 
 
-@pytest.mark.parametrize(("method", "path", "mode"), [
-    (method, path, mode) for method, path in OPERATIONS for mode in schemathesis.GenerationMode
-    # Malformed input only where there is input that can be malformed: a body or a number.
-    if (method == "POST" and "{id}" not in path) or path.endswith("/stream")
-    or mode is schemathesis.GenerationMode.POSITIVE])
+@pytest.mark.parametrize(
+    ("method", "path", "mode"),
+    [
+        (method, path, mode)
+        for method, path in OPERATIONS
+        for mode in schemathesis.GenerationMode
+        # Malformed input only where there is input that can be malformed: a body or a number.
+        if (method == "POST" and "{id}" not in path)
+        or path.endswith("/stream")
+        or mode is schemathesis.GenerationMode.POSITIVE
+    ],
+)
 def test_no_input_gets_a_server_error(
-    api_schema: schemathesis.BaseSchema, sim_server: SluiceProcess, method: str, path: str,
+    api_schema: schemathesis.BaseSchema,
+    sim_server: SluiceProcess,
+    method: str,
+    path: str,
     mode: schemathesis.GenerationMode,
 ) -> None:
     # schemathesis's own pytest integration does not run on pytest 9: hypothesis drives it.
     operation = api_schema[path][method]
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=40, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     def fuzz(case: schemathesis.Case) -> None:
-        case.call_and_validate(base_url=sim_server.url, checks=[not_a_server_error],
-                               timeout=30)
+        case.call_and_validate(base_url=sim_server.url, checks=[not_a_server_error], timeout=30)
 
     fuzz()

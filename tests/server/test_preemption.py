@@ -39,9 +39,18 @@ def preempting_server(
     where = tmp_path_factory.mktemp("preempt")
     (where / "sluice.yaml").write_text(CONFIG)
     server = SluiceProcess(
-        ["--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name", MODEL,
-         "--config", str(where / "sluice.yaml")],
-        where / "server.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        [
+            "--engine",
+            "vllm",
+            "--model",
+            str(demo_model_dir),
+            "--served-model-name",
+            MODEL,
+            "--config",
+            str(where / "sluice.yaml"),
+        ],
+        where / "server.log",
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
     )
     try:
         server.wait_ready()
@@ -50,10 +59,12 @@ def preempting_server(
         server.stop()
 
 
-async def generate_all(server: SluiceProcess, generations: dict[str, dict[str, Any]],
-                       logprobs: dict[str, list[str]] | None = None,
-                       then: dict[str, dict[str, Any]] | None = None,
-                       ) -> tuple[dict[str, str], dict[str, dict[str, Any]], list[str]]:
+async def generate_all(
+    server: SluiceProcess,
+    generations: dict[str, dict[str, Any]],
+    logprobs: dict[str, list[str]] | None = None,
+    then: dict[str, dict[str, Any]] | None = None,
+) -> tuple[dict[str, str], dict[str, dict[str, Any]], list[str]]:
     """Send every generation at once on one WebSocket, and those of `then` once every one of
     the first has streamed a token; read to the end. Returns each generation's text and final
     message, and the order the finals came in; `logprobs` collects the tokens of the logprobs
@@ -78,22 +89,33 @@ async def generate_all(server: SluiceProcess, generations: dict[str, dict[str, A
                 texts[message["id"]] += message["text"]
                 if logprobs is not None and "logprobs" in message:
                     logprobs.setdefault(message["id"], []).extend(
-                        entry["token"] for entry in message["logprobs"])
+                        entry["token"] for entry in message["logprobs"]
+                    )
             else:
                 finals[message["id"]] = message
     return texts, finals, list(finals)
 
 
 def chat(content: str, max_tokens: int) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True}
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
 
 
 BULK = {  # with logprobs, which must survive the pause of whichever one is paused
-    "b1": {"request": {**chat("The first bulk job reads", BULK_TOKENS), "logprobs": True},
-           "traffic_class": "bulk", "timeout_ms": 600_000},
-    "b2": {"request": {**chat("A second bulk job writes", BULK_TOKENS), "logprobs": True},
-           "traffic_class": "bulk", "timeout_ms": 600_000},
+    "b1": {
+        "request": {**chat("The first bulk job reads", BULK_TOKENS), "logprobs": True},
+        "traffic_class": "bulk",
+        "timeout_ms": 600_000,
+    },
+    "b2": {
+        "request": {**chat("A second bulk job writes", BULK_TOKENS), "logprobs": True},
+        "traffic_class": "bulk",
+        "timeout_ms": 600_000,
+    },
 }
 
 
@@ -106,7 +128,8 @@ async def test_a_chat_preempts_bulk_and_the_bulk_stream_continues_unbroken(
     # started, and simply go first.)
     logprobs: dict[str, list[str]] = {}
     texts, finals, order = await generate_all(
-        server, BULK, logprobs, then={"chat": {"request": chat("hi", 8)}})
+        server, BULK, logprobs, then={"chat": {"request": chat("hi", 8)}}
+    )
     assert order[0] == "chat"  # it did not wait for a bulk request to end
     assert finals["chat"]["usage"]["completion_tokens"] == 8
     assert server.metric("sluice_engine_aborts_total", reason="preempted") == 1
@@ -128,13 +151,21 @@ async def test_a_chat_preempts_bulk_and_the_bulk_stream_continues_unbroken(
     assert server.metric("sluice_engine_unfinished_requests") == 0
     # The access log says which request was stopped: one bulk request of the first run, once
     # (the one cheaper to resume); nobody else.
-    records = [json.loads(line) for line in server.log_path.read_text().splitlines()
-               if line.startswith('{"ts"')]
+    records = [
+        json.loads(line)
+        for line in server.log_path.read_text().splitlines()
+        if line.startswith('{"ts"')
+    ]
     stopped = [r["request_id"].rsplit("-", 1)[1] for r in records if r["preemptions"]]
     assert len(stopped) == 1 and stopped[0] in BULK
     assert [r["preemptions"] for r in records if r["preemptions"]] == [1]
     assert sorted(r["request_id"].rsplit("-", 1)[1] for r in records) == [
-        "b1", "b1", "b2", "b2", "chat"]
+        "b1",
+        "b1",
+        "b2",
+        "b2",
+        "chat",
+    ]
     # Its resume was counted through vLLM's num_cached_tokens: what it computed again, here
     # all of its short prompt and output, under one KV block (the sim-engine runtime test
     # checks that a longer one recomputes only what follows its cached blocks).

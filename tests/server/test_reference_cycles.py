@@ -66,8 +66,10 @@ async def sim_server(config: SluiceConfig) -> AsyncIterator[tuple[int, Scheduler
         await until(lambda: server.started, "the server did not start")
         yield port, runtime
         # Every request has ended: no connection open, nothing queued or running.
-        await until(lambda: not server.server_state.connections and runtime.core.is_idle(),
-                    "the server did not settle")
+        await until(
+            lambda: not server.server_state.connections and runtime.core.is_idle(),
+            "the server did not settle",
+        )
     finally:
         server.should_exit = True
         await serving
@@ -91,19 +93,28 @@ def collector_off() -> Iterator[collections.Counter[str]]:
 
 
 def chat(max_tokens: int, *, stream: bool = False) -> bytes:
-    return json.dumps({"messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}).encode()
+    return json.dumps(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
 
 
-async def post(port: int, body: bytes, timeout_ms: int | None = None,
-               leave: asyncio.Event | None = None) -> int:
+async def post(
+    port: int, body: bytes, timeout_ms: int | None = None, leave: asyncio.Event | None = None
+) -> int:
     """Status of one POST on its own connection; 0 if the client left when `leave` was set."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     deadline = b"X-Request-Timeout-Ms: %d\r\n" % timeout_ms if timeout_ms else b""
     try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nConnection: close\r\n"
-                     b"Content-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
-                     % (deadline, len(body), body))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
+            % (deadline, len(body), body)
+        )
         if leave is not None:
             await leave.wait()
             return 0
@@ -118,11 +129,20 @@ async def ws_generate(port: int, count: int, max_tokens: int, timeout_ms: int) -
     """Outcomes of `count` generations on one WebSocket (finish reason or error code)."""
     async with websockets.connect(f"ws://127.0.0.1:{port}/v1/ws") as ws:
         for i in range(count):
-            await ws.send(json.dumps({
-                "type": "generate", "id": f"g{i}", "timeout_ms": timeout_ms,
-                "request": {"messages": [{"role": "user", "content": "hi"}],
-                            "max_tokens": max_tokens, "ignore_eos": True},
-            }))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "id": f"g{i}",
+                        "timeout_ms": timeout_ms,
+                        "request": {
+                            "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": max_tokens,
+                            "ignore_eos": True,
+                        },
+                    }
+                )
+            )
         outcomes: list[str] = []
         while len(outcomes) < count:
             reply = json.loads(await ws.recv())
@@ -151,8 +171,7 @@ async def hog_the_only_seat(server: Server) -> asyncio.Task[int]:
 
 async def expired_queued(server: Server) -> Sequence[object]:
     hog = await hog_the_only_seat(server)
-    statuses = await asyncio.gather(
-        *(post(server[0], chat(8), timeout_ms=200) for _ in range(5)))
+    statuses = await asyncio.gather(*(post(server[0], chat(8), timeout_ms=200) for _ in range(5)))
     await hog
     return statuses
 
@@ -162,8 +181,10 @@ async def left_queued(server: Server) -> Sequence[object]:
     hog = await hog_the_only_seat(server)
     leave = asyncio.Event()
     waiting = [asyncio.create_task(post(port, chat(8), leave=leave)) for _ in range(5)]
-    await until(lambda: sum(runtime.core.queue_depth(tc) for tc in TrafficClass) == 5,
-                "five requests queued")
+    await until(
+        lambda: sum(runtime.core.queue_depth(tc) for tc in TrafficClass) == 5,
+        "five requests queued",
+    )
     leave.set()
     statuses = await asyncio.gather(*waiting)
     await hog
@@ -176,8 +197,9 @@ async def expired_running(server: Server) -> Sequence[object]:
 
 async def expired_running_streamed(server: Server) -> Sequence[object]:
     # Streams have started (200) before the deadline; they end with an error event.
-    return await asyncio.gather(*(post(server[0], chat(1500, stream=True), timeout_ms=300)
-                                  for _ in range(5)))
+    return await asyncio.gather(
+        *(post(server[0], chat(1500, stream=True), timeout_ms=300) for _ in range(5))
+    )
 
 
 async def ws_refused(server: Server) -> Sequence[object]:

@@ -28,11 +28,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
     root = tmp_path_factory.mktemp("resumption")
     config = root / "sluice.yaml"
     # No start-up calibration: its steps at 20 ms would take seconds; the priors do here.
-    config.write_text(f"resume: {{grace_seconds: {GRACE_SECONDS}}}\n"
-                      "estimates: {calibrate: false}\n")
+    config.write_text(
+        f"resume: {{grace_seconds: {GRACE_SECONDS}}}\nestimates: {{calibrate: false}}\n"
+    )
     process = SluiceProcess(
         ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config)],
-        root / "server.log", env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
+        root / "server.log",
+        env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
     )
     try:
         process.wait_ready(60)
@@ -42,8 +44,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
 
 
 def chat(max_tokens: int = 40, seed: int = 7, **extra: object) -> dict:
-    return {"messages": [{"role": "user", "content": "tell me a story"}],
-            "max_tokens": max_tokens, "seed": seed, "stream": True, **extra}
+    return {
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "stream": True,
+        **extra,
+    }
 
 
 def text_of(events: list[tuple[int, str]]) -> str:
@@ -58,12 +65,14 @@ def text_of(events: list[tuple[int, str]]) -> str:
     return "".join(parts)
 
 
-def stream(server: SluiceProcess, body: dict, headers: dict, *, leave_after: int | None = None
-           ) -> tuple[httpx.Headers, list[tuple[int, str]]]:
+def stream(
+    server: SluiceProcess, body: dict, headers: dict, *, leave_after: int | None = None
+) -> tuple[httpx.Headers, list[tuple[int, str]]]:
     """POST a streamed request; read it all, or leave after `leave_after` events."""
     lines: list[str] = []
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers,
-                      timeout=30) as response:
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
+    ) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             lines.append(line)
@@ -72,10 +81,16 @@ def stream(server: SluiceProcess, body: dict, headers: dict, *, leave_after: int
         return response.headers, parse_sse(lines)
 
 
-def resume(server: SluiceProcess, public_id: str, headers: dict, **params: object
-           ) -> tuple[int, list[tuple[int, str]]]:
-    with httpx.stream("GET", f"{server.url}/v1/chat/completions/{public_id}/stream",
-                      headers=headers, params=params, timeout=30) as response:
+def resume(
+    server: SluiceProcess, public_id: str, headers: dict, **params: object
+) -> tuple[int, list[tuple[int, str]]]:
+    with httpx.stream(
+        "GET",
+        f"{server.url}/v1/chat/completions/{public_id}/stream",
+        headers=headers,
+        params=params,
+        timeout=30,
+    ) as response:
         lines = list(response.iter_lines())
         return response.status_code, parse_sse(lines) if response.status_code == 200 else lines
 
@@ -146,8 +161,11 @@ def test_a_changed_body_under_the_same_key_is_refused(server: SluiceProcess) -> 
     reply = httpx.post(server.url + "/v1/chat/completions", json=chat(5), headers=headers)
     assert reply.status_code == 422
     assert reply.json()["error"]["code"] == "idempotency_key_reused"
-    too_long = httpx.post(server.url + "/v1/chat/completions", json=chat(4),
-                          headers={**ACME, "Idempotency-Key": "k" * 256})
+    too_long = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=chat(4),
+        headers={**ACME, "Idempotency-Key": "k" * 256},
+    )
     assert too_long.status_code == 400
 
 
@@ -156,20 +174,24 @@ async def test_concurrent_duplicates_reach_the_engine_once(server: SluiceProcess
     body = {**chat(16), "stream": False}
     headers = {**ACME, "Idempotency-Key": "stampede"}
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-        replies = await asyncio.gather(*(
-            client.post("/v1/chat/completions", json=body, headers=headers) for _ in range(8)))
+        replies = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=body, headers=headers) for _ in range(8))
+        )
     assert {reply.status_code for reply in replies} == {200}
     assert len({reply.json()["id"] for reply in replies}) == 1
     assert sorted(reply.headers.get("idempotent-replayed", "") for reply in replies) == [
-        "", *["true"] * 7]
+        "",
+        *["true"] * 7,
+    ]
     assert server.metric("sluice_requests_total") - requests_before == 1
 
 
 def test_tenants_with_the_same_key_stay_apart(server: SluiceProcess) -> None:
     _, acme = stream(server, chat(6, seed=1), {**ACME, "Idempotency-Key": "shared"})
     # The same key from another tenant is another generation (no 422, no replay).
-    globex_headers, globex = stream(server, chat(6, seed=2),
-                                    {**GLOBEX, "Idempotency-Key": "shared"})
+    globex_headers, globex = stream(
+        server, chat(6, seed=2), {**GLOBEX, "Idempotency-Key": "shared"}
+    )
     assert "idempotent-replayed" not in globex_headers
     assert generation_id(acme) != generation_id(globex)
     # Another tenant's generation is not found, exactly as an unknown one.
@@ -177,9 +199,9 @@ def test_tenants_with_the_same_key_stay_apart(server: SluiceProcess) -> None:
     unknown_status, unknown_lines = resume(server, "chatcmpl-" + "0" * 32, GLOBEX)
     assert status == unknown_status == 404
     assert json.loads("".join(lines))["error"]["code"] == "not_found"
-    assert (json.loads("".join(lines))["error"]["message"].replace(generation_id(acme), "X")
-            == json.loads("".join(unknown_lines))["error"]["message"].replace(
-                "chatcmpl-" + "0" * 32, "X"))
+    assert json.loads("".join(lines))["error"]["message"].replace(
+        generation_id(acme), "X"
+    ) == json.loads("".join(unknown_lines))["error"]["message"].replace("chatcmpl-" + "0" * 32, "X")
     # A stream that was not sent with a key cannot be resumed.
     _, plain = stream(server, chat(4), ACME)
     assert resume(server, generation_id(plain), ACME)[0] == 404
@@ -189,11 +211,18 @@ def test_a_resumable_generation_left_unread_ends_after_the_grace_period(
     server: SluiceProcess,
 ) -> None:
     aborts_before = server.metric("sluice_engine_aborts_total")
-    _, head = stream(server, chat(1000), {**ACME, "Idempotency-Key": "abandoned",
-                                          "X-Request-Timeout-Ms": "600000"}, leave_after=3)
+    _, head = stream(
+        server,
+        chat(1000),
+        {**ACME, "Idempotency-Key": "abandoned", "X-Request-Timeout-Ms": "600000"},
+        leave_after=3,
+    )
     # It keeps running without a reader, until the grace period has passed.
-    wait_until(lambda: server.metric("sluice_engine_aborts_total") > aborts_before,
-               GRACE_SECONDS + 10, message="the abandoned generation is aborted")
+    wait_until(
+        lambda: server.metric("sluice_engine_aborts_total") > aborts_before,
+        GRACE_SECONDS + 10,
+        message="the abandoned generation is aborted",
+    )
     status, tail = resume(server, generation_id(head), {**ACME, "Last-Event-ID": "3"})
     assert status == 200
     error = json.loads(tail[-2][1])["error"]
@@ -209,21 +238,26 @@ async def test_a_websocket_generation_resumes_on_another_connection(
         await ws.send(json.dumps({"type": "generate", "id": "whole", "request": request}))
         whole = await _read_until_final(ws, "whole")
     async with websockets.connect(url) as ws:
-        await ws.send(json.dumps({"type": "generate", "id": "a", "request": request,
-                                  "idempotency_key": "ws-story"}))
+        await ws.send(
+            json.dumps(
+                {"type": "generate", "id": "a", "request": request, "idempotency_key": "ws-story"}
+            )
+        )
         head = [json.loads(await ws.recv()) for _ in range(4)]
     assert all(m["type"] == "delta" for m in head)
     public_id, last_seq = head[0]["generation"], head[-1]["seq"]
     async with websockets.connect(url) as ws:
-        await ws.send(json.dumps({"type": "resume", "id": "b", "generation": public_id,
-                                  "after": last_seq}))
+        await ws.send(
+            json.dumps({"type": "resume", "id": "b", "generation": public_id, "after": last_seq})
+        )
         tail = await _read_until_final(ws, "b")
         await ws.send(json.dumps({"type": "resume", "id": "c", "generation": "chatcmpl-nope"}))
         missing = json.loads(await ws.recv())
     seqs = [m["seq"] for m in head + tail]
     assert seqs == sorted(set(seqs))
     assert "".join(m.get("text", "") for m in head + tail) == "".join(
-        m.get("text", "") for m in whole)
+        m.get("text", "") for m in whole
+    )
     assert tail[-1]["type"] == "final" and tail[-1]["usage"] == whole[-1]["usage"]
     assert missing["type"] == "error" and missing["error"]["code"] == "not_found"
 
@@ -245,11 +279,13 @@ async def race_generates_and_cancels(url: str, max_tokens: int, pairs: int = 100
     terminal: dict[str, list[str]] = {}
     request = {"messages": [{"role": "user", "content": "race"}], "max_tokens": max_tokens}
     async with websockets.connect(url, max_size=None) as ws:
+
         async def send_pairs() -> None:
             for i in range(pairs):
                 await ws.send(json.dumps({"type": "generate", "id": f"g{i}", "request": request}))
                 if i % 3:
                     await ws.send(json.dumps({"type": "cancel", "id": f"g{i}"}))
+
         sending = asyncio.create_task(send_pairs())
         while sum(len(v) for v in terminal.values()) < pairs:
             message = json.loads(await asyncio.wait_for(ws.recv(), 120))
@@ -269,12 +305,23 @@ async def test_generate_then_cancel_races_end_each_generation_once(
     server: SluiceProcess,
 ) -> None:
     await race_generates_and_cancels(
-        server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme", max_tokens=6)
-    wait_until(lambda: server.metric("sluice_running_requests") == 0
-               and server.metric("sluice_queue_depth") == 0, 10)
+        server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme", max_tokens=6
+    )
+    wait_until(
+        lambda: (
+            server.metric("sluice_running_requests") == 0
+            and server.metric("sluice_queue_depth") == 0
+        ),
+        10,
+    )
 
 
 def test_nothing_is_left_once_readers_are_gone(server: SluiceProcess) -> None:
-    wait_until(lambda: server.metric("sluice_running_requests") == 0
-               and server.metric("sluice_engine_unfinished_requests") == 0, 10)
+    wait_until(
+        lambda: (
+            server.metric("sluice_running_requests") == 0
+            and server.metric("sluice_engine_unfinished_requests") == 0
+        ),
+        10,
+    )
     assert server.metric("sluice_budget_in_use") == 0

@@ -20,8 +20,12 @@ from test_resumption import (
 
 
 def greedy(max_tokens: int = 48) -> dict:
-    return {"messages": [{"role": "user", "content": "tell me a story"}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    return {
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
 
 
 def test_a_resumed_stream_is_the_uninterrupted_one(vllm_server: SluiceProcess) -> None:
@@ -39,8 +43,7 @@ def test_an_idempotent_retry_attaches_then_replays(vllm_server: SluiceProcess) -
     replayed, attached = stream(vllm_server, greedy(), headers)
     assert replayed["idempotent-replayed"] == "true" and attached[:3] == first
     assert stream(vllm_server, greedy(), headers)[1] == attached  # after the end
-    changed = httpx.post(vllm_server.url + "/v1/chat/completions", json=greedy(8),
-                         headers=headers)
+    changed = httpx.post(vllm_server.url + "/v1/chat/completions", json=greedy(8), headers=headers)
     assert changed.status_code == 422
 
 
@@ -49,9 +52,14 @@ async def test_concurrent_duplicates_reach_the_engine_once(vllm_server: SluicePr
     before = vllm_server.metric("sluice_requests_total")
     body = {**greedy(16), "stream": False}
     async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as client:
-        replies = await asyncio.gather(*(client.post(
-            "/v1/chat/completions", json=body, headers={"Idempotency-Key": "vllm-whole"})
-            for _ in range(6)))
+        replies = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/chat/completions", json=body, headers={"Idempotency-Key": "vllm-whole"}
+                )
+                for _ in range(6)
+            )
+        )
     assert {reply.status_code for reply in replies} == {200}
     assert len({json.dumps(reply.json()["choices"]) for reply in replies}) == 1
     wait_until(lambda: vllm_server.metric("sluice_running_requests") == 0, 30)
@@ -61,8 +69,14 @@ async def test_concurrent_duplicates_reach_the_engine_once(vllm_server: SluicePr
 async def test_generate_then_cancel_races_end_each_generation_once(
     vllm_server: SluiceProcess,
 ) -> None:
-    await race_generates_and_cancels(vllm_server.url.replace("http://", "ws://") + "/v1/ws",
-                                     max_tokens=8)
-    wait_until(lambda: vllm_server.metric("sluice_engine_unfinished_requests") == 0
-               and vllm_server.metric("sluice_running_requests") == 0, 60,
-               message="every engine request ended")
+    await race_generates_and_cancels(
+        vllm_server.url.replace("http://", "ws://") + "/v1/ws", max_tokens=8
+    )
+    wait_until(
+        lambda: (
+            vllm_server.metric("sluice_engine_unfinished_requests") == 0
+            and vllm_server.metric("sluice_running_requests") == 0
+        ),
+        60,
+        message="every engine request ended",
+    )

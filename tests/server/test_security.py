@@ -37,12 +37,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
     config.write_text(
         "tenants:\n"
         f"  acme: {{api_keys: [{ACME_KEY}]}}\n"
-        f"  hashed: {{api_key_sha256: [{key_digest(DIGEST_KEY)}]}}\n")
+        f"  hashed: {{api_key_sha256: [{key_digest(DIGEST_KEY)}]}}\n"
+    )
     metrics_port = free_port()
     process = SluiceProcess(
-        ["--engine", "sim", "--config", str(config), "--log-level", "info",
-         "--metrics-port", str(metrics_port)],
-        root / "server.log", env={"SLUICE_API_KEYS": f"{GLOBEX_KEY}:globex"})
+        [
+            "--engine",
+            "sim",
+            "--config",
+            str(config),
+            "--log-level",
+            "info",
+            "--metrics-port",
+            str(metrics_port),
+        ],
+        root / "server.log",
+        env={"SLUICE_API_KEYS": f"{GLOBEX_KEY}:globex"},
+    )
     process.metrics_port = metrics_port  # type: ignore[attr-defined]
     try:
         process.wait_ready(60)
@@ -65,8 +76,9 @@ async def test_keys_in_urls_and_headers_leave_no_trace_in_the_logs(
             pass
     async with httpx.AsyncClient(base_url=server.url) as client:
         assert (await client.get(f"/v1/models?api_key={GLOBEX_KEY}")).status_code == 401
-        assert (await client.post("/v1/chat/completions", json=CHAT,
-                                  headers=bearer(GLOBEX_KEY))).status_code == 200
+        assert (
+            await client.post("/v1/chat/completions", json=CHAT, headers=bearer(GLOBEX_KEY))
+        ).status_code == 200
     log = server.log_path.read_text()
     assert "WebSocket /v1/ws?api_key=[redacted]" in log  # uvicorn's line, redacted
     for key in (ACME_KEY, GLOBEX_KEY):
@@ -91,11 +103,11 @@ def test_every_v1_route_wants_a_key_and_digests_work(server: SluiceProcess) -> N
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/v1/models", headers=bearer(ACME_KEY)).status_code == 200
     assert httpx.post(server.url + "/tokenize", json={"prompt": "hi"}).status_code == 401
-    hashed = httpx.post(server.url + "/v1/chat/completions", json=CHAT,
-                        headers=bearer(DIGEST_KEY))
+    hashed = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=bearer(DIGEST_KEY))
     assert hashed.status_code == 200
-    wrong = httpx.post(server.url + "/v1/chat/completions", json=CHAT,
-                       headers=bearer(DIGEST_KEY + "x"))
+    wrong = httpx.post(
+        server.url + "/v1/chat/completions", json=CHAT, headers=bearer(DIGEST_KEY + "x")
+    )
     assert wrong.status_code == 401
     for path in ("/health", "/ready"):  # the exceptions
         assert httpx.get(server.url + path).status_code == 200
@@ -111,47 +123,78 @@ def _routes_with_resources(tmp_path: Path) -> list[tuple[str, str]]:
     """(method, path) of every route of the app that names a tenant's resource (`{id}`)."""
     engine = SimEngine()
     store = BatchStore(tmp_path / "walk-data")
-    app = build_app(engine, SchedulerRuntime(SluiceConfig(), engine, "sim"), SluiceConfig(),
-                    "sim", batch_store=store)
+    app = build_app(
+        engine,
+        SchedulerRuntime(SluiceConfig(), engine, "sim"),
+        SluiceConfig(),
+        "sim",
+        batch_store=store,
+    )
     store.close()
-    return [(method, route.path) for route in app.routes if "{id}" in getattr(route, "path", "")
-            for method in sorted(getattr(route, "methods", None) or {"GET"}) if method != "HEAD"]
+    return [
+        (method, route.path)
+        for route in app.routes
+        if "{id}" in getattr(route, "path", "")
+        for method in sorted(getattr(route, "methods", None) or {"GET"})
+        if method != "HEAD"
+    ]
 
 
 def _generation(server: SluiceProcess, path: str) -> str:
     """A resumable stream of acme's; its id."""
-    body = (dict(CHAT) if path.startswith("/v1/chat") else {"prompt": "hi", "max_tokens": 4})
-    made = httpx.post(server.url + path.split("/{id}")[0], json={**body, "stream": True},
-                      headers={**bearer(ACME_KEY), "Idempotency-Key": f"walk-{path}"})
-    return str(next(json.loads(line[6:])["id"] for line in made.text.splitlines()
-                    if line.startswith("data: {")))
+    body = dict(CHAT) if path.startswith("/v1/chat") else {"prompt": "hi", "max_tokens": 4}
+    made = httpx.post(
+        server.url + path.split("/{id}")[0],
+        json={**body, "stream": True},
+        headers={**bearer(ACME_KEY), "Idempotency-Key": f"walk-{path}"},
+    )
+    return str(
+        next(
+            json.loads(line[6:])["id"]
+            for line in made.text.splitlines()
+            if line.startswith("data: {")
+        )
+    )
 
 
 def _file(server: SluiceProcess, path: str) -> str:
     line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": CHAT}
-    made = httpx.post(server.url + "/v1/files", data={"purpose": "batch"},
-                      files={"file": ("in.jsonl", json.dumps(line).encode())},
-                      headers=bearer(ACME_KEY))
+    made = httpx.post(
+        server.url + "/v1/files",
+        data={"purpose": "batch"},
+        files={"file": ("in.jsonl", json.dumps(line).encode())},
+        headers=bearer(ACME_KEY),
+    )
     return str(made.json()["id"])
 
 
 def _batch(server: SluiceProcess, path: str) -> str:
-    made = httpx.post(server.url + "/v1/batches", json={
-        "input_file_id": _file(server, path), "endpoint": "/v1/chat/completions",
-        "completion_window": "24h"}, headers=bearer(ACME_KEY))
+    made = httpx.post(
+        server.url + "/v1/batches",
+        json={
+            "input_file_id": _file(server, path),
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+        headers=bearer(ACME_KEY),
+    )
     return str(made.json()["id"])
 
 
 # How to make acme's resource behind each route with an id; a new such route must join here.
 MAKERS = {
-    "/v1/chat/completions/{id}/stream": _generation, "/v1/completions/{id}/stream": _generation,
-    "/v1/files/{id}": _file, "/v1/files/{id}/content": _file,
-    "/v1/batches/{id}": _batch, "/v1/batches/{id}/cancel": _batch,
+    "/v1/chat/completions/{id}/stream": _generation,
+    "/v1/completions/{id}/stream": _generation,
+    "/v1/files/{id}": _file,
+    "/v1/files/{id}/content": _file,
+    "/v1/batches/{id}": _batch,
+    "/v1/batches/{id}/cancel": _batch,
 }
 
 
 def test_another_tenants_resources_are_not_found_on_every_route(
-    server: SluiceProcess, tmp_path: Path,
+    server: SluiceProcess,
+    tmp_path: Path,
 ) -> None:
     routes = _routes_with_resources(tmp_path)
     assert {path for _, path in routes} == set(MAKERS)
@@ -159,12 +202,16 @@ def test_another_tenants_resources_are_not_found_on_every_route(
         public_id = MAKERS[path](server, path)
         url = server.url + path.replace("{id}", public_id)
         as_other = httpx.request(method, url, headers=bearer(GLOBEX_KEY))
-        unknown = httpx.request(method, server.url + path.replace("{id}", public_id[:-4] + "0000"),
-                                headers=bearer(GLOBEX_KEY))
+        unknown = httpx.request(
+            method,
+            server.url + path.replace("{id}", public_id[:-4] + "0000"),
+            headers=bearer(GLOBEX_KEY),
+        )
         assert as_other.status_code == unknown.status_code == 404, (method, path)
         assert as_other.json()["error"]["code"] == "not_found"
         assert as_other.json()["error"]["message"].replace(public_id, "X") == (
-            unknown.json()["error"]["message"].replace(public_id[:-4] + "0000", "X"))
+            unknown.json()["error"]["message"].replace(public_id[:-4] + "0000", "X")
+        )
         # The owner finds it (a cancel may come after the small batch ended: 400, not 404).
         assert httpx.request(method, url, headers=bearer(ACME_KEY)).status_code in (200, 400)
     # The WebSocket's resume, likewise.
@@ -179,17 +226,21 @@ async def _resume_as(url: str, key: str, public_id: str, expected: str) -> None:
         await ws.send(json.dumps({"type": "resume", "id": "r", "generation": public_id}))
         while (message := json.loads(await ws.recv()))["type"] == "delta":
             pass
-        assert (message["error"]["code"] if message["type"] == "error"
-                else message["type"]) == expected
+        assert (
+            message["error"]["code"] if message["type"] == "error" else message["type"]
+        ) == expected
 
 
 def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
-    process = SluiceProcess(["--engine", "sim"], tmp_path / "server.log",
-                            env={"SLUICE_API_KEYS": f"{ACME_KEY}:acme"})
+    process = SluiceProcess(
+        ["--engine", "sim"], tmp_path / "server.log", env={"SLUICE_API_KEYS": f"{ACME_KEY}:acme"}
+    )
     try:
         process.wait_ready(60)
-        statuses = [httpx.get(process.url + "/v1/models", headers=bearer(f"sk-guess-{i}"))
-                    .status_code for i in range(12)]
+        statuses = [
+            httpx.get(process.url + "/v1/models", headers=bearer(f"sk-guess-{i}")).status_code
+            for i in range(12)
+        ]
         assert statuses[:10] == [401] * 10 and statuses[10:] == [429, 429]
         # Now even the right key gets the same 429: nothing tells which keys exist.
         throttled = httpx.get(process.url + "/v1/models", headers=bearer(ACME_KEY))
@@ -203,9 +254,22 @@ def test_a_misspelt_configuration_key_stops_the_start_naming_its_path(tmp_path: 
     config = tmp_path / "sluice.yaml"
     config.write_text("tenants:\n  acme: {api_keys: [k1], max_concurent: 1}\n")
     started = subprocess.run(
-        [sys.executable, "-m", "server.cli", "serve", "--engine", "sim", "--config",
-         str(config), "--port", str(free_port())],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--engine",
+            "sim",
+            "--config",
+            str(config),
+            "--port",
+            str(free_port()),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert started.returncode == 2
-    assert ("tenants.acme.max_concurent: unknown key; did you mean max_concurrent?"
-            in started.stderr)
+    assert "tenants.acme.max_concurent: unknown key; did you mean max_concurrent?" in started.stderr

@@ -58,22 +58,32 @@ def replicas(redis: RedisProcess, config: Path) -> Iterator[list[SluiceProcess]]
 
 
 def _replica(config: Path, redis: RedisProcess) -> SluiceProcess:
-    return SluiceProcess(["--engine", "sim", "--config", str(config), "--state-url", redis.url],
-                         config.parent / f"replica-{time.monotonic_ns()}.log")
+    return SluiceProcess(
+        ["--engine", "sim", "--config", str(config), "--state-url", redis.url],
+        config.parent / f"replica-{time.monotonic_ns()}.log",
+    )
 
 
 def _count_two(replicas: list[SluiceProcess]) -> None:
-    wait_until(lambda: all(s.metric("sluice_state_replicas") == 2 for s in replicas),
-               DOOMED_LEASE_SECONDS + 3, message="each replica counts two")
+    wait_until(
+        lambda: all(s.metric("sluice_state_replicas") == 2 for s in replicas),
+        DOOMED_LEASE_SECONDS + 3,
+        message="each replica counts two",
+    )
 
 
-async def _hold(client: httpx.AsyncClient, server: SluiceProcess, max_tokens: int
-                ) -> tuple[int, httpx.Headers, str]:
+async def _hold(
+    client: httpx.AsyncClient, server: SluiceProcess, max_tokens: int
+) -> tuple[int, httpx.Headers, str]:
     """A streamed chat's status, headers and (refused) body, read to its end."""
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
-            "stream": True}
-    async with client.stream("POST", server.url + "/v1/chat/completions", json=body,
-                             headers=KEY) as response:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    async with client.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers=KEY
+    ) as response:
         text = "".join([line async for line in response.aiter_lines()])
         return response.status_code, response.headers, text
 
@@ -84,8 +94,7 @@ def _eight_at_once(replicas: list[SluiceProcess]) -> list[tuple[int, httpx.Heade
 
     async def send() -> list[tuple[int, httpx.Headers, str]]:
         async with httpx.AsyncClient(timeout=60) as client:
-            return await asyncio.gather(*(_hold(client, replicas[i % 2], 200)
-                                          for i in range(8)))
+            return await asyncio.gather(*(_hold(client, replicas[i % 2], 200) for i in range(8)))
 
     return asyncio.run(send())
 
@@ -99,18 +108,26 @@ def test_a_tenant_limit_holds_across_replicas(replicas: list[SluiceProcess]) -> 
     # tokens_per_minute too: 100 tokens a minute for two replicas together.
     beta = {"Authorization": "Bearer beta-key"}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
-    statuses = [httpx.post(replicas[i % 2].url + "/v1/chat/completions", json=chat,
-                           headers=beta, timeout=30) for i in range(3)]
+    statuses = [
+        httpx.post(
+            replicas[i % 2].url + "/v1/chat/completions", json=chat, headers=beta, timeout=30
+        )
+        for i in range(3)
+    ]
     assert [r.status_code for r in statuses] == [200, 200, 429]
     assert "tokens per minute across all replicas" in statuses[2].text
     assert int(statuses[2].headers["retry-after"]) > 1
 
 
-def test_a_killed_replicas_holdings_expire(redis: RedisProcess, replicas: list[SluiceProcess],
-                                           config: Path) -> None:
+def test_a_killed_replicas_holdings_expire(
+    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+) -> None:
     longer = config.with_name("doomed.yaml")
-    longer.write_text(config.read_text().replace(f"lease_seconds: {LEASE_SECONDS}",
-                                                 f"lease_seconds: {DOOMED_LEASE_SECONDS}"))
+    longer.write_text(
+        config.read_text().replace(
+            f"lease_seconds: {LEASE_SECONDS}", f"lease_seconds: {DOOMED_LEASE_SECONDS}"
+        )
+    )
     doomed = _replica(longer, redis)
     doomed.wait_ready(60)
     survivor = replicas[1]
@@ -122,31 +139,46 @@ def test_a_killed_replicas_holdings_expire(redis: RedisProcess, replicas: list[S
             # Dispatched by the scheduler, and each lease taken (the engine waits for both;
             # a request can show as running before its lease's round trip has returned).
             await asyncio.to_thread(
-                wait_until, lambda: doomed.metric("sluice_running_requests") == 4
-                and doomed.metric("sluice_state_backend_seconds_count",
-                                  operation="acquire") == 4, 30,
-                message="the four run, their leases taken")
+                wait_until,
+                lambda: (
+                    doomed.metric("sluice_running_requests") == 4
+                    and doomed.metric("sluice_state_backend_seconds_count", operation="acquire")
+                    == 4
+                ),
+                30,
+                message="the four run, their leases taken",
+            )
             doomed.proc.kill()  # SIGKILL: nothing released, nothing renewed
             await asyncio.gather(*holding, return_exceptions=True)
 
     asyncio.run(hold_four_then_kill())
-    refused = httpx.post(survivor.url + "/v1/chat/completions", json=chat, headers=KEY,
-                         timeout=30)
+    refused = httpx.post(survivor.url + "/v1/chat/completions", json=chat, headers=KEY, timeout=30)
     assert refused.status_code == 429  # the dead replica's four leases still count
-    wait_until(lambda: httpx.post(survivor.url + "/v1/chat/completions", json=chat,
-                                  headers=KEY, timeout=30).status_code == 200,
-               DOOMED_LEASE_SECONDS + 3, message="the dead replica's leases expired")
+    wait_until(
+        lambda: (
+            httpx.post(
+                survivor.url + "/v1/chat/completions", json=chat, headers=KEY, timeout=30
+            ).status_code
+            == 200
+        ),
+        DOOMED_LEASE_SECONDS + 3,
+        message="the dead replica's leases expired",
+    )
     doomed.stop()
 
 
-def _rest(server: SluiceProcess, sent: list[tuple[int | None, str]]
-          ) -> list[tuple[int | None, str]]:
+def _rest(
+    server: SluiceProcess, sent: list[tuple[int | None, str]]
+) -> list[tuple[int | None, str]]:
     """The rest of the generation whose events `sent` a client had, resumed on `server` after
     the last numbered one: numbered on from it, none twice, none missing, to `[DONE]`."""
     last = [seq for seq, _ in sent if seq is not None][-1]
     generation = orjson.loads(sent[0][1])["id"]
-    resumed = httpx.get(f"{server.url}/v1/chat/completions/{generation}/stream",
-                        headers={**KEY, "Last-Event-ID": str(last)}, timeout=60)
+    resumed = httpx.get(
+        f"{server.url}/v1/chat/completions/{generation}/stream",
+        headers={**KEY, "Last-Event-ID": str(last)},
+        timeout=60,
+    )
     assert resumed.status_code == 200, resumed.text
     rest = parse_sse(resumed.text.splitlines())
     assert [seq for seq, _ in rest] == list(range(last + 1, last + 1 + len(rest)))
@@ -156,17 +188,25 @@ def _rest(server: SluiceProcess, sent: list[tuple[int | None, str]]
 
 def _tokens(events: list[tuple[int | None, str]]) -> list[int]:
     """The token ids the chunks carry (return_token_ids)."""
-    return [t for _, data in events if data.startswith('{"id"')
-            for choice in orjson.loads(data)["choices"] for t in choice.get("token_ids") or ()]
+    return [
+        t
+        for _, data in events
+        if data.startswith('{"id"')
+        for choice in orjson.loads(data)["choices"]
+        for t in choice.get("token_ids") or ()
+    ]
 
 
 def _post(server: SluiceProcess, body: dict, key: str) -> httpx.Response:
-    return httpx.post(server.url + "/v1/chat/completions", json=body,
-                      headers={**KEY, "Idempotency-Key": key}, timeout=60)
+    return httpx.post(
+        server.url + "/v1/chat/completions",
+        json=body,
+        headers={**KEY, "Idempotency-Key": key},
+        timeout=60,
+    )
 
 
-def test_an_idempotency_key_replays_on_the_other_replica(replicas: list[SluiceProcess]
-                                                         ) -> None:
+def test_an_idempotency_key_replays_on_the_other_replica(replicas: list[SluiceProcess]) -> None:
     first, other = replicas
     whole = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
     made = _post(first, whole, "whole-1")
@@ -189,9 +229,16 @@ def test_an_idempotency_key_replays_on_the_other_replica(replicas: list[SluicePr
 
     async def both_at_once() -> list[str]:
         async with httpx.AsyncClient(timeout=60) as client:
-            answers = await asyncio.gather(*(client.post(
-                server.url + "/v1/chat/completions", json={**streamed, "max_tokens": 60},
-                headers={**KEY, "Idempotency-Key": "raced"}) for server in replicas))
+            answers = await asyncio.gather(
+                *(
+                    client.post(
+                        server.url + "/v1/chat/completions",
+                        json={**streamed, "max_tokens": 60},
+                        headers={**KEY, "Idempotency-Key": "raced"},
+                    )
+                    for server in replicas
+                )
+            )
         return [answer.text for answer in answers]
 
     # The same key at the same moment on both: one generation, read by both.
@@ -199,14 +246,20 @@ def test_an_idempotency_key_replays_on_the_other_replica(replicas: list[SluicePr
     assert one == two and "[DONE]" in one, both_at_once_texts
 
 
-def _killed_mid_stream(config: Path, redis: RedisProcess, body: dict, key: str
-                      ) -> list[tuple[int | None, str]]:
+def _killed_mid_stream(
+    config: Path, redis: RedisProcess, body: dict, key: str
+) -> list[tuple[int | None, str]]:
     """The events a client had of a generation whose replica was SIGKILLed after 40."""
     doomed = _replica(config, redis)  # (leases of LEASE_SECONDS)
     doomed.wait_ready(60)
     before: list[str] = []
-    with httpx.stream("POST", doomed.url + "/v1/chat/completions", json=body,
-                      headers={**KEY, "Idempotency-Key": key}, timeout=60) as response:
+    with httpx.stream(
+        "POST",
+        doomed.url + "/v1/chat/completions",
+        json=body,
+        headers={**KEY, "Idempotency-Key": key},
+        timeout=60,
+    ) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         while sum(line.startswith("data: ") for line in before) < 40:
@@ -217,14 +270,19 @@ def _killed_mid_stream(config: Path, redis: RedisProcess, body: dict, key: str
 
 
 def test_a_killed_replicas_generation_continues_on_the_other(
-        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
+    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+) -> None:
     """SIGKILL mid-stream; the client resumes on the other replica with Last-Event-ID and
     gets every remaining token once."""
     survivor = replicas[0]
     max_tokens = 400
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     sent = _killed_mid_stream(config, redis, body, "doomed-1")
     rest = _rest(survivor, sent)
     chunks = [orjson.loads(data) for _, data in sent + rest[:-1]]
@@ -236,11 +294,16 @@ def test_a_killed_replicas_generation_continues_on_the_other(
 
 
 def test_a_generation_that_cannot_be_continued_ends_for_every_replica(
-        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
+    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+) -> None:
     """Two choices cannot be continued alone: the replica that claims the generation ends it
     with an error event in the shared log, which every replica then reads."""
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "n": 2,
-            "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 400,
+        "n": 2,
+        "stream": True,
+    }
     sent = _killed_mid_stream(config, redis, body, "two-choices")
     claimed, elsewhere = (_rest(server, sent) for server in replicas)
     assert claimed == elsewhere  # the same ending, event for event, ids included
@@ -248,21 +311,32 @@ def test_a_generation_that_cannot_be_continued_ends_for_every_replica(
     assert error["code"] == "generation_failed" and "new idempotency key" in error["message"]
 
 
-def test_a_websocket_generation_resumes_on_the_other_replica(
-        replicas: list[SluiceProcess]) -> None:
+def test_a_websocket_generation_resumes_on_the_other_replica(replicas: list[SluiceProcess]) -> None:
     max_tokens = 200
     request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
-    first, other = (server.url.replace("http://", "ws://") + "/v1/ws?api_key=acme-key"
-                    for server in replicas)
+    first, other = (
+        server.url.replace("http://", "ws://") + "/v1/ws?api_key=acme-key" for server in replicas
+    )
 
     async def read() -> tuple[list[dict], list[dict]]:
         async with websockets.connect(first) as ws:
-            await ws.send(orjson.dumps({"type": "generate", "id": "a", "request": request,
-                                        "idempotency_key": "ws-1"}).decode())
+            await ws.send(
+                orjson.dumps(
+                    {"type": "generate", "id": "a", "request": request, "idempotency_key": "ws-1"}
+                ).decode()
+            )
             head = [orjson.loads(await ws.recv()) for _ in range(5)]
         async with websockets.connect(other) as ws:
-            await ws.send(orjson.dumps({"type": "resume", "id": "b", "after": head[-1]["seq"],
-                                        "generation": head[0]["generation"]}).decode())
+            await ws.send(
+                orjson.dumps(
+                    {
+                        "type": "resume",
+                        "id": "b",
+                        "after": head[-1]["seq"],
+                        "generation": head[0]["generation"],
+                    }
+                ).decode()
+            )
             tail = [orjson.loads(await ws.recv())]
             while tail[-1]["type"] == "delta":
                 tail.append(orjson.loads(await ws.recv()))
@@ -277,7 +351,8 @@ def test_a_websocket_generation_resumes_on_the_other_replica(
 
 
 def test_a_reader_on_another_replica_keeps_a_generation_alive(
-        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
+    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+) -> None:
     """The replica running a generation with no reader of its own cancels it after the grace
     period, unless a replica following it has one."""
     brief = config.with_name("brief-grace.yaml")
@@ -285,20 +360,29 @@ def test_a_reader_on_another_replica_keeps_a_generation_alive(
     owner = _replica(brief, redis)
     owner.wait_ready(60)
     max_tokens = 1500  # some seconds of the sim engine: well past the grace period
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         lines: list[str] = []
-        with httpx.stream("POST", owner.url + "/v1/chat/completions", json=body,
-                          headers={**KEY, "Idempotency-Key": "read-elsewhere"},
-                          timeout=60) as response:
+        with httpx.stream(
+            "POST",
+            owner.url + "/v1/chat/completions",
+            json=body,
+            headers={**KEY, "Idempotency-Key": "read-elsewhere"},
+            timeout=60,
+        ) as response:
             for line in response.iter_lines():
                 lines.append(line)
                 if line.startswith("data: "):
                     break  # the owner's only reader leaves
         generation = orjson.loads(parse_sse(lines)[0][1])["id"]
-        elsewhere = httpx.get(f"{replicas[0].url}/v1/chat/completions/{generation}/stream",
-                              headers=KEY, timeout=60)
+        elsewhere = httpx.get(
+            f"{replicas[0].url}/v1/chat/completions/{generation}/stream", headers=KEY, timeout=60
+        )
     finally:
         owner.stop()
     events = parse_sse(elsewhere.text.splitlines())
@@ -307,29 +391,49 @@ def test_a_reader_on_another_replica_keeps_a_generation_alive(
 
 
 def test_a_stopping_replica_hands_its_generations_over(
-        redis: RedisProcess, replicas: list[SluiceProcess], config: Path) -> None:
+    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+) -> None:
     """SIGTERM: a generation still running when the drain ends is let go at once (its lease
     here outlasts the test, so only letting go lets the other replica take it), the stream
     ending with an error event of this replica's own, without an id; resumed on the other
     replica, nothing is lost."""
     held = config.with_name("handing-over.yaml")
-    held.write_text(config.read_text().replace(f"lease_seconds: {LEASE_SECONDS}",
-                                               "lease_seconds: 600"))
-    stopping = SluiceProcess(["--engine", "sim", "--config", str(held), "--state-url",
-                              redis.url, "--drain-seconds", "0"],
-                             config.parent / f"stopping-{time.monotonic_ns()}.log")
+    held.write_text(
+        config.read_text().replace(f"lease_seconds: {LEASE_SECONDS}", "lease_seconds: 600")
+    )
+    stopping = SluiceProcess(
+        [
+            "--engine",
+            "sim",
+            "--config",
+            str(held),
+            "--state-url",
+            redis.url,
+            "--drain-seconds",
+            "0",
+        ],
+        config.parent / f"stopping-{time.monotonic_ns()}.log",
+    )
     stopping.wait_ready(60)
     max_tokens = 1500
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     lines: list[str] = []
-    with httpx.stream("POST", stopping.url + "/v1/chat/completions", json=body,
-                      headers={**KEY, "Idempotency-Key": "handed-over"}, timeout=60) as response:
+    with httpx.stream(
+        "POST",
+        stopping.url + "/v1/chat/completions",
+        json=body,
+        headers={**KEY, "Idempotency-Key": "handed-over"},
+        timeout=60,
+    ) as response:
         for line in response.iter_lines():
             lines.append(line)
-            if line.startswith("data: ") and sum(
-                    line.startswith("data: ") for line in lines) == 20:
+            if line.startswith("data: ") and sum(line.startswith("data: ") for line in lines) == 20:
                 stopping.proc.send_signal(signal.SIGTERM)  # once
     assert stopping.proc.wait(timeout=30) == 0
     stopping.stop()
@@ -348,14 +452,20 @@ def test_a_redis_outage_mid_stream(redis: RedisProcess, replicas: list[SluicePro
     the other: the follower's stream ends with an error of its own (no id: resume later), the
     running replica's goes on to the end. Redis comes back empty; nothing breaks."""
     max_tokens = 1500
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
-    async def read(client: httpx.AsyncClient, method: str, url: str, started: asyncio.Event,
-                   **kwargs: object) -> list[tuple[int | None, str]]:
+    async def read(
+        client: httpx.AsyncClient, method: str, url: str, started: asyncio.Event, **kwargs: object
+    ) -> list[tuple[int | None, str]]:
         lines: list[str] = []
-        async with client.stream(method, url, headers={**KEY, "Idempotency-Key": "outage"},
-                                 **kwargs) as response:  # type: ignore[arg-type]
+        async with client.stream(
+            method, url, headers={**KEY, "Idempotency-Key": "outage"}, **kwargs
+        ) as response:  # type: ignore[arg-type]
             assert response.status_code == 200
             async for line in response.aiter_lines():
                 lines.append(line)
@@ -366,12 +476,14 @@ def test_a_redis_outage_mid_stream(redis: RedisProcess, replicas: list[SluicePro
     async def outage() -> tuple[list, list]:
         async with httpx.AsyncClient(timeout=60) as client:
             running, following = asyncio.Event(), asyncio.Event()
-            owner = asyncio.create_task(read(client, "POST", replicas[0].url +
-                                             "/v1/chat/completions", running, json=body))
+            owner = asyncio.create_task(
+                read(client, "POST", replicas[0].url + "/v1/chat/completions", running, json=body)
+            )
             await running.wait()
             # The same key on the other replica: it follows the generation.
-            follower = asyncio.create_task(read(client, "POST", replicas[1].url +
-                                                "/v1/chat/completions", following, json=body))
+            follower = asyncio.create_task(
+                read(client, "POST", replicas[1].url + "/v1/chat/completions", following, json=body)
+            )
             await following.wait()
             await asyncio.to_thread(redis.stop)
             followed = await follower
@@ -384,28 +496,35 @@ def test_a_redis_outage_mid_stream(redis: RedisProcess, replicas: list[SluicePro
         if not redis.answers():
             redis.start()
     # The running replica's log could not catch up: it let the shared copy go.
-    wait_until(lambda: "is no longer in the shared state" in replicas[0].log(), 10,
-               message="the mirror gave the lost record up")
+    wait_until(
+        lambda: "is no longer in the shared state" in replicas[0].log(),
+        10,
+        message="the mirror gave the lost record up",
+    )
     assert orjson.loads(owned[-2][1])["usage"]["completion_tokens"] == max_tokens
     assert owned[-1][1] == "[DONE]"
     assert [seq for seq, _ in owned] == list(range(1, len(owned) + 1))
     (_, error), (no_id, done) = followed[-2:]
     assert orjson.loads(error)["error"]["code"] == "engine_unavailable"
     assert followed[-2][0] is None and no_id is None and done == "[DONE]"
-    assert owned[:len(followed) - 2] == followed[:-2]  # what it had followed, event for event
+    assert owned[: len(followed) - 2] == followed[:-2]  # what it had followed, event for event
     _count_two(replicas)
 
 
-def test_redis_stopped_and_started_mid_run(redis: RedisProcess,
-                                           replicas: list[SluiceProcess]) -> None:
+def test_redis_stopped_and_started_mid_run(
+    redis: RedisProcess, replicas: list[SluiceProcess]
+) -> None:
     _count_two(replicas)  # (the replica killed above no longer counts)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     statuses: list[int] = []
 
     def chats(count: int) -> None:
         for i in range(count):
-            statuses.append(httpx.post(replicas[i % 2].url + "/v1/chat/completions", json=chat,
-                                       headers=KEY, timeout=30).status_code)
+            statuses.append(
+                httpx.post(
+                    replicas[i % 2].url + "/v1/chat/completions", json=chat, headers=KEY, timeout=30
+                ).status_code
+            )
 
     chats(10)
     redis.stop()
@@ -416,8 +535,10 @@ def test_redis_stopped_and_started_mid_run(redis: RedisProcess,
     made = _post(replicas[0], streamed, "during-the-outage")
     assert made.status_code == 200 and made.text.endswith("data: [DONE]\n\n")
     generation = orjson.loads(parse_sse(made.text.splitlines())[0][1])["id"]
-    here, elsewhere = (httpx.get(f"{server.url}/v1/chat/completions/{generation}/stream",
-                                 headers=KEY, timeout=30) for server in replicas)
+    here, elsewhere = (
+        httpx.get(f"{server.url}/v1/chat/completions/{generation}/stream", headers=KEY, timeout=30)
+        for server in replicas
+    )
     assert here.text == made.text
     assert elsewhere.status_code == 404
     # Without Redis, each replica holds half the limit: 2 + 2 of the eight.
@@ -426,8 +547,11 @@ def test_redis_stopped_and_started_mid_run(redis: RedisProcess,
     assert all("this replica's share" in text for status, _, text in results if status == 429)
     redis.start()
     chats(10)
-    wait_until(lambda: all(s.metric("sluice_state_backend_up") == 1 for s in replicas),
-               5, message="both replicas see Redis again")
+    wait_until(
+        lambda: all(s.metric("sluice_state_backend_up") == 1 for s in replicas),
+        5,
+        message="both replicas see Redis again",
+    )
     chats(10)
     assert statuses == [200] * 50  # no request failed for Redis' sake
     results = _eight_at_once(replicas)

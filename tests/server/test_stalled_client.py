@@ -18,8 +18,18 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
     server = SluiceProcess(
         # A fast engine and a long answer: the kernel's socket buffers (up to 4 MiB here) must
         # fill before a send blocks.
-        ["--engine", "sim", "--send-timeout-seconds", "0.5", "--sim-max-model-len", "65536",
-         "--sim-step-base-ms", "0.05", "--sim-decode-ms-per-token", "0.001"],
+        [
+            "--engine",
+            "sim",
+            "--send-timeout-seconds",
+            "0.5",
+            "--sim-max-model-len",
+            "65536",
+            "--sim-step-base-ms",
+            "0.05",
+            "--sim-decode-ms-per-token",
+            "0.001",
+        ],
         tmp_path / "server.log",
     )
     try:
@@ -30,8 +40,14 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess) -> None:
-    body = json.dumps({"messages": [{"role": "user", "content": "talk"}], "max_tokens": 60000,
-                       "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "talk"}],
+            "max_tokens": 60000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", impatient_server.port))
@@ -46,7 +62,9 @@ def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess)
         # drops the stream while our socket is still open.
         wait_until(
             lambda: impatient_server.metric("sluice_cancellations_total", stage="running") == 1,
-            30, interval=0.2, message="the stalled stream was dropped",
+            30,
+            interval=0.2,
+            message="the stalled stream was dropped",
         )
         assert impatient_server.metric("sluice_engine_unfinished_requests") == 0
         generated = impatient_server.metric("sluice_generated_tokens_total")
@@ -70,17 +88,31 @@ async def test_a_websocket_client_that_stops_reading_is_dropped(
         # into fewer, larger deltas, so only the text's total size (~360 KB an answer) can fill
         # the kernel's socket buffers (up to 4 MiB here).
         for i in range(16):
-            await ws.send(json.dumps({
-                "type": "generate", "id": f"long{i}", "timeout_ms": 36_000_000,
-                "request": {"messages": [{"role": "user", "content": "talk"}],
-                            "max_tokens": 60000, "ignore_eos": True},
-            }))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "id": f"long{i}",
+                        "timeout_ms": 36_000_000,
+                        "request": {
+                            "messages": [{"role": "user", "content": "talk"}],
+                            "max_tokens": 60000,
+                            "ignore_eos": True,
+                        },
+                    }
+                )
+            )
         # Read nothing. The writer's sends block, the send guard cancels them, and the
         # connection's generations are cancelled with it.
         wait_until(
             lambda: impatient_server.metric("sluice_cancellations_total", stage="running") >= 1,
-            30, interval=0.2, message="the stalled websocket was dropped",
+            30,
+            interval=0.2,
+            message="the stalled websocket was dropped",
         )
-        wait_until(lambda: impatient_server.metric("sluice_engine_unfinished_requests") == 0,
-                   10, message="its engine requests aborted")
+        wait_until(
+            lambda: impatient_server.metric("sluice_engine_unfinished_requests") == 0,
+            10,
+            message="its engine requests aborted",
+        )
         assert "websocket client stopped reading" in impatient_server.log()

@@ -23,13 +23,17 @@ MODEL = "sluice-demo"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
-                   "sunny": {"type": "boolean"}},
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "sunny": {"type": "boolean"},
+    },
     "required": ["city", "sunny"],
     "additionalProperties": False,
 }
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                         "parameters": WEATHER}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
+}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # Forces the model to write a call in the pythonic parser's syntax, so `auto` has one to find.
 PYTHONIC_CALL = {"regex": r"\[get_weather\(city='(Paris|Rome)', sunny=(True|False)\)\]"}
@@ -61,7 +65,8 @@ def streamed_calls(chunks: list[Any]) -> tuple[list[dict[str, str]], str | None]
 
 def test_a_named_tool_call_matches_the_tool_schema(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[TOOL], tool_choice=NAMED, max_tokens=64, temperature=0)
+        model=MODEL, messages=ASK, tools=[TOOL], tool_choice=NAMED, max_tokens=64, temperature=0
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "stop"  # OpenAI's for a named function
     assert choice.message.content is None
@@ -70,9 +75,17 @@ def test_a_named_tool_call_matches_the_tool_schema(client: openai.OpenAI) -> Non
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[TOOL], tool_choice=NAMED, max_tokens=64,
-        temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[TOOL],
+            tool_choice=NAMED,
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+        )
+    )
     (streamed,), finish = streamed_calls(chunks)
     assert finish == "stop"
     assert streamed["name"] == "get_weather" and streamed["id"]
@@ -82,8 +95,14 @@ def test_a_named_tool_call_matches_the_tool_schema(client: openai.OpenAI) -> Non
 
 def test_required_tool_choice_calls_a_tool(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[TOOL], tool_choice="required",
-        parallel_tool_calls=False, max_tokens=64, temperature=0)
+        model=MODEL,
+        messages=ASK,
+        tools=[TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=64,
+        temperature=0,
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls or []
@@ -92,8 +111,14 @@ def test_required_tool_choice_calls_a_tool(client: openai.OpenAI) -> None:
 
 
 def test_auto_tool_choice_reads_calls_with_the_configured_parser(client: openai.OpenAI) -> None:
-    body = {"model": MODEL, "messages": ASK, "tools": [TOOL], "max_tokens": 64,
-            "temperature": 0, "extra_body": {"structured_outputs": PYTHONIC_CALL}}
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": [TOOL],
+        "max_tokens": 64,
+        "temperature": 0,
+        "extra_body": {"structured_outputs": PYTHONIC_CALL},
+    }
     reply = client.chat.completions.create(**body)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -102,8 +127,7 @@ def test_auto_tool_choice_reads_calls_with_the_configured_parser(client: openai.
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, WEATHER)
 
-    (streamed,), finish = streamed_calls(list(client.chat.completions.create(
-        **body, stream=True)))
+    (streamed,), finish = streamed_calls(list(client.chat.completions.create(**body, stream=True)))
     assert finish == "tool_calls"
     assert streamed["name"] == "get_weather"
     assert json.loads(streamed["arguments"]) == arguments
@@ -111,36 +135,62 @@ def test_auto_tool_choice_reads_calls_with_the_configured_parser(client: openai.
 
 def test_auto_without_a_call_is_plain_content(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[TOOL], max_tokens=8, temperature=0,
-        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+        model=MODEL,
+        messages=ASK,
+        tools=[TOOL],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "length"
     assert choice.message.content and choice.message.tool_calls is None  # absent, as OpenAI
 
 
 def test_json_schema_response_format_gives_valid_json(client: openai.OpenAI) -> None:
-    response_format = {"type": "json_schema",
-                       "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "weather", "schema": WEATHER, "strict": True},
+    }
     reply = client.chat.completions.create(
-        model=MODEL, messages=ASK, response_format=response_format, max_tokens=64,
-        temperature=0.8, seed=3)
+        model=MODEL,
+        messages=ASK,
+        response_format=response_format,
+        max_tokens=64,
+        temperature=0.8,
+        seed=3,
+    )
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content or ""), WEATHER)
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=ASK, response_format=response_format, max_tokens=64,
-        temperature=0.8, seed=3, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            response_format=response_format,
+            max_tokens=64,
+            temperature=0.8,
+            seed=3,
+            stream=True,
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert json.loads(text) == json.loads(reply.choices[0].message.content or "")
 
 
 def test_vllm_structured_outputs_on_both_endpoints(client: openai.OpenAI) -> None:
     choice = client.chat.completions.create(
-        model=MODEL, messages=ASK, max_tokens=8,
-        extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}})
+        model=MODEL,
+        messages=ASK,
+        max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}},
+    )
     assert choice.choices[0].message.content in ("sunny", "rainy")
     completion = client.completions.create(
-        model=MODEL, prompt="The code is", max_tokens=16,
-        extra_body={"structured_outputs": {"regex": "[0-9]{4}-[A-F]{2}"}})
+        model=MODEL,
+        prompt="The code is",
+        max_tokens=16,
+        extra_body={"structured_outputs": {"regex": "[0-9]{4}-[A-F]{2}"}},
+    )
     assert re.fullmatch("[0-9]{4}-[A-F]{2}", completion.choices[0].text)
 
 
@@ -148,22 +198,38 @@ def test_vllm_structured_outputs_on_both_endpoints(client: openai.OpenAI) -> Non
     ("fields", "param"),
     [
         ({"response_format": {"type": "json_schema"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "odd"}}}}}},
-         "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "odd"}}},
+                    },
+                }
+            },
+            "response_format",
+        ),
         ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-        ({"tools": [TOOL], "tool_choice": {"type": "function",
-                                           "function": {"name": "elsewhere"}}}, "tool_choice"),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "elsewhere"}},
+            },
+            "tool_choice",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),  # no tools to choose from
     ],
 )
 def test_bad_constraints_are_400s_before_anything_is_queued(
-    vllm_server: SluiceProcess, client: openai.OpenAI, fields: dict[str, Any], param: str,
+    vllm_server: SluiceProcess,
+    client: openai.OpenAI,
+    fields: dict[str, Any],
+    param: str,
 ) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4,
-                                       extra_body=fields)
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=fields)
     error = refused.value.body
     assert isinstance(error, dict) and error["code"] == "invalid_request", error
     assert error["param"] == param, error
@@ -172,8 +238,13 @@ def test_bad_constraints_are_400s_before_anything_is_queued(
 
 async def test_tool_call_deltas_over_the_websocket(vllm_server: SluiceProcess) -> None:
     ws_url = vllm_server.url.replace("http://", "ws://") + "/v1/ws"
-    request = {"messages": ASK, "tools": [TOOL], "tool_choice": NAMED, "max_tokens": 64,
-               "temperature": 0}
+    request = {
+        "messages": ASK,
+        "tools": [TOOL],
+        "tool_choice": NAMED,
+        "max_tokens": 64,
+        "temperature": 0,
+    }
     arguments, names, final = "", [], None
     async with websockets.connect(ws_url) as ws:
         await ws.send(json.dumps({"type": "generate", "id": "w", "request": request}))

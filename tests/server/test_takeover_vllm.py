@@ -14,33 +14,48 @@ from conftest import VLLM_ENV, RedisProcess, SluiceProcess, parse_sse, vllm_args
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 200
-BODY = {"model": "sluice-demo", "messages": [{"role": "user", "content": "tell me a story"}],
-        "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}}
+BODY = {
+    "model": "sluice-demo",
+    "messages": [{"role": "user", "content": "tell me a story"}],
+    "max_tokens": MAX_TOKENS,
+    "temperature": 0.0,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 def _text(events: list[tuple[int | None, str]]) -> str:
-    return "".join(choice["delta"].get("content") or ""
-                   for _, data in events if data != "[DONE]"
-                   for choice in orjson.loads(data)["choices"])
+    return "".join(
+        choice["delta"].get("content") or ""
+        for _, data in events
+        if data != "[DONE]"
+        for choice in orjson.loads(data)["choices"]
+    )
 
 
 def test_a_killed_replicas_greedy_generation_continues_unchanged(
-        vllm_server: SluiceProcess, session_redis: RedisProcess, demo_model_dir: Path,
-        tmp_path: Path) -> None:
+    vllm_server: SluiceProcess, session_redis: RedisProcess, demo_model_dir: Path, tmp_path: Path
+) -> None:
     config = tmp_path / "doomed.yaml"
     config.write_text("state: {lease_seconds: 2}\n")
-    doomed = SluiceProcess([*vllm_args(demo_model_dir), "--config", str(config),
-                            "--state-url", session_redis.url], tmp_path / "doomed.log",
-                           env=VLLM_ENV)
+    doomed = SluiceProcess(
+        [*vllm_args(demo_model_dir), "--config", str(config), "--state-url", session_redis.url],
+        tmp_path / "doomed.log",
+        env=VLLM_ENV,
+    )
     try:
         doomed.wait_ready()
-        reference = httpx.post(vllm_server.url + "/v1/chat/completions", json=BODY,
-                               timeout=120)
+        reference = httpx.post(vllm_server.url + "/v1/chat/completions", json=BODY, timeout=120)
         alone = parse_sse(reference.text.splitlines())
         before: list[str] = []
-        with httpx.stream("POST", doomed.url + "/v1/chat/completions", json=BODY,
-                          headers={"Idempotency-Key": "greedy-1"}, timeout=120) as response:
+        with httpx.stream(
+            "POST",
+            doomed.url + "/v1/chat/completions",
+            json=BODY,
+            headers={"Idempotency-Key": "greedy-1"},
+            timeout=120,
+        ) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             while sum(line.startswith("data: ") for line in before) < 60:
@@ -52,8 +67,11 @@ def test_a_killed_replicas_greedy_generation_continues_unchanged(
     last = sent[-1][0]
     assert last is not None
     generation = orjson.loads(sent[0][1])["id"]
-    resumed = httpx.get(f"{vllm_server.url}/v1/chat/completions/{generation}/stream",
-                        headers={"Last-Event-ID": str(last)}, timeout=120)
+    resumed = httpx.get(
+        f"{vllm_server.url}/v1/chat/completions/{generation}/stream",
+        headers={"Last-Event-ID": str(last)},
+        timeout=120,
+    )
     assert resumed.status_code == 200, resumed.text
     rest = parse_sse(resumed.text.splitlines())
     assert [seq for seq, _ in rest] == list(range(last + 1, last + 1 + len(rest)))

@@ -18,35 +18,60 @@ def _post(server: SluiceProcess, path: str, body: object) -> httpx.Response:
 def test_tokenize_and_detokenize_with_the_models_tokenizer(vllm_server: SluiceProcess) -> None:
     text = "Tell me about schedulers."
     for special in (True, False):  # the demo tokenizer adds no BOS; a Llama's would
-        counted = _post(vllm_server, "/tokenize", {"model": MODEL, "prompt": text,
-                                                   "add_special_tokens": special}).json()
+        counted = _post(
+            vllm_server,
+            "/tokenize",
+            {"model": MODEL, "prompt": text, "add_special_tokens": special},
+        ).json()
         assert counted["count"] == len(counted["tokens"]) > 3
         assert counted["max_model_len"] > 0 and counted["token_strs"] is None
-        strings = _post(vllm_server, "/tokenize", {"prompt": text, "return_token_strs": True,
-                                                   "add_special_tokens": special}).json()
+        strings = _post(
+            vllm_server,
+            "/tokenize",
+            {"prompt": text, "return_token_strs": True, "add_special_tokens": special},
+        ).json()
         assert strings["tokens"] == counted["tokens"]
         # Byte-level BPE spells a leading space 'Ġ'; the strings join back to the text.
         assert "".join(strings["token_strs"]).replace("Ġ", " ") == text
         back = _post(vllm_server, "/detokenize", {"model": MODEL, "tokens": counted["tokens"]})
         assert back.json() == {"prompt": text}
-        usage = httpx.post(vllm_server.url + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": text, "max_tokens": 1, "add_special_tokens": special,
-        }).json()["usage"]
+        usage = httpx.post(
+            vllm_server.url + "/v1/completions",
+            timeout=60,
+            json={
+                "model": MODEL,
+                "prompt": text,
+                "max_tokens": 1,
+                "add_special_tokens": special,
+            },
+        ).json()["usage"]
         assert usage["prompt_tokens"] == counted["count"]  # what a generation is charged
 
     chat = [{"role": "user", "content": text}]
     rendered = _post(vllm_server, "/tokenize", {"model": MODEL, "messages": chat}).json()
-    usage = httpx.post(vllm_server.url + "/v1/chat/completions", timeout=60, json={
-        "model": MODEL, "messages": chat, "max_tokens": 1}).json()["usage"]
+    usage = httpx.post(
+        vllm_server.url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": MODEL, "messages": chat, "max_tokens": 1},
+    ).json()["usage"]
     assert rendered["count"] == usage["prompt_tokens"] > counted["count"]  # the template's
     # Without the generation prompt (the demo template's `<|assistant|>`), one token fewer;
     # a chat that continues its last message renders alike (no end of message, no prompt).
-    bare = _post(vllm_server, "/tokenize", {"model": MODEL, "messages": chat,
-                                            "add_generation_prompt": False}).json()
+    bare = _post(
+        vllm_server, "/tokenize", {"model": MODEL, "messages": chat, "add_generation_prompt": False}
+    ).json()
     assert bare["tokens"] == rendered["tokens"][:-1]
-    continued = httpx.post(vllm_server.url + "/v1/chat/completions", timeout=60, json={
-        "model": MODEL, "messages": [*chat, {"role": "assistant", "content": "It is"}],
-        "max_tokens": 1, "continue_final_message": True, "add_generation_prompt": False})
+    continued = httpx.post(
+        vllm_server.url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": MODEL,
+            "messages": [*chat, {"role": "assistant", "content": "It is"}],
+            "max_tokens": 1,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+    )
     assert continued.status_code == 200, continued.text
 
 
@@ -57,11 +82,14 @@ def test_a_token_id_outside_the_vocabulary_is_a_400_not_a_retried_500(
     assert vocab["id"] == MODEL
     client = openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=2)
     chat = [{"role": "user", "content": "hi"}]
-    for extra, param in (({"logit_bias": {"10000000": 5}}, "logit_bias"),
-                         ({"stop_token_ids": [10_000_000]}, "stop_token_ids")):
+    for extra, param in (
+        ({"logit_bias": {"10000000": 5}}, "logit_bias"),
+        ({"stop_token_ids": [10_000_000]}, "stop_token_ids"),
+    ):
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2,
-                                           extra_body=extra)
+            client.chat.completions.create(
+                model=MODEL, messages=chat, max_tokens=2, extra_body=extra
+            )
         assert caught.value.body["param"] == param  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=[1, 10_000_000], max_tokens=2)
@@ -79,10 +107,18 @@ def test_version(sim_server: SluiceProcess) -> None:
         ("/tokenize", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
         ("/tokenize", {"prompt": "hi", "return_token_strs": 1}, 400, "return_token_strs"),
-        ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, 400,
-         "add_generation_prompt"),
-        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
-                       "add_special_tokens": True}, 400, "add_special_tokens"),
+        (
+            "/tokenize",
+            {"prompt": "hi", "add_generation_prompt": True},
+            400,
+            "add_generation_prompt",
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
+            400,
+            "add_special_tokens",
+        ),
         ("/tokenize", {"messages": "hi"}, 400, "messages"),
         ("/detokenize", {"tokens": [1, 2048]}, 400, "tokens"),
         ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
@@ -101,7 +137,9 @@ def test_sim_round_trip(sim_server: SluiceProcess) -> None:
     tokens = _post(sim_server, "/tokenize", {"prompt": "the old horse"}).json()["tokens"]
     assert len(tokens) == 3
     assert _post(sim_server, "/detokenize", {"tokens": tokens}).json() == {
-        "prompt": " the old horse"}
-    strings = _post(sim_server, "/tokenize", {"prompt": "the old horse",
-                                              "return_token_strs": True}).json()["token_strs"]
+        "prompt": " the old horse"
+    }
+    strings = _post(
+        sim_server, "/tokenize", {"prompt": "the old horse", "return_token_strs": True}
+    ).json()["token_strs"]
     assert strings == [" the", " old", " horse"]

@@ -18,13 +18,22 @@ from server.simulation.workload import Arrival, parse_trace
 
 BULK = TrafficClass.BULK
 # 10 ms per step, no per-token cost: every timestamp is a multiple of 10 ms.
-STEPS_OF_10MS = SimConfig(step_base_ms=10.0, decode_ms_per_token=0.0, prefill_ms_per_token=0.0,
-                          max_num_seqs=1, kv_blocks=64, block_size=16, max_model_len=1024)
+STEPS_OF_10MS = SimConfig(
+    step_base_ms=10.0,
+    decode_ms_per_token=0.0,
+    prefill_ms_per_token=0.0,
+    max_num_seqs=1,
+    kv_blocks=64,
+    block_size=16,
+    max_model_len=1024,
+)
 # Rates from these priors alone (no calibration probe): exact for STEPS_OF_10MS, or optimistic.
-EXACT_RATES = {"estimates": {"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 100.0,
-                             "calibrate": False}}
-OPTIMISTIC = {"estimates": {"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 1e9,
-                            "calibrate": False}}
+EXACT_RATES = {
+    "estimates": {"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 100.0, "calibrate": False}
+}
+OPTIMISTIC = {
+    "estimates": {"prefill_tokens_per_s": 1e9, "decode_tokens_per_s": 1e9, "calibrate": False}
+}
 
 
 def simulate(config: SluiceConfig, sim: SimConfig, arrivals: Any) -> ContinuousSimulation:
@@ -81,13 +90,22 @@ def test_cancelled_queued_request_is_removed_without_touching_the_engine() -> No
 
 
 def test_chat_during_a_bulk_flood_starts_within_about_one_engine_step() -> None:
-    sim_config = SimConfig(step_base_ms=5.0, decode_ms_per_token=0.5, prefill_ms_per_token=0.01,
-                           max_num_seqs=16, kv_blocks=512, block_size=16, max_model_len=2048)
+    sim_config = SimConfig(
+        step_base_ms=5.0,
+        decode_ms_per_token=0.5,
+        prefill_ms_per_token=0.01,
+        max_num_seqs=16,
+        kv_blocks=512,
+        block_size=16,
+        max_model_len=2048,
+    )
     config = parse_config({**OPTIMISTIC, "budgets": {"interactive_reserve_share": 0.25}})
-    flood = [Arrival(f"bulk{n}", 0.0, None, BULK, prompt_tokens=128, max_tokens=512)
-             for n in range(200)]
-    chats = [Arrival(f"chat{n}", 1.0 + n * 0.5, None, prompt_tokens=32, max_tokens=16)
-             for n in range(4)]
+    flood = [
+        Arrival(f"bulk{n}", 0.0, None, BULK, prompt_tokens=128, max_tokens=512) for n in range(200)
+    ]
+    chats = [
+        Arrival(f"chat{n}", 1.0 + n * 0.5, None, prompt_tokens=32, max_tokens=16) for n in range(4)
+    ]
     sim = simulate(config, sim_config, flood + chats)
     longest_step = (5.0 + 0.5 * 16 + 0.01 * 2048) / 1000
     for n in range(4):
@@ -98,12 +116,15 @@ def test_chat_during_a_bulk_flood_starts_within_about_one_engine_step() -> None:
 
 
 def two_tenant_config() -> SluiceConfig:
-    base = parse_config({
-        "estimates": {"prefill_tokens_per_s": 20000, "decode_tokens_per_s": 100},
-        "classes": {"interactive": {"max_queued": 200, "tenant_queue_share": 0.5,
-                                    "deadline_ms": 5000}},
-        "budgets": {"fairness_quantum_tokens": 256},
-    })
+    base = parse_config(
+        {
+            "estimates": {"prefill_tokens_per_s": 20000, "decode_tokens_per_s": 100},
+            "classes": {
+                "interactive": {"max_queued": 200, "tenant_queue_share": 0.5, "deadline_ms": 5000}
+            },
+            "budgets": {"fairness_quantum_tokens": 256},
+        }
+    )
     tenants = {name: TenantConfig(name) for name in ("flood", "steady")}
     return replace(base, tenants=tenants)
 
@@ -113,14 +134,21 @@ def test_a_chat_preempts_bulk_and_the_bulk_request_resumes_where_it_stopped() ->
     two_seats = replace(STEPS_OF_10MS, max_num_seqs=2)
     budgets = {"interactive_reserve_share": 0.0, "bulk_min_share": 0.0}
     trace = parse_trace(
-        "B1@0:class=bulk:max_tokens=100,B2@1:class=bulk:max_tokens=100,C@50:max_tokens=5")
+        "B1@0:class=bulk:max_tokens=100,B2@1:class=bulk:max_tokens=100,C@50:max_tokens=5"
+    )
 
-    waited = simulate(parse_config({**OPTIMISTIC, "budgets": {
-        **budgets, "preempt_bulk_after_ms": None}}), two_seats, trace)
+    waited = simulate(
+        parse_config({**OPTIMISTIC, "budgets": {**budgets, "preempt_bulk_after_ms": None}}),
+        two_seats,
+        trace,
+    )
     assert waited.timelines["C"].dispatched == pytest.approx(1.0, abs=0.011)  # B1's end
 
-    preempted = simulate(parse_config({**OPTIMISTIC, "budgets": {
-        **budgets, "preempt_bulk_after_ms": 100}}), two_seats, trace)
+    preempted = simulate(
+        parse_config({**OPTIMISTIC, "budgets": {**budgets, "preempt_bulk_after_ms": 100}}),
+        two_seats,
+        trace,
+    )
     c, b1, b2 = (preempted.timelines[n] for n in ("C", "B1", "B2"))
     assert c.dispatched == pytest.approx(0.150)  # C's arrival + 100 ms, to the millisecond
     # The step that began at 150 ms was already under way; C's prefill is the next one.
@@ -151,14 +179,28 @@ def test_flooding_tenant_cannot_take_the_other_tenants_share() -> None:
 
 def test_overload_at_ten_times_capacity_keeps_every_promise() -> None:
     # Capacity: 8 seats x ~1 request per (16 steps x ~6 ms) ~= 80 requests/s. Offer ~800/s.
-    sim_config = SimConfig(step_base_ms=2.0, decode_ms_per_token=0.5, prefill_ms_per_token=0.01,
-                           max_num_seqs=8, kv_blocks=256, block_size=16, max_model_len=1024)
-    config = parse_config({
-        "classes": {"interactive": {"deadline_ms": 500, "max_queued": 64},
-                    "bulk": {"deadline_ms": 3000, "max_queued": 64}},
-    })
-    mix = WorkloadMix(interactive_share=0.7, interactive=RequestShape(32, 16, None),
-                      bulk=RequestShape(64, 64, None))
+    sim_config = SimConfig(
+        step_base_ms=2.0,
+        decode_ms_per_token=0.5,
+        prefill_ms_per_token=0.01,
+        max_num_seqs=8,
+        kv_blocks=256,
+        block_size=16,
+        max_model_len=1024,
+    )
+    config = parse_config(
+        {
+            "classes": {
+                "interactive": {"deadline_ms": 500, "max_queued": 64},
+                "bulk": {"deadline_ms": 3000, "max_queued": 64},
+            },
+        }
+    )
+    mix = WorkloadMix(
+        interactive_share=0.7,
+        interactive=RequestShape(32, 16, None),
+        bulk=RequestShape(64, 64, None),
+    )
     arrivals = list(poisson_mix(800, 10.0, mix, seed=3))
     sim = simulate(config, sim_config, arrivals)
     outcomes: dict[str, int] = {}
@@ -177,8 +219,9 @@ def test_overload_at_ten_times_capacity_keeps_every_promise() -> None:
 
 
 def test_cli_prints_timelines_and_summary_as_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["simulate", "--mode", "continuous", "--json", "--arrivals",
-                 "A@0,B@7,E@1:deadline=150"])
+    code = main(
+        ["simulate", "--mode", "continuous", "--json", "--arrivals", "A@0,B@7,E@1:deadline=150"]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert {r["id"] for r in report["requests"]} == {"A", "B", "E"}
@@ -187,8 +230,21 @@ def test_cli_prints_timelines_and_summary_as_json(capsys: pytest.CaptureFixture[
 
 
 def test_cli_generated_mixed_workload(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["simulate", "--mode", "continuous", "--workload", "mixed", "--rate", "50",
-                 "--duration", "2", "--seed", "1"])
+    code = main(
+        [
+            "simulate",
+            "--mode",
+            "continuous",
+            "--workload",
+            "mixed",
+            "--rate",
+            "50",
+            "--duration",
+            "2",
+            "--seed",
+            "1",
+        ]
+    )
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert set(summary["completed_tokens_by_tenant"]) <= {"flood", "steady"}

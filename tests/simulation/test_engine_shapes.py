@@ -19,10 +19,12 @@ from server.scheduler.types import TrafficClass
 from server.simulation.continuous import BulkStreams, ContinuousSimulation
 from server.simulation.continuous_workload import RequestShape, WorkloadMix, poisson_mix
 
-CPU = SimConfig(step_base_ms=2.0, decode_ms_per_token=0.5, prefill_ms_per_token=0.35,
-                kv_blocks=4096)
-GPU = SimConfig(step_base_ms=20.0, decode_ms_per_token=0.05, prefill_ms_per_token=0.01,
-                kv_blocks=4096)
+CPU = SimConfig(
+    step_base_ms=2.0, decode_ms_per_token=0.5, prefill_ms_per_token=0.35, kv_blocks=4096
+)
+GPU = SimConfig(
+    step_base_ms=20.0, decode_ms_per_token=0.05, prefill_ms_per_token=0.01, kv_blocks=4096
+)
 SECONDS = 20.0
 
 

@@ -5,15 +5,34 @@ Nothing can be downloaded here, so Sluice makes its own model: 2 layers, hidden 
 BPE tokenizer trained with `tokenizers` on text that ships with this module. Its output is
 gibberish, but every engine path is real: tokenization, chat template, KV cache, batching.
 The build is deterministic and takes seconds.
+
+The weights are random but *decisive*: the embeddings dominate the residual stream, and the
+output layer maps each token's embedding to one successor (a random cycle through the ordinary
+tokens), so the likeliest next token leads the second by several nats (`GREEDY_MARGIN`). A
+plainly random model has nearly flat logits: greedy decoding then turns on near-ties that CPUs
+with other kernels (AVX2 against AVX-512), other batch shapes, or prefill against decode break
+differently. With the margin, greedy text and top logprobs are the same on any hardware, which
+is what the tests that compare them rely on (`tests/engine_adapters/test_demo_model.py` checks
+the margin on the engine itself). Sampling at temperature 1 stays varied: the successor has
+about half the probability (48% here), the rest is spread over the vocabulary.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 DEMO_MODEL_NAME = "sluice-demo"
+# Bumped when the weights change, so that a cached model of an older build is rebuilt.
+DEMO_MODEL_VERSION = 2
+VERSION_FILE = "sluice-demo-model.json"
+# The successor's logit; the others are about N(0, (SUCCESSOR_LOGIT / 16)^2) (hidden size 256),
+# so the greedy choice leads by about 5 nats, and the tests require at least GREEDY_MARGIN.
+SUCCESSOR_LOGIT = 7.0
+GREEDY_MARGIN = 2.0
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>")
 
@@ -62,8 +81,14 @@ def _corpus() -> list[str]:
 
 
 def is_demo_model(path: Path) -> bool:
+    """A complete build of this version of the demo model is at `path`."""
+    try:
+        stamp = json.loads((path / VERSION_FILE).read_text())
+    except (OSError, ValueError):
+        return False
     return (
-        (path / "config.json").is_file()
+        stamp.get("version") == DEMO_MODEL_VERSION
+        and (path / "config.json").is_file()
         and (path / "tokenizer.json").is_file()
         and any(path.glob("*.safetensors"))
     )
@@ -74,6 +99,18 @@ def build_demo_model(path: Path, *, force: bool = False) -> Path:
     path = Path(path)
     if is_demo_model(path) and not force:
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time (parallel test workers, several servers starting): the others
+    # wait, then find the model built.
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_demo_model(path) and not force:
+            return path
+        _build(path)
+    return path
+
+
+def _build(path: Path) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -118,11 +155,43 @@ def build_demo_model(path: Path, *, force: bool = False) -> Path:
         tie_word_embeddings=False,
         torch_dtype="bfloat16",  # type: ignore[call-arg]  # recorded in config.json
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
+    model = LlamaForCausalLM(config)
+    _make_decisive(model, special_ids=set(fast.all_special_ids))
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(staging, safe_serialization=True)
     (staging / "generation_config.json").write_text(
         json.dumps({"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id})
     )
+    (staging / VERSION_FILE).write_text(json.dumps({"version": DEMO_MODEL_VERSION}))
     shutil.rmtree(path, ignore_errors=True)
     staging.rename(path)
-    return path
+
+
+def _make_decisive(model: Any, special_ids: set[int]) -> None:
+    """Give each token one likely successor (see the module's docstring).
+
+    Embeddings of unit scale outweigh what the random layers add to the residual stream
+    (about a tenth), so the final norm's output is close to the last token's normalised
+    embedding `e`. Row j of the output layer is `SUCCESSOR_LOGIT * e(i) / hidden` for each
+    token i whose successor is j, so token i's successor scores about SUCCESSOR_LOGIT and every
+    other token a random dot product about 16 times smaller. The ordinary tokens form one
+    random cycle (no short loops in greedy text); each special token leads to an ordinary one,
+    and no token leads to a special one, so greedy text never ends by itself.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        vocab, hidden = embeddings.shape
+        embeddings.copy_(torch.randn(vocab, hidden, generator=generator))
+        normalised = embeddings / embeddings.pow(2).mean(dim=1, keepdim=True).sqrt()
+        ordinary = [i for i in range(vocab) if i not in special_ids]
+        cycle = [ordinary[int(i)] for i in torch.randperm(len(ordinary), generator=generator)]
+        successor = {token: cycle[(k + 1) % len(cycle)] for k, token in enumerate(cycle)}
+        for k, token in enumerate(sorted(special_ids)):
+            successor[token] = cycle[(k * 97) % len(cycle)]
+        output = torch.zeros(vocab, hidden)
+        for token, following in successor.items():
+            output[following] += normalised[token]
+        model.lm_head.weight.copy_(output * (SUCCESSOR_LOGIT / hidden))

@@ -6,13 +6,14 @@ import random
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from engine_adapters.vllm_adapter import ResumedText
 
 
 @pytest.fixture(scope="module")
 def tokenizer(demo_model_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer  # here, not at collection: its import takes seconds
+
     return AutoTokenizer.from_pretrained(str(demo_model_dir))
 
 

@@ -31,6 +31,7 @@ def _error(raised: pytest.ExceptionInfo[openai.APIStatusError]) -> dict[str, Any
 def test_beam_search_as_vllms_server(client: openai.OpenAI, vllm_server: SluiceProcess) -> None:
     # One beam is greedy decoding: the same tokens as temperature 0. (Not quite the same text:
     # the search decodes its tokens at the end, a character cut short and all, as vLLM's does.)
+    # Any hardware: the demo model's greedy margin (tests/engine_adapters/test_demo_model.py).
     ask: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
     greedy = client.completions.create(
         **ask, extra_body={"ignore_eos": True, "return_token_ids": True}
@@ -53,6 +54,7 @@ def test_beam_search_as_vllms_server(client: openai.OpenAI, vllm_server: SluiceP
     )
     texts = [c.text for c in beams.choices]
     assert [c.index for c in beams.choices] == [0, 1, 2, 3]
+    # The same prompt twice in one batch: the same rows of the same kernels, on any hardware.
     assert texts[0] != texts[1] and texts[:2] == texts[2:]
     assert beams.usage is not None and beams.usage.completion_tokens == 4 * 5
 
@@ -164,6 +166,8 @@ def test_prompt_embeds_generate_as_their_tokens(
     by_embeds = client.completions.create(
         model=MODEL, prompt=None, max_tokens=8, temperature=0, extra_body={"prompt_embeds": embeds}
     )
+    # Embeddings and token ids reach the same hidden states up to float error. Any hardware:
+    # the demo model's greedy margin (tests/engine_adapters/test_demo_model.py).
     assert by_embeds.choices[0].text == by_tokens.choices[0].text
     assert by_embeds.usage is not None and by_embeds.usage.prompt_tokens == len(token_ids)
 

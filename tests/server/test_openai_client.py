@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from engine_adapters.demo_model import GREEDY_MARGIN
+
 MODEL = "sluice-demo"
 CHAT = [{"role": "user", "content": "Tell me about schedulers."}]
 
@@ -165,15 +167,18 @@ def test_chat_logprobs_are_consistent_streamed_or_not(client: openai.OpenAI) -> 
     for entry in content:
         tops = [t.logprob for t in entry.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
-        # Greedy: the sampled token is the likeliest one.
+        # Greedy: the sampled token is the likeliest one. Any hardware: the demo model's
+        # likeliest token leads by GREEDY_MARGIN nats (tests/engine_adapters/test_demo_model.py),
+        # so no kernel breaks a tie differently; the logprobs themselves agree to a tolerance.
         assert entry.token == entry.top_logprobs[0].token
-        assert entry.logprob == pytest.approx(tops[0])
+        assert entry.logprob == pytest.approx(tops[0], abs=1e-3)
+        assert tops[0] - tops[1] >= GREEDY_MARGIN
         assert entry.bytes == list(entry.token.encode())
     streamed = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
     entries = [
         e for c in streamed if c.choices[0].logprobs for e in c.choices[0].logprobs.content or []
     ]
-    assert [e.token for e in entries] == [e.token for e in content]
+    assert [e.token for e in entries] == [e.token for e in content]  # greedy, by the margin
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
@@ -221,7 +226,9 @@ def test_n_streams_three_indexed_choices(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3 * 6
     whole = client.chat.completions.create(**ask)
     assert [c.index for c in whole.choices] == [0, 1, 2]
-    assert [c.message.content for c in whole.choices] == texts  # seeded: the same samples
+    # Seeded: the same samples. Any hardware: one seed draws the same uniform numbers, and a
+    # draw lands on another token only within float error of a boundary of the distribution.
+    assert [c.message.content for c in whole.choices] == texts
     assert whole.usage is not None and whole.usage.completion_tokens == 18
     completions = client.completions.create(
         model=MODEL, prompt="The queue", max_tokens=4, n=2, extra_body={"ignore_eos": True}
@@ -364,11 +371,12 @@ def test_allowed_token_ids_and_bad_words_as_vllm_applies_them(client: openai.Ope
     generated = reply.choices[0].model_extra["token_ids"]
     assert len(generated) == 12 and set(generated) <= set(allowed)
 
-    # A word that is one token of the greedy answer, alone or after a space (vLLM bans both).
+    # A word that is one token of the greedy answer, alone or after a space. vLLM bans the
+    # word's own tokens, and its form after a space only when that has as many tokens.
     greedy = client.completions.create(
         model=MODEL,
         prompt="The queue",
-        max_tokens=8,
+        max_tokens=32,
         temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
@@ -381,12 +389,13 @@ def test_allowed_token_ids_and_bad_words_as_vllm_applies_them(client: openai.Ope
             .json()["prompt"]
             .strip()
         )
-        and [token_id] in (_tokens(url, word), _tokens(url, " " + word))
+        and len(alone := _tokens(url, word)) == 1
+        and [token_id] in (alone, _tokens(url, " " + word))
     )
-    banned = client.completions.create(
+    banned = client.completions.create(  # as long: unbanned, it would repeat the greedy one
         model=MODEL,
         prompt="The queue",
-        max_tokens=8,
+        max_tokens=32,
         temperature=0,
         extra_body={"ignore_eos": True, "bad_words": [word], "return_token_ids": True},
     )

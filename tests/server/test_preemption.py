@@ -137,7 +137,9 @@ async def test_a_chat_preempts_bulk_and_the_bulk_stream_continues_unbroken(
         assert finals[gen_id]["finish_reason"] == "length"
         assert finals[gen_id]["usage"]["completion_tokens"] == BULK_TOKENS
     # Greedy decoding resumed from prompt + generated tokens gives the same answer as an
-    # uninterrupted run: the continuation lost and repeated nothing.
+    # uninterrupted run: the continuation lost and repeated nothing. Prefill and decode differ
+    # in float error only; the greedy choice leads by the demo model's margin
+    # (tests/engine_adapters/test_demo_model.py), so it holds on any hardware.
     logprobs_alone: dict[str, list[str]] = {}
     alone, _, _ = await generate_all(server, BULK, logprobs_alone)
     assert [texts[g] for g in BULK] == [alone[g] for g in BULK]

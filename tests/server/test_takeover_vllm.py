@@ -76,7 +76,11 @@ def test_a_killed_replicas_greedy_generation_continues_unchanged(
     rest = parse_sse(resumed.text.splitlines())
     assert [seq for seq, _ in rest] == list(range(last + 1, last + 1 + len(rest)))
     assert not [data for _, data in rest if '"error"' in data]
-    assert _text(sent + rest) == _text(alone)  # greedy: as if it had never stopped
+    # Greedy: as if it had never stopped. The continuation re-prefills prompt + sent tokens,
+    # which computes other floats than step-by-step decode (and other again on another CPU);
+    # the demo model's greedy choice leads by GREEDY_MARGIN nats, far beyond that
+    # (tests/engine_adapters/test_demo_model.py), so the text is the same on any hardware.
+    assert _text(sent + rest) == _text(alone)
     usage = orjson.loads(rest[-2][1])["usage"]
     assert usage["completion_tokens"] == MAX_TOKENS
     assert vllm_server.metric("sluice_state_takeovers_total", how="continued") >= 1

@@ -23,12 +23,15 @@ run: setup
 run-sim: setup
 	$(BIN)/sluice serve --engine sim --host $(HOST) --port $(PORT)
 
+# pytest-xdist: one worker per core; the tests of the session's vLLM server share one worker.
+PARALLEL ?= -n auto --dist loadgroup
+
 test: setup
 	scripts/install-test-deps.sh
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(PARALLEL) $(PYTEST_ARGS)
 
-test-quick: setup  # the pure and sim-engine tests, no vLLM, browser, Prometheus or slow ones
-	$(BIN)/pytest -m "not vllm and not browser and not prometheus and not slow" $(PYTEST_ARGS)
+test-quick: setup  # the unit and service tiers: no vLLM, processes, browser or Prometheus
+	$(BIN)/pytest -m "not system" $(PYTEST_ARGS)
 
 lint: setup  # what CI runs before the tests: lint, format, types, import rules
 	$(BIN)/ruff check $(LINTED)

@@ -41,8 +41,13 @@ VLLM_FIXTURES = {"vllm_server", "demo_model_dir"}
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if VLLM_FIXTURES & fixtures:
             item.add_marker(pytest.mark.vllm)
+        if "vllm_server" in fixtures:
+            # Under pytest-xdist (`--dist loadgroup`), the tests of the session's vLLM server
+            # all run in one worker, so that one engine starts, not one per worker.
+            item.add_marker(pytest.mark.xdist_group("vllm_server"))
 
 
 def free_port() -> int:

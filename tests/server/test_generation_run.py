@@ -110,7 +110,9 @@ async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: S
     for run in (plain, resumable):
         with run.reading():
             await run.started()
+    left = asyncio.get_running_loop().time()
     await plain.until_ended()
+    assert asyncio.get_running_loop().time() == left  # at once, not after an engine step
     assert isinstance(plain.log[-2].error, GenerationCancelled)
     assert not resumable.ended  # it runs on, for the grace period, with no reader
     finished = await resumable.until_ended()

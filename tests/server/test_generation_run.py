@@ -42,6 +42,7 @@ BODY = {
 
 @pytest.fixture
 async def sluice():  # type: ignore[no-untyped-def]
+    # Set up on the loop's wall time (looptime compacts the test's only): nothing here waits.
     clock = asyncio.get_running_loop().time
     engine = SimEngine(SimConfig(step_base_ms=2.0))
     config = parse_config(OPTIMISTIC)

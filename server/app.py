@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -171,9 +171,11 @@ def build_app(
     batch_store: BatchStore | None = None,
     max_file_bytes: int = 100 << 20,
     state: RedisState | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Starlette:
     """`state`: Redis, for quotas (the dispatcher's) and resumable generations shared by
-    replicas."""
+    replicas. `clock`: what the tenant directory and the run store read (in-process tests in
+    virtual time pass the loop's, as they do to the dispatcher)."""
     shared = (
         None
         if state is None
@@ -182,10 +184,10 @@ def build_app(
     sluice = Sluice(
         engine=engine,
         dispatcher=dispatcher,
-        tenants=TenantDirectory(config),
+        tenants=TenantDirectory(config, clock),
         served_model=served_model,
         send_guard=SendGuard(send_timeout_seconds),
-        store=RunStore(config.resume.retention_s, config.resume.max_bytes),
+        store=RunStore(config.resume.retention_s, config.resume.max_bytes, clock),
         shared=shared,
         ping_seconds=ping_seconds,
         max_body_bytes=max_body_bytes,

@@ -25,7 +25,7 @@ class _InFlight:
     __slots__ = ("__weakref__", "since", "task")
 
     def __init__(self) -> None:
-        self.since = 0.0  # loop time the current send began; 0 while no send is in flight
+        self.since: float | None = None  # loop time the current send began, while in flight
         self.task: asyncio.Task[Any] | None = None
 
 
@@ -49,7 +49,7 @@ class SendGuard:
             try:
                 await send(message)
             finally:
-                state.since = 0.0
+                state.since = None
 
         return guarded
 
@@ -57,9 +57,10 @@ class SendGuard:
         """Cancel sends in flight for longer than the timeout; return how many."""
         cancelled = 0
         for state in list(self._streams):
-            if state.since and now - state.since > self.timeout and state.task is not None:
+            since = state.since
+            if since is not None and now - since > self.timeout and state.task is not None:
                 state.task.cancel()
-                state.since = 0.0
+                state.since = None
                 cancelled += 1
         self.stalled += cancelled
         return cancelled

@@ -1,10 +1,11 @@
-"""BatchRuntime on the wall clock with the sim-batch engine (small batch times)."""
+"""BatchRuntime with the sim-batch engine, in virtual time: the loop's clock jumps to the next
+timer whenever nothing can run (looptime), so a batch costs no wall time. The runtime and the
+tickets read that clock too."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -19,6 +20,8 @@ from server.scheduler.types import Ticket, TrafficClass
 
 MODEL = "sluice-demo"
 
+pytestmark = pytest.mark.looptime
+
 
 def make(
     *, batch_s: float = 0.02, max_batch: int = 4, workers: int = 1, **config: object
@@ -31,7 +34,7 @@ def make(
         max_delay_s=0.005,
         **config,
     )  # type: ignore[arg-type]
-    return engine, BatchRuntime(cfg, engine)
+    return engine, BatchRuntime(cfg, engine, clock=asyncio.get_running_loop().time)
 
 
 @pytest.fixture
@@ -44,13 +47,15 @@ async def runtime() -> AsyncIterator[tuple[SimBatchEngine, BatchRuntime]]:
     await engine.stop()
 
 
+def now() -> float:
+    return asyncio.get_running_loop().time()
+
+
 def request(
     rid: str, prompt: str = "hello", *, deadline: float = math.inf
 ) -> tuple[Ticket, GenerationRequest]:
     ids = tokenize(prompt)
-    ticket = Ticket(
-        rid, "default", TrafficClass.INTERACTIVE, MODEL, time.monotonic(), deadline, len(ids), 4
-    )
+    ticket = Ticket(rid, "default", TrafficClass.INTERACTIVE, MODEL, now(), deadline, len(ids), 4)
     return ticket, GenerationRequest(rid, ids, SamplingOptions(max_tokens=4))
 
 
@@ -71,8 +76,10 @@ def sample(name: str) -> float:
 async def test_concurrent_requests_share_one_batch_and_get_whole_responses(runtime) -> None:
     _, rt = runtime
     count = sample("sluice_batch_size_count")
+    arrived = now()
     results = await asyncio.gather(*(generate(rt, f"R{i}") for i in range(4)))
-    assert len({dispatched for dispatched, _ in results}) == 1
+    assert {dispatched for dispatched, _ in results} == {arrived}  # full: no batching delay
+    assert now() - arrived == pytest.approx(0.02)  # one batch time
     for _, deltas in results:
         (delta,) = deltas
         assert len(delta.token_ids) == 4 and delta.finish_reason == "length" and delta.text
@@ -86,7 +93,7 @@ async def test_an_unmeetable_deadline_is_refused_at_admission() -> None:
     entered = [asyncio.Event() for _ in range(4)]
     tasks = [asyncio.create_task(generate(rt, f"R{i}", entered=e)) for i, e in enumerate(entered)]
     await asyncio.gather(*(e.wait() for e in entered))
-    ticket, req = request("E", deadline=time.monotonic() + 1.0)
+    ticket, req = request("E", deadline=now() + 1.0)
     with pytest.raises(DeadlineUnmeetable):
         async with rt.generation(ticket, req):
             pass

@@ -1,9 +1,10 @@
-"""The asyncio shell with the real `sim` engine on the wall clock."""
+"""The asyncio shell with the real `sim` engine, in virtual time: the loop's clock jumps to the
+next timer whenever nothing can run (looptime), so an engine step costs no wall time and every
+time here is exact. The runtime and the tickets read that clock too."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -13,6 +14,8 @@ from server.config import SluiceConfig, parse_config
 from server.errors import DeadlineExceeded, Overloaded
 from server.scheduler.runtime import SchedulerRuntime
 from server.scheduler.types import Ticket, TrafficClass
+
+pytestmark = pytest.mark.looptime
 
 # Priors only (no start-up calibration), so optimistic that admission never predicts a miss:
 # the deadline itself decides.
@@ -28,7 +31,7 @@ def make_ticket(
     max_tokens: int = 8,
     traffic_class: TrafficClass = TrafficClass.INTERACTIVE,
 ) -> Ticket:
-    now = time.monotonic()
+    now = asyncio.get_running_loop().time()
     return Ticket(request_id, "default", traffic_class, "sim", now, now + deadline_s, 4, max_tokens)
 
 
@@ -43,7 +46,7 @@ def make_request(ticket: Ticket) -> GenerationRequest:
 async def started_runtime(config: SluiceConfig, sim: SimConfig | None = None):
     engine = SimEngine(sim or SimConfig())
     await engine.start()
-    runtime = SchedulerRuntime(config, engine, "sim")
+    runtime = SchedulerRuntime(config, engine, "sim", clock=asyncio.get_running_loop().time)
     await runtime.start()
     return engine, runtime
 
@@ -116,6 +119,7 @@ async def test_running_deadline_aborts_the_engine_request() -> None:
         ticket = make_ticket("slow", deadline_s=0.1, max_tokens=1000)
         with pytest.raises(DeadlineExceeded):
             await collect(runtime, ticket)
+        assert asyncio.get_running_loop().time() == pytest.approx(ticket.deadline)  # mid-step
         assert engine.num_unfinished_requests() == 0
         assert runtime.core.is_idle()
     finally:
@@ -131,8 +135,11 @@ async def test_queued_deadline_expires_at_the_deadline() -> None:
         blocker = asyncio.create_task(collect(runtime, make_ticket("a", max_tokens=30)))
         await asyncio.sleep(0)
         # Admission predicts with the optimistic prior, so this deadline looks meetable.
+        queued = make_ticket("b", deadline_s=0.2)
         with pytest.raises(DeadlineExceeded):
-            await collect(runtime, make_ticket("b", deadline_s=0.2))
+            await collect(runtime, queued)
+        assert asyncio.get_running_loop().time() == pytest.approx(queued.deadline)
+        assert not blocker.done()  # 30 steps of 20 ms
         await blocker
         assert runtime.core.is_idle()
     finally:
@@ -191,7 +198,10 @@ async def test_preempted_bulk_stream_resumes_and_delivers_every_token() -> None:
         for event in running:
             await event.wait()
         chat = make_ticket("chat", max_tokens=8)
-        chat_tokens = await collect(runtime, chat)
+        async with runtime.generation(chat, make_request(chat)) as generation:
+            # It waited its preemption delay, then took a preempted stream's seat.
+            assert generation.dispatched_at - chat.arrival == pytest.approx(0.050)
+            chat_tokens = [token async for delta in generation for token in delta.token_ids]
         assert len(chat_tokens) == 8
         assert runtime.core.preemptions_total == 1
         assert not any(s.done() for s in streams)  # the chat did not wait for bulk to end

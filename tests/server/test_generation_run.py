@@ -1,6 +1,8 @@
 """In process: one generation's run and its log, the store that finds it again, the chunk
 encoder, the request parser and the send guard. The engine is the real `sim` engine behind
-the real scheduler runtime; no server, no sockets.
+the real scheduler runtime; no server, no sockets. In virtual time: the loop's clock jumps to
+the next timer whenever nothing can run (looptime), so engine steps cost no wall time; the
+runtime, the tenants, the run store and the timelines' arrivals read that clock too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from server.timeline import RequestTimeline
 OPTIMISTIC = {
     "estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9, "calibrate": False}
 }
+pytestmark = pytest.mark.looptime
+
 REQUEST_NUMBERS = itertools.count()
 BODY = {
     "messages": [{"role": "user", "content": "hi"}],
@@ -38,10 +42,12 @@ BODY = {
 
 @pytest.fixture
 async def sluice():  # type: ignore[no-untyped-def]
+    # Set up on the loop's wall time (looptime compacts the test's only): nothing here waits.
+    clock = asyncio.get_running_loop().time
     engine = SimEngine(SimConfig(step_base_ms=2.0))
     config = parse_config(OPTIMISTIC)
-    runtime = SchedulerRuntime(config, engine, "sim")
-    app = build_app(engine, runtime, config, "sim")
+    runtime = SchedulerRuntime(config, engine, "sim", clock=clock)
+    app = build_app(engine, runtime, config, "sim", clock=clock)
     await engine.start()
     await runtime.start()
     yield app.state.sluice
@@ -52,7 +58,12 @@ async def sluice():  # type: ignore[no-untyped-def]
 async def open_run(
     sluice: Sluice, body: dict = BODY, key: str | None = None
 ) -> tuple[GenerationRun, bool]:
-    timeline = RequestTimeline(request_id=f"r{next(REQUEST_NUMBERS)}", model="sim", api="chat")
+    timeline = RequestTimeline(
+        request_id=f"r{next(REQUEST_NUMBERS)}",
+        model="sim",
+        api="chat",
+        arrival=asyncio.get_running_loop().time(),  # the ticket's, on the scheduler's clock
+    )
     return await sluice.generate(
         parse_request(body, "chat"),
         body,
@@ -100,7 +111,9 @@ async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: S
     for run in (plain, resumable):
         with run.reading():
             await run.started()
+    left = asyncio.get_running_loop().time()
     await plain.until_ended()
+    assert asyncio.get_running_loop().time() == left  # at once, not after an engine step
     assert isinstance(plain.log[-2].error, GenerationCancelled)
     assert not resumable.ended  # it runs on, for the grace period, with no reader
     finished = await resumable.until_ended()

@@ -39,6 +39,14 @@ VLLM_OUTPUT_FLAGS = [
 VLLM_FIXTURES = {"vllm_server", "demo_model_dir"}
 
 
+# The tiers (README, "Tests"): `unit` runs no server; `service` serves an app in this process on
+# loopback; `system` runs real processes (vLLM, a `sluice serve` whose process is the subject,
+# Redis, Chromium, Prometheus). A module whose tests start processes says `system` itself; the
+# rest is derived here.
+SYSTEM_NEEDS = {"vllm", "browser", "prometheus"}
+SERVICE_FIXTURES = {"sim_server"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
@@ -48,6 +56,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             # Under pytest-xdist (`--dist loadgroup`), the tests of the session's vLLM server
             # all run in one worker, so that one engine starts, not one per worker.
             item.add_marker(pytest.mark.xdist_group("vllm_server"))
+        marked = {marker.name for marker in item.iter_markers()}
+        if marked & {"unit", "service", "system"}:
+            continue
+        if marked & SYSTEM_NEEDS:
+            item.add_marker(pytest.mark.system)
+        elif SERVICE_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.service)
+        else:
+            item.add_marker(pytest.mark.unit)
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ import openai
 import pytest
 from conftest import SluiceProcess, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def jsonl(lines: list[dict]) -> bytes:

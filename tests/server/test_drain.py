@@ -16,7 +16,7 @@ import httpx
 import pytest
 from conftest import SluiceProcess, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from schemathesis.checks import not_a_server_error
 
 from server.openai_requests import accepted_fields
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import websockets
 from conftest import RedisProcess, SluiceProcess, parse_sse, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 KEY = {"Authorization": "Bearer acme-key"}
 LEASE_SECONDS = 2

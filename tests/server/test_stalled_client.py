@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import SluiceProcess, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import orjson
 import pytest
 from conftest import VLLM_ENV, RedisProcess, SluiceProcess, parse_sse, vllm_args
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 MAX_TOKENS = 200
 BODY = {

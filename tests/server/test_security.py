@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import ROOT, SluiceProcess, free_port
+from conftest import ROOT, SluiceProcess, loopback_listener, reserved_port
 
 from engine_adapters.sim import SimEngine
 from server.app import build_app
@@ -39,7 +39,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
         f"  acme: {{api_keys: [{ACME_KEY}]}}\n"
         f"  hashed: {{api_key_sha256: [{key_digest(DIGEST_KEY)}]}}\n"
     )
-    metrics_port = free_port()
+    metrics_port = reserved_port()
     process = SluiceProcess(
         [
             "--engine",
@@ -253,23 +253,25 @@ def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
 def test_a_misspelt_configuration_key_stops_the_start_naming_its_path(tmp_path: Path) -> None:
     config = tmp_path / "sluice.yaml"
     config.write_text("tenants:\n  acme: {api_keys: [k1], max_concurent: 1}\n")
-    started = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--engine",
-            "sim",
-            "--config",
-            str(config),
-            "--port",
-            str(free_port()),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    with loopback_listener() as listener:  # (where it would serve, had it started)
+        started = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--engine",
+                "sim",
+                "--config",
+                str(config),
+                "--fd",
+                str(listener.fileno()),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            pass_fds=(listener.fileno(),),
+        )
     assert started.returncode == 2
     assert "tenants.acme.max_concurent: unknown key; did you mean max_concurrent?" in started.stderr

@@ -27,9 +27,8 @@ DOOMED_LEASE_SECONDS = 6
 
 @pytest.fixture(scope="module")
 def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
-    server = RedisProcess(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
+    with RedisProcess(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,19 @@ METRICS_TIMEOUT_S = 15.0
 
 @pytest.fixture
 def slow_sluice(tmp_path: Path) -> Iterator[RunningSluice]:
-    # One engine step per token at 40 ms: a 1,500-token answer would take a minute.
+    # One engine step per token at 40 ms: a 1,500-token answer would take a minute. No
+    # start-up calibration: at 40 ms a step its probe took ~10 s, and the page does not depend
+    # on what it measures (the page sets its own deadline).
+    config = tmp_path / "sluice.yaml"
+    config.write_text("estimates: {calibrate: false}\n")
     with run_sluice(
-        tmp_path, "--served-model-name", "sluice-demo", "--sim-step-base-ms", "40"
+        tmp_path,
+        "--served-model-name",
+        "sluice-demo",
+        "--sim-step-base-ms",
+        "40",
+        "--config",
+        str(config),
     ) as s:
         yield s
 

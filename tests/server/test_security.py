@@ -38,6 +38,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
         "tenants:\n"
         f"  acme: {{api_keys: [{ACME_KEY}]}}\n"
         f"  hashed: {{api_key_sha256: [{key_digest(DIGEST_KEY)}]}}\n"
+        # No start-up calibration (~2 s): nothing here depends on the engine's measured speed.
+        "estimates: {calibrate: false}\n"
     )
     metrics_port = reserved_port()
     process = SluiceProcess(
@@ -232,8 +234,13 @@ async def _resume_as(url: str, key: str, public_id: str, expected: str) -> None:
 
 
 def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
+    # A server of its own (the address it throttles is every test's); no start-up calibration.
+    config = tmp_path / "sluice.yaml"
+    config.write_text("estimates: {calibrate: false}\n")
     process = SluiceProcess(
-        ["--engine", "sim"], tmp_path / "server.log", env={"SLUICE_API_KEYS": f"{ACME_KEY}:acme"}
+        ["--engine", "sim", "--config", str(config)],
+        tmp_path / "server.log",
+        env={"SLUICE_API_KEYS": f"{ACME_KEY}:acme"},
     )
     try:
         process.wait_ready(60)

@@ -381,6 +381,7 @@ async def _serve(
             app,
             host=args.host,
             port=args.port,
+            fd=args.fd,
             log_level=args.log_level,
             access_log=False,
             timeout_graceful_shutdown=10,

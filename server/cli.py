@@ -24,6 +24,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve on the listening socket inherited as file descriptor N (bound by the "
+        "parent: a supervisor, systemd socket activation, a test), instead of --host/--port",
+    )
+    p.add_argument(
         "--engine",
         choices=("vllm", "sim", "sim-batch"),
         default="vllm",

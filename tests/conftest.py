@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,17 +68,52 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.unit)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def loopback_listener() -> socket.socket:
+    """A listening socket on a free loopback port, for a server process to inherit (`sluice
+    serve --fd`): bound here, so no other process can take the port between its choice and
+    its use, as one could with a number chosen first and bound later (tests run in parallel)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    return listener
+
+
+def reserved_port() -> int:
+    """A free loopback port's number, for a program that must bind it itself (Prometheus,
+    `--metrics-port`); the one place a test picks a number.
+
+    The port is left in TIME_WAIT (a connection to it, closed by its accepting side first),
+    which keeps the kernel from handing it to another socket asking for any port (port 0)
+    for a minute, while a server that binds it by number with SO_REUSEADDR (uvicorn's and Go's
+    listeners do) can take it at once.
+    """
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        address = listener.getsockname()
+        with socket.create_connection(address) as client:
+            accepted, _ = listener.accept()
+            accepted.close()
+            client.recv(1)  # the accepting side's FIN: it closed first, and holds TIME_WAIT
+        return int(address[1])
 
 
 class SluiceProcess:
-    """`sluice serve` in a subprocess on a free loopback port, its output in a log file."""
+    """`sluice serve` in a subprocess on a free loopback port, its output in a log file.
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    It serves on a listening socket bound here and inherited (`--fd`): `listener` when given
+    (a test that needs the socket's options set), else one of `loopback_listener()`."""
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        listener: socket.socket | None = None,
+    ) -> None:
+        listener = listener or loopback_listener()
+        self.port = int(listener.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         # Each server its own data directory (one process owns one), unless the test names one.
         data_dir = (
@@ -96,10 +132,8 @@ class SluiceProcess:
                 "-m",
                 "server.cli",
                 "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
+                "--fd",
+                str(listener.fileno()),
                 *data_dir,
                 *args,
             ],
@@ -108,7 +142,10 @@ class SluiceProcess:
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             process_group=0,
+            pass_fds=(listener.fileno(),),
         )
+        # The server's copy alone: once it exits, connecting is refused, not left queued.
+        listener.close()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -177,15 +214,17 @@ def wait_until(condition, timeout: float, interval: float = 0.05, message: str =
 
 
 class RedisProcess:
-    """`redis-server` on a free loopback port, in memory only; stopped and started again on
-    the same port."""
+    """`redis-server` in memory only, on a unix socket (no port to choose, so none to race
+    for); stopped and started again at the same path."""
 
     def __init__(self, directory: Path) -> None:
         binary = shutil.which("redis-server")
         assert binary, "redis-server is not installed: run scripts/install-test-deps.sh"
         self.binary, self.directory = binary, directory
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        # A socket's path holds at most 107 bytes: a short directory of its own, not the test's.
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="redis-"))
+        self.socket_path = self._socket_dir / "redis.sock"
+        self.url = f"unix://{self.socket_path}?db=0"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -194,9 +233,9 @@ class RedisProcess:
             [
                 self.binary,
                 "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
+                "0",
+                "--unixsocket",
+                str(self.socket_path),
                 "--save",
                 "",
                 "--appendonly",
@@ -212,7 +251,9 @@ class RedisProcess:
 
     def answers(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as connection:
+            with socket.socket(socket.AF_UNIX) as connection:
+                connection.settimeout(0.5)
+                connection.connect(str(self.socket_path))
                 connection.sendall(b"PING\r\n")  # (an inline command: no client library)
                 return connection.recv(16).startswith(b"+PONG")
         except OSError:
@@ -223,11 +264,17 @@ class RedisProcess:
         self.proc.terminate()
         self.proc.wait(timeout=10)
 
+    def close(self) -> None:
+        """Stop it for good (if running), and remove its socket's directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
     def __enter__(self) -> RedisProcess:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        self.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,9 @@
 """Real processes for the observability tests: a Sluice server on loopback, Prometheus, Chromium.
 
-Each test starts its own `python -m server.cli serve --engine sim ...` on a free port, waits
-(bounded) for /ready, and stops it in `finally`. Tools that come from Debian packages
-(prometheus, chromium) are skipped when missing on a developer machine and fail under CI,
-where scripts/install-test-deps.sh installs them.
+Each test starts its own `python -m server.cli serve --engine sim ...` on a loopback socket it
+inherits (`--fd`), waits (bounded) for /ready, and stops it in `finally`. Tools that come from
+Debian packages (prometheus, chromium) are skipped when missing on a developer machine and
+fail under CI, where scripts/install-test-deps.sh installs them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import TypeVar
 
 import httpx
 import pytest
+from conftest import loopback_listener
 from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
@@ -30,12 +30,6 @@ T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVER_READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def require_tool(name: str) -> str:
@@ -121,20 +115,22 @@ def run_sluice(
     name: str = "sluice",
 ) -> Iterator[RunningSluice]:
     """A Sluice server subprocess on a free loopback port, ready when this yields."""
-    port = free_port()
+    listener = loopback_listener()
+    port = int(listener.getsockname()[1])
     log_path = log_dir / f"{name}-{port}.log"
     command = [
         sys.executable, "-m", "server.cli", "serve",
-        "--engine", engine, "--host", "127.0.0.1", "--port", str(port),
+        "--engine", engine, "--fd", str(listener.fileno()),
         "--data-dir", str(log_dir / f"data-{port}"), *args,
     ]  # fmt: skip
-    with log_path.open("wb") as log:
+    with listener, log_path.open("wb") as log:
         process = subprocess.Popen(
             command,
             cwd=REPO_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
+            pass_fds=(listener.fileno(),),
         )
     server = RunningSluice(f"http://127.0.0.1:{port}", port, process, log_path)
     try:

@@ -24,12 +24,11 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import RedisProcess
+from conftest import RedisProcess, reserved_port
 
 from .conftest import (
     REPO_ROOT,
     RunningSluice,
-    free_port,
     log_tail,
     require_tool,
     run_sluice,
@@ -275,7 +274,7 @@ def _start_prometheus(tmp_path: Path, targets: dict[str, int]) -> Iterator[Runni
     binary = require_tool("prometheus")
     config_path = tmp_path / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(_prometheus_config(targets)))
-    port = free_port()
+    port = reserved_port()
     log_path = tmp_path / "prometheus.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -171,8 +171,13 @@ def test_files_list_read_and_delete(server: SluiceProcess) -> None:
 @pytest.fixture
 def slow_server(tmp_path: Path) -> Iterator[tuple[SluiceProcess, list[str]]]:
     """A sim server at ~20 ms a step (a 200-line batch takes seconds), and its arguments to
-    start it again on the same data directory."""
-    args = ["--engine", "sim", "--sim-step-base-ms", "20", "--data-dir", str(tmp_path / "data")]
+    start it again on the same data directory. No start-up calibration: at 20 ms a step its
+    probe takes seconds, and batches do not depend on what it measures (the scheduler starts
+    from its priors and learns online)."""
+    config = tmp_path / "sluice.yaml"
+    config.write_text("estimates: {calibrate: false}\n")
+    args = ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config)]
+    args += ["--data-dir", str(tmp_path / "data")]
     process = SluiceProcess(args, tmp_path / "server-0.log")
     started = [process]
     try:
@@ -216,6 +221,8 @@ def test_sigkill_mid_batch_then_restart_loses_and_repeats_no_line(  # type: igno
         ids = [line["custom_id"] for line in lines]
         assert sorted(ids) == sorted(f"req-{i}" for i in range(150))  # each exactly once
         assert batch.request_counts.completed == 150
+        # Killed mid-batch: the restarted server ran lines of its own.
+        assert again.metric("sluice_batch_lines_total", outcome="completed") > 0
     finally:
         again.stop()
 

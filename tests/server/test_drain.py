@@ -22,10 +22,14 @@ pytestmark = pytest.mark.system
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[object]:
     started: list[SluiceProcess] = []
+    # No start-up calibration: at 20 ms a step its probe takes seconds, and the drain does not
+    # depend on what it measures (the scheduler starts from its priors and learns online).
+    config = tmp_path / "sluice.yaml"
+    config.write_text("estimates: {calibrate: false}\n")
 
     def start(*args: str) -> SluiceProcess:
         process = SluiceProcess(
-            ["--engine", "sim", "--sim-step-base-ms", "20", *args],
+            ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config), *args],
             tmp_path / f"server-{len(started)}.log",
         )
         started.append(process)

@@ -3,6 +3,8 @@ not, gets a server error. Against the sim engine (a generation costs microsecond
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import pytest
 import schemathesis
@@ -13,6 +15,32 @@ from schemathesis.checks import not_a_server_error
 from server.openai_requests import accepted_fields
 
 pytestmark = pytest.mark.system
+
+
+@pytest.fixture(scope="module")
+def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
+    """A sim engine that answers fast: a step of ~0.05 ms and a context of 512 tokens. A
+    well-formed chat that sets no `max_tokens` runs to the context's end, which at the
+    defaults (2,048 tokens, ~2 ms a step) took seconds an example; the fuzzing is about what
+    the inputs are, not how long the answers run."""
+    server = SluiceProcess(
+        [
+            "--engine",
+            "sim",
+            "--sim-step-base-ms",
+            "0.05",
+            "--sim-decode-ms-per-token",
+            "0.001",
+            "--sim-max-model-len",
+            "512",
+        ],
+        tmp_path_factory.mktemp("openapi") / "server.log",
+    )
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")

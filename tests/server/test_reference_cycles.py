@@ -39,12 +39,6 @@ PER_REQUEST_TYPES = {"RequestTimeline", "Ticket", "GenerationRun", "RunResponse"
 FAST_PRIOR = EstimateConfig(decode_tokens_per_s=100_000.0, calibrate=False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def until(condition: Callable[[], bool], failure: str) -> None:
     """Poll `condition` for up to 5 s."""
     for _ in range(500):
@@ -59,9 +53,12 @@ async def sim_server(config: SluiceConfig) -> AsyncIterator[tuple[int, Scheduler
     engine = SimEngine()
     runtime = SchedulerRuntime(config, engine, "sim")
     app = build_app(engine, runtime, config, "sim")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    serving = asyncio.create_task(server.serve())
+    listener = socket.socket()  # bound here: no free port to race another process for
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = int(listener.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
     try:
         await until(lambda: server.started, "the server did not start")
         yield port, runtime
@@ -73,6 +70,7 @@ async def sim_server(config: SluiceConfig) -> AsyncIterator[tuple[int, Scheduler
     finally:
         server.should_exit = True
         await serving
+        listener.close()
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import ROOT, SluiceProcess, free_port
+from conftest import ROOT, SluiceProcess, loopback_listener, reserved_port
 
 from engine_adapters.sim import SimEngine
 from server.app import build_app
@@ -38,8 +38,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
         "tenants:\n"
         f"  acme: {{api_keys: [{ACME_KEY}]}}\n"
         f"  hashed: {{api_key_sha256: [{key_digest(DIGEST_KEY)}]}}\n"
+        # No start-up calibration (~2 s): nothing here depends on the engine's measured speed.
+        "estimates: {calibrate: false}\n"
     )
-    metrics_port = free_port()
+    metrics_port = reserved_port()
     process = SluiceProcess(
         [
             "--engine",
@@ -232,8 +234,13 @@ async def _resume_as(url: str, key: str, public_id: str, expected: str) -> None:
 
 
 def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
+    # A server of its own (the address it throttles is every test's); no start-up calibration.
+    config = tmp_path / "sluice.yaml"
+    config.write_text("estimates: {calibrate: false}\n")
     process = SluiceProcess(
-        ["--engine", "sim"], tmp_path / "server.log", env={"SLUICE_API_KEYS": f"{ACME_KEY}:acme"}
+        ["--engine", "sim", "--config", str(config)],
+        tmp_path / "server.log",
+        env={"SLUICE_API_KEYS": f"{ACME_KEY}:acme"},
     )
     try:
         process.wait_ready(60)
@@ -253,23 +260,25 @@ def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
 def test_a_misspelt_configuration_key_stops_the_start_naming_its_path(tmp_path: Path) -> None:
     config = tmp_path / "sluice.yaml"
     config.write_text("tenants:\n  acme: {api_keys: [k1], max_concurent: 1}\n")
-    started = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "serve",
-            "--engine",
-            "sim",
-            "--config",
-            str(config),
-            "--port",
-            str(free_port()),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    with loopback_listener() as listener:  # (where it would serve, had it started)
+        started = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--engine",
+                "sim",
+                "--config",
+                str(config),
+                "--fd",
+                str(listener.fileno()),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            pass_fds=(listener.fileno(),),
+        )
     assert started.returncode == 2
     assert "tenants.acme.max_concurent: unknown key; did you mean max_concurrent?" in started.stderr

@@ -8,16 +8,20 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import SluiceProcess, wait_until
+from conftest import SluiceProcess, loopback_listener, wait_until
 
 pytestmark = pytest.mark.system
 
 
 @pytest.fixture
 def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    # The connections it accepts inherit the listener's send buffer: fixed at 16 KiB (Linux
+    # doubles it), not grown by the kernel up to 4 MiB, so a reader that stops makes the
+    # server's sends block after kilobytes rather than after megabytes of generated text.
+    listener = loopback_listener()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
     server = SluiceProcess(
-        # A fast engine and a long answer: the kernel's socket buffers (up to 4 MiB here) must
-        # fill before a send blocks.
+        # A fast engine and a long answer: the socket buffers must fill before a send blocks.
         [
             "--engine",
             "sim",
@@ -31,6 +35,7 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
             "0.001",
         ],
         tmp_path / "server.log",
+        listener=listener,
     )
     try:
         server.wait_ready(60)
@@ -85,8 +90,8 @@ async def test_a_websocket_client_that_stops_reading_is_dropped(
     # max_queue=1: the client library stops reading the socket once one message waits unread.
     async with websockets.connect(url, sock=sock, max_queue=1) as ws:
         # Sixteen long answers: when the writer falls behind, the engine's tokens are merged
-        # into fewer, larger deltas, so only the text's total size (~360 KB an answer) can fill
-        # the kernel's socket buffers (up to 4 MiB here).
+        # into fewer, larger deltas, so only the text's total size (~360 KB an answer) fills
+        # the socket buffers and the two libraries' own (some 250 KB in all).
         for i in range(16):
             await ws.send(
                 json.dumps(
@@ -116,3 +121,6 @@ async def test_a_websocket_client_that_stops_reading_is_dropped(
             message="its engine requests aborted",
         )
         assert "websocket client stopped reading" in impatient_server.log()
+        # Leave without a closing handshake: either side's close frame would queue behind the
+        # data this client never read, and wait out websockets' close_timeout (10 s).
+        ws.transport.abort()

@@ -18,6 +18,7 @@ from server.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequ
 from server.generation import RequestContext, Sluice
 from server.generations.run import GenerationRun, Kind
 from server.generations.store import RunStore
+from server.metrics import Metrics
 from server.openai_requests import parse_request
 from server.openai_responses import ChunkEncoder
 from server.scheduler.runtime import SchedulerRuntime
@@ -40,8 +41,9 @@ BODY = {
 async def sluice():  # type: ignore[no-untyped-def]
     engine = SimEngine(SimConfig(step_base_ms=2.0))
     config = parse_config(OPTIMISTIC)
-    runtime = SchedulerRuntime(config, engine, "sim")
-    app = build_app(engine, runtime, config, "sim")
+    metrics = Metrics()
+    runtime = SchedulerRuntime(config, engine, "sim", metrics)
+    app = build_app(engine, runtime, config, "sim", metrics=metrics)
     await engine.start()
     await runtime.start()
     yield app.state.sluice
@@ -52,7 +54,9 @@ async def sluice():  # type: ignore[no-untyped-def]
 async def open_run(
     sluice: Sluice, body: dict = BODY, key: str | None = None
 ) -> tuple[GenerationRun, bool]:
-    timeline = RequestTimeline(request_id=f"r{next(REQUEST_NUMBERS)}", model="sim", api="chat")
+    timeline = RequestTimeline(
+        request_id=f"r{next(REQUEST_NUMBERS)}", model="sim", api="chat", metrics=sluice.metrics
+    )
     return await sluice.generate(
         parse_request(body, "chat"),
         body,

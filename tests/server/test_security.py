@@ -24,6 +24,7 @@ from engine_adapters.sim import SimEngine
 from server.app import build_app
 from server.batch_api.store import BatchStore
 from server.config import SluiceConfig, key_digest
+from server.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
 
 ACME_KEY, GLOBEX_KEY, DIGEST_KEY = "sk-acme-7f3a9c", "sk-globex-41d2e8", "sk-hashed-90be77"
@@ -121,13 +122,14 @@ def test_metrics_live_on_their_own_port(server: SluiceProcess) -> None:
 
 def _routes_with_resources(tmp_path: Path) -> list[tuple[str, str]]:
     """(method, path) of every route of the app that names a tenant's resource (`{id}`)."""
-    engine = SimEngine()
+    engine, metrics = SimEngine(), Metrics()
     store = BatchStore(tmp_path / "walk-data")
     app = build_app(
         engine,
-        SchedulerRuntime(SluiceConfig(), engine, "sim"),
+        SchedulerRuntime(SluiceConfig(), engine, "sim", metrics),
         SluiceConfig(),
         "sim",
+        metrics=metrics,
         batch_store=store,
     )
     store.close()

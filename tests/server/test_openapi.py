@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
-from conftest import SluiceProcess
+from conftest import InProcessSluice
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
@@ -16,11 +16,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def api_schema(sim_server: SluiceProcess) -> schemathesis.BaseSchema:
+def api_schema(sim_server: InProcessSluice) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(sim_server.url + "/openapi.json")
 
 
-def test_the_document_lists_every_accepted_field(sim_server: SluiceProcess) -> None:
+def test_the_document_lists_every_accepted_field(sim_server: InProcessSluice) -> None:
     document = httpx.get(sim_server.url + "/openapi.json", timeout=10).json()
     assert document["openapi"].startswith("3.1")
     for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completion")):
@@ -75,7 +75,7 @@ def test_the_fuzzed_operations_are_the_documented_ones(api_schema: schemathesis.
 )
 def test_no_input_gets_a_server_error(
     api_schema: schemathesis.BaseSchema,
-    sim_server: SluiceProcess,
+    sim_server: InProcessSluice,
     method: str,
     path: str,
     mode: schemathesis.GenerationMode,

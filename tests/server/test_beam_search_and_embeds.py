@@ -11,14 +11,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import InProcessSluice, wait_until
+from conftest import InProcessSluice, SluiceProcess, wait_until
 
 MODEL = "sluice-demo"
 PROMPT = "Hello, my name is"
 
 
 @pytest.fixture
-def client(vllm_server: InProcessSluice) -> openai.OpenAI:
+def client(vllm_server: SluiceProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -28,7 +28,7 @@ def _error(raised: pytest.ExceptionInfo[openai.APIStatusError]) -> dict[str, Any
     return body
 
 
-def test_beam_search_as_vllms_server(client: openai.OpenAI, vllm_server: InProcessSluice) -> None:
+def test_beam_search_as_vllms_server(client: openai.OpenAI, vllm_server: SluiceProcess) -> None:
     # One beam is greedy decoding: the same tokens as temperature 0. (Not quite the same text:
     # the search decodes its tokens at the end, a character cut short and all, as vLLM's does.)
     ask: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
@@ -110,7 +110,7 @@ def test_beam_search_as_vllms_server(client: openai.OpenAI, vllm_server: InProce
     )
 
 
-def test_a_client_leaving_ends_the_beam_search(vllm_server: InProcessSluice) -> None:
+def test_a_client_leaving_ends_the_beam_search(vllm_server: SluiceProcess) -> None:
     aborts_before = vllm_server.metric("sluice_engine_aborts_total", reason="client_cancelled")
     body = {
         "messages": [{"role": "user", "content": PROMPT}],
@@ -150,7 +150,7 @@ def _embeds(demo_model_dir: Path, token_ids: list[int]) -> str:
 
 
 def test_prompt_embeds_generate_as_their_tokens(
-    client: openai.OpenAI, vllm_server: InProcessSluice, demo_model_dir: Path
+    client: openai.OpenAI, vllm_server: SluiceProcess, demo_model_dir: Path
 ) -> None:
     from torch import zeros
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import InProcessSluice
+from conftest import InProcessSluice, SluiceProcess
 
 MODEL = "sluice-demo"
 
 
-def _post(server: InProcessSluice, path: str, body: object) -> httpx.Response:
+def _post(server: SluiceProcess | InProcessSluice, path: str, body: object) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=30)
 
 
-def test_tokenize_and_detokenize_with_the_models_tokenizer(vllm_server: InProcessSluice) -> None:
+def test_tokenize_and_detokenize_with_the_models_tokenizer(vllm_server: SluiceProcess) -> None:
     text = "Tell me about schedulers."
     for special in (True, False):  # the demo tokenizer adds no BOS; a Llama's would
         counted = _post(
@@ -76,7 +76,7 @@ def test_tokenize_and_detokenize_with_the_models_tokenizer(vllm_server: InProces
 
 
 def test_a_token_id_outside_the_vocabulary_is_a_400_not_a_retried_500(
-    vllm_server: InProcessSluice,
+    vllm_server: SluiceProcess,
 ) -> None:
     vocab = httpx.get(vllm_server.url + "/v1/models").json()["data"][0]  # the model exists
     assert vocab["id"] == MODEL

@@ -326,6 +326,16 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """New event loops as `serve`'s: uvloop's where it is installed (and SLUICE_NO_UVLOOP is
+    not set), for a server run in a thread of another process without touching its policy."""
+    if _has_uvloop():
+        import uvloop
+
+        return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
 def _has_uvloop() -> bool:
     return os.environ.get("SLUICE_NO_UVLOOP") is None and _importable("uvloop")
 

@@ -209,8 +209,11 @@ class InProcessSluice:
         return handler
 
     def _run(self) -> None:
+        from server.serving import loop_factory
+
         try:
-            self.returncode = asyncio.run(self._serve())
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
+                self.returncode = runner.run(self._serve())
         except BaseException as exc:  # SystemExit too: a start-up that failed or was refused
             self._failure = exc
         finally:

@@ -8,14 +8,14 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import SluiceProcess, wait_until
+from conftest import InProcessSluice, wait_until
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
-    server = SluiceProcess(
+    server = InProcessSluice(
         # A fast engine and a long answer: the kernel's socket buffers (up to 4 MiB here) must
         # fill before a send blocks.
         [
@@ -39,7 +39,7 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
         server.stop()
 
 
-def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess) -> None:
+def test_a_client_that_stops_reading_is_dropped(impatient_server: InProcessSluice) -> None:
     body = json.dumps(
         {
             "messages": [{"role": "user", "content": "talk"}],
@@ -74,7 +74,7 @@ def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess)
 
 
 async def test_a_websocket_client_that_stops_reading_is_dropped(
-    impatient_server: SluiceProcess,
+    impatient_server: InProcessSluice,
 ) -> None:
     import websockets
 

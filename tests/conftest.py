@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -54,6 +55,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if VLLM_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection imported (the server, uvicorn, the test modules: the test
+    process's start-up), as `sluice serve` does its own once started: full collections
+    during the tests then walk only what the tests made."""
+    gc.collect()
+    gc.freeze()
 
 
 def free_port() -> int:

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from server.config import StateConfig, TenantConfig  # noqa: E402
+from server.metrics import Metrics  # noqa: E402
 from server.scheduler.quotas import TenantQuotas  # noqa: E402
 from server.scheduler.types import Ticket, TrafficClass  # noqa: E402
 from server.state.backend import RedisState  # noqa: E402
@@ -78,7 +79,7 @@ def in_process(count: int) -> dict[str, Any]:
 
 
 async def with_redis(url: str, count: int, tasks: int) -> dict[str, Any]:
-    quotas = SharedQuotas(RedisState(StateConfig(url=url)), {"acme": TENANT})
+    quotas = SharedQuotas(RedisState(StateConfig(url=url), Metrics()), {"acme": TENANT})
     await quotas.start()
     assert quotas.up
     latencies: list[float] = []

@@ -219,7 +219,7 @@ def default_data_dir() -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        from server.app import serve
+        from server.serving import serve
 
         return serve(args)
     if args.command == "demo-model":

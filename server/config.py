@@ -536,8 +536,8 @@ def _claim(keys: dict[str, str], key: str, tenant: str, where: str) -> None:
     keys[key] = tenant
 
 
-def load_config(path: Path | None) -> SluiceConfig:
-    """The configuration from `path` (YAML) and the environment; defaults when `path` is None."""
+def load_config(path: Path | None, environ: Mapping[str, str] = os.environ) -> SluiceConfig:
+    """The configuration from `path` (YAML) and `environ`; defaults when `path` is None."""
     raw: Mapping[str, Any] = {}
     if path is not None:
         try:
@@ -548,7 +548,7 @@ def load_config(path: Path | None) -> SluiceConfig:
             raise ConfigError(f"{path}: expected a mapping at the top level")
         raw = loaded or {}
     try:
-        return parse_config(raw, os.environ.get(API_KEYS_ENV))
+        return parse_config(raw, environ.get(API_KEYS_ENV))
     except ConfigError as exc:
         raise ConfigError(f"{path or API_KEYS_ENV}: {exc}") from None
 

@@ -27,7 +27,6 @@ from engine_adapters.protocol import (
     PromptEmbeds,
     token_id_name,
 )
-from server import metrics
 from server.errors import (
     ContextLengthExceeded,
     EngineUnavailable,
@@ -42,6 +41,7 @@ from server.errors import (
 )
 from server.generations.run import GenerationRun, Kind, Shape, engine_failure
 from server.generations.store import MAX_KEY_LENGTH, RunStore, fingerprint
+from server.metrics import Metrics
 from server.openai_requests import ParsedRequest, parse_request
 from server.openai_responses import Echo
 from server.scheduler.tenants import Tenant, TenantDirectory
@@ -149,6 +149,7 @@ class Sluice:
     served_model: str
     send_guard: SendGuard
     store: RunStore
+    metrics: Metrics
     shared: SharedRuns | None = None  # with `state.url`: the runs replicas share
     ping_seconds: float = 15.0
     max_body_bytes: int = 1 << 20
@@ -327,6 +328,7 @@ class Sluice:
             request_id=record.request_id,
             model=self.served_model,
             api="chat" if record.kind == "chat" else "completions",
+            metrics=self.metrics,
             recorded=False,
         )
         context = RequestContext(
@@ -379,7 +381,7 @@ class Sluice:
                 )
             ticket = ticket.continued(len(generated))
             request = request.continued(generated, f"{request.request_id}~takeover")
-        metrics.STATE_TAKEOVERS.labels("continued" if generated else "afresh").inc()
+        self.metrics.state_takeovers.labels("continued" if generated else "afresh").inc()
         run.timeline.recorded = True
         return self.dispatcher.generation(ticket, request)
 

@@ -8,9 +8,9 @@ The README's "Metrics" section defines each one precisely.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from dataclasses import dataclass
 
-REGISTRY = CollectorRegistry(auto_describe=True)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -103,36 +103,6 @@ SLO_RESULTS: dict[str, tuple[tuple[str, str], ...]] = {
     "bulk": (("met", "none"), ("missed", "refused"), ("missed", "expired"), ("missed", "failed")),
 }
 
-# --- Per-request timings (recorded by the server as bytes reach the client) ---
-TIME_TO_FIRST_TOKEN = Histogram(
-    "sluice_time_to_first_token_seconds",
-    "Arrival at the server to the first generated token written to the client.",
-    ["model", "traffic_class"],
-    buckets=_LATENCY_BUCKETS,
-    registry=REGISTRY,
-)
-INTER_TOKEN_LATENCY = Histogram(
-    "sluice_inter_token_latency_seconds",
-    "Gap between consecutive writes of generated tokens to the client, divided evenly "
-    "among the tokens of the later write.",
-    ["model", "traffic_class"],
-    buckets=_ITL_BUCKETS,
-    registry=REGISTRY,
-)
-REQUEST_DURATION = Histogram(
-    "sluice_request_duration_seconds",
-    "Arrival at the server to the last byte of the response written.",
-    ["model", "traffic_class"],
-    buckets=_DURATION_BUCKETS,
-    registry=REGISTRY,
-)
-QUEUE_WAIT = Histogram(
-    "sluice_queue_wait_seconds",
-    "Arrival at the server to dispatch into the engine.",
-    ["model", "traffic_class"],
-    buckets=_LATENCY_BUCKETS,
-    registry=REGISTRY,
-)
 BATCH_STATUSES = (
     "validating",
     "in_progress",
@@ -144,178 +114,7 @@ BATCH_STATUSES = (
     "cancelled",
 )
 BATCH_LINE_OUTCOMES = ("completed", "failed", "expired")
-BATCHES = Gauge(
-    "sluice_batches",
-    "Batches (the Batch API) by status.",
-    ["status"],
-    registry=REGISTRY,
-)
-BATCH_LINES = Counter(
-    "sluice_batch_lines",
-    "Batch lines that ended: completed, failed (an error response) or expired.",
-    ["outcome"],
-    registry=REGISTRY,
-)
-REQUESTS = Counter(
-    "sluice_requests",
-    "Requests that ended, by outcome.",
-    ["model", "traffic_class", "outcome"],
-    registry=REGISTRY,
-)
-GENERATED_TOKENS = Counter(
-    "sluice_generated_tokens",
-    "Tokens the engine generated and Sluice received.",
-    ["model", "traffic_class"],
-    registry=REGISTRY,
-)
-PROMPT_TOKENS = Counter(
-    "sluice_prompt_tokens",
-    "Prompt tokens of requests dispatched to the engine.",
-    ["model", "traffic_class"],
-    registry=REGISTRY,
-)
 
-# --- Engine state ---
-ENGINE_UNFINISHED_REQUESTS = Gauge(
-    "sluice_engine_unfinished_requests",
-    "Requests the engine holds (running or waiting inside the engine), read at scrape time.",
-    ["model"],
-    registry=REGISTRY,
-)
-ENGINE_HEALTHY = Gauge(
-    "sluice_engine_healthy",
-    "1 while the engine is loaded and healthy, else 0.",
-    ["model"],
-    registry=REGISTRY,
-)
-ENGINE_ABORTS = Counter(
-    "sluice_engine_aborts",
-    "Engine requests aborted by Sluice before they finished, by reason.",
-    ["model", "reason"],
-    registry=REGISTRY,
-)
-CANCELLATIONS = Counter(
-    "sluice_cancellations",
-    "Requests whose client left or cancelled, by where they were (queued or running).",
-    ["model", "traffic_class", "stage"],
-    registry=REGISTRY,
-)
-
-# --- Scheduler state (recorded at state changes by the scheduler shell) ---
-QUEUE_DEPTH = Gauge(
-    "sluice_queue_depth",
-    "Requests waiting in Sluice's queue.",
-    ["model", "traffic_class"],
-    registry=REGISTRY,
-)
-QUEUE_OLDEST_AGE = Gauge(
-    "sluice_queue_oldest_age_seconds",
-    "Age of the oldest queued request.",
-    ["model", "traffic_class"],
-    registry=REGISTRY,
-)
-RUNNING_REQUESTS = Gauge(
-    "sluice_running_requests",
-    "Sequences dispatched to the engine and not yet ended (a request with n choices runs n).",
-    ["model", "traffic_class"],
-    registry=REGISTRY,
-)
-BUDGET_IN_USE = Gauge(
-    "sluice_budget_in_use",
-    "Units of each budget held by running requests.",
-    ["budget"],
-    registry=REGISTRY,
-)
-BUDGET_LIMIT = Gauge(
-    "sluice_budget_limit",
-    "Limit of each budget.",
-    ["budget"],
-    registry=REGISTRY,
-)
-REJECTIONS = Counter(
-    "sluice_rejections",
-    "Requests refused before or instead of dispatch, by reason.",
-    ["model", "traffic_class", "reason", "tenant"],
-    registry=REGISTRY,
-)
-DEADLINE_MISSES = Counter(
-    "sluice_deadline_misses",
-    "Requests whose deadline passed before they completed (expired queued or aborted running).",
-    ["model", "traffic_class"],
-    registry=REGISTRY,
-)
-TENANT_REQUESTS = Counter(
-    "sluice_tenant_requests",
-    "Requests that ended, by configured tenant and outcome.",
-    ["tenant", "outcome"],
-    registry=REGISTRY,
-)
-AUTOSCALE_PRESSURE = Gauge(
-    "sluice_autoscale_pressure",
-    "Predicted queue wait over the class's deadline budget; above 1 means add capacity.",
-    ["model", "traffic_class"],
-    registry=REGISTRY,
-)
-
-# --- Interactive SLO and the bulk cap ---
-SLO_REQUESTS = Counter(
-    "sluice_slo_requests",
-    "Requests that ended, by whether they met their class's service-level objective "
-    "(interactive: completed within the TTFT and median inter-token targets; bulk: completed).",
-    ["model", "traffic_class", "result", "reason"],
-    registry=REGISTRY,
-)
-SLO_TARGET = Gauge(
-    "sluice_slo_target_seconds",
-    "The interactive targets in effect: time to first token (ttft) and median gap between "
-    "tokens (itl).",
-    ["model", "traffic_class", "target"],
-    registry=REGISTRY,
-)
-BULK_CAP = Gauge(
-    "sluice_bulk_cap_sequences",
-    "Bulk sequences allowed to run now (lower while chats run, the knee otherwise).",
-    ["model"],
-    registry=REGISTRY,
-)
-RESUMED_PREFILL_TOKENS = Counter(
-    "sluice_resumed_prefill_tokens",
-    "Prompt tokens the engine computed again to resume preempted requests (the rest of each "
-    'resumed prompt came from its prefix cache); with engine_aborts_total{reason="preempted"}, '
-    "what a pause costs.",
-    ["model"],
-    registry=REGISTRY,
-)
-KNEE = Gauge(
-    "sluice_knee_sequences",
-    "Learned concurrency past which more sequences add little throughput.",
-    ["model"],
-    registry=REGISTRY,
-)
-
-# --- Batch dispatch mode ---
-BATCH_SIZE = Histogram(
-    "sluice_batch_size",
-    "Requests per dispatched batch.",
-    ["model"],
-    buckets=(1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 128),
-    registry=REGISTRY,
-)
-WORKER_FAILURES = Counter(
-    "sluice_worker_failures",
-    "Batches lost to a worker failure.",
-    ["model"],
-    registry=REGISTRY,
-)
-BATCH_RETRIES = Counter(
-    "sluice_batch_retries",
-    "Requests re-queued after their batch failed.",
-    ["model"],
-    registry=REGISTRY,
-)
-
-
-# --- Shared state (Redis), with `state.url` set ---
 _STATE_BUCKETS = (
     0.0001,
     0.00025,
@@ -333,66 +132,303 @@ _STATE_BUCKETS = (
     0.25,
     0.5,
 )
-STATE_UP = Gauge(
-    "sluice_state_backend_up",
-    "1 while the shared state backend answers; 0 while this replica enforces its share of "
-    "each tenant limit alone.",
-    ["backend"],
-    registry=REGISTRY,
-)
-STATE_LATENCY = Histogram(
-    "sluice_state_backend_seconds",
-    "Round trips to the shared state backend, by operation.",
-    ["operation"],
-    buckets=_STATE_BUCKETS,
-    registry=REGISTRY,
-)
-STATE_ERRORS = Counter(
-    "sluice_state_backend_errors_total",
-    "Calls to the shared state backend that failed or timed out, by operation.",
-    ["operation"],
-    registry=REGISTRY,
-)
-STATE_REPLICAS = Gauge(
-    "sluice_state_replicas",
-    "Replicas the shared state backend last counted (those renewing their leases).",
-    ["backend"],
-    registry=REGISTRY,
-)
-STATE_TAKEOVERS = Counter(
-    "sluice_state_takeovers",
-    "Resumable generations this replica took over from a replica that stopped renewing its "
-    "lease (it died), by how: continued from the logged tokens, or started afresh (nothing "
-    "was sent yet).",
-    ["how"],
-    registry=REGISTRY,
-)
 STATE_OPERATIONS = ("acquire", "release", "renew", "open", "find", "append", "claim", "read")
 
 
-def initialise(model: str, tenant_labels: tuple[str, ...] = ()) -> None:
-    """Create every labelled counter's series for `model` at zero (Prometheus' guidance: a
-    series that appears only with its first event leaves gaps in rates and alerts)."""
-    for outcome in BATCH_LINE_OUTCOMES:
-        BATCH_LINES.labels(outcome)
-    for tc in TRAFFIC_CLASSES:
-        for outcome in OUTCOMES:
-            REQUESTS.labels(model, tc, outcome)
-        for reason in REJECTION_REASONS:
-            for tenant in (*tenant_labels, "other"):
-                REJECTIONS.labels(model, tc, reason, tenant)
-        for stage in CANCEL_STAGES:
-            CANCELLATIONS.labels(model, tc, stage)
-        for result, reason in SLO_RESULTS[tc]:
-            SLO_REQUESTS.labels(model, tc, result, reason)
-        DEADLINE_MISSES.labels(model, tc)
-        GENERATED_TOKENS.labels(model, tc)
-        PROMPT_TOKENS.labels(model, tc)
-    for reason in ABORT_REASONS:
-        ENGINE_ABORTS.labels(model, reason)
-    for tenant in tenant_labels:
-        for outcome in OUTCOMES:
-            TENANT_REQUESTS.labels(tenant, outcome)
-    RESUMED_PREFILL_TOKENS.labels(model)
-    WORKER_FAILURES.labels(model)
-    BATCH_RETRIES.labels(model)
+class Metrics:
+    """Every Prometheus metric one Sluice app exports, in a registry of its own: the
+    composition root makes one per app and hands it to each part that records, so that two
+    apps in one process (tests) never see each other's counts."""
+
+    def __init__(self) -> None:
+        registry = self.registry = CollectorRegistry(auto_describe=True)
+        # --- Per-request timings (recorded by the server as bytes reach the client) ---
+        self.time_to_first_token = Histogram(
+            "sluice_time_to_first_token_seconds",
+            "Arrival at the server to the first generated token written to the client.",
+            ["model", "traffic_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            "sluice_inter_token_latency_seconds",
+            "Gap between consecutive writes of generated tokens to the client, divided evenly "
+            "among the tokens of the later write.",
+            ["model", "traffic_class"],
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "sluice_request_duration_seconds",
+            "Arrival at the server to the last byte of the response written.",
+            ["model", "traffic_class"],
+            buckets=_DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "sluice_queue_wait_seconds",
+            "Arrival at the server to dispatch into the engine.",
+            ["model", "traffic_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.batches = Gauge(
+            "sluice_batches",
+            "Batches (the Batch API) by status.",
+            ["status"],
+            registry=registry,
+        )
+        self.batch_lines = Counter(
+            "sluice_batch_lines",
+            "Batch lines that ended: completed, failed (an error response) or expired.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.requests = Counter(
+            "sluice_requests",
+            "Requests that ended, by outcome.",
+            ["model", "traffic_class", "outcome"],
+            registry=registry,
+        )
+        self.generated_tokens = Counter(
+            "sluice_generated_tokens",
+            "Tokens the engine generated and Sluice received.",
+            ["model", "traffic_class"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens",
+            "Prompt tokens of requests dispatched to the engine.",
+            ["model", "traffic_class"],
+            registry=registry,
+        )
+
+        # --- Engine state ---
+        self.engine_unfinished_requests = Gauge(
+            "sluice_engine_unfinished_requests",
+            "Requests the engine holds (running or waiting inside the engine), read at scrape "
+            "time.",
+            ["model"],
+            registry=registry,
+        )
+        self.engine_healthy = Gauge(
+            "sluice_engine_healthy",
+            "1 while the engine is loaded and healthy, else 0.",
+            ["model"],
+            registry=registry,
+        )
+        self.engine_aborts = Counter(
+            "sluice_engine_aborts",
+            "Engine requests aborted by Sluice before they finished, by reason.",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.cancellations = Counter(
+            "sluice_cancellations",
+            "Requests whose client left or cancelled, by where they were (queued or running).",
+            ["model", "traffic_class", "stage"],
+            registry=registry,
+        )
+
+        # --- Scheduler state (recorded at state changes by the scheduler shell) ---
+        self.queue_depth = Gauge(
+            "sluice_queue_depth",
+            "Requests waiting in Sluice's queue.",
+            ["model", "traffic_class"],
+            registry=registry,
+        )
+        self.queue_oldest_age = Gauge(
+            "sluice_queue_oldest_age_seconds",
+            "Age of the oldest queued request.",
+            ["model", "traffic_class"],
+            registry=registry,
+        )
+        self.running_requests = Gauge(
+            "sluice_running_requests",
+            "Sequences dispatched to the engine and not yet ended (a request with n choices runs "
+            "n).",
+            ["model", "traffic_class"],
+            registry=registry,
+        )
+        self.budget_in_use = Gauge(
+            "sluice_budget_in_use",
+            "Units of each budget held by running requests.",
+            ["budget"],
+            registry=registry,
+        )
+        self.budget_limit = Gauge(
+            "sluice_budget_limit",
+            "Limit of each budget.",
+            ["budget"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "sluice_rejections",
+            "Requests refused before or instead of dispatch, by reason.",
+            ["model", "traffic_class", "reason", "tenant"],
+            registry=registry,
+        )
+        self.deadline_misses = Counter(
+            "sluice_deadline_misses",
+            "Requests whose deadline passed before they completed (expired queued or aborted "
+            "running).",
+            ["model", "traffic_class"],
+            registry=registry,
+        )
+        self.tenant_requests = Counter(
+            "sluice_tenant_requests",
+            "Requests that ended, by configured tenant and outcome.",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self.autoscale_pressure = Gauge(
+            "sluice_autoscale_pressure",
+            "Predicted queue wait over the class's deadline budget; above 1 means add capacity.",
+            ["model", "traffic_class"],
+            registry=registry,
+        )
+
+        # --- Interactive SLO and the bulk cap ---
+        self.slo_requests = Counter(
+            "sluice_slo_requests",
+            "Requests that ended, by whether they met their class's service-level objective "
+            "(interactive: completed within the TTFT and median inter-token targets; bulk: "
+            "completed).",
+            ["model", "traffic_class", "result", "reason"],
+            registry=registry,
+        )
+        self.slo_target = Gauge(
+            "sluice_slo_target_seconds",
+            "The interactive targets in effect: time to first token (ttft) and median gap between "
+            "tokens (itl).",
+            ["model", "traffic_class", "target"],
+            registry=registry,
+        )
+        self.bulk_cap = Gauge(
+            "sluice_bulk_cap_sequences",
+            "Bulk sequences allowed to run now (lower while chats run, the knee otherwise).",
+            ["model"],
+            registry=registry,
+        )
+        self.resumed_prefill_tokens = Counter(
+            "sluice_resumed_prefill_tokens",
+            "Prompt tokens the engine computed again to resume preempted requests (the rest of "
+            "each resumed prompt came from its prefix cache); with "
+            'engine_aborts_total{reason="preempted"}, what a pause costs.',
+            ["model"],
+            registry=registry,
+        )
+        self.knee = Gauge(
+            "sluice_knee_sequences",
+            "Learned concurrency past which more sequences add little throughput.",
+            ["model"],
+            registry=registry,
+        )
+
+        # --- Batch dispatch mode ---
+        self.batch_size = Histogram(
+            "sluice_batch_size",
+            "Requests per dispatched batch.",
+            ["model"],
+            buckets=(1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 128),
+            registry=registry,
+        )
+        self.worker_failures = Counter(
+            "sluice_worker_failures",
+            "Batches lost to a worker failure.",
+            ["model"],
+            registry=registry,
+        )
+        self.batch_retries = Counter(
+            "sluice_batch_retries",
+            "Requests re-queued after their batch failed.",
+            ["model"],
+            registry=registry,
+        )
+
+        # --- Shared state (Redis), with `state.url` set ---
+        self.state_up = Gauge(
+            "sluice_state_backend_up",
+            "1 while the shared state backend answers; 0 while this replica enforces its share of "
+            "each tenant limit alone.",
+            ["backend"],
+            registry=registry,
+        )
+        self.state_latency = Histogram(
+            "sluice_state_backend_seconds",
+            "Round trips to the shared state backend, by operation.",
+            ["operation"],
+            buckets=_STATE_BUCKETS,
+            registry=registry,
+        )
+        self.state_errors = Counter(
+            "sluice_state_backend_errors_total",
+            "Calls to the shared state backend that failed or timed out, by operation.",
+            ["operation"],
+            registry=registry,
+        )
+        self.state_replicas = Gauge(
+            "sluice_state_replicas",
+            "Replicas the shared state backend last counted (those renewing their leases).",
+            ["backend"],
+            registry=registry,
+        )
+        self.state_takeovers = Counter(
+            "sluice_state_takeovers",
+            "Resumable generations this replica took over from a replica that stopped renewing its "
+            "lease (it died), by how: continued from the logged tokens, or started afresh (nothing "
+            "was sent yet).",
+            ["how"],
+            registry=registry,
+        )
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format, for a scrape."""
+        return generate_latest(self.registry)
+
+    def initialise(self, model: str, tenant_labels: tuple[str, ...] = ()) -> None:
+        """Create every labelled counter's series for `model` at zero (Prometheus' guidance: a
+        series that appears only with its first event leaves gaps in rates and alerts)."""
+        for outcome in BATCH_LINE_OUTCOMES:
+            self.batch_lines.labels(outcome)
+        for tc in TRAFFIC_CLASSES:
+            for outcome in OUTCOMES:
+                self.requests.labels(model, tc, outcome)
+            for reason in REJECTION_REASONS:
+                for tenant in (*tenant_labels, "other"):
+                    self.rejections.labels(model, tc, reason, tenant)
+            for stage in CANCEL_STAGES:
+                self.cancellations.labels(model, tc, stage)
+            for result, reason in SLO_RESULTS[tc]:
+                self.slo_requests.labels(model, tc, result, reason)
+            self.deadline_misses.labels(model, tc)
+            self.generated_tokens.labels(model, tc)
+            self.prompt_tokens.labels(model, tc)
+        for reason in ABORT_REASONS:
+            self.engine_aborts.labels(model, reason)
+        for tenant in tenant_labels:
+            for outcome in OUTCOMES:
+                self.tenant_requests.labels(tenant, outcome)
+        self.resumed_prefill_tokens.labels(model)
+        self.worker_failures.labels(model)
+        self.batch_retries.labels(model)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassGauges:
+    """The scheduler's gauges of one model and traffic class, looked up once by the shell
+    that sets them at every state change."""
+
+    queue_depth: Gauge
+    queue_oldest_age: Gauge
+    running_requests: Gauge
+    autoscale_pressure: Gauge
+
+    @classmethod
+    def bind(cls, metrics: Metrics, model: str, traffic_class: str) -> ClassGauges:
+        return cls(
+            metrics.queue_depth.labels(model, traffic_class),
+            metrics.queue_oldest_age.labels(model, traffic_class),
+            metrics.running_requests.labels(model, traffic_class),
+            metrics.autoscale_pressure.labels(model, traffic_class),
+        )

@@ -96,6 +96,7 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
         request_id=request_id_from(request.headers.get("x-request-id")),
         model=sluice.served_model,
         api="chat" if kind == "chat" else "completions",
+        metrics=sluice.metrics,
     )
     key = request.headers.get("idempotency-key")
     try:
@@ -179,7 +180,9 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
     no tools and n = 1."""
     sluice: Sluice = request.app.state.sluice
     request_id = request_id_from(request.headers.get("x-request-id"))
-    timeline = RequestTimeline(request_id=request_id, model=sluice.served_model, api="chat")
+    timeline = RequestTimeline(
+        request_id=request_id, model=sluice.served_model, api="chat", metrics=sluice.metrics
+    )
     try:
         body = await read_json(request, sluice.max_body_bytes)
         conversations = body.get("messages") if isinstance(body, dict) else None
@@ -239,7 +242,10 @@ async def _batch(
         for i, body in enumerate(bodies):
             parsed = parse_request(body, kind)
             one = RequestTimeline(
-                request_id=f"{request_id}-{i}", model=sluice.served_model, api=timeline.api
+                request_id=f"{request_id}-{i}",
+                model=sluice.served_model,
+                api=timeline.api,
+                metrics=sluice.metrics,
             )
             try:
                 runs.append(

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from server import metrics
 from server.access_log import AccessRecord, log_request, median
 from server.errors import SluiceError
+from server.metrics import REJECTION_REASONS, Metrics
 from server.scheduler.slo import slo_result
 from server.scheduler.types import Generation, SloTargets
 
@@ -21,7 +21,7 @@ from server.scheduler.types import Generation, SloTargets
 def outcome_for(error: SluiceError) -> str:
     if error.code == "deadline_exceeded":
         return "expired"
-    if error.code in metrics.REJECTION_REASONS:
+    if error.code in REJECTION_REASONS:
         return "rejected"
     if error.status < 500:
         return "invalid"
@@ -33,6 +33,7 @@ class RequestTimeline:
     request_id: str
     model: str
     api: str
+    metrics: Metrics  # the app's (the one registry its /metrics serves)
     arrival: float = field(default_factory=time.monotonic)
     tenant: str = "-"
     tenant_label: str | None = None  # set only for configured tenants (bounded labels)
@@ -58,8 +59,8 @@ class RequestTimeline:
         self.generation = generation
         at = self.dispatched_at = generation.dispatched_at
         labels = self._label_values()
-        metrics.QUEUE_WAIT.labels(*labels).observe(max(0.0, at - self.arrival))
-        metrics.PROMPT_TOKENS.labels(*labels).inc(self.prompt_tokens)
+        self.metrics.queue_wait.labels(*labels).observe(max(0.0, at - self.arrival))
+        self.metrics.prompt_tokens.labels(*labels).inc(self.prompt_tokens)
 
     def wrote_tokens(self, count: int) -> None:
         """Generated tokens are about to be written to the client."""
@@ -69,9 +70,9 @@ class RequestTimeline:
         if self._token_metrics is None:
             labels = self._label_values()
             self._token_metrics = (
-                metrics.GENERATED_TOKENS.labels(*labels),
-                metrics.TIME_TO_FIRST_TOKEN.labels(*labels),
-                metrics.INTER_TOKEN_LATENCY.labels(*labels),
+                self.metrics.generated_tokens.labels(*labels),
+                self.metrics.time_to_first_token.labels(*labels),
+                self.metrics.inter_token_latency.labels(*labels),
             )
         generated, ttft, histogram = self._token_metrics
         generated.inc(count)
@@ -109,23 +110,23 @@ class RequestTimeline:
             return
         now = time.monotonic()
         model, traffic_class = self._label_values()
-        metrics.REQUEST_DURATION.labels(model, traffic_class).observe(now - self.arrival)
-        metrics.REQUESTS.labels(model, traffic_class, outcome).inc()
+        self.metrics.request_duration.labels(model, traffic_class).observe(now - self.arrival)
+        self.metrics.requests.labels(model, traffic_class, outcome).inc()
         if self.tenant_label is not None:
-            metrics.TENANT_REQUESTS.labels(self.tenant_label, outcome).inc()
+            self.metrics.tenant_requests.labels(self.tenant_label, outcome).inc()
         if error is not None and outcome == "rejected":
-            metrics.REJECTIONS.labels(
+            self.metrics.rejections.labels(
                 model, traffic_class, error.code, self.tenant_label or "other"
             ).inc()
         if outcome == "expired":
-            metrics.DEADLINE_MISSES.labels(model, traffic_class).inc()
+            self.metrics.deadline_misses.labels(model, traffic_class).inc()
         if outcome == "cancelled":
             stage = "queued" if self.dispatched_at is None else "running"
-            metrics.CANCELLATIONS.labels(model, traffic_class, stage).inc()
+            self.metrics.cancellations.labels(model, traffic_class, stage).inc()
         if self.dispatched_at is not None and outcome in ("cancelled", "expired"):
             # Sluice aborted the engine request: the client left, or the deadline passed.
             reason = "client_cancelled" if outcome == "cancelled" else "deadline"
-            metrics.ENGINE_ABORTS.labels(model, reason).inc()
+            self.metrics.engine_aborts.labels(model, reason).inc()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         median_itl = median(self.itl)
         verdict = slo_result(
@@ -137,7 +138,7 @@ class RequestTimeline:
             self.slo,
         )
         if verdict is not None:
-            metrics.SLO_REQUESTS.labels(model, traffic_class, *verdict).inc()
+            self.metrics.slo_requests.labels(model, traffic_class, *verdict).inc()
         log_request(
             AccessRecord(
                 request_id=self.request_id,

@@ -263,7 +263,10 @@ class Connection:
     async def _generate(self, gen_id: str, message: dict[str, Any]) -> tuple[GenerationRun, int]:
         sluice = self.sluice
         timeline = RequestTimeline(
-            request_id=f"ws-{id(self):x}-{gen_id}"[:128], model=sluice.served_model, api="ws"
+            request_id=f"ws-{id(self):x}-{gen_id}"[:128],
+            model=sluice.served_model,
+            api="ws",
+            metrics=sluice.metrics,
         )
         try:
             request_body = message.get("request")

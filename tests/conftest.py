@@ -1,11 +1,17 @@
-"""Shared fixtures: real Sluice servers (uvicorn on loopback) in subprocesses.
+"""Shared fixtures: real Sluice servers (uvicorn on loopback), in this process or another.
 
-The vLLM-backed server starts once per test session (engine start-up takes ~30 s on CPU);
-the sim-backed server starts in about a second.
+`InProcessSluice` serves in a thread of the test process (in ~0.1 s), wherever the process
+is not what a test is about; `SluiceProcess` is `sluice serve` in a subprocess, for signals,
+kills, engine death, and vLLM (which spawns engine processes of its own). The vLLM-backed
+server starts once per test session (engine start-up takes ~30 s on CPU).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
+import logging
 import os
 import shutil
 import signal
@@ -13,15 +19,21 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
+if TYPE_CHECKING:
+    from server.serving import Serving
+
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "240"))
+STOP_TIMEOUT_S = 30.0
 
 
 # Tool calls read by vLLM's pythonic parser (plain text: the demo tokenizer has no tool-call
@@ -99,6 +111,29 @@ def reserved_port() -> int:
         return int(address[1])
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection imported (the server, uvicorn, the test modules: the test
+    process's start-up), as `sluice serve` does its own once started: full collections
+    during the tests then walk only what the tests made."""
+    gc.collect()
+    gc.freeze()
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` in the exposition `text` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        metric_name, _, label_text = series.partition("{")
+        if metric_name != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
 class SluiceProcess:
     """`sluice serve` in a subprocess on a free loopback port, its output in a log file.
 
@@ -165,18 +200,7 @@ class SluiceProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""
-        text = httpx.get(self.url + "/metrics", timeout=5).text
-        total = 0.0
-        for line in text.splitlines():
-            if not line.startswith(name) or line.startswith("#"):
-                continue
-            series, _, value = line.rpartition(" ")
-            metric_name, _, label_text = series.partition("{")
-            if metric_name != name:
-                continue
-            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-                total += float(value)
-        return total
+        return metric_sum(httpx.get(self.url + "/metrics", timeout=5).text, name, **labels)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -188,6 +212,130 @@ class SluiceProcess:
                 self.proc.wait(timeout=10)
         self._log.close()
         return self.proc.returncode
+
+
+class InProcessSluice:
+    """`sluice serve` in a thread of this process, where the process is not what a test is
+    about: the same arguments, parser and assembly as the command (`server.serving`), uvicorn
+    on a loopback socket bound before it starts (`listener`, else one of `loopback_listener()`:
+    no free-port race), an event loop of its own
+    (the tests' sync clients would block one shared with the server) and a metrics registry
+    of its own. Ready once its lifespan's start-up is done; the records its thread logs go to
+    `log_path`. `metrics_port`: /metrics on a second socket (`--metrics-port`), not the API's.
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        listener: socket.socket | None = None,
+        *,
+        metrics_port: bool = False,
+    ) -> None:
+        from server.cli import build_parser
+
+        self._socket = listener or loopback_listener()
+        self.port = int(self._socket.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._metrics_socket = loopback_listener() if metrics_port else None
+        self.metrics_port = (
+            None if self._metrics_socket is None else int(self._metrics_socket.getsockname()[1])
+        )
+        data_dir = (
+            []
+            if "--data-dir" in args
+            else ["--data-dir", str(log_path.parent / f"data-{self.port}")]
+        )
+        metrics_args = (
+            [] if self.metrics_port is None else ["--metrics-port", str(self.metrics_port)]
+        )
+        where = ["--host", "127.0.0.1", "--port", str(self.port), *data_dir, *metrics_args]
+        self.args = build_parser().parse_args(["serve", *where, *args])
+        self.log_path = log_path
+        self.returncode: int | None = None
+        self._environ = {**os.environ, **(env or {})}
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._serving: Serving | None = None
+        self._thread = threading.Thread(target=self._run, name=f"sluice-{self.port}", daemon=True)
+        self._log_handler = self._capture_log()
+        self._thread.start()
+
+    def _capture_log(self) -> logging.Handler:
+        """What the server's thread logs, at its --log-level, into `log_path` (the levels of
+        Sluice's and uvicorn's loggers are this test process's, lowered if need be)."""
+        level = logging.getLevelName(self.args.log_level.upper())
+        for name in ("sluice", "uvicorn"):
+            named = logging.getLogger(name)
+            if named.getEffectiveLevel() > level:
+                named.setLevel(level)
+        handler = logging.FileHandler(self.log_path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setLevel(level)
+        handler.addFilter(lambda record: record.thread == self._thread.ident)
+        logging.getLogger().addHandler(handler)
+        return handler
+
+    def _run(self) -> None:
+        from server.serving import loop_factory
+
+        try:
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
+                self.returncode = runner.run(self._serve())
+        except BaseException as exc:  # SystemExit too: a start-up that failed or was refused
+            self._failure = exc
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> int:
+        from server.serving import Serving, assemble
+
+        serving = Serving(
+            assemble(self.args, self._environ), log_config=None, on_started=self._ready.set
+        )
+        self._loop, self._serving = asyncio.get_running_loop(), serving
+        metrics_sockets = None if self._metrics_socket is None else [self._metrics_socket]
+        return await serving.run([self._socket], metrics_sockets)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+        if not self._thread.is_alive() or self._failure is not None:
+            self._thread.join(STOP_TIMEOUT_S)
+            raise RuntimeError(
+                f"server stopped ({self.returncode}, {self._failure!r}):\n{self.log()}"
+            ) from self._failure
+
+    def log(self) -> str:
+        self._log_handler.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`, from its own /metrics
+        (its own registry)."""
+        port = self.port if self.metrics_port is None else self.metrics_port
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        return metric_sum(text, name, **labels)
+
+    def stop(self) -> int | None:
+        """Stop as SIGINT stops the process (graceful, bounded); the exit status `serve` would
+        have returned."""
+        self._ready.wait(READY_TIMEOUT_S)
+        loop, serving = self._loop, self._serving
+        if self._thread.is_alive() and loop is not None and serving is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                loop.call_soon_threadsafe(serving.stop)
+        self._thread.join(STOP_TIMEOUT_S)
+        logging.getLogger().removeHandler(self._log_handler)
+        self._log_handler.close()
+        for sock in (self._socket, self._metrics_socket):
+            if sock is not None:
+                sock.close()
+        if self._thread.is_alive():
+            raise RuntimeError(f"in-process server did not stop in {STOP_TIMEOUT_S}s")
+        return self.returncode
 
 
 def parse_sse(lines: list[str]) -> list[tuple[int | None, str]]:
@@ -328,8 +476,8 @@ def vllm_server(
 
 
 @pytest.fixture(scope="session")
-def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
-    server = SluiceProcess(["--engine", "sim"], tmp_path_factory.mktemp("sim") / "server.log")
+def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
+    server = InProcessSluice(["--engine", "sim"], tmp_path_factory.mktemp("sim") / "server.log")
     try:
         server.wait_ready(60)
         yield server

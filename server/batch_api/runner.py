@@ -19,7 +19,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from server import metrics
 from server.batch_api.store import Batch, BatchStore, Line
 from server.errors import (
     DeadlineUnmeetable,
@@ -32,6 +31,7 @@ from server.errors import (
 )
 from server.generation import RequestContext, Sluice
 from server.generations.run import GenerationRun, Kind
+from server.metrics import BATCH_STATUSES, Metrics
 from server.openai_requests import parse_request
 from server.scheduler.types import TrafficClass
 from server.timeline import RequestTimeline, outcome_for
@@ -66,12 +66,14 @@ class BatchRunner:
         self,
         sluice: Sluice,
         store: BatchStore,
+        metrics: Metrics,
         window: int = 64,
         retry_seconds: float = 0.5,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.sluice = sluice
         self.store = store
+        self.metrics = metrics
         self.window = window
         self.retry_seconds = retry_seconds
         self.clock = clock
@@ -119,11 +121,11 @@ class BatchRunner:
             self.submit(batch)
 
     def count_batches(self) -> None:
-        counts: dict[str, int] = dict.fromkeys(metrics.BATCH_STATUSES, 0)
+        counts: dict[str, int] = dict.fromkeys(BATCH_STATUSES, 0)
         for status in self.store.statuses():
             counts[status] = counts.get(status, 0) + 1
         for status, count in counts.items():
-            metrics.BATCHES.labels(status).set(count)
+            self.metrics.batches.labels(status).set(count)
 
     async def _run(self, batch: Batch) -> None:
         running: dict[asyncio.Task[str], int] = {}  # each line's task, and its index
@@ -175,6 +177,7 @@ class BatchRunner:
             request_id=f"{batch.id}-{line.index}",
             model=self.sluice.served_model,
             api="chat" if kind == "chat" else "completions",
+            metrics=self.metrics,
         )
         context = RequestContext(
             traffic_class=TrafficClass.BULK,
@@ -213,7 +216,7 @@ class BatchRunner:
         self, batch: Batch, line: Line, state: str, status: int, body: dict[str, Any] | None
     ) -> None:
         self.store.finish_line(batch, line.index, state, line_result(batch, line, status, body))
-        metrics.BATCH_LINES.labels("completed" if state == "done" else "failed").inc()
+        self.metrics.batch_lines.labels("completed" if state == "done" else "failed").inc()
 
     def _finalize(self, batch: Batch) -> None:
         now = int(self.clock())
@@ -239,7 +242,7 @@ class BatchRunner:
                         },
                     ),
                 )
-                metrics.BATCH_LINES.labels("expired").inc()
+                self.metrics.batch_lines.labels("expired").inc()
         else:
             status = "completed"
         if status == "completed":

@@ -19,6 +19,7 @@ from server.batching.decisions import BatchConfig
 from server.batching.plan import format_plan, latencies_ms, percentile, plan
 from server.batching.runtime import BatchRuntime
 from server.batching.simulate import Faults, SimResult, simulate
+from server.metrics import Metrics
 from server.simulation.workload import (
     DEFAULT_MODEL,
     Arrival,
@@ -84,17 +85,17 @@ def add_serve_arguments(serve_parser: argparse.ArgumentParser) -> None:
 
 
 def sim_batch_from_args(
-    args: argparse.Namespace, served_model_name: str
+    args: argparse.Namespace, served_model_name: str, metrics: Metrics
 ) -> tuple[SimBatchEngine, BatchRuntime]:
     """The `--engine sim-batch` engine and its batch runtime (the Dispatcher), for `serve`."""
     config = replace(config_from_args(args), workers=(served_model_name,) * args.workers)
     model = BatchModel(config.batch_time_s, config.max_batch, args.poison_marker or None)
     engine = SimBatchEngine(model, name=served_model_name, fail_rate=args.batch_fail_rate)
-    return engine, BatchRuntime(config, engine)
+    return engine, BatchRuntime(config, engine, metrics)
 
 
 def build_serving(
-    args: argparse.Namespace, config: object
+    args: argparse.Namespace, config: object, metrics: Metrics
 ) -> tuple[SimBatchEngine, BatchRuntime, str]:
     """What `serve --engine sim-batch` runs: (engine, dispatcher, served model name).
 
@@ -102,7 +103,7 @@ def build_serving(
     --max-queue for now, not the per-class limits.
     """
     name = getattr(args, "served_model_name", None) or DEFAULT_MODEL
-    engine, runtime = sim_batch_from_args(args, name)
+    engine, runtime = sim_batch_from_args(args, name, metrics)
     return engine, runtime, name
 
 

@@ -19,7 +19,6 @@ from typing import Protocol
 
 from engine_adapters.protocol import EngineError, GenerationRequest, TokenDelta
 from engine_adapters.sim_batch import BatchItem, BatchItemResult
-from server import metrics
 from server.batching.admission import RejectReason
 from server.batching.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
 from server.batching.dispatcher import BatchDispatcher
@@ -33,6 +32,7 @@ from server.errors import (
     Overloaded,
     SluiceError,
 )
+from server.metrics import Metrics
 from server.scheduler.types import Admission, SloTargets, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
@@ -119,12 +119,14 @@ class BatchRuntime:
         self,
         config: BatchConfig,
         engine: BatchEngine,
+        metrics: Metrics,
         *,
         clock: Callable[[], float] = time.monotonic,
         restart_s: float = 0.0,
     ) -> None:
         self.config = config
         self.engine = engine
+        self.metrics = metrics
         self.clock = clock
         self.restart_s = restart_s
         self.core = BatchDispatcher(config)
@@ -197,15 +199,15 @@ class BatchRuntime:
             task = self._tasks.pop(worker_id, None)
             if task is not None:
                 task.cancel()
-            metrics.WORKER_FAILURES.labels(model=self.config.workers[worker_id]).inc()
+            self.metrics.worker_failures.labels(model=self.config.workers[worker_id]).inc()
             self._restart_later(worker_id)
         for ticket in step.retried:
-            metrics.BATCH_RETRIES.labels(model=ticket.model).inc()
+            self.metrics.batch_retries.labels(model=ticket.model).inc()
         self._arm_timer()
         self._record_state()
 
     def _start(self, dispatch: Dispatch) -> None:
-        metrics.BATCH_SIZE.labels(model=dispatch.model).observe(len(dispatch.tickets))
+        self.metrics.batch_size.labels(model=dispatch.model).observe(len(dispatch.tickets))
         items = []
         for ticket in dispatch.tickets:
             waiter = self._waiters[ticket.request_id]
@@ -248,8 +250,8 @@ class BatchRuntime:
         model = self.config.workers[worker_id]
         outcome = self.core.on_worker_failure(worker_id, self.clock())
         if outcome.lease_id is not None:
-            metrics.WORKER_FAILURES.labels(model=model).inc()
-            metrics.BATCH_RETRIES.labels(model=model).inc(len(outcome.retried))
+            self.metrics.worker_failures.labels(model=model).inc()
+            self.metrics.batch_retries.labels(model=model).inc(len(outcome.retried))
         self._end(outcome.ended)
         self._restart_later(worker_id)
         self._poll()
@@ -285,5 +287,5 @@ class BatchRuntime:
             for tc in TrafficClass:
                 labels = {"model": model, "traffic_class": tc.value}
                 depth = core.queue_depth_by_class(model, tc)
-                metrics.QUEUE_DEPTH.labels(**labels).set(depth)
-                metrics.QUEUE_OLDEST_AGE.labels(**labels).set(age if depth else 0.0)
+                self.metrics.queue_depth.labels(**labels).set(depth)
+                self.metrics.queue_oldest_age.labels(**labels).set(age if depth else 0.0)

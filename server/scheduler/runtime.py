@@ -13,9 +13,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 
 from engine_adapters.protocol import EngineClient, GenerationRequest, TokenDelta
-from server import metrics
 from server.config import SluiceConfig
 from server.errors import DeadlineExceeded, EngineUnavailable
+from server.metrics import ClassGauges, Metrics
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import Calibration, calibrate
 from server.scheduler.core import Rejected, SchedulerCore
@@ -144,7 +144,7 @@ class RunningGeneration:
 
     def _count(self, delta: TokenDelta, request: GenerationRequest) -> None:
         if request.resumed_tokens and delta.num_cached_tokens is not None:
-            metrics.RESUMED_PREFILL_TOKENS.labels(self._runtime.model_name).inc(
+            self._runtime.resumed_prefill_tokens.inc(
                 request.prompt_length - delta.num_cached_tokens
             )
         if delta.token_ids:
@@ -179,12 +179,24 @@ class SchedulerRuntime:
         config: SluiceConfig,
         engine: EngineClient,
         model_name: str,
+        metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.engine = engine
         self.model_name = model_name
+        self.metrics = metrics
         self.clock = clock
+        # This model's children, looked up once (the others are labelled by budget).
+        self.resumed_prefill_tokens = metrics.resumed_prefill_tokens.labels(model_name)
+        self._preempted = metrics.engine_aborts.labels(model_name, "preempted")
+        self._class_gauges = [
+            (tc, ClassGauges.bind(metrics, model_name, tc.value)) for tc in TrafficClass
+        ]
+        self._slo_ttft = metrics.slo_target.labels(model_name, "interactive", "ttft")
+        self._slo_itl = metrics.slo_target.labels(model_name, "interactive", "itl")
+        self._bulk_cap = metrics.bulk_cap.labels(model_name)
+        self._knee = metrics.knee.labels(model_name)
         self._core: SchedulerCore | None = None
         self._waiters: dict[str, asyncio.Future[float]] = {}
         self._running: dict[str, RunningGeneration] = {}
@@ -218,7 +230,7 @@ class SchedulerRuntime:
                 self.engine, self._core.estimates, max_sequences=limits.sequences, clock=self.clock
             )
         for name, limit in self._core.ledger.limits_by_name().items():
-            metrics.BUDGET_LIMIT.labels(budget=name).set(limit)
+            self.metrics.budget_limit.labels(budget=name).set(limit)
         self._record_state()
 
     async def stop(self) -> None:
@@ -280,7 +292,7 @@ class SchedulerRuntime:
         """Queue a preempted generation again; the future resolves when it is re-dispatched."""
         if self.core.requeue(request_id, self.clock()) is None:
             raise RuntimeError(f"{request_id!r} was preempted but is no longer running")
-        metrics.ENGINE_ABORTS.labels(self.model_name, "preempted").inc()
+        self._preempted.inc()
         waiter: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = waiter
         self._dispatch()
@@ -322,16 +334,15 @@ class SchedulerRuntime:
     def _record_state(self) -> None:
         core = self.core
         now = self.clock()
-        for tc in TrafficClass:
-            labels = {"model": self.model_name, "traffic_class": tc.value}
-            metrics.QUEUE_DEPTH.labels(**labels).set(core.queue_depth(tc))
-            metrics.QUEUE_OLDEST_AGE.labels(**labels).set(core.oldest_queued_age(tc, now))
-            metrics.RUNNING_REQUESTS.labels(**labels).set(core.running_count(tc))
-            metrics.AUTOSCALE_PRESSURE.labels(**labels).set(core.pressure(tc, now))
+        for tc, gauges in self._class_gauges:
+            gauges.queue_depth.set(core.queue_depth(tc))
+            gauges.queue_oldest_age.set(core.oldest_queued_age(tc, now))
+            gauges.running_requests.set(core.running_count(tc))
+            gauges.autoscale_pressure.set(core.pressure(tc, now))
         for name, in_use in core.ledger.in_use().items():
-            metrics.BUDGET_IN_USE.labels(budget=name).set(in_use)
+            self.metrics.budget_in_use.labels(budget=name).set(in_use)
         targets = core.bulk_cap.targets()
-        metrics.SLO_TARGET.labels(self.model_name, "interactive", "ttft").set(targets.ttft_s)
-        metrics.SLO_TARGET.labels(self.model_name, "interactive", "itl").set(targets.itl_s)
-        metrics.BULK_CAP.labels(self.model_name).set(core.bulk_allowed(now))
-        metrics.KNEE.labels(self.model_name).set(core.bulk_cap.knee())
+        self._slo_ttft.set(targets.ttft_s)
+        self._slo_itl.set(targets.itl_s)
+        self._bulk_cap.set(core.bulk_allowed(now))
+        self._knee.set(core.bulk_cap.knee())

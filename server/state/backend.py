@@ -23,8 +23,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from server import metrics
 from server.config import StateConfig
+from server.metrics import STATE_OPERATIONS, Metrics
 
 logger = logging.getLogger("sluice.state")
 T = TypeVar("T")
@@ -59,8 +59,9 @@ class RedisState:
     """See the module's docstring. `quota_leases` (lease -> its sorted set's key) and
     `run_leases` (lease keys) are what the heartbeat renews; their owners add and remove."""
 
-    def __init__(self, config: StateConfig, client: Any = None) -> None:
+    def __init__(self, config: StateConfig, metrics: Metrics, client: Any = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.replica = uuid.uuid4().hex
         self.replicas = config.replicas  # as Redis last counted them
         self.up = False
@@ -99,8 +100,8 @@ class RedisState:
                 retry=Retry(NoBackoff(), 1),
             )
         self._renew = self.script(RENEW)
-        for operation in metrics.STATE_OPERATIONS:  # every series from the start, at zero
-            metrics.STATE_ERRORS.labels(operation)
+        for operation in STATE_OPERATIONS:  # every series from the start, at zero
+            self.metrics.state_errors.labels(operation)
         await self._beat()
         if not self.up:
             logger.warning(
@@ -160,7 +161,7 @@ class RedisState:
                 self.replicas,
             )
         self._set_up(True)
-        metrics.STATE_REPLICAS.labels("redis").set(self.replicas)
+        self.metrics.state_replicas.labels("redis").set(self.replicas)
 
     def _set_up(self, up: bool) -> None:
         if self.up and not up:
@@ -170,7 +171,7 @@ class RedisState:
                 self.replicas,
             )
         self.up = up
-        metrics.STATE_UP.labels("redis").set(1 if up else 0)
+        self.metrics.state_up.labels("redis").set(1 if up else 0)
 
     async def call(self, operation: str, call: Awaitable[T], limit_s: float | None = None) -> T:
         """One round trip, timed; StateUnavailable (and `up` false) if it fails or is slower
@@ -179,10 +180,10 @@ class RedisState:
         try:
             result = await asyncio.wait_for(call, limit_s or self.config.timeout_s)
         except (TimeoutError, OSError, RedisError) as exc:
-            metrics.STATE_ERRORS.labels(operation).inc()
+            self.metrics.state_errors.labels(operation).inc()
             if self.up:
                 logger.warning("state backend %s failed: %r", operation, exc)
             self._set_up(False)
             raise StateUnavailable(str(exc)) from None
-        metrics.STATE_LATENCY.labels(operation).observe(time.perf_counter() - started)
+        self.metrics.state_latency.labels(operation).observe(time.perf_counter() - started)
         return result

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from engine_adapters.protocol import TokenLogprob
-from server import metrics
 from server.errors import GenerationFailed, restored
 from server.generations.run import Event, Kind
+from server.metrics import Metrics
 from server.state.backend import PROBE_SECONDS, RedisState, StateUnavailable
 
 if TYPE_CHECKING:
@@ -241,8 +241,11 @@ def decode(raw: str) -> tuple[Event, bool]:
 class SharedRuns:
     """The Redis side of resumable generations (see the module's docstring)."""
 
-    def __init__(self, state: RedisState, retention_s: float, grace_s: float) -> None:
+    def __init__(
+        self, state: RedisState, retention_s: float, grace_s: float, metrics: Metrics
+    ) -> None:
         self.state = state
+        self.metrics = metrics
         self.retention_ms = int(retention_s * 1000)
         self.grace_ms = int(grace_s * 1000)
         self.mirrors: set[Mirror] = set()
@@ -264,7 +267,7 @@ class SharedRuns:
         self._let_go = self.state.script(LET_GO)
         self._forget = self.state.script(FORGET)
         for how in ("continued", "afresh"):
-            metrics.STATE_TAKEOVERS.labels(how)  # from zero
+            self.metrics.state_takeovers.labels(how)  # from zero
 
     async def stop(self) -> None:
         """Give running mirrors one last chance to write what they hold."""

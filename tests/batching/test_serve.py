@@ -7,12 +7,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SluiceProcess  # tests/conftest.py, the shared server fixtures
+from conftest import InProcessSluice  # tests/conftest.py, the shared server fixtures
 
 
 @pytest.fixture(scope="module")
-def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
-    server = SluiceProcess(
+def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
+    server = InProcessSluice(
         [
             "--engine",
             "sim-batch",
@@ -34,7 +34,7 @@ def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluicePro
         server.stop()
 
 
-def complete(server: SluiceProcess, prompt: str) -> httpx.Response:
+def complete(server: InProcessSluice, prompt: str) -> httpx.Response:
     return httpx.post(
         server.url + "/v1/completions",
         json={"model": "sluice-demo", "prompt": prompt, "max_tokens": 5},
@@ -42,7 +42,7 @@ def complete(server: SluiceProcess, prompt: str) -> httpx.Response:
     )
 
 
-def test_a_completion_is_served_as_one_batch_result(batch_server: SluiceProcess) -> None:
+def test_a_completion_is_served_as_one_batch_result(batch_server: InProcessSluice) -> None:
     batches = batch_server.metric("sluice_batch_size_count", model="sluice-demo")
     response = complete(batch_server, "hello")
     assert response.status_code == 200, response.text
@@ -52,7 +52,7 @@ def test_a_completion_is_served_as_one_batch_result(batch_server: SluiceProcess)
     assert batch_server.metric("sluice_batch_size_count", model="sluice-demo") == batches + 1
 
 
-def test_a_poison_prompt_fails_with_a_clear_error(batch_server: SluiceProcess) -> None:
+def test_a_poison_prompt_fails_with_a_clear_error(batch_server: InProcessSluice) -> None:
     failures = batch_server.metric("sluice_worker_failures_total", model="sluice-demo")
     response = complete(batch_server, "this prompt is POISON")
     assert response.status_code == 500
@@ -71,7 +71,7 @@ def test_a_poison_prompt_fails_with_a_clear_error(batch_server: SluiceProcess) -
     ],
 )
 def test_what_fixed_batches_cannot_do_is_refused_naming_the_engine(
-    batch_server: SluiceProcess,
+    batch_server: InProcessSluice,
     field: str,
     value: object,
 ) -> None:

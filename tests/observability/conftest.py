@@ -1,9 +1,11 @@
-"""Real processes for the observability tests: a Sluice server on loopback, Prometheus, Chromium.
+"""Real servers for the observability tests: Sluice on loopback (in this process), Prometheus
+and Chromium (processes of their own).
 
-Each test starts its own `python -m server.cli serve --engine sim ...` on a loopback socket it
-inherits (`--fd`), waits (bounded) for /ready, and stops it in `finally`. Tools that come from
-Debian packages (prometheus, chromium) are skipped when missing on a developer machine and
-fail under CI, where scripts/install-test-deps.sh installs them.
+Each test starts its own Sluice server (`sluice serve --engine sim ...`'s arguments, parser and
+assembly, in a thread: `InProcessSluice`) on a loopback port, waits (bounded) for its start-up,
+and stops it in `finally`. Tools that come from Debian packages
+(prometheus, chromium) are skipped when missing on a developer machine and fail under CI,
+where scripts/install-test-deps.sh installs them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ from typing import TypeVar
 
 import httpx
 import pytest
-from conftest import loopback_listener
+from conftest import InProcessSluice
 from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
@@ -85,7 +86,6 @@ def log_tail(path: Path, chars: int = 4000) -> str:
 class RunningSluice:
     base_url: str
     port: int
-    process: subprocess.Popen[bytes]
     log_path: Path
 
     def metrics_text(self) -> str:
@@ -114,35 +114,12 @@ def run_sluice(
     env: Mapping[str, str] | None = None,
     name: str = "sluice",
 ) -> Iterator[RunningSluice]:
-    """A Sluice server subprocess on a free loopback port, ready when this yields."""
-    listener = loopback_listener()
-    port = int(listener.getsockname()[1])
-    log_path = log_dir / f"{name}-{port}.log"
-    command = [
-        sys.executable, "-m", "server.cli", "serve",
-        "--engine", engine, "--fd", str(listener.fileno()),
-        "--data-dir", str(log_dir / f"data-{port}"), *args,
-    ]  # fmt: skip
-    with listener, log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command,
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            pass_fds=(listener.fileno(),),
-        )
-    server = RunningSluice(f"http://127.0.0.1:{port}", port, process, log_path)
+    """A Sluice server in this process (`InProcessSluice`) on a loopback port, which
+    Prometheus and Chromium reach as they would another process's; ready when this yields."""
+    log_path = log_dir / f"{name}.log"
+    server = InProcessSluice(["--engine", engine, *args], log_path, dict(env or {}))
     try:
-
-        def ready() -> bool:
-            if process.poll() is not None:
-                raise AssertionError(
-                    f"sluice exited with {process.returncode} before /ready:\n{log_tail(log_path)}"
-                )
-            return httpx.get(f"{server.base_url}/ready", timeout=2.0).status_code == 200
-
-        wait_until(ready, timeout_s=SERVER_READY_TIMEOUT_S, interval_s=0.2, what=f"{name} /ready")
-        yield server
+        server.wait_ready(SERVER_READY_TIMEOUT_S)
+        yield RunningSluice(server.url, server.port, log_path)
     finally:
-        stop_process(process)
+        server.stop()

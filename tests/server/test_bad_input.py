@@ -9,18 +9,18 @@ import json
 import httpx
 import pytest
 import websockets
-from conftest import SluiceProcess, wait_until
+from conftest import InProcessSluice, wait_until
 
 from server.openai_requests import parse_request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def _post(server: SluiceProcess, path: str, **kwargs) -> httpx.Response:  # type: ignore[no-untyped-def]
+def _post(server: InProcessSluice, path: str, **kwargs) -> httpx.Response:  # type: ignore[no-untyped-def]
     return httpx.post(server.url + path, timeout=10, **kwargs)
 
 
-def _sse_events(server: SluiceProcess, path: str, body: dict) -> list[dict]:
+def _sse_events(server: InProcessSluice, path: str, body: dict) -> list[dict]:
     """The JSON events of a streamed response ([DONE] left out)."""
     with httpx.stream("POST", server.url + path, json=body, timeout=10) as response:
         return [
@@ -28,7 +28,7 @@ def _sse_events(server: SluiceProcess, path: str, body: dict) -> list[dict]:
         ]
 
 
-def _over_websocket(server: SluiceProcess, request: dict) -> list[dict]:
+def _over_websocket(server: InProcessSluice, request: dict) -> list[dict]:
     """Every message of one generation over the WebSocket, its final one (or error) last."""
 
     async def generate() -> list[dict]:
@@ -118,12 +118,12 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         ),
     ],
 )
-def test_chat_body_errors(sim_server: SluiceProcess, body: dict, code: str, param: str) -> None:
+def test_chat_body_errors(sim_server: InProcessSluice, body: dict, code: str, param: str) -> None:
     error = _assert_error(_post(sim_server, "/v1/chat/completions", json=body), 400, code)
     assert error["param"] == param
 
 
-def test_error_messages_name_what_is_wrong(sim_server: SluiceProcess) -> None:
+def test_error_messages_name_what_is_wrong(sim_server: InProcessSluice) -> None:
     bias = _post(sim_server, "/v1/chat/completions", json={**CHAT, "logit_bias": {"hello": 5}})
     assert "'hello'" in bias.json()["error"]["message"]
     vocab = _post(sim_server, "/v1/completions", json={"prompt": [5, 2048], "max_tokens": 2})
@@ -152,14 +152,14 @@ def test_error_messages_name_what_is_wrong(sim_server: SluiceProcess) -> None:
     assert shown.status_code == 200, shown.text
 
 
-def test_any_role_the_template_takes_is_accepted(sim_server: SluiceProcess) -> None:
+def test_any_role_the_template_takes_is_accepted(sim_server: InProcessSluice) -> None:
     body = {"messages": [{"role": "narrator", "content": "once upon a time"}], "max_tokens": 3}
     response = _post(sim_server, "/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 3
 
 
-def test_transport_level_errors(sim_server: SluiceProcess) -> None:
+def test_transport_level_errors(sim_server: InProcessSluice) -> None:
     as_json = {"Content-Type": "application/json"}
     _assert_error(
         _post(sim_server, "/v1/chat/completions", content=b"{not json", headers=as_json),
@@ -198,7 +198,7 @@ def test_transport_level_errors(sim_server: SluiceProcess) -> None:
     _assert_error(httpx.get(sim_server.url + "/v2/nothing"), 404, "not_found")
 
 
-def test_a_request_id_is_echoed(sim_server: SluiceProcess) -> None:
+def test_a_request_id_is_echoed(sim_server: InProcessSluice) -> None:
     ok = _post(sim_server, "/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "abc-123"})
     assert ok.headers["x-request-id"] == "abc-123"
     assert ok.json()["id"] == "chatcmpl-abc-123"
@@ -207,7 +207,7 @@ def test_a_request_id_is_echoed(sim_server: SluiceProcess) -> None:
 
 
 async def test_garbage_on_the_websocket_gets_errors_and_the_connection_survives(
-    sim_server: SluiceProcess,
+    sim_server: InProcessSluice,
 ) -> None:
     url = sim_server.url.replace("http://", "ws://") + "/v1/ws"
     async with websockets.connect(url) as ws:
@@ -235,7 +235,7 @@ async def test_garbage_on_the_websocket_gets_errors_and_the_connection_survives(
         assert message["id"] == "ok" and message["usage"]["completion_tokens"] == 4
 
 
-def test_nothing_leaks_after_bad_input(sim_server: SluiceProcess) -> None:
+def test_nothing_leaks_after_bad_input(sim_server: InProcessSluice) -> None:
     for body in (
         {**CHAT, "n": 0},
         {"messages": [{"role": "user", "content": "word " * 5000}]},
@@ -250,7 +250,7 @@ def test_nothing_leaks_after_bad_input(sim_server: SluiceProcess) -> None:
     assert sim_server.metric("sluice_requests_total", outcome="invalid") >= 4
 
 
-def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -> None:
+def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: InProcessSluice) -> None:
     chat = _post(
         sim_server, "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2}
     ).json()["choices"][0]
@@ -308,7 +308,7 @@ def test_sim_engine_logprobs_over_sse_and_websocket(sim_server: SluiceProcess) -
     assert plain["prompt_logprobs"] is None  # present, as vLLM's server has it
 
 
-def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: SluiceProcess) -> None:
+def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: InProcessSluice) -> None:
     events = _sse_events(
         sim_server,
         "/v1/completions",
@@ -327,7 +327,7 @@ def test_sim_engine_n_choices_over_sse_and_websocket(sim_server: SluiceProcess) 
     assert final["usage"]["completion_tokens"] == 3 * CHAT["max_tokens"]
 
 
-def test_sim_engine_return_token_ids_streamed_and_whole(sim_server: SluiceProcess) -> None:
+def test_sim_engine_return_token_ids_streamed_and_whole(sim_server: InProcessSluice) -> None:
     prompt = _post(sim_server, "/tokenize", json={"prompt": "hello there"}).json()["tokens"]
     whole = _post(
         sim_server,
@@ -349,7 +349,7 @@ def test_sim_engine_return_token_ids_streamed_and_whole(sim_server: SluiceProces
     assert plain.json()["choices"][0]["token_ids"] is None  # present, as vLLM's server has it
 
 
-def test_batched_chat_completions_one_choice_per_conversation(sim_server: SluiceProcess) -> None:
+def test_batched_chat_completions_one_choice_per_conversation(sim_server: InProcessSluice) -> None:
     conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
     body = {"messages": conversations, "max_tokens": 4, "seed": 9}
     batch = _post(sim_server, "/v1/chat/completions/batch", json=body)
@@ -393,7 +393,7 @@ def test_batched_chat_completions_one_choice_per_conversation(sim_server: Sluice
     ],
 )
 def test_a_refused_batch_holds_nothing(
-    sim_server: SluiceProcess, body: dict, code: str, param: str
+    sim_server: InProcessSluice, body: dict, code: str, param: str
 ) -> None:
     error = _assert_error(_post(sim_server, "/v1/chat/completions/batch", json=body), 400, code)
     assert error["param"] == param
@@ -401,7 +401,7 @@ def test_a_refused_batch_holds_nothing(
     assert sim_server.metric("sluice_queue_depth") == 0
 
 
-def test_a_batch_whose_client_leaves_is_cancelled(sim_server: SluiceProcess) -> None:
+def test_a_batch_whose_client_leaves_is_cancelled(sim_server: InProcessSluice) -> None:
     body = {
         "messages": [[{"role": "user", "content": "go on"}]] * 2,
         "max_tokens": 1000,
@@ -419,7 +419,7 @@ def test_a_batch_whose_client_leaves_is_cancelled(sim_server: SluiceProcess) -> 
     )
 
 
-def test_sim_engine_echo_puts_the_prompt_first(sim_server: SluiceProcess) -> None:
+def test_sim_engine_echo_puts_the_prompt_first(sim_server: InProcessSluice) -> None:
     # Token ids: the sim tokenizer maps unknown words to others, so text would not round-trip.
     ids = _post(sim_server, "/tokenize", json={"prompt": "hello there"}).json()["tokens"]
     prompt = _post(sim_server, "/detokenize", json={"tokens": ids}).json()["prompt"]
@@ -464,7 +464,7 @@ def test_sim_engine_echo_puts_the_prompt_first(sim_server: SluiceProcess) -> Non
     assert len(chat["choices"][0]["message"]["content"]) > len(opening)
 
 
-def test_several_prompts_one_choice_each_in_order(sim_server: SluiceProcess) -> None:
+def test_several_prompts_one_choice_each_in_order(sim_server: InProcessSluice) -> None:
     prompts = [[5, 6, 7], [8, 9], [5, 6, 7]]
     reply = _post(
         sim_server, "/v1/completions", json={"prompt": prompts, "max_tokens": 3, "n": 2, "seed": 2}

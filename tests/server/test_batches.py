@@ -1,7 +1,7 @@
 """The Batch API with the official `openai` client: create, poll, download; cancel; validation;
-SIGKILL and restart mid-batch with no line lost or repeated; expiry. Real Sluice processes on
-the sim engine (slowed where a batch must still be running when the test acts); one
-end-to-end batch on the real vLLM engine.
+SIGKILL and restart mid-batch with no line lost or repeated; expiry. Real Sluice servers on
+the sim engine (slowed where a batch must still be running when the test acts), in this
+process but for the one killed; one end-to-end batch on the real vLLM engine.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import SluiceProcess, wait_until
+from conftest import InProcessSluice, SluiceProcess, wait_until
 
 pytestmark = pytest.mark.system
 
@@ -42,7 +42,7 @@ def chat_lines(count: int, max_tokens: int = 8, model: str = "sim") -> list[dict
     ]
 
 
-def client_for(server: SluiceProcess) -> openai.OpenAI:
+def client_for(server: InProcessSluice) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -78,8 +78,8 @@ def output_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
-    process = SluiceProcess(
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
+    process = InProcessSluice(
         ["--engine", "sim", "--max-file-bytes", "200000"],
         tmp_path_factory.mktemp("batches") / "server.log",
     )
@@ -90,7 +90,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
         process.stop()
 
 
-def test_a_batch_runs_to_completion_and_its_output_downloads(server: SluiceProcess) -> None:
+def test_a_batch_runs_to_completion_and_its_output_downloads(server: InProcessSluice) -> None:
     client = client_for(server)
     batch_id = start_batch(client, chat_lines(40))
     batch = wait_for(client, batch_id, {"completed"})
@@ -111,7 +111,7 @@ def test_a_batch_runs_to_completion_and_its_output_downloads(server: SluiceProce
     wait_for(client, second, {"completed"})
 
 
-def test_a_line_the_engine_refuses_lands_in_the_error_file(server: SluiceProcess) -> None:
+def test_a_line_the_engine_refuses_lands_in_the_error_file(server: InProcessSluice) -> None:
     client = client_for(server)
     lines = chat_lines(3)
     lines[1]["body"]["messages"][0]["content"] = "word " * 20000  # past the context
@@ -122,7 +122,7 @@ def test_a_line_the_engine_refuses_lands_in_the_error_file(server: SluiceProcess
     assert failed["response"]["body"]["error"]["code"] == "context_length_exceeded"
 
 
-def test_input_that_cannot_run_fails_the_batch_naming_the_lines(server: SluiceProcess) -> None:
+def test_input_that_cannot_run_fails_the_batch_naming_the_lines(server: InProcessSluice) -> None:
     client = client_for(server)
     lines = chat_lines(6)
     lines[2]["custom_id"] = "req-1"
@@ -158,7 +158,7 @@ def test_input_that_cannot_run_fails_the_batch_naming_the_lines(server: SluicePr
     assert too_big.status_code == 413
 
 
-def test_files_list_read_and_delete(server: SluiceProcess) -> None:
+def test_files_list_read_and_delete(server: InProcessSluice) -> None:
     client = client_for(server)
     file = client.files.create(file=("f.jsonl", jsonl(chat_lines(1))), purpose="batch")
     assert client.files.retrieve(file.id).bytes == len(jsonl(chat_lines(1)))
@@ -168,24 +168,39 @@ def test_files_list_read_and_delete(server: SluiceProcess) -> None:
         client.files.retrieve(file.id)
 
 
-@pytest.fixture
-def slow_server(tmp_path: Path) -> Iterator[tuple[SluiceProcess, list[str]]]:
-    """A sim server at ~20 ms a step (a 200-line batch takes seconds), and its arguments to
-    start it again on the same data directory. No start-up calibration: at 20 ms a step its
-    probe takes seconds, and batches do not depend on what it measures (the scheduler starts
-    from its priors and learns online)."""
+def slow_args(tmp_path: Path) -> list[str]:
+    """A sim server at ~20 ms a step (a 200-line batch takes seconds) on its data directory.
+    No start-up calibration: at 20 ms a step its probe takes seconds, and batches do not depend
+    on what it measures (the scheduler starts from its priors and learns online)."""
     config = tmp_path / "sluice.yaml"
     config.write_text("estimates: {calibrate: false}\n")
     args = ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config)]
-    args += ["--data-dir", str(tmp_path / "data")]
+    return [*args, "--data-dir", str(tmp_path / "data")]
+
+
+@pytest.fixture
+def slow_server(tmp_path: Path) -> Iterator[tuple[InProcessSluice, list[str]]]:
+    """A slow server in this process, and its arguments to start it again on the same data
+    directory."""
+    args = slow_args(tmp_path)
+    server = InProcessSluice(args, tmp_path / "server-0.log")
+    try:
+        server.wait_ready(60)
+        yield server, args
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def slow_process(tmp_path: Path) -> Iterator[tuple[SluiceProcess, list[str]]]:
+    """A slow server in a process of its own (to be killed), and its arguments."""
+    args = slow_args(tmp_path)
     process = SluiceProcess(args, tmp_path / "server-0.log")
-    started = [process]
     try:
         process.wait_ready(60)
         yield process, args
     finally:
-        for each in started:
-            each.stop()
+        process.stop()
 
 
 def test_cancel_stops_the_batch_and_keeps_what_is_done(slow_server) -> None:  # type: ignore[no-untyped-def]
@@ -203,10 +218,10 @@ def test_cancel_stops_the_batch_and_keeps_what_is_done(slow_server) -> None:  # 
 
 
 def test_sigkill_mid_batch_then_restart_loses_and_repeats_no_line(  # type: ignore[no-untyped-def]
-    slow_server,
+    slow_process,
     tmp_path: Path,
 ) -> None:
-    server, args = slow_server
+    server, args = slow_process
     client = client_for(server)
     batch_id = start_batch(client, chat_lines(150, max_tokens=40))
     wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 20, 60)
@@ -235,7 +250,7 @@ def test_a_batch_past_its_window_expires_with_what_is_done(
     client = client_for(server)
     batch_id = start_batch(client, chat_lines(150, max_tokens=40))
     wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 5, 60)
-    server.stop()
+    server.stop()  # (again at the fixture's end: a no-op)
     # Down past the window's end: its expiry, as the store will read it on restart.
     with sqlite3.connect(Path(args[-1]) / "batches.sqlite3") as db:
         body = json.loads(
@@ -243,7 +258,7 @@ def test_a_batch_past_its_window_expires_with_what_is_done(
         )
         body["expires_at"] = int(time.time()) - 1
         db.execute("UPDATE batches SET body = ? WHERE id = ?", (json.dumps(body), batch_id))
-    again = SluiceProcess(args, tmp_path / "server-1.log")
+    again = InProcessSluice(args, tmp_path / "server-1.log")
     try:
         again.wait_ready(60)
         restarted = client_for(again)

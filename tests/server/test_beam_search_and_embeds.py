@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import SluiceProcess, wait_until
+from conftest import InProcessSluice, SluiceProcess, wait_until
 
 MODEL = "sluice-demo"
 PROMPT = "Hello, my name is"
@@ -210,7 +210,7 @@ def _embeds_of(tensor: Any) -> str:
     return base64.b64encode(saved.getvalue()).decode()
 
 
-def test_the_sim_engine_refuses_both_naming_itself(sim_server: SluiceProcess) -> None:
+def test_the_sim_engine_refuses_both_naming_itself(sim_server: InProcessSluice) -> None:
     for extra, param in (
         ({"use_beam_search": True, "n": 2}, "use_beam_search"),
         ({"prompt_embeds": "AAAA"}, "prompt_embeds"),

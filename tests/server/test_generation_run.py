@@ -20,6 +20,7 @@ from server.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequ
 from server.generation import RequestContext, Sluice
 from server.generations.run import GenerationRun, Kind
 from server.generations.store import RunStore
+from server.metrics import Metrics
 from server.openai_requests import parse_request
 from server.openai_responses import ChunkEncoder
 from server.scheduler.runtime import SchedulerRuntime
@@ -46,8 +47,9 @@ async def sluice():  # type: ignore[no-untyped-def]
     clock = asyncio.get_running_loop().time
     engine = SimEngine(SimConfig(step_base_ms=2.0))
     config = parse_config(OPTIMISTIC)
-    runtime = SchedulerRuntime(config, engine, "sim", clock=clock)
-    app = build_app(engine, runtime, config, "sim", clock=clock)
+    metrics = Metrics()
+    runtime = SchedulerRuntime(config, engine, "sim", metrics, clock=clock)
+    app = build_app(engine, runtime, config, "sim", metrics=metrics, clock=clock)
     await engine.start()
     await runtime.start()
     yield app.state.sluice
@@ -63,6 +65,7 @@ async def open_run(
         model="sim",
         api="chat",
         arrival=asyncio.get_running_loop().time(),  # the ticket's, on the scheduler's clock
+        metrics=sluice.metrics,
     )
     return await sluice.generate(
         parse_request(body, "chat"),

@@ -8,22 +8,22 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import schemathesis
-from conftest import SluiceProcess
+from conftest import InProcessSluice
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
 from server.openai_requests import accepted_fields
 
-pytestmark = pytest.mark.system
+pytestmark = pytest.mark.service
 
 
 @pytest.fixture(scope="module")
-def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
+def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     """A sim engine that answers fast: a step of ~0.05 ms and a context of 512 tokens. A
     well-formed chat that sets no `max_tokens` runs to the context's end, which at the
     defaults (2,048 tokens, ~2 ms a step) took seconds an example; the fuzzing is about what
     the inputs are, not how long the answers run."""
-    server = SluiceProcess(
+    server = InProcessSluice(
         [
             "--engine",
             "sim",
@@ -44,11 +44,11 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProce
 
 
 @pytest.fixture(scope="module")
-def api_schema(sim_server: SluiceProcess) -> schemathesis.BaseSchema:
+def api_schema(sim_server: InProcessSluice) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(sim_server.url + "/openapi.json")
 
 
-def test_the_document_lists_every_accepted_field(sim_server: SluiceProcess) -> None:
+def test_the_document_lists_every_accepted_field(sim_server: InProcessSluice) -> None:
     document = httpx.get(sim_server.url + "/openapi.json", timeout=10).json()
     assert document["openapi"].startswith("3.1")
     for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completion")):
@@ -103,7 +103,7 @@ def test_the_fuzzed_operations_are_the_documented_ones(api_schema: schemathesis.
 )
 def test_no_input_gets_a_server_error(
     api_schema: schemathesis.BaseSchema,
-    sim_server: SluiceProcess,
+    sim_server: InProcessSluice,
     method: str,
     path: str,
     mode: schemathesis.GenerationMode,

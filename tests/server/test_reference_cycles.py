@@ -30,6 +30,7 @@ import websockets
 from engine_adapters.sim import SimEngine
 from server.app import build_app
 from server.config import BudgetConfig, EstimateConfig, SluiceConfig
+from server.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
 from server.scheduler.types import TrafficClass
 
@@ -51,8 +52,9 @@ async def until(condition: Callable[[], bool], failure: str) -> None:
 @asynccontextmanager
 async def sim_server(config: SluiceConfig) -> AsyncIterator[tuple[int, SchedulerRuntime]]:
     engine = SimEngine()
-    runtime = SchedulerRuntime(config, engine, "sim")
-    app = build_app(engine, runtime, config, "sim")
+    metrics = Metrics()
+    runtime = SchedulerRuntime(config, engine, "sim", metrics)
+    app = build_app(engine, runtime, config, "sim", metrics=metrics)
     listener = socket.socket()  # bound here: no free port to race another process for
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)

@@ -1,8 +1,8 @@
 """Generations that outlive their connection: numbered events, resuming a stream, idempotent
 retries, tenants kept apart, the grace period, and the WebSocket's one terminal message.
 
-Real Sluice processes on loopback with the sim engine (slowed to ~20 ms a step so that a
-client can leave mid-stream); the same contract on the real vLLM engine is in
+A real Sluice server on loopback, in this process, with the sim engine (slowed to ~20 ms a
+step so that a client can leave mid-stream); the same contract on the real vLLM engine is in
 `test_resumption_vllm.py`.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import websockets
-from conftest import SluiceProcess, parse_sse, wait_until
+from conftest import InProcessSluice, parse_sse, wait_until
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 ACME = {"Authorization": "Bearer sk-acme"}
@@ -24,14 +24,14 @@ GRACE_SECONDS = 1
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     root = tmp_path_factory.mktemp("resumption")
     config = root / "sluice.yaml"
     # No start-up calibration: its steps at 20 ms would take seconds; the priors do here.
     config.write_text(
         f"resume: {{grace_seconds: {GRACE_SECONDS}}}\nestimates: {{calibrate: false}}\n"
     )
-    process = SluiceProcess(
+    process = InProcessSluice(
         ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config)],
         root / "server.log",
         env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
@@ -66,7 +66,7 @@ def text_of(events: list[tuple[int, str]]) -> str:
 
 
 def stream(
-    server: SluiceProcess, body: dict, headers: dict, *, leave_after: int | None = None
+    server: InProcessSluice, body: dict, headers: dict, *, leave_after: int | None = None
 ) -> tuple[httpx.Headers, list[tuple[int, str]]]:
     """POST a streamed request; read it all, or leave after `leave_after` events."""
     lines: list[str] = []
@@ -82,7 +82,7 @@ def stream(
 
 
 def resume(
-    server: SluiceProcess, public_id: str, headers: dict, **params: object
+    server: InProcessSluice, public_id: str, headers: dict, **params: object
 ) -> tuple[int, list[tuple[int, str]]]:
     with httpx.stream(
         "GET",
@@ -100,7 +100,7 @@ def generation_id(events: list[tuple[int, str]]) -> str:
 
 
 def test_a_resumable_streams_events_are_numbered_from_one_done_included(
-    server: SluiceProcess,
+    server: InProcessSluice,
 ) -> None:
     _, events = stream(server, chat(8), {**ACME, "Idempotency-Key": "numbered"})
     assert [event_id for event_id, _ in events] == list(range(1, len(events) + 1))
@@ -112,7 +112,7 @@ def test_a_resumable_streams_events_are_numbered_from_one_done_included(
 
 
 def test_a_stream_resumed_after_a_disconnect_is_the_uninterrupted_one(
-    server: SluiceProcess,
+    server: InProcessSluice,
 ) -> None:
     _, whole = stream(server, chat(), ACME)
     _, head = stream(server, chat(), {**ACME, "Idempotency-Key": "story-1"}, leave_after=5)
@@ -131,7 +131,7 @@ def test_a_stream_resumed_after_a_disconnect_is_the_uninterrupted_one(
 
 
 def test_an_idempotent_retry_attaches_while_running_and_replays_after_the_end(
-    server: SluiceProcess,
+    server: InProcessSluice,
 ) -> None:
     requests_before = server.metric("sluice_requests_total")
     headers = {**ACME, "Idempotency-Key": "retry-streamed"}
@@ -155,7 +155,7 @@ def test_an_idempotent_retry_attaches_while_running_and_replays_after_the_end(
     assert server.metric("sluice_requests_total") - requests_before == 2  # two generations
 
 
-def test_a_changed_body_under_the_same_key_is_refused(server: SluiceProcess) -> None:
+def test_a_changed_body_under_the_same_key_is_refused(server: InProcessSluice) -> None:
     headers = {**ACME, "Idempotency-Key": "changed"}
     stream(server, chat(4), headers)
     reply = httpx.post(server.url + "/v1/chat/completions", json=chat(5), headers=headers)
@@ -169,7 +169,7 @@ def test_a_changed_body_under_the_same_key_is_refused(server: SluiceProcess) -> 
     assert too_long.status_code == 400
 
 
-async def test_concurrent_duplicates_reach_the_engine_once(server: SluiceProcess) -> None:
+async def test_concurrent_duplicates_reach_the_engine_once(server: InProcessSluice) -> None:
     requests_before = server.metric("sluice_requests_total")
     body = {**chat(16), "stream": False}
     headers = {**ACME, "Idempotency-Key": "stampede"}
@@ -186,7 +186,7 @@ async def test_concurrent_duplicates_reach_the_engine_once(server: SluiceProcess
     assert server.metric("sluice_requests_total") - requests_before == 1
 
 
-def test_tenants_with_the_same_key_stay_apart(server: SluiceProcess) -> None:
+def test_tenants_with_the_same_key_stay_apart(server: InProcessSluice) -> None:
     _, acme = stream(server, chat(6, seed=1), {**ACME, "Idempotency-Key": "shared"})
     # The same key from another tenant is another generation (no 422, no replay).
     globex_headers, globex = stream(
@@ -208,7 +208,7 @@ def test_tenants_with_the_same_key_stay_apart(server: SluiceProcess) -> None:
 
 
 def test_a_resumable_generation_left_unread_ends_after_the_grace_period(
-    server: SluiceProcess,
+    server: InProcessSluice,
 ) -> None:
     aborts_before = server.metric("sluice_engine_aborts_total")
     _, head = stream(
@@ -230,7 +230,7 @@ def test_a_resumable_generation_left_unread_ends_after_the_grace_period(
 
 
 async def test_a_websocket_generation_resumes_on_another_connection(
-    server: SluiceProcess,
+    server: InProcessSluice,
 ) -> None:
     url = server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme"
     request = {k: v for k, v in chat().items() if k != "stream"}
@@ -302,7 +302,7 @@ async def race_generates_and_cancels(url: str, max_tokens: int, pairs: int = 100
 
 
 async def test_generate_then_cancel_races_end_each_generation_once(
-    server: SluiceProcess,
+    server: InProcessSluice,
 ) -> None:
     await race_generates_and_cancels(
         server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme", max_tokens=6
@@ -316,7 +316,7 @@ async def test_generate_then_cancel_races_end_each_generation_once(
     )
 
 
-def test_nothing_is_left_once_readers_are_gone(server: SluiceProcess) -> None:
+def test_nothing_is_left_once_readers_are_gone(server: InProcessSluice) -> None:
     wait_until(
         lambda: (
             server.metric("sluice_running_requests") == 0

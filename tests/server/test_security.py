@@ -3,7 +3,8 @@
 route, keys kept as digests, failed-attempt throttling, strict configuration, /metrics on its
 own port, and every route that reads a tenant's resource walked as another tenant.
 
-Real Sluice processes (sim engine) on loopback.
+Real Sluice servers (sim engine) on loopback: in this process, but for the log's test (the
+process's logging redacts) and the start that is refused (its exit status).
 """
 
 from __future__ import annotations
@@ -18,21 +19,25 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import ROOT, SluiceProcess, loopback_listener, reserved_port
+from conftest import ROOT, InProcessSluice, SluiceProcess, loopback_listener
 
 from engine_adapters.sim import SimEngine
 from server.app import build_app
 from server.batch_api.store import BatchStore
 from server.config import SluiceConfig, key_digest
+from server.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
 
 ACME_KEY, GLOBEX_KEY, DIGEST_KEY = "sk-acme-7f3a9c", "sk-globex-41d2e8", "sk-hashed-90be77"
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
-    root = tmp_path_factory.mktemp("security")
+ENV = {"SLUICE_API_KEYS": f"{GLOBEX_KEY}:globex"}
+
+
+def tenants_args(root: Path) -> list[str]:
+    """The sim engine, acme's key in the configuration and hashed's as a digest (globex's is
+    in `ENV`)."""
     config = root / "sluice.yaml"
     config.write_text(
         "tenants:\n"
@@ -41,22 +46,25 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
         # No start-up calibration (~2 s): nothing here depends on the engine's measured speed.
         "estimates: {calibrate: false}\n"
     )
-    metrics_port = reserved_port()
-    process = SluiceProcess(
-        [
-            "--engine",
-            "sim",
-            "--config",
-            str(config),
-            "--log-level",
-            "info",
-            "--metrics-port",
-            str(metrics_port),
-        ],
-        root / "server.log",
-        env={"SLUICE_API_KEYS": f"{GLOBEX_KEY}:globex"},
-    )
-    process.metrics_port = metrics_port  # type: ignore[attr-defined]
+    return ["--engine", "sim", "--config", str(config), "--log-level", "info"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
+    root = tmp_path_factory.mktemp("security")
+    server = InProcessSluice(tenants_args(root), root / "server.log", ENV, metrics_port=True)
+    try:
+        server.wait_ready(60)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
+    """The same server as `sluice serve` runs it: its logging is the process's."""
+    root = tmp_path_factory.mktemp("security-process")
+    process = SluiceProcess(tenants_args(root), root / "server.log", ENV)
     try:
         process.wait_ready(60)
         yield process
@@ -69,25 +77,25 @@ def bearer(key: str) -> dict[str, str]:
 
 
 async def test_keys_in_urls_and_headers_leave_no_trace_in_the_logs(
-    server: SluiceProcess,
+    process: SluiceProcess,
 ) -> None:
-    ws_url = server.url.replace("http://", "ws://") + f"/v1/ws?api_key={ACME_KEY}"
+    ws_url = process.url.replace("http://", "ws://") + f"/v1/ws?api_key={ACME_KEY}"
     async with websockets.connect(ws_url) as ws:
         await ws.send(json.dumps({"type": "generate", "id": "g", "request": CHAT}))
         while json.loads(await ws.recv())["type"] != "final":
             pass
-    async with httpx.AsyncClient(base_url=server.url) as client:
+    async with httpx.AsyncClient(base_url=process.url) as client:
         assert (await client.get(f"/v1/models?api_key={GLOBEX_KEY}")).status_code == 401
         assert (
             await client.post("/v1/chat/completions", json=CHAT, headers=bearer(GLOBEX_KEY))
         ).status_code == 200
-    log = server.log_path.read_text()
+    log = process.log_path.read_text()
     assert "WebSocket /v1/ws?api_key=[redacted]" in log  # uvicorn's line, redacted
     for key in (ACME_KEY, GLOBEX_KEY):
         assert key not in log
 
 
-async def test_the_websocket_bearer_subprotocol_authenticates(server: SluiceProcess) -> None:
+async def test_the_websocket_bearer_subprotocol_authenticates(server: InProcessSluice) -> None:
     url = server.url.replace("http://", "ws://") + "/v1/ws"
     protocol = f"sluice.bearer.{ACME_KEY}"
     async with websockets.connect(url, subprotocols=[protocol]) as ws:  # type: ignore[list-item]
@@ -101,7 +109,7 @@ async def test_the_websocket_bearer_subprotocol_authenticates(server: SluiceProc
         assert refused["error"]["code"] == "invalid_api_key"
 
 
-def test_every_v1_route_wants_a_key_and_digests_work(server: SluiceProcess) -> None:
+def test_every_v1_route_wants_a_key_and_digests_work(server: InProcessSluice) -> None:
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/v1/models", headers=bearer(ACME_KEY)).status_code == 200
     assert httpx.post(server.url + "/tokenize", json={"prompt": "hi"}).status_code == 401
@@ -115,21 +123,22 @@ def test_every_v1_route_wants_a_key_and_digests_work(server: SluiceProcess) -> N
         assert httpx.get(server.url + path).status_code == 200
 
 
-def test_metrics_live_on_their_own_port(server: SluiceProcess) -> None:
+def test_metrics_live_on_their_own_port(server: InProcessSluice) -> None:
     assert httpx.get(server.url + "/metrics").status_code == 404
-    scraped = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics")  # type: ignore[attr-defined]
+    scraped = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics")
     assert scraped.status_code == 200 and "sluice_requests_total" in scraped.text
 
 
 def _routes_with_resources(tmp_path: Path) -> list[tuple[str, str]]:
     """(method, path) of every route of the app that names a tenant's resource (`{id}`)."""
-    engine = SimEngine()
+    engine, metrics = SimEngine(), Metrics()
     store = BatchStore(tmp_path / "walk-data")
     app = build_app(
         engine,
-        SchedulerRuntime(SluiceConfig(), engine, "sim"),
+        SchedulerRuntime(SluiceConfig(), engine, "sim", metrics),
         SluiceConfig(),
         "sim",
+        metrics=metrics,
         batch_store=store,
     )
     store.close()
@@ -142,7 +151,7 @@ def _routes_with_resources(tmp_path: Path) -> list[tuple[str, str]]:
     ]
 
 
-def _generation(server: SluiceProcess, path: str) -> str:
+def _generation(server: InProcessSluice, path: str) -> str:
     """A resumable stream of acme's; its id."""
     body = dict(CHAT) if path.startswith("/v1/chat") else {"prompt": "hi", "max_tokens": 4}
     made = httpx.post(
@@ -159,7 +168,7 @@ def _generation(server: SluiceProcess, path: str) -> str:
     )
 
 
-def _file(server: SluiceProcess, path: str) -> str:
+def _file(server: InProcessSluice, path: str) -> str:
     line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": CHAT}
     made = httpx.post(
         server.url + "/v1/files",
@@ -170,7 +179,7 @@ def _file(server: SluiceProcess, path: str) -> str:
     return str(made.json()["id"])
 
 
-def _batch(server: SluiceProcess, path: str) -> str:
+def _batch(server: InProcessSluice, path: str) -> str:
     made = httpx.post(
         server.url + "/v1/batches",
         json={
@@ -195,7 +204,7 @@ MAKERS = {
 
 
 def test_another_tenants_resources_are_not_found_on_every_route(
-    server: SluiceProcess,
+    server: InProcessSluice,
     tmp_path: Path,
 ) -> None:
     routes = _routes_with_resources(tmp_path)
@@ -237,7 +246,7 @@ def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
     # A server of its own (the address it throttles is every test's); no start-up calibration.
     config = tmp_path / "sluice.yaml"
     config.write_text("estimates: {calibrate: false}\n")
-    process = SluiceProcess(
+    process = InProcessSluice(
         ["--engine", "sim", "--config", str(config)],
         tmp_path / "server.log",
         env={"SLUICE_API_KEYS": f"{ACME_KEY}:acme"},

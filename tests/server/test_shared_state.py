@@ -1,6 +1,6 @@
-"""Tenant quotas shared by replicas through a real `redis-server`: two real Sluice processes
-(sim engine), one Redis, the limits holding for both together, and what happens when a replica
-dies or Redis stops."""
+"""Tenant quotas shared by replicas through a real `redis-server`: two real Sluice servers
+(sim engine, in this process), one Redis, the limits holding for both together, and what
+happens when a replica (a process of its own, killed or sent SIGTERM) dies or Redis stops."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import httpx
 import orjson
 import pytest
 import websockets
-from conftest import RedisProcess, SluiceProcess, parse_sse, wait_until
+from conftest import InProcessSluice, RedisProcess, SluiceProcess, parse_sse, wait_until
 
 pytestmark = pytest.mark.system
 
+Replica = SluiceProcess | InProcessSluice
 KEY = {"Authorization": "Bearer acme-key"}
 LEASE_SECONDS = 2
 # The replica killed below takes longer leases, so that "still held" is checked well within
@@ -48,8 +49,8 @@ estimates: {{calibrate: false, decode_tokens_per_s: 400}}
 
 
 @pytest.fixture(scope="module")
-def replicas(redis: RedisProcess, config: Path) -> Iterator[list[SluiceProcess]]:
-    servers = [_replica(config, redis) for _ in range(2)]
+def replicas(redis: RedisProcess, config: Path) -> Iterator[list[InProcessSluice]]:
+    servers = [_replica_here(config, redis) for _ in range(2)]
     try:
         for server in servers:
             server.wait_ready(60)
@@ -61,13 +62,24 @@ def replicas(redis: RedisProcess, config: Path) -> Iterator[list[SluiceProcess]]
 
 
 def _replica(config: Path, redis: RedisProcess) -> SluiceProcess:
-    return SluiceProcess(
-        ["--engine", "sim", "--config", str(config), "--state-url", redis.url],
-        config.parent / f"replica-{time.monotonic_ns()}.log",
-    )
+    """A replica in a process of its own (to be killed or sent SIGTERM)."""
+    return SluiceProcess(_replica_args(config, redis), _replica_log(config))
 
 
-def _count_two(replicas: list[SluiceProcess]) -> None:
+def _replica_here(config: Path, redis: RedisProcess) -> InProcessSluice:
+    """A replica in this process (its own metrics registry and replica id)."""
+    return InProcessSluice(_replica_args(config, redis), _replica_log(config))
+
+
+def _replica_args(config: Path, redis: RedisProcess) -> list[str]:
+    return ["--engine", "sim", "--config", str(config), "--state-url", redis.url]
+
+
+def _replica_log(config: Path) -> Path:
+    return config.parent / f"replica-{time.monotonic_ns()}.log"
+
+
+def _count_two(replicas: list[Replica]) -> None:
     wait_until(
         lambda: all(s.metric("sluice_state_replicas") == 2 for s in replicas),
         DOOMED_LEASE_SECONDS + 3,
@@ -76,7 +88,7 @@ def _count_two(replicas: list[SluiceProcess]) -> None:
 
 
 async def _hold(
-    client: httpx.AsyncClient, server: SluiceProcess, max_tokens: int
+    client: httpx.AsyncClient, server: Replica, max_tokens: int
 ) -> tuple[int, httpx.Headers, str]:
     """A streamed chat's status, headers and (refused) body, read to its end."""
     body = {
@@ -91,7 +103,9 @@ async def _hold(
         return response.status_code, response.headers, text
 
 
-def _eight_at_once(replicas: list[SluiceProcess]) -> list[tuple[int, httpx.Headers, str]]:
+def _eight_at_once(
+    replicas: list[Replica],
+) -> list[tuple[int, httpx.Headers, str]]:
     """Eight concurrent chats of the tenant limited to four, four on each replica, each long
     enough (200 tokens of the sim engine's steps) to be in flight while the others arrive."""
 
@@ -102,7 +116,9 @@ def _eight_at_once(replicas: list[SluiceProcess]) -> list[tuple[int, httpx.Heade
     return asyncio.run(send())
 
 
-def test_a_tenant_limit_holds_across_replicas(replicas: list[SluiceProcess]) -> None:
+def test_a_tenant_limit_holds_across_replicas(
+    replicas: list[Replica],
+) -> None:
     results = _eight_at_once(replicas)
     assert sorted(status for status, _, _ in results) == [200] * 4 + [429] * 4
     for status, headers, text in results:
@@ -123,7 +139,7 @@ def test_a_tenant_limit_holds_across_replicas(replicas: list[SluiceProcess]) -> 
 
 
 def test_a_killed_replicas_holdings_expire(
-    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+    redis: RedisProcess, replicas: list[Replica], config: Path
 ) -> None:
     longer = config.with_name("doomed.yaml")
     longer.write_text(
@@ -209,7 +225,9 @@ def _post(server: SluiceProcess, body: dict, key: str) -> httpx.Response:
     )
 
 
-def test_an_idempotency_key_replays_on_the_other_replica(replicas: list[SluiceProcess]) -> None:
+def test_an_idempotency_key_replays_on_the_other_replica(
+    replicas: list[Replica],
+) -> None:
     first, other = replicas
     whole = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
     made = _post(first, whole, "whole-1")
@@ -273,7 +291,7 @@ def _killed_mid_stream(
 
 
 def test_a_killed_replicas_generation_continues_on_the_other(
-    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+    redis: RedisProcess, replicas: list[Replica], config: Path
 ) -> None:
     """SIGKILL mid-stream; the client resumes on the other replica with Last-Event-ID and
     gets every remaining token once."""
@@ -297,7 +315,7 @@ def test_a_killed_replicas_generation_continues_on_the_other(
 
 
 def test_a_generation_that_cannot_be_continued_ends_for_every_replica(
-    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+    redis: RedisProcess, replicas: list[Replica], config: Path
 ) -> None:
     """Two choices cannot be continued alone: the replica that claims the generation ends it
     with an error event in the shared log, which every replica then reads."""
@@ -314,7 +332,9 @@ def test_a_generation_that_cannot_be_continued_ends_for_every_replica(
     assert error["code"] == "generation_failed" and "new idempotency key" in error["message"]
 
 
-def test_a_websocket_generation_resumes_on_the_other_replica(replicas: list[SluiceProcess]) -> None:
+def test_a_websocket_generation_resumes_on_the_other_replica(
+    replicas: list[Replica],
+) -> None:
     max_tokens = 200
     request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
     first, other = (
@@ -358,13 +378,13 @@ def test_a_websocket_generation_resumes_on_the_other_replica(replicas: list[Slui
 
 
 def test_a_reader_on_another_replica_keeps_a_generation_alive(
-    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+    redis: RedisProcess, replicas: list[Replica], config: Path
 ) -> None:
     """The replica running a generation with no reader of its own cancels it after the grace
     period, unless a replica following it has one."""
     brief = config.with_name("brief-grace.yaml")
     brief.write_text(config.read_text() + "resume: {grace_seconds: 1}\n")
-    owner = _replica(brief, redis)
+    owner = _replica_here(brief, redis)
     owner.wait_ready(60)
     max_tokens = 1500  # some seconds of the sim engine: well past the grace period
     body = {
@@ -398,7 +418,7 @@ def test_a_reader_on_another_replica_keeps_a_generation_alive(
 
 
 def test_a_stopping_replica_hands_its_generations_over(
-    redis: RedisProcess, replicas: list[SluiceProcess], config: Path
+    redis: RedisProcess, replicas: list[Replica], config: Path
 ) -> None:
     """SIGTERM: a generation still running when the drain ends is let go at once (its lease
     here outlasts the test, so only letting go lets the other replica take it), the stream
@@ -454,7 +474,7 @@ def test_a_stopping_replica_hands_its_generations_over(
     assert orjson.loads(rest[-2][1])["usage"]["completion_tokens"] == max_tokens
 
 
-def test_a_redis_outage_mid_stream(redis: RedisProcess, replicas: list[SluiceProcess]) -> None:
+def test_a_redis_outage_mid_stream(redis: RedisProcess, replicas: list[Replica]) -> None:
     """Redis stops while a resumable generation streams from one replica and is followed on
     the other: the follower's stream ends with an error of its own (no id: resume later), the
     running replica's goes on to the end. Redis comes back empty; nothing breaks."""
@@ -518,9 +538,7 @@ def test_a_redis_outage_mid_stream(redis: RedisProcess, replicas: list[SluicePro
     _count_two(replicas)
 
 
-def test_redis_stopped_and_started_mid_run(
-    redis: RedisProcess, replicas: list[SluiceProcess]
-) -> None:
+def test_redis_stopped_and_started_mid_run(redis: RedisProcess, replicas: list[Replica]) -> None:
     _count_two(replicas)  # (the replica killed above no longer counts)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     statuses: list[int] = []

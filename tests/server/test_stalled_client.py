@@ -8,9 +8,9 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import SluiceProcess, loopback_listener, wait_until
+from conftest import InProcessSluice, loopback_listener, wait_until
 
-pytestmark = pytest.mark.system
+pytestmark = pytest.mark.service
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
     # server's sends block after kilobytes rather than after megabytes of generated text.
     listener = loopback_listener()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
-    server = SluiceProcess(
+    server = InProcessSluice(
         # A fast engine and a long answer: the socket buffers must fill before a send blocks.
         [
             "--engine",
@@ -44,7 +44,7 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
         server.stop()
 
 
-def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess) -> None:
+def test_a_client_that_stops_reading_is_dropped(impatient_server: InProcessSluice) -> None:
     body = json.dumps(
         {
             "messages": [{"role": "user", "content": "talk"}],
@@ -79,7 +79,7 @@ def test_a_client_that_stops_reading_is_dropped(impatient_server: SluiceProcess)
 
 
 async def test_a_websocket_client_that_stops_reading_is_dropped(
-    impatient_server: SluiceProcess,
+    impatient_server: InProcessSluice,
 ) -> None:
     import websockets
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import SluiceProcess
+from conftest import InProcessSluice, SluiceProcess
 
 MODEL = "sluice-demo"
 
 
-def _post(server: SluiceProcess, path: str, body: object) -> httpx.Response:
+def _post(server: SluiceProcess | InProcessSluice, path: str, body: object) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=30)
 
 
@@ -96,7 +96,7 @@ def test_a_token_id_outside_the_vocabulary_is_a_400_not_a_retried_500(
     assert vllm_server.metric("sluice_budget_in_use") == 0
 
 
-def test_version(sim_server: SluiceProcess) -> None:
+def test_version(sim_server: InProcessSluice) -> None:
     version = httpx.get(sim_server.url + "/version").json()["version"]
     assert version and version[0].isdigit()
 
@@ -126,14 +126,14 @@ def test_version(sim_server: SluiceProcess) -> None:
     ],
 )
 def test_tokenizer_route_errors(
-    sim_server: SluiceProcess, path: str, body: dict, status: int, param: str
+    sim_server: InProcessSluice, path: str, body: dict, status: int, param: str
 ) -> None:
     response = _post(sim_server, path, body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
 
 
-def test_sim_round_trip(sim_server: SluiceProcess) -> None:
+def test_sim_round_trip(sim_server: InProcessSluice) -> None:
     tokens = _post(sim_server, "/tokenize", {"prompt": "the old horse"}).json()["tokens"]
     assert len(tokens) == 3
     assert _post(sim_server, "/detokenize", {"tokens": tokens}).json() == {

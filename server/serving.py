@@ -1,0 +1,347 @@
+"""`sluice serve`: the app its arguments assemble, the servers that serve it, and the process.
+
+`assemble` builds what the arguments ask for (engine, dispatcher, configuration, batch store,
+and one `Metrics` that all of them record into); `Serving` runs the result under uvicorn, with
+/metrics on a port of its own when asked, until it is told to stop or the engine dies; `serve`
+is the process around them: logging, the event loop, the collector frozen once start-up is done,
+and uvicorn's signal handlers. The first two do nothing process-wide, so tests run them in a
+thread of their own process (`tests/conftest.py`).
+
+If the engine dies, /ready and new requests get 503 for `--engine-death-exit-seconds`, then the
+process exits 3 so an orchestrator restarts it. On SIGTERM it drains: /ready and new
+generations get 503 at once, running generations finish (for up to `--drain-seconds`, then end
+with a `shutting_down` error event), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from uvicorn.config import LOGGING_CONFIG
+
+from engine_adapters.protocol import EngineClient
+from server import redaction
+from server.access_log import install_handler
+from server.app import build_app, metrics_app
+from server.batch_api.store import BatchStore, DataDirInUse
+from server.config import ConfigError, SluiceConfig, load_config, with_state_url
+from server.generation import Sluice
+from server.metrics import Metrics
+from server.scheduler.types import Dispatcher
+from server.state.backend import RedisState
+from server.state.quotas import SharedQuotaDispatcher, SharedQuotas
+
+logger = logging.getLogger("sluice.server")
+ENGINE_DIED_STATUS = 3
+
+
+class StartRefused(Exception):
+    """The configuration or the data directory does not allow a start (exit status 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    """What `sluice serve`'s arguments build, not yet started."""
+
+    args: argparse.Namespace
+    app: Starlette
+    scrape_app: Starlette | None  # /metrics alone, with --metrics-port
+    engine_died: asyncio.Event
+
+    @property
+    def sluice(self) -> Sluice:
+        sluice: Sluice = self.app.state.sluice
+        return sluice
+
+
+def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Assembled:
+    """The app `sluice serve` runs with `args` (parsed by `server.cli`'s parser), its API keys
+    read from `environ`. StartRefused: the configuration is invalid or the data directory is
+    another process's."""
+    try:
+        config = load_config(args.config, environ)
+        if args.state_url is not None:
+            config = with_state_url(config, args.state_url)
+    except ConfigError as exc:
+        raise StartRefused(f"invalid configuration: {exc}") from None
+    if args.engine != "vllm" and (
+        args.tool_call_parser or args.enable_auto_tool_choice or args.reasoning_parser
+    ):
+        raise SystemExit(
+            "--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
+            "read vLLM's output: they need --engine vllm"
+        )
+    metrics = Metrics()
+    engine, dispatcher, name = _build_serving(args, config, metrics)
+    state = None
+    if config.state.url is not None:
+        state = RedisState(config.state, metrics)
+        dispatcher = SharedQuotaDispatcher(dispatcher, SharedQuotas(state, config.tenants))
+    try:
+        batch_store = BatchStore(args.data_dir)
+    except DataDirInUse as exc:
+        raise StartRefused(str(exc)) from None
+    engine_died = asyncio.Event()
+    app = build_app(
+        engine,
+        dispatcher,
+        config,
+        name,
+        metrics=metrics,
+        ping_seconds=args.sse_ping_seconds,
+        send_timeout_seconds=args.send_timeout_seconds,
+        max_body_bytes=args.max_body_bytes,
+        on_engine_death=engine_died,
+        metrics_route=args.metrics_port is None,
+        batch_store=batch_store,
+        max_file_bytes=args.max_file_bytes,
+        state=state,
+    )
+    scrape_app = None if args.metrics_port is None else metrics_app(app)
+    return Assembled(args, app, scrape_app, engine_died)
+
+
+def _build_serving(
+    args: argparse.Namespace, config: SluiceConfig, metrics: Metrics
+) -> tuple[EngineClient, Dispatcher, str]:
+    """(engine, dispatcher, served model name) for `--engine`."""
+    if args.engine == "sim-batch":
+        from server.batching.cli import build_serving
+
+        return build_serving(args, config, metrics)
+    from server.scheduler.runtime import SchedulerRuntime
+
+    engine, name = _build_engine(args)
+    return engine, SchedulerRuntime(config, engine, name, metrics), name
+
+
+def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
+    if args.engine == "sim":
+        from engine_adapters.sim import SimConfig, SimEngine
+
+        name = args.served_model_name or "sim"
+        return SimEngine(SimConfig.from_args(args), model_name=name), name
+    from engine_adapters.vllm_adapter import VLLMEngine, parse_engine_args
+    from engine_adapters.vllm_output import ParserOptions
+
+    engine_args = parse_engine_args(args.engine_arg)
+    if args.model is None:
+        from engine_adapters.demo_model import DEMO_MODEL_NAME, build_demo_model
+
+        model = str(build_demo_model(args.cache_dir / "demo-model"))
+        name = args.served_model_name or DEMO_MODEL_NAME
+    else:
+        model = args.model
+        name = args.served_model_name or model
+    parsers = ParserOptions(
+        args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser
+    )
+    return VLLMEngine(model, name, engine_args, parsers), name
+
+
+class Serving:
+    """The assembled app under uvicorn, and its /metrics app with --metrics-port, until
+    `stop` or the engine's death.
+
+    `log_config`: uvicorn's logging set-up, applied as each server is configured (the
+    process's; None leaves logging as it is). `on_started`: called once the app's start-up
+    (the lifespan) is done and the sockets listen.
+    """
+
+    def __init__(
+        self,
+        assembled: Assembled,
+        *,
+        log_config: dict[str, Any] | None = LOGGING_CONFIG,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
+        args = self.args = assembled.args
+        self.engine_died = assembled.engine_died
+        self.api = DrainingServer(
+            assembled.sluice,
+            args.drain_seconds,
+            uvicorn.Config(
+                assembled.app,
+                host=args.host,
+                port=args.port,
+                fd=args.fd,
+                log_level=args.log_level,
+                log_config=log_config,
+                access_log=False,
+                timeout_graceful_shutdown=10,
+                ws_max_size=args.max_body_bytes,
+            ),
+            on_started=on_started,
+        )
+        self.scraper = (
+            None
+            if assembled.scrape_app is None
+            else QuietServer(
+                uvicorn.Config(
+                    assembled.scrape_app,
+                    host=args.metrics_host or args.host,
+                    port=args.metrics_port,
+                    log_level=args.log_level,
+                    log_config=log_config,
+                    access_log=False,
+                    lifespan="off",
+                )
+            )
+        )
+
+    async def run(
+        self,
+        sockets: list[socket.socket] | None = None,
+        metrics_sockets: list[socket.socket] | None = None,
+    ) -> int:
+        """Serve (on `sockets`, or --host/--port; /metrics on `metrics_sockets`, or
+        --metrics-host/--metrics-port) until stopped. The exit status: 0 after a stop,
+        3 after the engine died, 1 if it never started."""
+
+        async def stop_on_engine_death() -> None:
+            await self.engine_died.wait()
+            # Keep answering (/ready 503, new requests 503) so balancers see it, then exit.
+            await asyncio.sleep(self.args.engine_death_exit_seconds)
+            self.api.should_exit = True
+
+        watcher = asyncio.create_task(stop_on_engine_death())
+        scraping = None
+        if self.scraper is not None:
+            scraping = asyncio.create_task(self.scraper.serve(metrics_sockets))
+        try:
+            await self.api.serve(sockets)
+        finally:
+            watcher.cancel()
+            if self.scraper is not None and scraping is not None:
+                self.scraper.should_exit = True
+                await scraping
+        if self.engine_died.is_set():
+            logger.error("exiting with status 3 because the engine died")
+            return ENGINE_DIED_STATUS
+        return 0 if self.api.started else 1
+
+    def stop(self) -> None:
+        """Stop as SIGINT does: close the listeners, let open connections finish (bounded by
+        uvicorn's graceful shutdown), shut the app down. Call it from the servers' loop."""
+        self.api.should_exit = True
+
+
+def serve(args: argparse.Namespace) -> int:
+    """The `sluice serve` process; its exit status."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    install_handler()
+    redaction.install()
+    try:
+        assembled = assemble(args)
+    except StartRefused as exc:
+        logger.error("%s", exc)
+        return 2
+    serving = Serving(assembled, on_started=_freeze_start_up)
+    # Each uvicorn Config set its loggers up anew: filter their handlers now, after the last.
+    redaction.install()
+    if _has_uvloop():
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return asyncio.run(serving.run())
+
+
+def _freeze_start_up() -> None:
+    """What start-up built (vLLM, torch, transformers: ~600,000 objects) lives as long as the
+    process; keep it out of the collector's full passes, each of which otherwise stalls the
+    event loop (~350 ms here with vLLM imported)."""
+    gc.collect()
+    gc.freeze()
+
+
+class QuietServer(uvicorn.Server):
+    """A second server in the process (metrics): the signals are the API server's to handle."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but SIGTERM drains first (see the module's docstring): the listener
+    stays open, answering 503 `shutting_down`, until the running generations are done. A
+    second SIGTERM, or SIGINT, stops at once as uvicorn does. (uvicorn handles signals only
+    in the main thread.)"""
+
+    def __init__(
+        self,
+        sluice: Sluice,
+        drain_seconds: float,
+        config: uvicorn.Config,
+        on_started: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.sluice = sluice
+        self.drain_seconds = drain_seconds
+        self.on_started = on_started
+        self._draining: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[Any] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self.sluice.draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self.sluice.draining = True  # /ready answers 503 from now on
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._draining = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        logger.info(
+            "SIGTERM: draining (up to %gs for %d running generation(s))",
+            self.drain_seconds,
+            len(self.sluice.live),
+        )
+        await self.sluice.drain(self.drain_seconds)
+        logger.info("drained; shutting down")
+        self.should_exit = True
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """New event loops as `serve`'s: uvloop's where it is installed (and SLUICE_NO_UVLOOP is
+    not set), for a server run in a thread of another process without touching its policy."""
+    if _has_uvloop():
+        import uvloop
+
+        return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+def _has_uvloop() -> bool:
+    return os.environ.get("SLUICE_NO_UVLOOP") is None and _importable("uvloop")
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None

@@ -60,24 +60,25 @@ SYSTEM_NEEDS = {"vllm", "browser", "prometheus"}
 SERVICE_FIXTURES = {"sim_server"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if VLLM_FIXTURES & fixtures:
-            item.add_marker(pytest.mark.vllm)
-        if "vllm_server" in fixtures:
-            # Under pytest-xdist (`--dist loadgroup`), the tests of the session's vLLM server
-            # all run in one worker, so that one engine starts, not one per worker.
-            item.add_marker(pytest.mark.xdist_group("vllm_server"))
-        marked = {marker.name for marker in item.iter_markers()}
-        if marked & {"unit", "service", "system"}:
-            continue
-        if marked & SYSTEM_NEEDS:
-            item.add_marker(pytest.mark.system)
-        elif SERVICE_FIXTURES & fixtures:
-            item.add_marker(pytest.mark.service)
-        else:
-            item.add_marker(pytest.mark.unit)
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Markers from what a test uses, set as it is collected (pytest-xdist reads the groups in
+    its own `pytest_collection_modifyitems`, which would otherwise run first)."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if VLLM_FIXTURES & fixtures:
+        item.add_marker(pytest.mark.vllm)
+    if "vllm_server" in fixtures:
+        # Under pytest-xdist (`--dist loadgroup`), the tests of the session's vLLM server all
+        # run in one worker, so that one engine starts, not one per worker.
+        item.add_marker(pytest.mark.xdist_group("vllm_server"))
+    marked = {marker.name for marker in item.iter_markers()}
+    if marked & {"unit", "service", "system"}:
+        return
+    if marked & SYSTEM_NEEDS:
+        item.add_marker(pytest.mark.system)
+    elif SERVICE_FIXTURES & fixtures:
+        item.add_marker(pytest.mark.service)
+    else:
+        item.add_marker(pytest.mark.unit)
 
 
 def loopback_listener() -> socket.socket:

@@ -30,8 +30,8 @@ test: setup
 	scripts/install-test-deps.sh
 	$(BIN)/pytest $(PARALLEL) $(PYTEST_ARGS)
 
-test-quick: setup  # the unit and service tiers: no vLLM, processes, browser or Prometheus
-	$(BIN)/pytest -m "not system" $(PYTEST_ARGS)
+test-quick: setup  # the unit and service tiers (no vLLM, processes, browser, Prometheus), unfuzzed
+	$(BIN)/pytest $(PARALLEL) -m "not system and not slow" $(PYTEST_ARGS)
 
 lint: setup  # what CI runs before the tests: lint, format, types, import rules
 	$(BIN)/ruff check $(LINTED)

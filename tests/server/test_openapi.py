@@ -89,6 +89,7 @@ def test_the_fuzzed_operations_are_the_documented_ones(api_schema: schemathesis.
     assert documented == set(OPERATIONS)
 
 
+@pytest.mark.slow  # 40 examples an operation and mode: tens of seconds by design
 @pytest.mark.parametrize(
     ("method", "path", "mode"),
     [

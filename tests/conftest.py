@@ -478,7 +478,12 @@ def vllm_server(
 
 @pytest.fixture(scope="session")
 def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    server = InProcessSluice(["--engine", "sim"], tmp_path_factory.mktemp("sim") / "server.log")
+    """The sim engine's server for validation and routes. No start-up calibration (~1.6 s a
+    worker): what its tests check does not depend on the engine's measured speed."""
+    root = tmp_path_factory.mktemp("sim")
+    config = root / "sluice.yaml"
+    config.write_text("estimates: {calibrate: false}\n")
+    server = InProcessSluice(["--engine", "sim", "--config", str(config)], root / "server.log")
     try:
         server.wait_ready(60)
         yield server

@@ -11,8 +11,11 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 def test_two_servers_in_one_process_count_only_their_own_requests(tmp_path: Path) -> None:
-    first = InProcessSluice(["--engine", "sim"], tmp_path / "first.log")
-    second = InProcessSluice(["--engine", "sim"], tmp_path / "second.log")
+    config = tmp_path / "sluice.yaml"
+    config.write_text("estimates: {calibrate: false}\n")  # what they count, not how fast
+    args = ["--engine", "sim", "--config", str(config)]
+    first = InProcessSluice(args, tmp_path / "first.log")
+    second = InProcessSluice(args, tmp_path / "second.log")
     try:
         first.wait_ready(60)
         second.wait_ready(60)

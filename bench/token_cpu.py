@@ -2,7 +2,7 @@
 subprocess, 64 concurrent SSE streams of 500 tokens read by raw sockets that only count events.
 
     python bench/token_cpu.py                  # this checkout
-    python bench/token_cpu.py --root /tmp/old  # another checkout (e.g. a commit to compare)
+    python bench/token_cpu.py --root /tmp/old --port 8311  # another checkout (an older one)
 
 Each round prints the events read, their rate, and the server process's CPU time (user +
 system) per event. Run two checkouts alternately, several rounds each: on 2 cores one round
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,24 +55,33 @@ async def stream(port: int, tokens: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to serve")
-    parser.add_argument("--port", type=int, default=8311)
+    parser.add_argument(
+        "--port",
+        type=int,
+        help="serve on this port (a checkout before `serve --fd`); else on "
+        "a socket bound here and inherited",
+    )
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as data:
+    listener = socket.create_server(("127.0.0.1", 0))  # the server inherits it (--fd)
+    port, where, fds = int(listener.getsockname()[1]), ["--fd", str(listener.fileno())], [listener]
+    if args.port is not None:
+        port, where, fds = args.port, ["--port", str(args.port)], []
+    with tempfile.TemporaryDirectory() as data, listener:
         server = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--port", str(args.port),
+            [sys.executable, "-m", "server.cli", "serve", *where,
              "--data-dir", data, "--log-level", "warning", *ENGINE],
             cwd=args.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            process_group=0,
+            process_group=0, pass_fds=[fd.fileno() for fd in fds],
         )  # fmt: skip
         try:
-            ready(f"http://127.0.0.1:{args.port}/ready", server)
+            ready(f"http://127.0.0.1:{port}/ready", server)
             process = psutil.Process(server.pid)
             for round_ in range(args.rounds):
                 cpu, started = sum(process.cpu_times()[:2]), time.monotonic()
-                counts = asyncio.run(streams(args.port, args.streams, args.tokens))
+                counts = asyncio.run(streams(port, args.streams, args.tokens))
                 cpu, took = sum(process.cpu_times()[:2]) - cpu, time.monotonic() - started
                 events = sum(counts)
                 print(

@@ -27,12 +27,14 @@ GRACE_SECONDS = 1
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     root = tmp_path_factory.mktemp("resumption")
     config = root / "sluice.yaml"
-    # No start-up calibration: its steps at 20 ms would take seconds; the priors do here.
+    # Steps of 10 ms: a 40-token answer streams for ~0.4 s, long enough for a client to leave
+    # mid-stream and for a retry to attach while it runs. No start-up calibration: at 10 ms a
+    # step its probe would take seconds; the priors do here.
     config.write_text(
         f"resume: {{grace_seconds: {GRACE_SECONDS}}}\nestimates: {{calibrate: false}}\n"
     )
     process = InProcessSluice(
-        ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config)],
+        ["--engine", "sim", "--sim-step-base-ms", "10", "--config", str(config)],
         root / "server.log",
         env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
     )

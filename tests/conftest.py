@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from server.serving import Serving
@@ -120,19 +121,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def uncalibrated_config(directory: Path, more: str = "") -> Path:
+    """A configuration file (`more` is further YAML) for a server started without its engine
+    calibration (`estimates.calibrate: false`): the probe costs ~1.6 s at the sim's default
+    speed and seconds at 20-40 ms a step, and the scheduler starts from its priors and learns
+    online. For tests whose subject does not depend on the engine's measured speed."""
+    config = directory / "sluice.yaml"
+    config.write_text("estimates: {calibrate: false}\n" + more)
+    return config
+
+
 def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` in the exposition `text` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        metric_name, _, label_text = series.partition("{")
-        if metric_name != name:
-            continue
-        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-            total += float(value)
-    return total
+    """Sum of the samples of `name` (e.g. `sluice_requests_total`) in the exposition `text`
+    whose labels include `labels`; 0.0 when there are none yet."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 class SluiceProcess:
@@ -313,12 +320,16 @@ class InProcessSluice:
         self._log_handler.flush()
         return self.log_path.read_text(errors="replace")[-6000:]
 
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`, from its own /metrics
-        (its own registry)."""
+    def metrics_text(self) -> str:
+        """Its own /metrics (its own registry), from `--metrics-port` when it has one."""
         port = self.port if self.metrics_port is None else self.metrics_port
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        return metric_sum(text, name, **labels)
+        response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        response.raise_for_status()
+        return response.text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        return metric_sum(self.metrics_text(), name, **labels)
 
     def stop(self) -> int | None:
         """Stop as SIGINT stops the process (graceful, bounded); the exit status `serve` would
@@ -478,11 +489,10 @@ def vllm_server(
 
 @pytest.fixture(scope="session")
 def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    """The sim engine's server for validation and routes. No start-up calibration (~1.6 s a
-    worker): what its tests check does not depend on the engine's measured speed."""
+    """The sim engine's server for validation and routes (uncalibrated: what its tests check
+    does not depend on the engine's measured speed)."""
     root = tmp_path_factory.mktemp("sim")
-    config = root / "sluice.yaml"
-    config.write_text("estimates: {calibrate: false}\n")
+    config = uncalibrated_config(root)
     server = InProcessSluice(["--engine", "sim", "--config", str(config)], root / "server.log")
     try:
         server.wait_ready(60)

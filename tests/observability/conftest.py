@@ -17,14 +17,12 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import httpx
 import pytest
 from conftest import InProcessSluice
-from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
 
@@ -82,30 +80,6 @@ def log_tail(path: Path, chars: int = 4000) -> str:
         return "<no log>"
 
 
-@dataclass
-class RunningSluice:
-    base_url: str
-    port: int
-    log_path: Path
-
-    def metrics_text(self) -> str:
-        response = httpx.get(f"{self.base_url}/metrics", timeout=5.0)
-        response.raise_for_status()
-        return response.text
-
-    def metric_sum(self, name: str, **labels: str) -> float:
-        """Sum of the samples named `name` (e.g. `sluice_engine_aborts_total`) whose labels
-        include `labels`; 0.0 when there are none yet."""
-        total = 0.0
-        for family in text_string_to_metric_families(self.metrics_text()):
-            for sample in family.samples:
-                if sample.name == name and all(
-                    sample.labels.get(k) == v for k, v in labels.items()
-                ):
-                    total += sample.value
-        return total
-
-
 @contextmanager
 def run_sluice(
     log_dir: Path,
@@ -113,13 +87,12 @@ def run_sluice(
     engine: str = "sim",
     env: Mapping[str, str] | None = None,
     name: str = "sluice",
-) -> Iterator[RunningSluice]:
-    """A Sluice server in this process (`InProcessSluice`) on a loopback port, which
-    Prometheus and Chromium reach as they would another process's; ready when this yields."""
-    log_path = log_dir / f"{name}.log"
-    server = InProcessSluice(["--engine", engine, *args], log_path, dict(env or {}))
+) -> Iterator[InProcessSluice]:
+    """A Sluice server in this process on a loopback port, which Prometheus and Chromium reach
+    as they would another process's; ready when this yields."""
+    server = InProcessSluice(["--engine", engine, *args], log_dir / f"{name}.log", dict(env or {}))
     try:
         server.wait_ready(SERVER_READY_TIMEOUT_S)
-        yield RunningSluice(server.url, server.port, log_path)
+        yield server
     finally:
         server.stop()

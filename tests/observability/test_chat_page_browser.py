@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import InProcessSluice, uncalibrated_config
 
-from .conftest import REPO_ROOT, RunningSluice, require_tool, run_sluice, wait_until
+from .conftest import REPO_ROOT, require_tool, run_sluice, wait_until
 
 pytestmark = pytest.mark.browser
 
@@ -34,12 +35,10 @@ METRICS_TIMEOUT_S = 15.0
 
 
 @pytest.fixture
-def slow_sluice(tmp_path: Path) -> Iterator[RunningSluice]:
-    # One engine step per token at 40 ms: a 1,500-token answer would take a minute. No
-    # start-up calibration: at 40 ms a step its probe took ~10 s, and the page does not depend
-    # on what it measures (the page sets its own deadline).
-    config = tmp_path / "sluice.yaml"
-    config.write_text("estimates: {calibrate: false}\n")
+def slow_sluice(tmp_path: Path) -> Iterator[InProcessSluice]:
+    # One engine step per token at 40 ms: a 1,500-token answer would take a minute.
+    # Uncalibrated (the probe would take ~10 s at 40 ms a step): the page sets its own deadline.
+    config = uncalibrated_config(tmp_path)
     with run_sluice(
         tmp_path,
         "--served-model-name",
@@ -72,12 +71,12 @@ def _sync_playwright() -> object:
 
 
 def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
-    slow_sluice: RunningSluice, tmp_path: Path
+    slow_sluice: InProcessSluice, tmp_path: Path
 ) -> None:
     chromium = require_tool("chromium")
     sync_playwright = _sync_playwright()
     server = slow_sluice
-    aborts_before = server.metric_sum("sluice_engine_aborts_total")
+    aborts_before = server.metric("sluice_engine_aborts_total")
 
     with sync_playwright() as playwright:  # type: ignore[operator]
         browser = playwright.chromium.launch(
@@ -86,7 +85,7 @@ def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
         try:
             page = browser.new_page(viewport={"width": 1100, "height": 640})
             page.set_default_timeout(PAGE_TIMEOUT_MS)
-            page.goto(f"{server.base_url}/")
+            page.goto(f"{server.url}/")
             page.wait_for_function("document.querySelector('#model').options.length > 0")
             assert page.input_value("#model") == "sluice-demo"
 
@@ -113,7 +112,7 @@ def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
 
             # The engine holds the request while the page streams it.
             wait_until(
-                lambda: server.metric_sum("sluice_engine_unfinished_requests") >= 1,
+                lambda: server.metric("sluice_engine_unfinished_requests") >= 1,
                 timeout_s=METRICS_TIMEOUT_S,
                 what="the engine to hold the page's request",
             )
@@ -131,13 +130,13 @@ def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
     # Closing the connection made Sluice abort the engine request.
     wait_until(
         lambda: (
-            server.metric_sum("sluice_engine_unfinished_requests") == 0
-            and server.metric_sum("sluice_engine_aborts_total") > aborts_before
+            server.metric("sluice_engine_unfinished_requests") == 0
+            and server.metric("sluice_engine_aborts_total") > aborts_before
         ),
         timeout_s=METRICS_TIMEOUT_S,
         what="sluice_engine_unfinished_requests to return to 0 and an engine abort",
     )
-    assert server.metric_sum("sluice_cancellations_total", stage="running") >= 1
+    assert server.metric("sluice_cancellations_total", stage="running") >= 1
 
 
 def test_chromium_authenticates_the_websocket_with_the_bearer_subprotocol(tmp_path: Path) -> None:
@@ -155,7 +154,7 @@ def test_chromium_authenticates_the_websocket_with_the_bearer_subprotocol(tmp_pa
         )
         try:
             page = browser.new_page()
-            page.goto(f"{server.base_url}/")
+            page.goto(f"{server.url}/")
             result = page.evaluate(
                 """([url, key, request]) => new Promise((resolve) => {
                 const ws = new WebSocket(url, ["sluice.bearer." + key]);
@@ -170,7 +169,7 @@ def test_chromium_authenticates_the_websocket_with_the_bearer_subprotocol(tmp_pa
                 };
                 ws.onerror = () => resolve({protocol: null, type: "socket error"});
             })""",
-                [server.base_url.replace("http://", "ws://") + "/v1/ws", key, request],
+                [server.url.replace("http://", "ws://") + "/v1/ws", key, request],
             )
         finally:
             browser.close()

@@ -28,7 +28,7 @@ from conftest import RedisProcess, reserved_port
 
 from .conftest import (
     REPO_ROOT,
-    RunningSluice,
+    InProcessSluice,
     log_tail,
     require_tool,
     run_sluice,
@@ -343,7 +343,7 @@ async def _stream_chat(
 
 
 async def _drive_load(
-    server: RunningSluice, *, seconds: float, with_pressure: bool = False, poison: bool = False
+    server: InProcessSluice, *, seconds: float, with_pressure: bool = False, poison: bool = False
 ) -> list[int]:
     """Completed streams in both classes for `seconds`; with `with_pressure`, also bursts that
     overflow the queues, requests with deadlines they cannot meet, clients that leave
@@ -352,7 +352,7 @@ async def _drive_load(
     auth = {"Authorization": f"Bearer {API_KEY}"}
     statuses: list[int] = []
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=60.0, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=server.url, timeout=60.0, limits=limits) as client:
 
         async def steady(traffic_class: str) -> None:
             headers = {**auth, "X-Traffic-Class": traffic_class}
@@ -417,7 +417,7 @@ async def _drive_load(
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[RunningPrometheus, RunningSluice, RunningSluice]]:
+def stack(tmp_path: Path) -> Iterator[tuple[RunningPrometheus, InProcessSluice, InProcessSluice]]:
     require_tool("prometheus")
     config_path = tmp_path / "sluice.yml"
     config_path.write_text(yaml.safe_dump(SLUICE_CONFIG))
@@ -466,7 +466,7 @@ def _finite(value: str) -> bool:
 
 
 def test_every_expression_returns_data_from_a_real_prometheus(
-    stack: tuple[RunningPrometheus, RunningSluice, RunningSluice],
+    stack: tuple[RunningPrometheus, InProcessSluice, InProcessSluice],
 ) -> None:
     prometheus, continuous, batch = stack
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from conftest import InProcessSluice
+from conftest import InProcessSluice, uncalibrated_config
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 def test_two_servers_in_one_process_count_only_their_own_requests(tmp_path: Path) -> None:
-    config = tmp_path / "sluice.yaml"
-    config.write_text("estimates: {calibrate: false}\n")  # what they count, not how fast
+    config = uncalibrated_config(tmp_path)  # what they count, not how fast
     args = ["--engine", "sim", "--config", str(config)]
     first = InProcessSluice(args, tmp_path / "first.log")
     second = InProcessSluice(args, tmp_path / "second.log")

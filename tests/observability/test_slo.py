@@ -30,7 +30,7 @@ def test_the_server_counts_every_verdict_from_zero(tmp_path: Path) -> None:
     with run_sluice(tmp_path, "--config", str(config)) as server:
 
         def count(tc: str, result: str, reason: str) -> float:
-            return server.metric_sum(
+            return server.metric(
                 "sluice_slo_requests_total", traffic_class=tc, result=result, reason=reason
             )
 
@@ -48,14 +48,14 @@ def test_the_server_counts_every_verdict_from_zero(tmp_path: Path) -> None:
             "sluice_deadline_misses_total",
         ):
             assert f"\n{name}{{" in text, name
-        assert _chat(server.base_url).status_code == 200
+        assert _chat(server.url).status_code == 200
         assert count("interactive", "missed", "ttft") == 1
-        assert _chat(server.base_url, **{"X-Traffic-Class": "bulk"}).status_code == 200
+        assert _chat(server.url, **{"X-Traffic-Class": "bulk"}).status_code == 200
         assert count("bulk", "met", "none") == 1
-        refused = _chat(server.base_url, **{"X-Request-Timeout-Ms": "0.01"})
+        refused = _chat(server.url, **{"X-Request-Timeout-Ms": "0.01"})
         assert refused.json()["error"]["code"] == "deadline_unmeetable"
         assert count("interactive", "missed", "refused") == 1
-        assert server.metric_sum("sluice_slo_target_seconds", target="ttft") == 0.000001
-        assert server.metric_sum("sluice_slo_target_seconds", target="itl") == 60.0
-        assert server.metric_sum("sluice_bulk_cap_sequences") >= 1
-        assert server.metric_sum("sluice_knee_sequences") >= 1
+        assert server.metric("sluice_slo_target_seconds", target="ttft") == 0.000001
+        assert server.metric("sluice_slo_target_seconds", target="itl") == 60.0
+        assert server.metric("sluice_bulk_cap_sequences") >= 1
+        assert server.metric("sluice_knee_sequences") >= 1

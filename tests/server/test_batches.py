@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import InProcessSluice, SluiceProcess, wait_until
+from conftest import InProcessSluice, SluiceProcess, uncalibrated_config, wait_until
 
 pytestmark = pytest.mark.system
 
@@ -170,10 +170,8 @@ def test_files_list_read_and_delete(server: InProcessSluice) -> None:
 
 def slow_args(tmp_path: Path) -> list[str]:
     """A sim server at ~20 ms a step (a 200-line batch takes seconds) on its data directory.
-    No start-up calibration: at 20 ms a step its probe takes seconds, and batches do not depend
-    on what it measures (the scheduler starts from its priors and learns online)."""
-    config = tmp_path / "sluice.yaml"
-    config.write_text("estimates: {calibrate: false}\n")
+    Uncalibrated: batches do not depend on the engine's measured speed."""
+    config = uncalibrated_config(tmp_path)
     args = ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config)]
     return [*args, "--data-dir", str(tmp_path / "data")]
 

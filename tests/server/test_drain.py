@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SluiceProcess, wait_until
+from conftest import SluiceProcess, uncalibrated_config, wait_until
 
 pytestmark = pytest.mark.system
 
@@ -22,10 +22,7 @@ pytestmark = pytest.mark.system
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[object]:
     started: list[SluiceProcess] = []
-    # No start-up calibration: at 20 ms a step its probe takes seconds, and the drain does not
-    # depend on what it measures (the scheduler starts from its priors and learns online).
-    config = tmp_path / "sluice.yaml"
-    config.write_text("estimates: {calibrate: false}\n")
+    config = uncalibrated_config(tmp_path)  # the drain does not depend on the engine's speed
 
     def start(*args: str) -> SluiceProcess:
         process = SluiceProcess(

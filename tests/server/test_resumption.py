@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import websockets
-from conftest import InProcessSluice, parse_sse, wait_until
+from conftest import InProcessSluice, parse_sse, uncalibrated_config, wait_until
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 ACME = {"Authorization": "Bearer sk-acme"}
@@ -26,13 +26,9 @@ GRACE_SECONDS = 1
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     root = tmp_path_factory.mktemp("resumption")
-    config = root / "sluice.yaml"
     # Steps of 10 ms: a 40-token answer streams for ~0.4 s, long enough for a client to leave
-    # mid-stream and for a retry to attach while it runs. No start-up calibration: at 10 ms a
-    # step its probe would take seconds; the priors do here.
-    config.write_text(
-        f"resume: {{grace_seconds: {GRACE_SECONDS}}}\nestimates: {{calibrate: false}}\n"
-    )
+    # mid-stream and for a retry to attach while it runs.
+    config = uncalibrated_config(root, f"resume: {{grace_seconds: {GRACE_SECONDS}}}\n")
     process = InProcessSluice(
         ["--engine", "sim", "--sim-step-base-ms", "10", "--config", str(config)],
         root / "server.log",

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import ROOT, InProcessSluice, SluiceProcess, loopback_listener
+from conftest import ROOT, InProcessSluice, SluiceProcess, loopback_listener, uncalibrated_config
 
 from engine_adapters.sim import SimEngine
 from server.app import build_app
@@ -243,9 +243,8 @@ async def _resume_as(url: str, key: str, public_id: str, expected: str) -> None:
 
 
 def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
-    # A server of its own (the address it throttles is every test's); no start-up calibration.
-    config = tmp_path / "sluice.yaml"
-    config.write_text("estimates: {calibrate: false}\n")
+    # A server of its own (the address it throttles is every test's).
+    config = uncalibrated_config(tmp_path)
     process = InProcessSluice(
         ["--engine", "sim", "--config", str(config)],
         tmp_path / "server.log",

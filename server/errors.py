@@ -17,8 +17,10 @@ from typing import Any, ClassVar, Literal, get_args
 Outcome = Literal["completed", "cancelled", "rejected", "expired", "failed", "invalid"]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
-# Every error class, in the order defined, filled as each is defined.
-_CLASSES: list[type[SluiceError]] = []
+# Each distinct answer's class, by (status, code), filled as each class is defined. A subclass
+# that keeps its parent's status and code (ResourceNotFound) is the same answer: the parent
+# stands for it.
+ERRORS: dict[tuple[int, str], type[SluiceError]] = {}
 
 
 class SluiceError(Exception):
@@ -31,7 +33,7 @@ class SluiceError(Exception):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _CLASSES.append(cls)
+        ERRORS.setdefault((cls.status, cls.code), cls)
 
     def __init__(
         self, message: str, *, param: str | None = None, retry_after: float | None = None
@@ -57,7 +59,7 @@ class SluiceError(Exception):
         return {"Retry-After": str(max(1, round(self.retry_after)))}
 
 
-_CLASSES.append(SluiceError)
+ERRORS[(SluiceError.status, SluiceError.code)] = SluiceError
 
 
 class InvalidRequest(SluiceError):
@@ -194,13 +196,6 @@ class GenerationFailed(SluiceError):
     error_type = "server_error"
     code = "generation_failed"
 
-
-# Each distinct answer's class, by (status, code). A subclass that keeps its parent's status and
-# code (ResourceNotFound) is the same answer: the parent stands for it.
-ERRORS: dict[tuple[int, str], type[SluiceError]] = {}
-for _cls in _CLASSES:
-    ERRORS.setdefault((_cls.status, _cls.code), _cls)
-del _cls
 
 # The codes of refusals: the `reason` label of sluice_rejections_total.
 REJECTION_CODES: tuple[str, ...] = tuple(

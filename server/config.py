@@ -556,8 +556,3 @@ def load_config(path: Path | None, environ: Mapping[str, str] = os.environ) -> S
 def with_state_url(config: SluiceConfig, url: str) -> SluiceConfig:
     """`config` with `state.url` set (`--state-url`), checked as the file's would be."""
     return replace(config, state=replace(config.state, url=_parse_state({"url": url}).url))
-
-
-def with_budgets(config: SluiceConfig, **changes: Any) -> SluiceConfig:
-    """A copy of `config` with some budget settings changed (for tests and the simulator)."""
-    return replace(config, budgets=replace(config.budgets, **changes))

@@ -15,6 +15,18 @@ class TrafficClass(StrEnum):
     BULK = "bulk"
 
 
+class RejectReason(StrEnum):
+    """Why a scheduler refused a ticket at admission. The shells answer each with its error
+    class (`server/scheduler/refusals.py`); the simulators report it as is."""
+
+    OVERLOADED = "overloaded"  # its queue is full
+    TENANT_QUOTA_EXCEEDED = "tenant_quota_exceeded"
+    DEADLINE_UNMEETABLE = "deadline_unmeetable"
+    REQUEST_TOO_LARGE = "request_too_large"  # it could never fit the budgets
+    NO_COMPATIBLE_WORKER = "no_compatible_worker"
+    DUPLICATE_ID = "duplicate_id"
+
+
 @dataclass(frozen=True, slots=True)
 class SloTargets:
     """What an interactive request is promised: seconds to its first token, and between

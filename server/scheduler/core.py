@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from server.config import SluiceConfig
+from server.core.config import SluiceConfig
 from server.errors import (
     DeadlineUnmeetable,
     InvalidRequest,

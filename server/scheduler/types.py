@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
 
 from engine_adapters.protocol import GenerationRequest, TokenDelta
-
-
-class TrafficClass(StrEnum):
-    INTERACTIVE = "interactive"
-    BULK = "bulk"
+from server.core.config import TrafficClass as TrafficClass  # declared with the configuration
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,9 +176,6 @@ class KVCacheInfo:
     block_size: int
     num_blocks: int
 
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from server.errors import OUTCOMES, REJECTION_CODES
+
 _LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -75,18 +77,8 @@ _DURATION_BUCKETS = (
 
 # The label values known in advance, each labelled counter's vocabulary: `initialise` creates
 # every series at zero, so dashboards and alerts see 0 rather than nothing before the first event.
+# Outcomes and rejection reasons are the error classes' own (server/errors.py).
 TRAFFIC_CLASSES = ("interactive", "bulk")
-OUTCOMES = ("completed", "cancelled", "rejected", "expired", "failed", "invalid")
-REJECTION_REASONS = (
-    "invalid_api_key",
-    "traffic_class_not_allowed",
-    "tenant_quota_exceeded",
-    "overloaded",
-    "deadline_unmeetable",
-    "engine_unavailable",
-    "shutting_down",
-    "too_many_failed_attempts",
-)
 CANCEL_STAGES = ("queued", "running")
 ABORT_REASONS = ("client_cancelled", "deadline", "preempted")
 # sluice_slo_requests_total{result, reason}: met requests have reason "none"; a miss names the
@@ -394,7 +386,7 @@ class Metrics:
         for tc in TRAFFIC_CLASSES:
             for outcome in OUTCOMES:
                 self.requests.labels(model, tc, outcome)
-            for reason in REJECTION_REASONS:
+            for reason in REJECTION_CODES:
                 for tenant in (*tenant_labels, "other"):
                     self.rejections.labels(model, tc, reason, tenant)
             for stage in CANCEL_STAGES:

@@ -26,7 +26,7 @@ from server.generation import RequestContext, Sluice, receive_disconnect, reques
 from server.generations.run import Event, GenerationRun, Kind
 from server.openai_requests import boolean_from, parse_request, split_prompts
 from server.openai_responses import DONE, ChunkEncoder, usage
-from server.timeline import RequestTimeline, outcome_for
+from server.timeline import RequestTimeline
 
 logger = logging.getLogger("sluice.server")
 
@@ -126,7 +126,7 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
             parsed, body, timeline, RequestContext.of(request), key, stream=parsed.stream
         )
     except SluiceError as error:
-        timeline.finish(outcome_for(error), status=error.status, error=error)
+        timeline.finish(error.outcome, status=error.status, error=error)
         return error_response(error, timeline.request_id)
     return RunResponse(sluice, run, replayed=replayed)
 
@@ -212,7 +212,7 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
             )
         context = RequestContext.of(request)
     except SluiceError as error:
-        timeline.finish(outcome_for(error), status=error.status, error=error)
+        timeline.finish(error.outcome, status=error.status, error=error)
         return error_response(error, request_id)
     return await _batch(
         sluice,
@@ -260,13 +260,13 @@ async def _batch(
                 )
                 first_index += parsed.n
             except SluiceError as error:
-                one.finish(outcome_for(error), status=error.status, error=error)
+                one.finish(error.outcome, status=error.status, error=error)
                 raise
     except SluiceError as error:
         for run in runs:
             run.cancel(GenerationCancelled("another part of the batch was refused"))
         if not runs:
-            timeline.finish(outcome_for(error), status=error.status, error=error)
+            timeline.finish(error.outcome, status=error.status, error=error)
         return error_response(error, request_id)
     if stream:
         return StreamedBatchResponse(sluice, request_id, runs)

@@ -12,20 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.access_log import AccessRecord, log_request, median
-from server.errors import SluiceError
-from server.metrics import REJECTION_REASONS, Metrics
+from server.errors import Outcome, SluiceError
+from server.metrics import Metrics
 from server.scheduler.slo import slo_result
 from server.scheduler.types import Generation, SloTargets
-
-
-def outcome_for(error: SluiceError) -> str:
-    if error.code == "deadline_exceeded":
-        return "expired"
-    if error.code in REJECTION_REASONS:
-        return "rejected"
-    if error.status < 500:
-        return "invalid"
-    return "failed"
 
 
 @dataclass(slots=True)
@@ -102,7 +92,9 @@ class RequestTimeline:
             "duration_s": _round(now - self.arrival),
         }
 
-    def finish(self, outcome: str, *, status: int = 200, error: SluiceError | None = None) -> None:
+    def finish(
+        self, outcome: Outcome, *, status: int = 200, error: SluiceError | None = None
+    ) -> None:
         if self.ended:
             return
         self.ended = True
@@ -131,7 +123,7 @@ class RequestTimeline:
         median_itl = median(self.itl)
         verdict = slo_result(
             outcome,
-            error.code if error is not None else None,
+            error is not None and error.capacity,
             now - self.arrival,
             ttft,
             median_itl,

@@ -43,7 +43,7 @@ from server.generation import (
 from server.generations.run import Event, GenerationRun, Kind
 from server.openai_requests import parse_request
 from server.openai_responses import chat_logprobs, usage
-from server.timeline import RequestTimeline, outcome_for
+from server.timeline import RequestTimeline
 
 logger = logging.getLogger("sluice.ws")
 
@@ -296,7 +296,7 @@ class Connection:
                 request=request_body,
             )
         except SluiceError as error:
-            timeline.finish(outcome_for(error), status=error.status, error=error)
+            timeline.finish(error.outcome, status=error.status, error=error)
             raise
         return run, 0
 

@@ -21,25 +21,18 @@ from typing import Any
 
 from server.batch_api.store import Batch, BatchStore, Line
 from server.errors import (
-    DeadlineUnmeetable,
-    EngineUnavailable,
     GenerationCancelled,
-    Overloaded,
-    ShuttingDown,
     SluiceError,
-    TenantQuotaExceeded,
 )
 from server.generation import RequestContext, Sluice
 from server.generations.run import GenerationRun, Kind
 from server.metrics import BATCH_STATUSES, Metrics
 from server.openai_requests import parse_request
 from server.scheduler.types import TrafficClass
-from server.timeline import RequestTimeline, outcome_for
+from server.timeline import RequestTimeline
 
 logger = logging.getLogger("sluice.batches")
 
-# Refusals that say "not now": the line waits and is offered again.
-RETRYABLE = (Overloaded, TenantQuotaExceeded, DeadlineUnmeetable, EngineUnavailable, ShuttingDown)
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -189,8 +182,8 @@ class BatchRunner:
                 parse_request(line.body, kind), line.body, timeline, context, None, stream=False
             )
         except SluiceError as error:
-            timeline.finish(outcome_for(error), status=error.status, error=error)
-            if isinstance(error, RETRYABLE):
+            timeline.finish(error.outcome, status=error.status, error=error)
+            if error.retryable:
                 return "retry"
             self._write(batch, line, "failed", error.status, error.to_body())
             return "failed"
@@ -205,7 +198,7 @@ class BatchRunner:
             return "done"
         failure = last.error
         assert failure is not None
-        if isinstance(failure, RETRYABLE) and not run.dispatched:
+        if failure.retryable and not run.dispatched:
             return "retry"
         if isinstance(failure, GenerationCancelled):
             return "cancelled"  # stays pending: cancelled or expired with the batch

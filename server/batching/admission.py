@@ -7,16 +7,8 @@ queue, and "say no early" when even the most optimistic schedule finishes after 
 from __future__ import annotations
 
 import math
-from enum import StrEnum
 
-
-class RejectReason(StrEnum):
-    """Why a request was refused at admission (the `reason` label of sluice_rejections)."""
-
-    QUEUE_FULL = "overloaded"  # same label value as the continuous scheduler
-    DEADLINE_UNMEETABLE = "deadline_unmeetable"
-    NO_COMPATIBLE_WORKER = "no_compatible_worker"
-    DUPLICATE_ID = "duplicate_id"
+from server.scheduler.types import RejectReason
 
 
 def queue_has_room(depth: int, limit: int) -> bool:
@@ -50,7 +42,7 @@ def admit(
     if earliest_worker_free is None:
         return RejectReason.NO_COMPATIBLE_WORKER
     if not queue_has_room(queue_depth, queue_limit):
-        return RejectReason.QUEUE_FULL
+        return RejectReason.OVERLOADED
     if math.isfinite(deadline) and not deadline_meetable(
         deadline, earliest_finish(now, earliest_worker_free, service_s)
     ):

@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from server.batching.admission import RejectReason
-from server.scheduler.types import Ticket
+from server.scheduler.types import RejectReason, Ticket
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,21 +19,17 @@ from typing import Protocol
 
 from engine_adapters.protocol import EngineError, GenerationRequest, TokenDelta
 from engine_adapters.sim_batch import BatchItem, BatchItemResult
-from server.batching.admission import RejectReason
 from server.batching.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
 from server.batching.dispatcher import BatchDispatcher
 from server.errors import (
     DeadlineExceeded,
-    DeadlineUnmeetable,
     EngineUnavailable,
     GenerationFailed,
-    InvalidRequest,
-    ModelNotFound,
-    Overloaded,
     SluiceError,
 )
 from server.metrics import Metrics
-from server.scheduler.types import Admission, SloTargets, Ticket, TrafficClass
+from server.scheduler.refusals import refusal_error
+from server.scheduler.types import Admission, RejectReason, SloTargets, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
 
@@ -45,23 +41,15 @@ class BatchEngine(Protocol):
     ) -> Sequence[BatchItemResult]: ...
 
 
-_REJECTIONS: dict[RejectReason, type[SluiceError]] = {
-    RejectReason.QUEUE_FULL: Overloaded,
-    RejectReason.DEADLINE_UNMEETABLE: DeadlineUnmeetable,
-    RejectReason.NO_COMPATIBLE_WORKER: ModelNotFound,
-    RejectReason.DUPLICATE_ID: InvalidRequest,
-}
-
-
 def rejection_error(reason: RejectReason, ticket: Ticket) -> SluiceError:
     messages = {
-        RejectReason.QUEUE_FULL: "the queue for this model is full; retry later",
+        RejectReason.OVERLOADED: "the queue for this model is full; retry later",
         RejectReason.DEADLINE_UNMEETABLE: "the deadline cannot be met even if the request "
         "is dispatched when the next worker frees up",
         RejectReason.NO_COMPATIBLE_WORKER: f"no worker serves model {ticket.model!r}",
         RejectReason.DUPLICATE_ID: f"request id {ticket.request_id!r} is already in flight",
     }
-    return _REJECTIONS[reason](messages[reason])
+    return refusal_error(reason, messages[reason])
 
 
 @dataclass(eq=False)

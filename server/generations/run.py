@@ -42,7 +42,7 @@ from server.openai_requests import ParsedRequest
 from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
 from server.scheduler.types import Admission, Generation
 from server.state.backend import StateUnavailable
-from server.timeline import RequestTimeline, outcome_for
+from server.timeline import RequestTimeline
 
 if TYPE_CHECKING:
     from server.state.runs import Follow, Mirror
@@ -430,10 +430,7 @@ class GenerationRun:
         if self._concluded:
             return
         error.__traceback__ = error.__cause__ = error.__context__ = None
-        if isinstance(error, GenerationCancelled):
-            self.timeline.finish("cancelled", status=499)
-        else:
-            self.timeline.finish(outcome_for(error), status=error.status, error=error)
+        self.timeline.finish(error.outcome, status=error.status, error=error)
         local = self._handed_over
         self._append(
             Event(Kind.FAILED, ChunkEncoder.error(error.to_body()), error=error, local=local)

@@ -33,32 +33,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from server.core.config import SluiceConfig
-from server.errors import (
-    DeadlineUnmeetable,
-    InvalidRequest,
-    Overloaded,
-    SluiceError,
-    TenantQuotaExceeded,
-)
 from server.scheduler.backlog import Backlog
 from server.scheduler.budgets import BudgetLedger, BudgetLimits
 from server.scheduler.bulk_cap import BulkCap, PrefillPacer
 from server.scheduler.estimates import NEARLY_IDLE_OTHERS, RateEstimates
 from server.scheduler.queues import TenantFairQueue
 from server.scheduler.quotas import TenantQuotas
-from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.types import RejectReason, Ticket, TrafficClass
 
-RejectReason = Literal[
-    "overloaded", "tenant_quota_exceeded", "deadline_unmeetable", "request_too_large"
-]
 Stage = Literal["queued", "running"]
-
-_ERRORS: dict[str, type[SluiceError]] = {
-    "overloaded": Overloaded,
-    "tenant_quota_exceeded": TenantQuotaExceeded,
-    "deadline_unmeetable": DeadlineUnmeetable,
-    "request_too_large": InvalidRequest,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +56,6 @@ class Rejected:
     reason: RejectReason
     message: str
     retry_after: float | None = None
-
-    def to_error(self) -> SluiceError:
-        return _ERRORS[self.reason](self.message, retry_after=self.retry_after)
 
 
 @dataclass(slots=True)
@@ -140,7 +120,7 @@ class SchedulerCore:
         if not self.ledger.ever_fits(ticket):
             return Rejected(
                 ticket,
-                "request_too_large",
+                RejectReason.REQUEST_TOO_LARGE,
                 (
                     f"the request reserves {ticket.reserved_tokens} tokens (prompt + max_tokens"
                     + (
@@ -164,7 +144,7 @@ class SchedulerCore:
             drain = self.predicted_wait(ticket, now)
             return Rejected(
                 ticket,
-                "overloaded",
+                RejectReason.OVERLOADED,
                 f"the {tc} queue is full; retry later",
                 retry_after=max(1.0, drain),
             )
@@ -179,7 +159,7 @@ class SchedulerCore:
         if predicted_end + margin > ticket.deadline:
             return Rejected(
                 ticket,
-                "deadline_unmeetable",
+                RejectReason.DEADLINE_UNMEETABLE,
                 (
                     f"predicted completion in {predicted_end - now:.3f}s (plus a "
                     f"{self.config.estimates.admission_margin:.0%} margin) exceeds the deadline "
@@ -196,7 +176,10 @@ class SchedulerCore:
         quota = self._quotas.check(ticket, now)
         if quota is not None:
             return Rejected(
-                ticket, "tenant_quota_exceeded", quota.message, retry_after=quota.retry_after
+                ticket,
+                RejectReason.TENANT_QUOTA_EXCEEDED,
+                quota.message,
+                retry_after=quota.retry_after,
             )
         class_config = self.config.classes[ticket.traffic_class]
         if self._many_tenants:
@@ -204,7 +187,7 @@ class SchedulerCore:
             if self._queues[ticket.traffic_class].count_for(ticket.tenant) >= share:
                 return Rejected(
                     ticket,
-                    "tenant_quota_exceeded",
+                    RejectReason.TENANT_QUOTA_EXCEEDED,
                     f"tenant {ticket.tenant!r} holds its share of the "
                     f"{ticket.traffic_class} queue ({share})",
                     retry_after=1.0,

@@ -19,6 +19,7 @@ from server.metrics import ClassGauges, Metrics
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import Calibration, calibrate
 from server.scheduler.core import Rejected, SchedulerCore
+from server.scheduler.refusals import refusal_error
 from server.scheduler.types import Admission, SloTargets, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
@@ -255,7 +256,7 @@ class SchedulerRuntime:
         decision = self.core.submit(ticket, self.clock())
         if isinstance(decision, Rejected):
             self._record_state()
-            raise decision.to_error()
+            raise refusal_error(decision.reason, decision.message, decision.retry_after)
         waiter: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = waiter
         self._dispatch()

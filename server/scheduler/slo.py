@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from server.scheduler.types import SloTargets
 
-# Refusals that are the service's (capacity), not the tenant's own (key, class, quota).
-CAPACITY_REFUSALS = frozenset({"overloaded", "deadline_unmeetable", "engine_unavailable"})
-
 
 def slo_result(
     outcome: str,
-    refusal: str | None,
+    capacity_refusal: bool,
     waited_s: float,
     ttft_s: float | None,
     median_itl_s: float | None,
@@ -26,8 +23,9 @@ def slo_result(
     """(result, reason) for sluice_slo_requests_total, or None when the request does not count.
 
     `outcome` is the request's (completed, rejected, expired, failed, cancelled, invalid),
-    `refusal` the error code of a rejection, `waited_s` its time from arrival to its end, and
-    `targets` None for a class without latency targets.
+    `capacity_refusal` whether it was refused for the service's capacity, not the tenant's own
+    key or quota (its error class says which), `waited_s` its time from arrival to its end,
+    and `targets` None for a class without latency targets.
     """
     if outcome == "completed":
         if targets is not None:
@@ -38,7 +36,7 @@ def slo_result(
         return ("met", "none")
     if outcome in ("expired", "failed"):
         return ("missed", outcome)
-    if outcome == "rejected" and refusal in CAPACITY_REFUSALS:
+    if outcome == "rejected" and capacity_refusal:
         return ("missed", "refused")
     if outcome == "cancelled" and targets is not None:
         first_token_s = waited_s if ttft_s is None else ttft_s

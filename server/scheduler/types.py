@@ -4,10 +4,23 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
 
 from engine_adapters.protocol import GenerationRequest, TokenDelta
 from server.core.config import TrafficClass as TrafficClass  # declared with the configuration
+
+
+class RejectReason(StrEnum):
+    """Why a scheduler refused a ticket at admission. The shells answer each with its error
+    class (`server/scheduler/refusals.py`); the simulators report it as is."""
+
+    OVERLOADED = "overloaded"  # its queue is full
+    TENANT_QUOTA_EXCEEDED = "tenant_quota_exceeded"
+    DEADLINE_UNMEETABLE = "deadline_unmeetable"
+    REQUEST_TOO_LARGE = "request_too_large"  # it could never fit the budgets
+    NO_COMPATIBLE_WORKER = "no_compatible_worker"
+    DUPLICATE_ID = "duplicate_id"
 
 
 @dataclass(frozen=True, slots=True)

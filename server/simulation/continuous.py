@@ -41,8 +41,9 @@ from server.core.settings import load_config
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
+from server.scheduler.refusals import REFUSALS
 from server.scheduler.slo import slo_result
-from server.scheduler.types import SloTargets, Ticket, TrafficClass
+from server.scheduler.types import RejectReason, SloTargets, Ticket, TrafficClass
 from server.simulation.continuous_workload import (
     RequestShape,
     WorkloadMix,
@@ -65,7 +66,7 @@ class Timeline:
     arrival: float
     deadline: float
     outcome: str = "queued"
-    reason: str | None = None
+    reason: RejectReason | None = None
     stage: str | None = None  # where an expiry or cancellation caught it
     dispatched: float | None = None
     first_token: float | None = None
@@ -321,7 +322,7 @@ class ContinuousSimulation:
         ttft = None if timeline.first_token is None else timeline.first_token - timeline.arrival
         verdict = slo_result(
             outcome,
-            timeline.reason,
+            timeline.reason is not None and REFUSALS[timeline.reason].capacity,
             now - timeline.arrival,
             ttft,
             timeline.median_gap,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from server.batching.admission import RejectReason
 from server.batching.decisions import CancelStage, Outcome
 from server.batching.dispatcher import BatchDispatcher
+from server.scheduler.types import RejectReason
 
 from .helpers import exercise_config, ticket
 
@@ -22,7 +22,7 @@ def test_the_queue_is_bounded() -> None:
     core = BatchDispatcher(exercise_config(max_queue=2))
     assert core.submit(ticket("A", 0.0), 0.0) is None
     assert core.submit(ticket("B", 0.0), 0.0) is None
-    assert core.submit(ticket("C", 0.0), 0.0) is RejectReason.QUEUE_FULL
+    assert core.submit(ticket("C", 0.0), 0.0) is RejectReason.OVERLOADED
 
 
 def test_a_queued_request_expires_as_soon_as_its_deadline_is_out_of_reach() -> None:

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from server.scheduler.core import Admitted, Rejected, SchedulerCore
+from server.scheduler.refusals import refusal_error
 
 from .helpers import BULK, CHAT, admit, config, core, ids, ticket
 
@@ -75,7 +76,7 @@ def test_a_request_larger_than_its_class_budget_is_refused() -> None:
     s = core(tokens=100)
     decision = s.submit(ticket("huge", prompt=90, max_tokens=20), 0.0)
     assert isinstance(decision, Rejected) and decision.reason == "request_too_large"
-    assert decision.to_error().status == 400
+    assert refusal_error(decision.reason, decision.message, decision.retry_after).status == 400
 
 
 # --- traffic classes -----------------------------------------------------------------------
@@ -186,7 +187,7 @@ def test_tenant_concurrency_quota_answers_429_with_retry_after() -> None:
     admit(s, ticket("b", tenant="t"))
     decision = s.submit(ticket("c", tenant="t"), 0.0)
     assert isinstance(decision, Rejected) and decision.reason == "tenant_quota_exceeded"
-    error = decision.to_error()
+    error = refusal_error(decision.reason, decision.message, decision.retry_after)
     assert (error.status, error.code) == (429, "tenant_quota_exceeded")
     assert error.headers()["Retry-After"] == "1"
     s.release("a", 0.1)
@@ -223,7 +224,7 @@ def test_queue_bounded_by_count_answers_overloaded_at_once() -> None:
     decision = s.submit(ticket("b3", traffic_class=BULK), 0.0)
     assert isinstance(decision, Rejected) and decision.reason == "overloaded"
     assert decision.retry_after is not None and decision.retry_after >= 1.0
-    error = decision.to_error()
+    error = refusal_error(decision.reason, decision.message, decision.retry_after)
     assert (error.status, error.code) == (503, "overloaded")
     admit(s, ticket("chat"))  # the other class has its own bound
 
@@ -246,7 +247,10 @@ def test_unmeetable_deadline_is_rejected_at_admission() -> None:
     # 100 prompt tokens at 1000/s + 20 output tokens at 10/s = 2.1 s of service.
     decision = s.submit(ticket("late", deadline=2.0, prompt=100, max_tokens=20), 0.0)
     assert isinstance(decision, Rejected) and decision.reason == "deadline_unmeetable"
-    assert decision.to_error().code == "deadline_unmeetable"
+    assert (
+        refusal_error(decision.reason, decision.message, decision.retry_after).code
+        == "deadline_unmeetable"
+    )
     admit(s, ticket("fits", deadline=2.2, prompt=100, max_tokens=20))
 
 

@@ -14,11 +14,8 @@ plain values.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import re
-import types
-import typing
 from collections.abc import Mapping
 from enum import StrEnum
 from functools import cached_property
@@ -34,7 +31,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails
+from pydantic_core import PydanticCustomError
+
+from server.core.messages import describe
 
 OPEN_TENANT = "default"
 API_KEYS_ENV = "SLUICE_API_KEYS"
@@ -52,12 +51,10 @@ class TrafficClass(StrEnum):
 def _number(value: Any) -> Any:
     """Refuse a boolean where a number is meant (pydantic would read True as 1)."""
     if isinstance(value, bool):
-        raise ValueError("a boolean is not a number")
+        raise PydanticCustomError("not_a_number", "expected a number")
     return value
 
 
-Number = Annotated[float, BeforeValidator(_number)]
-Whole = Annotated[int, BeforeValidator(_number)]
 Positive = Annotated[float, BeforeValidator(_number), Field(gt=0)]
 PositiveWhole = Annotated[int, BeforeValidator(_number), Field(gt=0)]
 NonNegative = Annotated[float, BeforeValidator(_number), Field(ge=0)]
@@ -356,7 +353,7 @@ class SluiceConfig(_Section):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _empty_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+    def _empty_is_default(cls, value: Any) -> Any:
         """An empty section in YAML (`budgets:`) reads as None: the defaults."""
         if value is None:
             return {}
@@ -478,78 +475,3 @@ def parse_config(raw: Mapping[str, Any], env_api_keys: str | None = None) -> Slu
         return SluiceConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(describe(exc.errors()[0], SluiceConfig)) from None
-
-
-# --- messages ----------------------------------------------------------------------------
-_WHOLE = {"int_parsing", "int_type", "int_from_float"}
-_NUMBER = {"float_parsing", "float_type"}
-
-
-def describe(error: ErrorDetails, model: type[BaseModel]) -> str:
-    """One validation error as `path: what is wrong`, in the file's terms."""
-    loc = [str(part) for part in error["loc"] if part != "[key]"]
-    path = ".".join(loc)
-    kind, value = error["type"], error.get("input")
-    if kind == "extra_forbidden":
-        return f"{path}: unknown key{_hint(loc[-1], _keys_at(model, loc[:-1]))}"
-    if kind == "value_error":
-        message = str(error["ctx"]["error"]) if "ctx" in error else error["msg"]
-        if message == "a boolean is not a number":
-            message = f"expected a number, got {value!r}"
-    elif kind in _WHOLE:
-        message = f"expected a whole number, got {value!r}"
-    elif kind in _NUMBER:
-        message = f"expected a number, got {value!r}"
-    elif kind in {"model_type", "dict_type"}:
-        message = f"expected a mapping, got {value!r}"
-    elif kind == "missing":
-        message = "required"
-    elif kind == "too_short":
-        message = "must not be empty"
-    else:
-        message = f"{error['msg'].replace('Input should be', 'must be')}, got {value!r}"
-    return f"{path}: {message}" if path else message
-
-
-def _hint(key: str, allowed: list[str]) -> str:
-    close = difflib.get_close_matches(key, allowed, n=1)
-    if close:
-        return f"; did you mean {close[0]}?"
-    return f"; expected one of: {', '.join(sorted(allowed))}" if allowed else ""
-
-
-def _keys_at(model: type[BaseModel], loc: list[str]) -> list[str]:
-    """The keys a mapping at `loc` may hold (following fields, and skipping dict keys)."""
-    current: Any = model
-    parts = list(loc)
-    while True:
-        current = _unwrap(current)
-        if isinstance(current, type) and issubclass(current, BaseModel):
-            if not parts:
-                return [
-                    n for n in current.model_fields if n != "name" or current is not TenantConfig
-                ]
-            field = current.model_fields.get(parts.pop(0))
-            if field is None:
-                return []
-            current = field.annotation
-        elif typing.get_origin(current) is dict:
-            if not parts:
-                return []
-            parts.pop(0)
-            current = typing.get_args(current)[1]
-        else:
-            return []
-
-
-def _unwrap(annotation: Any) -> Any:
-    """`X | None` and `Annotated[X, ...]` -> X."""
-    while True:
-        origin = typing.get_origin(annotation)
-        if origin is Annotated:
-            annotation = typing.get_args(annotation)[0]
-        elif origin in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(annotation) if a is not type(None)]
-            annotation = args[0]
-        else:
-            return annotation

@@ -32,7 +32,8 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import EnvSettingsSource
 
-from server.core.config import ConfigError, SluiceConfig, describe, parse_config
+from server.core.config import ConfigError, SluiceConfig, parse_config
+from server.core.messages import describe
 
 ENV_PREFIX = "SLUICE_"
 

@@ -540,9 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
         from engine_adapters.demo_model import build_demo_model
-        from server.cli import DEFAULT_CACHE
+        from server.core.settings import default_cache_dir
 
-        args.model = str(build_demo_model(DEFAULT_CACHE / "demo-model"))
+        args.model = str(build_demo_model(default_cache_dir() / "demo-model"))
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []

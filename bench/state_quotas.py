@@ -39,7 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from server.config import StateConfig, TenantConfig  # noqa: E402
+from server.core.config import StateConfig, TenantConfig  # noqa: E402
 from server.metrics import Metrics  # noqa: E402
 from server.scheduler.quotas import TenantQuotas  # noqa: E402
 from server.scheduler.types import Ticket, TrafficClass  # noqa: E402
@@ -49,7 +49,7 @@ from server.state.quotas import SharedQuotas  # noqa: E402
 sys.path.insert(0, str(ROOT / "bench"))
 from overload import free_port, pct  # noqa: E402
 
-TENANT = TenantConfig("acme", max_concurrent=1_000_000, tokens_per_minute=10**12)
+TENANT = TenantConfig(name="acme", max_concurrent=1_000_000, tokens_per_minute=10**12)
 
 
 def ticket(i: int) -> Ticket:

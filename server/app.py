@@ -25,7 +25,7 @@ from engine_adapters.protocol import EngineClient, EngineDeadError
 from server import batch_routes
 from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore
-from server.config import SluiceConfig
+from server.core.config import SluiceConfig
 from server.errors import (
     EngineUnavailable,
     MethodNotAllowed,
@@ -177,7 +177,9 @@ def build_app(
     shared = (
         None
         if state is None
-        else SharedRuns(state, config.resume.retention_s, config.resume.grace_s, metrics)
+        else SharedRuns(
+            state, config.idempotency.retention_seconds, config.resume.grace_seconds, metrics
+        )
     )
     sluice = Sluice(
         engine=engine,
@@ -185,12 +187,12 @@ def build_app(
         tenants=TenantDirectory(config, clock),
         served_model=served_model,
         send_guard=SendGuard(send_timeout_seconds),
-        store=RunStore(config.resume.retention_s, config.resume.max_bytes, clock),
+        store=RunStore(config.idempotency.retention_seconds, config.idempotency.max_bytes, clock),
         metrics=metrics,
         shared=shared,
         ping_seconds=ping_seconds,
         max_body_bytes=max_body_bytes,
-        grace_seconds=config.resume.grace_s,
+        grace_seconds=config.resume.grace_seconds,
     )
 
     @contextlib.asynccontextmanager

@@ -37,7 +37,8 @@ from server import redaction
 from server.access_log import install_handler
 from server.app import build_app, metrics_app
 from server.batch_api.store import BatchStore, DataDirInUse
-from server.config import ConfigError, SluiceConfig, load_config, with_state_url
+from server.core.config import ConfigError, SluiceConfig
+from server.core.settings import config_flags, load_config
 from server.generation import Sluice
 from server.metrics import Metrics
 from server.scheduler.types import Dispatcher
@@ -72,9 +73,7 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
     read from `environ`. StartRefused: the configuration is invalid or the data directory is
     another process's."""
     try:
-        config = load_config(args.config, environ)
-        if args.state_url is not None:
-            config = with_state_url(config, args.state_url)
+        config = load_config(args.config, environ, config_flags(args))
     except ConfigError as exc:
         raise StartRefused(f"invalid configuration: {exc}") from None
     if args.engine != "vllm" and (

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from server.config import BudgetConfig
+from server.core.config import BudgetConfig
 from server.scheduler.types import Ticket, TrafficClass
 
 BUDGET_NAMES = ("tokens", "kv_blocks", "sequences")

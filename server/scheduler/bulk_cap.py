@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from server.config import SloConfig
+from server.core.config import SloConfig
 from server.scheduler.estimates import RateEstimates
 from server.scheduler.types import SloTargets
 

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from server.config import SluiceConfig
+from server.core.config import SluiceConfig
 from server.scheduler.backlog import Backlog
 from server.scheduler.budgets import BudgetLedger, BudgetLimits
 from server.scheduler.bulk_cap import BulkCap, PrefillPacer

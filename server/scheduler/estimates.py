@@ -19,7 +19,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from server.config import EstimateConfig
+from server.core.config import EstimateConfig
 from server.scheduler.types import Ticket
 
 # Engine time (with sequences running) per decode-step observation.

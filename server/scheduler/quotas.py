@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from server.config import TenantConfig
+from server.core.config import TenantConfig
 from server.scheduler.types import Ticket
 
 QUOTA_WINDOW_S = 60.0

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 
 from engine_adapters.protocol import EngineClient, GenerationRequest, TokenDelta
-from server.config import SluiceConfig
+from server.core.config import SluiceConfig
 from server.errors import DeadlineExceeded, EngineUnavailable
 from server.metrics import ClassGauges, Metrics
 from server.scheduler.budgets import BudgetLimits

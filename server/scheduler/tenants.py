@@ -17,7 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.config import OPEN_TENANT, SluiceConfig, TenantConfig
+from server.core.config import OPEN_TENANT, SluiceConfig, TenantConfig
 from server.errors import InvalidRequest, TooManyFailedAttempts, Unauthorized
 from server.scheduler.types import Ticket, TrafficClass
 
@@ -97,11 +97,11 @@ class TenantDirectory:
         # Every accepted key as a digest: a key is checked against each of them in full,
         # whichever matches, and plain keys are not kept beyond the configuration.
         self._digests = [
-            (bytes.fromhex(digest), tenant) for digest, tenant in config.api_key_digests.items()
+            (bytes.fromhex(digest), tenant) for digest, tenant in config.digest_tenants.items()
         ]
         self._digests += [
             (hashlib.sha256(key.encode()).digest(), tenant)
-            for key, tenant in config.api_keys.items()
+            for key, tenant in config.key_tenants.items()
         ]
         self._tenants = {
             name: Tenant(name, tenant_config, configured=True)

@@ -8,11 +8,7 @@ from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
 
 from engine_adapters.protocol import GenerationRequest, TokenDelta
-
-
-class TrafficClass(StrEnum):
-    INTERACTIVE = "interactive"
-    BULK = "bulk"
+from server.core.config import TrafficClass as TrafficClass  # declared with the configuration
 
 
 class RejectReason(StrEnum):

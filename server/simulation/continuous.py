@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,8 @@ from engine_adapters.sim_model import (
     add_sim_arguments,
     stable_hash,
 )
-from server.config import SluiceConfig, TenantConfig, load_config
+from server.core.config import SluiceConfig, TenantConfig
+from server.core.settings import load_config
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
@@ -493,10 +494,10 @@ def with_tenants(config: SluiceConfig, names: Iterable[str]) -> SluiceConfig:
     """Make every simulated tenant a configured one, so per-tenant rules apply to it."""
     tenants = dict(config.tenants)
     for name in names:
-        tenants.setdefault(name, TenantConfig(name))
+        tenants.setdefault(name, TenantConfig(name=name))
     if len(tenants) > 1 and config.is_open and "default" not in names:
         tenants.pop("default", None)
-    return replace(config, tenants=tenants)
+    return config.model_copy(update={"tenants": tenants})
 
 
 def run(args: argparse.Namespace) -> int:

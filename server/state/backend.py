@@ -23,7 +23,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from server.config import StateConfig
+from server.core.config import StateConfig
 from server.metrics import STATE_OPERATIONS, Metrics
 
 logger = logging.getLogger("sluice.state")

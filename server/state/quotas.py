@@ -26,11 +26,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from engine_adapters.protocol import GenerationRequest
-from server.config import TenantConfig
+from server.core.config import TenantConfig
 from server.errors import TenantQuotaExceeded
 from server.scheduler.quotas import TenantQuotas
 from server.scheduler.types import Admission, Dispatcher, SloTargets, Ticket, TrafficClass
@@ -185,10 +185,11 @@ class SharedQuotas:
             share = max(1, self.state.replicas)
             self._fallback = TenantQuotas(
                 {
-                    name: replace(
-                        t,
-                        max_concurrent=_share(t.max_concurrent, share),
-                        tokens_per_minute=_share(t.tokens_per_minute, share),
+                    name: t.model_copy(
+                        update={
+                            "max_concurrent": _share(t.max_concurrent, share),
+                            "tokens_per_minute": _share(t.tokens_per_minute, share),
+                        }
                     )
                     for name, t in self.tenants.items()
                 }

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from server.cli import build_parser
-from server.config import parse_config
+from server.core.config import parse_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ROOT = DEPLOY.parent

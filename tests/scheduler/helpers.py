@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.config import SluiceConfig, parse_config
+from server.core.config import SluiceConfig, parse_config
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.core import Admitted, SchedulerCore
 from server.scheduler.types import Ticket, TrafficClass

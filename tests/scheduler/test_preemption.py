@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from server.config import ConfigError, parse_config
+from server.core.config import ConfigError, parse_config
 from server.scheduler.core import SchedulerCore
 
 from .helpers import BULK, admit, config, core, ids, ticket

@@ -10,7 +10,7 @@ import pytest
 
 from engine_adapters.protocol import GenerationRequest, SamplingOptions
 from engine_adapters.sim import SimConfig, SimEngine
-from server.config import SluiceConfig, parse_config
+from server.core.config import SluiceConfig, parse_config
 from server.errors import DeadlineExceeded, Overloaded
 from server.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime

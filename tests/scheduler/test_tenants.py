@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.config import ConfigError, key_digest, load_config, parse_config
+from server.core.config import ConfigError, key_digest, parse_config
+from server.core.settings import load_config
 from server.errors import InvalidRequest, TooManyFailedAttempts, Unauthorized
 from server.generation import RequestContext
 from server.scheduler.tenants import TenantDirectory

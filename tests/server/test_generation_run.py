@@ -15,7 +15,7 @@ import pytest
 
 from engine_adapters.sim import SimConfig, SimEngine
 from server.app import build_app
-from server.config import parse_config
+from server.core.config import parse_config
 from server.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
 from server.generation import RequestContext, Sluice
 from server.generations.run import GenerationRun, Kind

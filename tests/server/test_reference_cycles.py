@@ -29,7 +29,7 @@ import websockets
 
 from engine_adapters.sim import SimEngine
 from server.app import build_app
-from server.config import BudgetConfig, EstimateConfig, SluiceConfig
+from server.core.config import BudgetConfig, EstimateConfig, SluiceConfig
 from server.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
 from server.scheduler.types import TrafficClass

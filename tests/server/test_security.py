@@ -24,7 +24,7 @@ from conftest import ROOT, InProcessSluice, SluiceProcess, loopback_listener, un
 from engine_adapters.sim import SimEngine
 from server.app import build_app
 from server.batch_api.store import BatchStore
-from server.config import SluiceConfig, key_digest
+from server.core.config import SluiceConfig, key_digest
 from server.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine_adapters.sim import SimConfig
 from server.cli import main
-from server.config import SluiceConfig, TenantConfig, parse_config
+from server.core.config import SluiceConfig, TenantConfig, parse_config
 from server.scheduler.types import TrafficClass
 from server.simulation.continuous import ContinuousSimulation, summarize
 from server.simulation.continuous_workload import RequestShape, WorkloadMix, poisson_mix
@@ -125,8 +125,8 @@ def two_tenant_config() -> SluiceConfig:
             "budgets": {"fairness_quantum_tokens": 256},
         }
     )
-    tenants = {name: TenantConfig(name) for name in ("flood", "steady")}
-    return replace(base, tenants=tenants)
+    tenants = {name: TenantConfig(name=name) for name in ("flood", "steady")}
+    return base.model_copy(update={"tenants": tenants})
 
 
 def test_a_chat_preempts_bulk_and_the_bulk_request_resumes_where_it_stopped() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from engine_adapters.sim_model import SimConfig
-from server.config import parse_config
+from server.core.config import parse_config
 from server.scheduler.types import TrafficClass
 from server.simulation.continuous import BulkStreams, ContinuousSimulation
 from server.simulation.continuous_workload import RequestShape, WorkloadMix, poisson_mix

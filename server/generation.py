@@ -217,9 +217,10 @@ class Sluice:
         *,
         stream: bool,
     ) -> tuple[GenerationRun, bool] | None:
-        """`generate` with the key recorded in Redis: the generation made under it on any
-        replica, or a new one, recorded first (the key is taken once across replicas). None:
-        Redis did not answer (the generation is to be this replica's alone)."""
+        """`generate` with the key recorded in the shared state: the generation made under it
+        on any replica, or a new one, recorded first (the key is taken once across replicas).
+        None: the shared state did not answer (the generation is to be this replica's
+        alone)."""
         assert self.shared is not None
         response_id = uuid.uuid4().hex
         record = RunRecord(

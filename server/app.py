@@ -51,7 +51,7 @@ from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import Dispatcher
 from server.send_guard import SendGuard
 from server.state.backend import RedisState
-from server.state.runs import SharedRuns
+from server.state.runs import RedisRuns
 from server.tokenizer_routes import detokenize, tokenize, version
 from server.ws_routes import websocket_endpoint
 
@@ -177,7 +177,7 @@ def build_app(
     shared = (
         None
         if state is None
-        else SharedRuns(
+        else RedisRuns(
             state, config.idempotency.retention_seconds, config.resume.grace_seconds, metrics
         )
     )

@@ -203,6 +203,11 @@ REJECTION_CODES: tuple[str, ...] = tuple(
 )
 
 
+class StateUnavailable(Exception):
+    """The state replicas share (Redis) did not answer in time, or refused the connection.
+    Never a client's answer: each feature that shares state says what it does without it."""
+
+
 def restored(status: int, body: dict[str, Any], retry_after: float | None = None) -> SluiceError:
     """The error that rendered as `body` with `status` (one logged by another replica)."""
     error = body.get("error") or {}

@@ -37,8 +37,10 @@ from server.errors import (
     ResourceNotFound,
     ShuttingDown,
     SluiceError,
+    StateUnavailable,
     UnsupportedParameter,
 )
+from server.generations.ports import LogMirror, RunRecord, SharedRuns
 from server.generations.run import GenerationRun, Kind, Shape, engine_failure
 from server.generations.store import MAX_KEY_LENGTH, RunStore, fingerprint
 from server.metrics import Metrics
@@ -47,8 +49,6 @@ from server.openai_responses import Echo
 from server.scheduler.tenants import Tenant, TenantDirectory
 from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass
 from server.send_guard import SendGuard
-from server.state.backend import StateUnavailable
-from server.state.runs import Follow, Mirror, RunRecord, SharedRuns
 from server.timeline import RequestTimeline
 
 _REQUEST_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
@@ -217,9 +217,10 @@ class Sluice:
         *,
         stream: bool,
     ) -> tuple[GenerationRun, bool] | None:
-        """`generate` with the key recorded in Redis: the generation made under it on any
-        replica, or a new one, recorded first (the key is taken once across replicas). None:
-        Redis did not answer (the generation is to be this replica's alone)."""
+        """`generate` with the key recorded in the shared state: the generation made under it
+        on any replica, or a new one, recorded first (the key is taken once across replicas).
+        None: the shared state did not answer (the generation is to be this replica's
+        alone)."""
         assert self.shared is not None
         response_id = uuid.uuid4().hex
         record = RunRecord(
@@ -261,7 +262,7 @@ class Sluice:
                 resumable=True,
                 response_id=response_id,
                 created=record.created,
-                mirror=Mirror(self.shared, record),
+                mirror=self.shared.mirror(record),
             )
         except SluiceError:
             await self.shared.forget(record)  # refused: the key is free for a retry
@@ -308,7 +309,7 @@ class Sluice:
 
     async def _find_shared(self, tenant: str, public_id: str) -> GenerationRun | None:
         """A run that follows the generation another replica runs (or ran): see
-        `server.state.runs`."""
+        `server.generations.ports`."""
         assert self.shared is not None
         try:
             record = await self.shared.find(tenant, public_id)
@@ -354,7 +355,7 @@ class Sluice:
             resumable=True,
             grace_seconds=self.grace_seconds,
             on_end=self._ended,
-            follow=Follow(self.shared, record),
+            follow=self.shared.follow(record),
             takeover=functools.partial(self._takeover, ticket, engine_request),
         )
         self.store.add(tenant, record.key, record.fingerprint, run)
@@ -396,7 +397,7 @@ class Sluice:
         response_id: str | None = None,
         first_index: int = 0,
         created: int | None = None,
-        mirror: Mirror | None = None,
+        mirror: LogMirror | None = None,
     ) -> GenerationRun:
         """Prepared, admitted (refusals are decided here, before anything awaits), started."""
         if self.draining:

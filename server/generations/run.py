@@ -18,8 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine_adapters.protocol import (
     EngineDeadError,
@@ -27,7 +26,6 @@ from engine_adapters.protocol import (
     EngineRequestError,
     EngineUnsupported,
     OutputParser,
-    TokenLogprob,
 )
 from server.choices import Choices
 from server.errors import (
@@ -36,56 +34,17 @@ from server.errors import (
     GenerationFailed,
     InvalidRequest,
     SluiceError,
+    StateUnavailable,
     UnsupportedParameter,
 )
+from server.generations.log import Event, EventLog, Kind
+from server.generations.ports import LogFollower, LogMirror
 from server.openai_requests import ParsedRequest
 from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
 from server.scheduler.types import Admission, Generation
-from server.state.backend import StateUnavailable
 from server.timeline import RequestTimeline
 
-if TYPE_CHECKING:
-    from server.state.runs import Follow, Mirror
-
 logger = logging.getLogger("sluice.server")
-
-
-class Kind(IntEnum):
-    OPEN = 1  # a choice's first chunk (a chat's role; a completion's echoed prompt)
-    PIECE = 2  # generated text, parsed fields, logprobs
-    FINISH = 3  # a choice's finish_reason (the last one's carries the generation's summary)
-    USAGE = 4  # the usage chunk (stream_options.include_usage)
-    DONE = 5  # `[DONE]`
-    FAILED = 6  # the error that ended the run (a stream's is followed by DONE)
-    WHOLE = 7  # a whole response's body
-
-
-_LAST = (Kind.DONE, Kind.WHOLE)
-# What an event holds beside its SSE bytes and text, with the per-token costs of its run (the
-# timeline's gaps): a 1,000-token stream on the sim engine measured ~580 bytes per token with
-# tracemalloc, ~220 of them its SSE bytes and text.
-EVENT_BYTES = 360
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One entry of the log. `sse` is its SSE rendering, made once for every reader."""
-
-    kind: Kind
-    sse: bytes = b""
-    index: int = 0  # the choice
-    text: str = ""
-    tokens: int = 0  # generated tokens this event accounts for
-    fields: dict[str, Any] | None = None  # a parsed chunk's delta (tool calls, reasoning)
-    logprobs: Sequence[TokenLogprob] | None = None
-    token_ids: Sequence[int] = ()
-    final: dict[str, Any] | None = None  # the last FINISH: finish_reason(s), usage, timings
-    body: dict[str, Any] | None = None  # WHOLE: the response
-    error: SluiceError | None = None  # FAILED
-    # This replica's alone, not the generation's (not in its shared log, no number): the end
-    # of a stream this replica handed over to another as it stopped, or could no longer
-    # follow (Redis stopped answering).
-    local: bool = False
 
 
 def engine_failure(exc: EngineError) -> SluiceError:
@@ -132,10 +91,10 @@ class GenerationRun:
     """A generation and its event log. `start()` it once; read it with `reading()` +
     `events(after)` / `started()` / `until_ended()`; `cancel(error)` it from anywhere.
 
-    Shared by replicas (`server.state.runs`), a run either writes its log to Redis as it
-    goes (`mirror`: its readers see what is written, `durable`), or follows another
-    replica's (`follow`) and, if that replica dies, continues it here (`takeover` makes the
-    admission that does).
+    Shared by replicas (the ports in `server.generations.ports`), a run either writes its
+    log to the shared state as it goes (`mirror`: its readers see what is written), or
+    follows another replica's (`follow`) and, if that replica dies, continues it here
+    (`takeover` makes the admission that does).
     """
 
     def __init__(
@@ -147,19 +106,15 @@ class GenerationRun:
         resumable: bool = False,
         grace_seconds: float = 30.0,
         on_end: Callable[[GenerationRun], None] | None = None,
-        mirror: Mirror | None = None,
-        follow: Follow | None = None,
+        mirror: LogMirror | None = None,
+        follow: LogFollower | None = None,
         takeover: Callable[[GenerationRun], Admission[Any]] | None = None,
     ) -> None:
         self.shape = shape
         self.timeline = timeline
         self.resumable = resumable
         self.grace_seconds = grace_seconds
-        self.log: list[Event] = []
-        self.size = 0  # bytes the log holds, roughly
-        self.dispatched = False
-        self.ended = False
-        self.durable: int | None = None  # events readers may see (None: all of them)
+        self.log = EventLog(stream=shape.stream)
         self._admission: Admission[Any] | None = admission
         self._on_end = on_end
         self._mirror = mirror
@@ -168,12 +123,10 @@ class GenerationRun:
         self._checking: asyncio.Task[None] | None = None  # for a reader on another replica
         self._task: asyncio.Task[None] | None = None
         self._running = False  # the task's coroutine has begun
-        self._concluded = False  # the last event is logged
         self._cancel_with: SluiceError | None = None
         self._handed_over = False
         self._readers = 0
         self._grace: asyncio.TimerHandle | None = None
-        self._waiters: list[asyncio.Future[None]] = []
 
     # -- the producer ---------------------------------------------------------------------
 
@@ -181,7 +134,22 @@ class GenerationRun:
         assert self._task is None, "a run starts once"
         self._task = asyncio.get_running_loop().create_task(self._produce())
         if self._mirror is not None:
-            self._mirror.start(self)
+            self._mirror.start(self.log, self.cancel)
+
+    @property
+    def dispatched(self) -> bool:
+        """Whether the generation reached the engine (here, or on the replica it follows)."""
+        return self.log.dispatched
+
+    @property
+    def ended(self) -> bool:
+        """Whether the run is over: its last event logged, what it held released."""
+        return self.log.closed
+
+    @property
+    def size(self) -> int:
+        """Bytes its log holds, roughly."""
+        return self.log.size
 
     @property
     def shared(self) -> bool:
@@ -193,7 +161,7 @@ class GenerationRun:
         engine request aborted. `hand_over` (a shared run, on a replica that stops): the error
         ends this replica's readers only; the generation is left for another replica to take
         over at once."""
-        if self._concluded or self._cancel_with is not None:
+        if self.log.concluded or self._cancel_with is not None:
             return
         self._cancel_with = error
         self._handed_over = hand_over and self.shared
@@ -210,7 +178,7 @@ class GenerationRun:
                 raise asyncio.CancelledError
             if self._follow is not None:
                 try:
-                    continuing = await self._follow.into(self)
+                    continuing = await self._follow.into(self.log, self._has_readers)
                 except StateUnavailable:  # its log cannot be read: this replica's end alone
                     self._handed_over = True
                     raise EngineUnavailable(
@@ -222,14 +190,13 @@ class GenerationRun:
                 # Ours now: what happens next is written to the shared log, a refusal of the
                 # takeover too (it ends the generation for every replica, and the lease).
                 self._mirror = self._follow.mirror(len(self.log))
-                self._mirror.start(self)
+                self._mirror.start(self.log, self.cancel)
                 assert self._takeover is not None
                 admission = self._admission = self._takeover(self)
             assert admission is not None
             async with admission as generation:
                 self.timeline.dispatched(generation)
-                self.dispatched = True
-                self.wake()
+                self.log.mark_dispatched()
                 try:
                     if self.shape.stream:
                         await self._stream(generation)
@@ -268,7 +235,7 @@ class GenerationRun:
         echo = shape.echo
         answer = echo is None or not echo.prompt_only  # whether the text generated is sent
         choices = shape.choices(keep=False)
-        append = self._append
+        append = self.log.append
         if self.log:  # taken over: the earlier replica's events are the stream's beginning
             sent: dict[int, int] = {}  # characters of text, per choice
             for event in self.log:
@@ -422,58 +389,33 @@ class GenerationRun:
             shape.echo,
         )
         timeline.finish("completed")
-        self._append(Event(Kind.WHOLE, body=body))
+        self.log.append(Event(Kind.WHOLE, body=body))
 
     def _fail(self, error: SluiceError) -> None:
         """Log the error that ends the run (kept without its traceback, which would hold the
         producer's frame and, through it, the run)."""
-        if self._concluded:
+        if self.log.concluded:
             return
         error.__traceback__ = error.__cause__ = error.__context__ = None
         self.timeline.finish(error.outcome, status=error.status, error=error)
         local = self._handed_over
-        self._append(
+        self.log.append(
             Event(Kind.FAILED, ChunkEncoder.error(error.to_body()), error=error, local=local)
         )
         if self.shape.stream:
-            self._append(Event(Kind.DONE, DONE, local=local))
-
-    def _append(self, event: Event) -> None:
-        self._concluded = event.kind in _LAST or (
-            event.kind is Kind.FAILED and not self.shape.stream
-        )
-        self.log.append(event)
-        self.size += EVENT_BYTES + len(event.sse) + len(event.text)
-        self.wake()
-
-    def wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def follow(self, event: Event, dispatched: bool) -> None:
-        """An event of the run as another replica logged it."""
-        self.dispatched = self.dispatched or dispatched
-        self._append(event)
-
-    @property
-    def concluded(self) -> bool:
-        """Its last event is logged."""
-        return self._concluded
+            self.log.append(Event(Kind.DONE, DONE, local=local))
 
     def _end(self) -> None:
         if self.ended:
             return
-        if not self._concluded:  # (a path above that did not log its end: a bug)
+        if not self.log.concluded:  # (a path above that did not log its end: a bug)
             self._fail(GenerationFailed("the generation ended without a result"))
         self.timeline.finish("completed")  # (a followed run's, which records nothing)
-        self.ended = True
         self._task = None
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None
-        self.wake()
+        self.log.close()
         if self._on_end is not None:
             self._on_end(self)
 
@@ -501,6 +443,9 @@ class GenerationRun:
     @property
     def readers(self) -> int:
         return self._readers
+
+    def _has_readers(self) -> bool:
+        return self._readers > 0
 
     def _unread(self) -> None:
         self._grace = None
@@ -535,38 +480,18 @@ class GenerationRun:
         finally:
             self.detach()
 
-    async def changed(self) -> None:
-        """Until the log (or what of it readers may see) grows, or the run ends."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        await waiter
-
-    def _visible(self) -> int:
-        return len(self.log) if self.durable is None else self.durable
-
     async def started(self) -> None:
         """Until the run is dispatched to the engine, or has ended."""
-        while not (self.dispatched or self.ended):
-            await self.changed()
+        while not (self.log.dispatched or self.log.closed):
+            await self.log.changed()
 
     async def until_ended(self) -> Event:
         """The run's last event, once it has ended (and readers may see it)."""
-        while not (self.ended and self._visible() == len(self.log)):
-            await self.changed()
-        return self.log[-1]
+        return await self.log.until_closed()
 
-    async def events(self, after: int = 0) -> AsyncIterator[tuple[int, Event]]:
+    def events(self, after: int = 0) -> AsyncIterator[tuple[int, Event]]:
         """(number, event) for every event after number `after`, live, to the end."""
-        seq = after
-        log = self.log
-        while True:
-            while seq < self._visible():
-                event = log[seq]
-                seq += 1
-                yield seq, event
-            if self.ended and seq >= len(log):
-                return
-            await self.changed()
+        return self.log.events(after)
 
     @property
     def failure(self) -> SluiceError | None:

@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from server.core.config import StateConfig
+from server.errors import StateUnavailable
 from server.metrics import STATE_OPERATIONS, Metrics
 
 logger = logging.getLogger("sluice.state")
@@ -49,10 +50,6 @@ for i = quotas + 2, #KEYS do
 end
 return redis.call('ZCARD', KEYS[1])
 """
-
-
-class StateUnavailable(Exception):
-    """Redis did not answer in time, or refused the connection."""
 
 
 class RedisState:

@@ -1,8 +1,9 @@
 """Resumable generations shared by replicas, in Redis: their idempotency keys, their event
 logs, and which replica runs each.
 
-A generation made with an idempotency key (`Sluice.generate`) is recorded here as well as in
-its replica's `RunStore`:
+`RedisRuns` implements the ports of `server.generations.ports` (`SharedRuns`, `LogMirror`,
+`LogFollower`). A generation made with an idempotency key (`Sluice.generate`) is recorded here
+as well as in its replica's `RunStore`:
 
 - `sluice:idem:{tenant}:KEY` names the generation made under the key (and its request's
   fingerprint); it is set once, atomically, so two replicas given the same key at once make
@@ -11,11 +12,11 @@ its replica's `RunStore`:
   body, its class and timeout, and `ended` once its last event is logged.
 - `…:events` is a Redis Stream of its events, entry `N-0` for event N, each as the replica
   rendered it (`encode`). The replica that runs a generation writes its events there before
-  its own readers see them (`Mirror`), so whatever a client was sent is in the log.
+  its own readers see them (`RedisMirror`), so whatever a client was sent is in the log.
 - `…:lease` names the replica that runs it, for `state.lease_seconds`, renewed by its
   heartbeat. Every write checks it (a replica that lost its lease is fenced off).
 
-Any replica can follow a generation it does not run (`Follow`): it reads the stream into a
+Any replica can follow a generation it does not run (`RedisFollower`): it reads the stream into a
 local run that its readers read like any other. When the lease has expired (the replica
 died), the follower claims it, one replica winning, and continues the generation from the
 logged tokens, as a preempted generation is continued (`Sluice._takeover`).
@@ -29,20 +30,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
 
 import orjson
 
 from engine_adapters.protocol import TokenLogprob
-from server.errors import GenerationFailed, restored
-from server.generations.run import Event, Kind
+from server.errors import GenerationFailed, SluiceError, StateUnavailable, restored
+from server.generations.log import Event, EventLog, Kind
+from server.generations.ports import RunRecord
 from server.metrics import Metrics
-from server.state.backend import PROBE_SECONDS, RedisState, StateUnavailable
-
-if TYPE_CHECKING:
-    from server.generations.run import GenerationRun
+from server.state.backend import PROBE_SECONDS, RedisState
 
 logger = logging.getLogger("sluice.state")
 READ_BLOCK_MS = 1000  # a follower's wait for news before it checks the lease again
@@ -119,71 +118,58 @@ return 0
 """
 
 
-@dataclass(frozen=True, slots=True)
-class RunRecord:
-    """A resumable generation as any replica finds it: enough to follow it or continue it."""
+def _key(record: RunRecord, suffix: str = "") -> str:
+    return f"sluice:run:{{{record.tenant}}}:{record.public_id}{suffix}"
 
-    tenant: str
-    public_id: str
-    kind: str  # "chat" | "completion"
-    request: Any  # the body `parse_request` reads
-    stream: bool
-    request_id: str
-    created: int  # its chunks' `created`
-    traffic_class: str | None = None  # what the client asked for
-    timeout_s: float | None = None
-    key: str | None = None
-    fingerprint: str = ""  # of the request made under `key`
 
-    def _key(self, suffix: str = "") -> str:
-        return f"sluice:run:{{{self.tenant}}}:{self.public_id}{suffix}"
+def run_keys(record: RunRecord) -> list[str]:
+    """The run, its lease, its events."""
+    return [_key(record), _key(record, ":lease"), _key(record, ":events")]
 
-    @property
-    def keys(self) -> list[str]:
-        """The run, its lease, its events."""
-        return [self._key(), self._key(":lease"), self._key(":events")]
 
-    @property
-    def reader_key(self) -> str:
-        return self._key(":reader")
+def reader_key(record: RunRecord) -> str:
+    return _key(record, ":reader")
 
-    def fields(self) -> list[str]:
-        return [
-            "kind",
-            self.kind,
-            "request",
-            orjson.dumps(self.request).decode(),
-            "stream",
-            "1" if self.stream else "0",
-            "request_id",
-            self.request_id,
-            "created",
-            str(self.created),
-            "traffic_class",
-            self.traffic_class or "",
-            "timeout_s",
-            "" if self.timeout_s is None else repr(self.timeout_s),
-            "key",
-            self.key or "",
-            "fingerprint",
-            self.fingerprint,
-        ]
 
-    @classmethod
-    def of(cls, tenant: str, public_id: str, fields: dict[str, str]) -> RunRecord:
-        return cls(
-            tenant,
-            public_id,
-            fields["kind"],
-            orjson.loads(fields["request"]),
-            fields["stream"] == "1",
-            fields["request_id"],
-            int(fields["created"]),
-            fields["traffic_class"] or None,
-            float(fields["timeout_s"]) if fields["timeout_s"] else None,
-            fields["key"] or None,
-            fields["fingerprint"],
-        )
+def record_fields(record: RunRecord) -> list[str]:
+    """The record as the run's hash holds it: field, value, field, value, …"""
+    return [
+        "kind",
+        record.kind,
+        "request",
+        orjson.dumps(record.request).decode(),
+        "stream",
+        "1" if record.stream else "0",
+        "request_id",
+        record.request_id,
+        "created",
+        str(record.created),
+        "traffic_class",
+        record.traffic_class or "",
+        "timeout_s",
+        "" if record.timeout_s is None else repr(record.timeout_s),
+        "key",
+        record.key or "",
+        "fingerprint",
+        record.fingerprint,
+    ]
+
+
+def record_of(tenant: str, public_id: str, fields: dict[str, str]) -> RunRecord:
+    """The record `record_fields` wrote."""
+    return RunRecord(
+        tenant,
+        public_id,
+        fields["kind"],
+        orjson.loads(fields["request"]),
+        fields["stream"] == "1",
+        fields["request_id"],
+        int(fields["created"]),
+        fields["traffic_class"] or None,
+        float(fields["timeout_s"]) if fields["timeout_s"] else None,
+        fields["key"] or None,
+        fields["fingerprint"],
+    )
 
 
 def idem_key(tenant: str, key: str) -> str:
@@ -238,8 +224,9 @@ def decode(raw: str) -> tuple[Event, bool]:
     ), not wire.get("undispatched", False)
 
 
-class SharedRuns:
-    """The Redis side of resumable generations (see the module's docstring)."""
+class RedisRuns:
+    """Resumable generations shared by replicas, in Redis (see the module's docstring): the
+    `SharedRuns` port."""
 
     def __init__(
         self, state: RedisState, retention_s: float, grace_s: float, metrics: Metrics
@@ -248,7 +235,7 @@ class SharedRuns:
         self.metrics = metrics
         self.retention_ms = int(retention_s * 1000)
         self.grace_ms = int(grace_s * 1000)
-        self.mirrors: set[Mirror] = set()
+        self.mirrors: set[RedisMirror] = set()
         self._open: Any = None
         self._append: Any = None
         self._claim: Any = None
@@ -279,7 +266,7 @@ class SharedRuns:
         """Record a new generation under `key`, this replica holding its lease. None: made;
         else (the id, the fingerprint) of the generation already made under the key.
         StateUnavailable: nothing is recorded."""
-        run, lease, _ = record.keys
+        run, lease, _ = run_keys(record)
         state = self.state
         answer = await state.call(
             "open",
@@ -291,7 +278,7 @@ class SharedRuns:
                     state.replica,
                     state.lease_ms,
                     self.retention_ms,
-                    *record.fields(),
+                    *record_fields(record),
                 ],
             ),
         )
@@ -305,13 +292,13 @@ class SharedRuns:
         """Drop a generation recorded by `open` that was refused before it began: its key is
         free for a retry."""
         assert record.key is not None
-        lease = record.keys[1]
-        self.state.run_leases.discard(lease)
+        keys = run_keys(record)
+        self.state.run_leases.discard(keys[1])
         try:
             await self.state.call(
                 "release",
                 self._forget(
-                    keys=[idem_key(record.tenant, record.key), *record.keys],
+                    keys=[idem_key(record.tenant, record.key), *keys],
                     args=[record.public_id + " "],
                 ),
             )
@@ -322,14 +309,20 @@ class SharedRuns:
 
     async def find(self, tenant: str, public_id: str) -> RunRecord | None:
         probe = RunRecord(tenant, public_id, "", None, False, "", 0)
-        fields = await self.state.call("find", self.state.client.hgetall(probe.keys[0]))
-        return RunRecord.of(tenant, public_id, fields) if fields else None
+        fields = await self.state.call("find", self.state.client.hgetall(run_keys(probe)[0]))
+        return record_of(tenant, public_id, fields) if fields else None
+
+    def mirror(self, record: RunRecord) -> RedisMirror:
+        return RedisMirror(self, record)
+
+    def follow(self, record: RunRecord) -> RedisFollower:
+        return RedisFollower(self, record)
 
     async def append(self, record: RunRecord, first: int, events: Sequence[str], end: str) -> int:
         """Log events `first`, `first` + 1, …; `end` "ended"/"refused" with the last. 1
         written; 0 the lease is another replica's (this one was fenced off); -1 the record is
         gone (Redis lost it)."""
-        run, lease, events_key = record.keys
+        run, lease, events_key = run_keys(record)
         state = self.state
         written = int(
             await state.call(
@@ -352,19 +345,17 @@ class SharedRuns:
     async def claim(self, record: RunRecord) -> int:
         """Take over a generation whose lease expired: the events logged; -2 the generation
         ended, or is gone; -3 - its ms left while another replica's lease is live."""
-        state = self.state
+        state, keys = self.state, run_keys(record)
         count = int(
-            await state.call(
-                "claim", self._claim(keys=record.keys, args=[state.replica, state.lease_ms])
-            )
+            await state.call("claim", self._claim(keys=keys, args=[state.replica, state.lease_ms]))
         )
         if count >= 0:
-            state.run_leases.add(record.keys[1])
+            state.run_leases.add(keys[1])
         return count
 
     async def let_go(self, record: RunRecord) -> None:
         """Give the lease up at once (the replica is stopping): another replica can claim it."""
-        lease = record.keys[1]
+        lease = run_keys(record)[1]
         self.state.run_leases.discard(lease)
         await self.state.call("release", self._let_go(keys=[lease], args=[self.state.replica]))
 
@@ -373,7 +364,7 @@ class SharedRuns:
     ) -> list[tuple[int, Event, bool]]:
         """The events after number `after`: waiting up to `block_ms` for one; None: all
         there are, at once."""
-        events_key = record.keys[2]
+        events_key = run_keys(record)[2]
         if block_ms is None:
             entries = await self.state.call(
                 "read", self.state.client.xrange(events_key, f"{after + 1}-0", "+")
@@ -393,32 +384,32 @@ class SharedRuns:
 
     async def being_read(self, record: RunRecord) -> bool:
         """Whether a follower on some replica has a reader (within the grace period)."""
-        return bool(await self.state.call("find", self.state.client.exists(record.reader_key)))
+        return bool(await self.state.call("find", self.state.client.exists(reader_key(record))))
 
     async def reading(self, record: RunRecord) -> None:
         """A follower has a reader now."""
         await self.state.call(
-            "renew", self.state.client.set(record.reader_key, 1, px=self.grace_ms)
+            "renew", self.state.client.set(reader_key(record), 1, px=self.grace_ms)
         )
 
 
-class Mirror:
-    """Writes a run's events to its shared log, ahead of its readers: the run shows them to
-    its own readers once they are written (`GenerationRun.durable`). If a write fails, the
-    readers go on from the local log and the mirror catches up when Redis answers again. If
-    the lease was lost to another replica, the run is cancelled here; if Redis lost the
-    record (restarted empty), the run goes on here alone."""
+class RedisMirror:
+    """Writes a run's events to its shared log, ahead of its readers: the log shows them to
+    its readers once they are written (`EventLog.durable`). If a write fails, the readers go
+    on from the local log and the mirror catches up when Redis answers again. If the lease
+    was lost to another replica, the run is cancelled here; if Redis lost the record
+    (restarted empty), the run goes on here alone. The `LogMirror` port."""
 
-    def __init__(self, shared: SharedRuns, record: RunRecord, written: int = 0) -> None:
+    def __init__(self, shared: RedisRuns, record: RunRecord, written: int = 0) -> None:
         self.shared = shared
         self.record = record
         self.written = written
         self._task: asyncio.Task[None] | None = None
 
-    def start(self, run: GenerationRun) -> None:
-        run.durable = self.written
+    def start(self, log: EventLog, cancel: Callable[[SluiceError], None]) -> None:
+        log.durable = self.written
         self.shared.mirrors.add(self)
-        self._task = asyncio.get_running_loop().create_task(self._mirror(run))
+        self._task = asyncio.get_running_loop().create_task(self._mirror(log, cancel))
         self._task.add_done_callback(lambda _: self.shared.mirrors.discard(self))
 
     async def stop(self) -> None:
@@ -436,26 +427,25 @@ class Mirror:
         except StateUnavailable:
             return False
 
-    async def _mirror(self, run: GenerationRun) -> None:
-        log = run.log
+    async def _mirror(self, log: EventLog, cancel: Callable[[SluiceError], None]) -> None:
         while True:
             while self.written == len(log):
-                if run.concluded:
+                if log.concluded:
                     return
-                await run.changed()
+                await log.changed()
             upto = next((i for i in range(self.written, len(log)) if log[i].local), None)
             handed_over = upto is not None
             if upto is None:
                 upto = len(log)
             end = (
-                "" if not run.concluded or handed_over else "ended" if run.dispatched else "refused"
+                "" if not log.concluded or handed_over else "ended" if log.dispatched else "refused"
             )
             try:
                 kept = await self.shared.append(
                     self.record,
                     self.written + 1,
                     [
-                        encode(event, run.dispatched or event.kind is not Kind.FAILED)
+                        encode(event, log.dispatched or event.kind is not Kind.FAILED)
                         for event in log[self.written : upto]
                     ],
                     end,
@@ -463,13 +453,13 @@ class Mirror:
                 if kept == 1 and handed_over:
                     await self.shared.let_go(self.record)
             except StateUnavailable:
-                run.durable = None  # its readers go on; the log catches up later
+                log.durable = None  # its readers go on; the log catches up later
                 await asyncio.sleep(PROBE_SECONDS)
                 continue
             if kept == 1 and handed_over:
                 self.written = upto
-                run.durable = None  # what follows is this replica's alone
-                run.wake()
+                log.durable = None  # what follows is this replica's alone
+                log.wake()
                 return
             if kept == -1:  # (Redis restarted empty): the generation goes on, here alone
                 logger.warning(
@@ -477,37 +467,37 @@ class Mirror:
                     "on this replica alone",
                     self.record.public_id,
                 )
-                run.durable = None
-                run.wake()
+                log.durable = None
+                log.wake()
                 return
             if kept == 0:
                 logger.warning(
                     "generation %s was taken over by another replica", self.record.public_id
                 )
-                run.cancel(
+                cancel(
                     GenerationFailed("another replica took this generation over; resume it there")
                 )
                 return
             self.written = upto
-            if run.durable is not None or self.written == len(log):
-                run.durable = self.written
-            run.wake()
+            if log.durable is not None or self.written == len(log):
+                log.durable = self.written
+            log.wake()
 
 
-class Follow:
-    """Reads another replica's generation into a local run, and claims it when that replica's
-    lease has expired (it died). `into` returns whether the run is now this replica's to
-    continue (False: its log concluded)."""
+class RedisFollower:
+    """Reads another replica's generation into a local log, and claims it when that
+    replica's lease has expired (it died). `into` returns whether the run is now this
+    replica's to continue (False: its log concluded). The `LogFollower` port."""
 
-    def __init__(self, shared: SharedRuns, record: RunRecord) -> None:
+    def __init__(self, shared: RedisRuns, record: RunRecord) -> None:
         self.shared = shared
         self.record = record
 
-    async def into(self, run: GenerationRun) -> bool:
+    async def into(self, log: EventLog, reading: Callable[[], bool]) -> bool:
         seen = 0
         block_ms = READ_BLOCK_MS
         while True:
-            if run.readers:
+            if reading():
                 await self.shared.reading(self.record)
             news = await self.shared.read(self.record, seen, block_ms)
             block_ms = READ_BLOCK_MS
@@ -515,8 +505,8 @@ class Follow:
                 if seq != seen + 1:  # (never: the log is written in order)
                     raise RuntimeError(f"event {seq} follows {seen}")
                 seen = seq
-                run.follow(event, dispatched)
-                if run.concluded:
+                _follow(log, event, dispatched)
+                if log.concluded:
                     return False
             if news:
                 continue
@@ -532,12 +522,18 @@ class Follow:
             try:
                 rest = await self.shared.read(self.record, seen, None)
             except StateUnavailable:  # not renewed: it lapses for another replica to claim
-                self.shared.state.run_leases.discard(self.record.keys[1])
+                self.shared.state.run_leases.discard(run_keys(self.record)[1])
                 raise
             for seq, event, dispatched in rest:
                 seen = seq
-                run.follow(event, dispatched)
+                _follow(log, event, dispatched)
             return True
 
-    def mirror(self, written: int) -> Mirror:
-        return Mirror(self.shared, self.record, written)
+    def mirror(self, written: int) -> RedisMirror:
+        return RedisMirror(self.shared, self.record, written)
+
+
+def _follow(log: EventLog, event: Event, dispatched: bool) -> None:
+    """An event of the run as another replica logged it."""
+    log.dispatched = log.dispatched or dispatched
+    log.append(event)

@@ -82,4 +82,6 @@ def test_engine_death_is_visible_and_fatal(doomed_server: SluiceProcess) -> None
     assert refused.json()["error"]["code"] == "engine_unavailable"
     assert "retry-after" in refused.headers
     assert doomed_server.proc.wait(timeout=60) != 0
-    assert "engine died" in doomed_server.log()
+    log = doomed_server.log()
+    assert "engine died" in log
+    assert "nanobind: leaked" not in log  # triton's report at interpreter teardown, skipped

@@ -24,8 +24,11 @@ from server.scheduler.types import Ticket
 
 # Engine time (with sequences running) per decode-step observation.
 STEP_WINDOW_S = 0.5
-# A window restarts when the running sequences move beyond this factor of its average.
+# A window restarts when the running sequences move beyond this factor of its average, and by
+# more than `WINDOW_JUMP_MIN` sequences: at a few sequences one chat arriving is a factor of 2,
+# and a window that restarted at each would never close (see `running_changed`).
 WINDOW_JUMP = 1.5
+WINDOW_JUMP_MIN = 4
 # A window whose time was mostly prefill (an engine filling up) says little about decode steps.
 MIN_DECODE_SHARE = 0.5
 # Concurrency levels are grouped in half-octave bins (1, 1.4, 2, 2.8, 4, ... sequences).
@@ -171,10 +174,14 @@ class RateEstimates:
         self._advance(now)
         self._running = running
         level = self._window.concurrency()
-        if level and not level / WINDOW_JUMP <= running <= level * WINDOW_JUMP:
+        jumped = not level / WINDOW_JUMP <= running <= level * WINDOW_JUMP
+        if level and jumped and abs(running - level) > WINDOW_JUMP_MIN:
             # A jump (a bulk cap falling from 96 sequences to 8, say): a window across it would
             # blend two levels into a point that is neither. Small moves (chats coming and
-            # going) stay in one window, whose tokens and time then match.
+            # going) stay in one window, whose tokens and time then match; at a few sequences
+            # they are small in number though large as a factor, and a window restarted at
+            # each would never close: the estimate there would stay whatever it last was (a
+            # stall of a shared host, say), and the bulk cap with it.
             self._window = _Window()
 
     def tokens_generated(self, tokens: int, now: float) -> None:

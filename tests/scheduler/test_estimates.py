@@ -91,3 +91,24 @@ def test_chats_coming_and_going_at_a_few_sequences_keep_the_estimate_current() -
     assert estimates.steps.at(2.0) == pytest.approx(0.025, rel=0.1)
     churn(estimates, now, step_s=0.005, seconds=10.0)
     assert estimates.steps.at(2.0) == pytest.approx(0.005, rel=0.1)
+
+
+def test_a_stall_seen_where_the_engine_no_longer_runs_fades_and_the_knee_tries_there_again() -> (
+    None
+):
+    steps = StepTimes(prior_step_s=0.01, weight=0.5)
+    steps.observe(8, 0.004)  # 2,000 tokens/s
+    steps.observe(32, 0.050)  # 640 tokens/s: a stall of the host, once
+    assert steps.knee(0.95) == pytest.approx(8)
+    for _ in range(10):  # the cap holds the engine at 8 sequences, and it runs as before
+        steps.observe(8, 0.004)
+    assert steps.at(32) == pytest.approx(0.016, rel=0.01)  # 2,000 tokens/s, no more
+    assert steps.knee(0.95) == pytest.approx(64)  # the best rate at the top: try beyond
+
+
+def test_a_rate_seen_falling_after_the_lower_levels_stands() -> None:
+    steps = StepTimes(prior_step_s=0.01, weight=0.5)
+    steps.observe(8, 0.004)
+    steps.observe(32, 0.020)  # seen after 8: 1,600 tokens/s against 2,000
+    assert steps.at(32) == pytest.approx(0.020)
+    assert steps.knee(0.95) == pytest.approx(8)

@@ -7,7 +7,7 @@ continuous-batching model `sim`, the fixed-batch model `sim-batch`) implements `
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -171,27 +171,49 @@ class TokenDelta:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheInfo:
-    """The engine's real KV cache, known once it has started."""
+    """The engine's KV cache: `num_blocks` blocks of `block_size` tokens."""
 
     block_size: int
     num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What the scheduler plans with, as the engine itself enforces it: `max_num_seqs` seats
+    (the most sequences it runs in one step), `max_batched_tokens` (the most tokens one step
+    computes, prompt chunks and decodes together) and its KV cache. A request dispatched past
+    these only waits inside the engine, where Sluice cannot order it. Every field is required:
+    an engine that forgot one would silently look unbounded."""
+
+    max_num_seqs: int
+    max_batched_tokens: int
+    kv_cache: KVCacheInfo
+
+    def __post_init__(self) -> None:
+        values = (self.max_num_seqs, self.max_batched_tokens, *astuple(self.kv_cache))
+        if min(values) < 1:
+            raise ValueError(f"engine limits must all be >= 1: {self}")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """`vocab_size` 0: the engine does not say, so token ids reach it unchecked.
-    `engine` names the engine in errors; `logprobs`: whether it can return them; `choices`:
-    whether it can sample n > 1 choices of one prompt; `beam_search`: whether it can search
-    beams."""
+    """What the engine serves and what it can hold, known once it has started.
+
+    `path`: where the weights come from (the models list's `root`; a simulated engine gives its
+    name). `limits`: what the scheduler plans with. `vocab_size` 0: the engine does not say, so
+    token ids reach it unchecked. `engine` names the engine in errors; `logprobs`: whether it
+    can return them; `choices`: whether it can sample n > 1 choices of one prompt;
+    `beam_search`: whether it can search beams."""
 
     name: str
+    path: str
     max_model_len: int
+    limits: EngineLimits
     vocab_size: int = 0
     engine: str = "vllm"
     logprobs: bool = True
     choices: bool = True
     beam_search: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,11 +293,9 @@ class EngineClient(Protocol):
     """What the server needs from an engine, and nothing more."""
 
     @property
-    def model(self) -> ModelInfo: ...
-
-    @property
-    def kv_cache(self) -> KVCacheInfo | None:
-        """Block size and count of the KV cache; None before start()."""
+    def model(self) -> ModelInfo:
+        """The model and the engine's limits; an engine that learns them as it starts (vLLM)
+        raises EngineError before start()."""
         ...
 
     async def start(self) -> None: ...

@@ -14,7 +14,6 @@ from engine_adapters.protocol import (
     EngineDeadError,
     EngineRequestError,
     GenerationRequest,
-    KVCacheInfo,
     ModelInfo,
     OutputPlan,
     OutputRequest,
@@ -74,13 +73,7 @@ class SimEngine:
     def __init__(self, config: SimConfig | None = None, *, model_name: str = "sim") -> None:
         self.config = config or SimConfig()
         self._model = SimTimingModel(self.config)
-        self._model_info = ModelInfo(
-            name=model_name,
-            max_model_len=self.config.max_model_len,
-            vocab_size=self.config.vocab_size,
-            engine="sim",
-            beam_search=False,
-        )
+        self._model_info = self.config.model_info(model_name)
         self._streams: dict[str, _Stream] = {}
         self._finishing: set[str] = set()  # finished by the step now passing, not yet delivered
         self._wakeup = asyncio.Event()
@@ -94,12 +87,6 @@ class SimEngine:
     @property
     def timing_model(self) -> SimTimingModel:
         return self._model
-
-    @property
-    def kv_cache(self) -> KVCacheInfo | None:
-        if self._task is None:
-            return None
-        return KVCacheInfo(block_size=self.config.block_size, num_blocks=self.config.kv_blocks)
 
     async def start(self) -> None:
         if self._task is None and self._dead is None:

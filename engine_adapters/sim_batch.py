@@ -23,6 +23,7 @@ from typing import Any
 from engine_adapters.protocol import (
     EngineDeadError,
     EngineError,
+    EngineLimits,
     GenerationRequest,
     KVCacheInfo,
     ModelInfo,
@@ -134,9 +135,18 @@ class SimBatchEngine:
         seed: int = 0,
     ) -> None:
         self.batch_model = model
+        # One batch's seats; a batch holds each of its sequences whole, so its KV cache is one
+        # block of max_model_len tokens a seat.
+        seats = model.max_batch
         self._info = ModelInfo(
             name=name,
+            path=name,
             max_model_len=max_model_len,
+            limits=EngineLimits(
+                max_num_seqs=seats,
+                max_batched_tokens=seats * max_model_len,
+                kv_cache=KVCacheInfo(block_size=max_model_len, num_blocks=seats),
+            ),
             vocab_size=256,  # bytes
             engine="sim-batch",
             logprobs=False,
@@ -182,10 +192,6 @@ class SimBatchEngine:
     @property
     def model(self) -> ModelInfo:
         return self._info
-
-    @property
-    def kv_cache(self) -> KVCacheInfo | None:
-        return None
 
     async def start(self) -> None:
         self._started = True

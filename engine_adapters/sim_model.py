@@ -56,6 +56,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from engine_adapters.protocol import EngineLimits, KVCacheInfo, ModelInfo
+
 _log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- vocabulary
@@ -154,6 +156,23 @@ class SimConfig:
             raise ValueError(f"vocab_size must be > {len(SPECIAL_TOKENS)}")
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ValueError("eos_probability must be in [0, 1]")
+
+    def model_info(self, name: str) -> ModelInfo:
+        """The `sim` engine's model info: the server's engine and the discrete-event simulator
+        both plan with this one."""
+        return ModelInfo(
+            name=name,
+            path=name,
+            max_model_len=self.max_model_len,
+            limits=EngineLimits(
+                max_num_seqs=self.max_num_seqs,
+                max_batched_tokens=self.max_batched_tokens,
+                kv_cache=KVCacheInfo(block_size=self.block_size, num_blocks=self.kv_blocks),
+            ),
+            vocab_size=self.vocab_size,
+            engine="sim",
+            beam_search=False,
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SimConfig:

@@ -18,6 +18,7 @@ from typing import Any
 from engine_adapters.protocol import (
     EngineDeadError,
     EngineError,
+    EngineLimits,
     EngineRequestError,
     EngineUnsupported,
     GenerationRequest,
@@ -150,16 +151,13 @@ class VLLMEngine:
         self._llm: Any = None
         self._tokenizer: Any = None
         self._planner: VLLMOutputPlanner | None = None
-        self._info = ModelInfo(name=served_model_name, max_model_len=0)
-        self._kv: KVCacheInfo | None = None
+        self._info: ModelInfo | None = None  # known once the engine has started
 
     @property
     def model(self) -> ModelInfo:
+        if self._info is None:
+            raise EngineError("the vLLM engine has not started")
         return self._info
-
-    @property
-    def kv_cache(self) -> KVCacheInfo | None:
-        return self._kv
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -175,18 +173,24 @@ class VLLMEngine:
         self._llm = AsyncLLM.from_engine_args(args)
         config = self._llm.vllm_config
         cache = config.cache_config
+        if not cache.num_gpu_blocks:
+            raise EngineError("vLLM started without reporting its KV cache size")
+        scheduler = config.scheduler_config
         self._info = ModelInfo(
             name=self._served_name,
+            path=self._model_path,
             max_model_len=config.model_config.max_model_len,
+            limits=EngineLimits(
+                max_num_seqs=scheduler.max_num_seqs,
+                max_batched_tokens=scheduler.max_num_batched_tokens,
+                kv_cache=KVCacheInfo(block_size=cache.block_size, num_blocks=cache.num_gpu_blocks),
+            ),
             vocab_size=config.model_config.get_vocab_size(),
-            extra={"path": self._model_path, "max_num_seqs": config.scheduler_config.max_num_seqs},
         )
-        if cache.num_gpu_blocks:
-            self._kv = KVCacheInfo(block_size=cache.block_size, num_blocks=cache.num_gpu_blocks)
         self._tokenizer = self._llm.get_tokenizer()
         self._planner = VLLMOutputPlanner(self._parsers, self._tokenizer, config)
         await self._warm_up()
-        logger.info("vLLM engine up: %s, kv cache %s", self._info, self._kv)
+        logger.info("vLLM engine up: %s", self._info)
 
     async def _warm_up(self) -> None:
         """vLLM sets up logprobs on the first request that asks for them (about 150 ms here on

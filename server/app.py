@@ -98,7 +98,7 @@ async def models(request: Request) -> Response:
                     "object": "model",
                     "created": request.app.state.started,
                     "owned_by": "sluice",
-                    "root": str(info.extra.get("path", sluice.served_model)),
+                    "root": info.path,
                     "max_model_len": info.max_model_len,
                 }
             ],

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine_adapters.protocol import ModelInfo
 from server.core.config import BudgetConfig
 from server.scheduler.types import Ticket, TrafficClass
 
@@ -25,29 +26,21 @@ class BudgetLimits:
     block_size: int
 
     @classmethod
-    def from_engine(
-        cls,
-        config: BudgetConfig,
-        *,
-        block_size: int,
-        num_blocks: int,
-        max_model_len: int,
-        engine_max_seqs: int | None = None,
-    ) -> BudgetLimits:
+    def from_engine(cls, config: BudgetConfig, model: ModelInfo) -> BudgetLimits:
         """Limits sized from the engine's real KV cache at the target utilisation.
 
-        Sequences are capped by the engine's own batch limit when it reports one: a request
-        dispatched beyond it would only wait inside the engine, where Sluice cannot order it.
+        Sequences are capped by the engine's seats: a request dispatched beyond them would
+        only wait inside the engine, where Sluice cannot order it.
         """
-        kv_blocks = max(1, math.floor(num_blocks * config.kv_target_utilization))
+        engine = model.limits
+        block_size = engine.kv_cache.block_size
+        kv_blocks = max(1, math.floor(engine.kv_cache.num_blocks * config.kv_target_utilization))
         kv_tokens = kv_blocks * block_size
         tokens = config.max_running_tokens or kv_tokens
         # One request of the model's full length must still be able to run.
-        tokens = max(tokens, max_model_len)
-        kv_blocks = max(kv_blocks, -(-max_model_len // block_size))
-        sequences = config.max_running_seqs
-        if engine_max_seqs:
-            sequences = min(sequences, engine_max_seqs)
+        tokens = max(tokens, model.max_model_len)
+        kv_blocks = max(kv_blocks, -(-model.max_model_len // block_size))
+        sequences = min(config.max_running_seqs, engine.max_num_seqs)
         return cls(tokens, kv_blocks, sequences, block_size)
 
     def as_tuple(self) -> tuple[int, int, int]:

@@ -24,10 +24,15 @@ from server.scheduler.types import Ticket
 
 # Engine time (with sequences running) per decode-step observation.
 STEP_WINDOW_S = 0.5
-# A window restarts when the running sequences move beyond this factor of its average.
+# A window restarts when the running sequences move beyond this factor of its average, and by
+# more than `WINDOW_JUMP_MIN` sequences: at a few sequences one chat arriving is a factor of 2,
+# and a window that restarted at each would never close (see `running_changed`).
 WINDOW_JUMP = 1.5
+WINDOW_JUMP_MIN = 4
 # A window whose time was mostly prefill (an engine filling up) says little about decode steps.
 MIN_DECODE_SHARE = 0.5
+# Rates (or step times) within this factor of each other are the same rate.
+_SAME_RATE = 1.01
 # Concurrency levels are grouped in half-octave bins (1, 1.4, 2, 2.8, 4, ... sequences).
 _BINS_PER_OCTAVE = 2
 # Time constant of the average number of chats running or waiting together.
@@ -51,6 +56,13 @@ class StepTimes:
     assumed to get faster); above the highest it grows in proportion to the concurrency, as if
     the engine's total token rate had stopped growing. Both extrapolations err slow, so
     admission errs towards refusing, until the engine has been seen at that load.
+
+    The same assumption, that more sequences never make fewer tokens/s, ages what was seen at
+    higher concurrencies: each observation moves every higher bin that shows a lower rate
+    towards this one's rate, by the same weight. A stall seen once at a level the bulk cap no
+    longer reaches (a shared host's) would otherwise stand for good, hold the knee below it and
+    the cap with it; it fades, and the knee tries that level again. Where the rate really
+    falls, the engine shows it falling again there.
     """
 
     def __init__(self, prior_step_s: float, weight: float) -> None:
@@ -69,6 +81,14 @@ class StepTimes:
         else:
             w = self._weight
             self._bins[key] = (old[0] + w * (concurrency - old[0]), old[1] + w * (step_s - old[1]))
+        here_c, here_s = self._bins[key]
+        for higher in [k for k in self._bins if k > key]:
+            c, s = self._bins[higher]
+            same_rate_s = here_s * c / here_c
+            if s > same_rate_s:
+                s += self._weight * (same_rate_s - s)
+                # Within a hair of the same rate is the same rate (see `knee`).
+                self._bins[higher] = (c, same_rate_s if s <= same_rate_s * _SAME_RATE else s)
         self._points = sorted(self._bins.values())
 
     def at(self, concurrency: float) -> float:
@@ -113,7 +133,7 @@ class StepTimes:
             return None
         rates = [c / s for c, s in points]
         best = max(rates)
-        if rates[-1] >= best:
+        if rates[-1] * _SAME_RATE >= best:
             return 2.0 * points[-1][0]
         return next(c for (c, _), rate in zip(points, rates, strict=True) if rate >= share * best)
 
@@ -171,10 +191,14 @@ class RateEstimates:
         self._advance(now)
         self._running = running
         level = self._window.concurrency()
-        if level and not level / WINDOW_JUMP <= running <= level * WINDOW_JUMP:
+        jumped = not level / WINDOW_JUMP <= running <= level * WINDOW_JUMP
+        if level and jumped and abs(running - level) > WINDOW_JUMP_MIN:
             # A jump (a bulk cap falling from 96 sequences to 8, say): a window across it would
             # blend two levels into a point that is neither. Small moves (chats coming and
-            # going) stay in one window, whose tokens and time then match.
+            # going) stay in one window, whose tokens and time then match; at a few sequences
+            # they are small in number though large as a factor, and a window restarted at
+            # each would never close: the estimate there would stay whatever it last was (a
+            # stall of a shared host, say), and the bulk cap with it.
             self._window = _Window()
 
     def tokens_generated(self, tokens: int, now: float) -> None:

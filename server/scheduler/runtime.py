@@ -213,17 +213,8 @@ class SchedulerRuntime:
         return self._core
 
     async def start(self) -> None:
-        """Size the budgets from the engine's KV cache (the engine must have started)."""
-        kv = self.engine.kv_cache
-        if kv is None:
-            raise RuntimeError("the engine reports no KV cache; start it first")
-        limits = BudgetLimits.from_engine(
-            self.config.budgets,
-            block_size=kv.block_size,
-            num_blocks=kv.num_blocks,
-            max_model_len=self.engine.model.max_model_len,
-            engine_max_seqs=self.engine.model.extra.get("max_num_seqs"),
-        )
+        """Size the budgets from the engine's limits (the engine must have started)."""
+        limits = BudgetLimits.from_engine(self.config.budgets, self.engine.model)
         self._core = SchedulerCore(self.config, limits)
         self._stopping = False
         if self.config.estimates.calibrate:

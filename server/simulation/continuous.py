@@ -53,7 +53,7 @@ from server.simulation.continuous_workload import (
 )
 from server.simulation.events import EventHandle, EventLoop
 from server.simulation.probe import probe_timing_model
-from server.simulation.workload import Arrival, TraceError, parse_trace
+from server.simulation.workload import DEFAULT_MODEL, Arrival, TraceError, parse_trace
 
 
 @dataclass(slots=True)
@@ -95,13 +95,7 @@ class ContinuousSimulation:
         self.model = SimTimingModel(sim)
         self.core = SchedulerCore(
             config,
-            BudgetLimits.from_engine(
-                config.budgets,
-                block_size=sim.block_size,
-                num_blocks=sim.kv_blocks,
-                max_model_len=sim.max_model_len,
-                engine_max_seqs=sim.max_num_seqs,
-            ),
+            BudgetLimits.from_engine(config.budgets, sim.model_info(DEFAULT_MODEL)),
         )
         if config.estimates.calibrate:
             seed(

@@ -11,6 +11,7 @@ from engine_adapters.protocol import (
     EngineDeadError,
     EngineRequestError,
     GenerationRequest,
+    KVCacheInfo,
     SamplingOptions,
     TokenDelta,
 )
@@ -281,7 +282,6 @@ FAST = SimConfig(step_base_ms=0.5, decode_ms_per_token=0.05, prefill_ms_per_toke
 @pytest.fixture
 async def engine() -> AsyncIterator[SimEngine]:
     sim = SimEngine(FAST, model_name="sim-test")
-    assert sim.kv_cache is None
     await sim.start()
     yield sim
     await sim.stop()
@@ -302,7 +302,13 @@ async def collect(engine: SimEngine, req: GenerationRequest) -> list[TokenDelta]
 async def test_engine_satisfies_the_protocol_and_reports_its_config(engine: SimEngine) -> None:
     assert isinstance(engine, EngineClient)
     assert engine.model.name == "sim-test" and engine.model.max_model_len == FAST.max_model_len
-    assert engine.kv_cache is not None and engine.kv_cache.num_blocks == FAST.kv_blocks
+    assert engine.model.path == "sim-test"
+    limits = engine.model.limits
+    assert (limits.max_num_seqs, limits.max_batched_tokens) == (
+        FAST.max_num_seqs,
+        FAST.max_batched_tokens,
+    )
+    assert limits.kv_cache == KVCacheInfo(block_size=FAST.block_size, num_blocks=FAST.kv_blocks)
     assert engine.is_healthy
     await engine.check_health()
 

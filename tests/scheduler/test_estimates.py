@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from server.scheduler.estimates import StepTimes
+from server.core.config import parse_config
+from server.scheduler.estimates import RateEstimates, StepTimes
 
 
 def test_the_prior_stands_until_anything_is_observed() -> None:
@@ -66,3 +69,46 @@ def test_while_throughput_still_grows_at_the_top_the_knee_lies_beyond_it() -> No
     steps.observe(8, 0.004)
     steps.observe(16, 0.006)  # the best rate yet, at the most sequences seen: try twice that
     assert steps.knee(0.95) == pytest.approx(32)
+
+
+def churn(estimates: RateEstimates, now: float, step_s: float, seconds: float) -> float:
+    """A bulk request with chats coming and going: 1, 2, 3, 2, ... sequences, each for 100 ms
+    of steps of `step_s`. Returns the time at the end."""
+    mix = itertools.cycle([1, 2, 3, 2])
+    for running in itertools.islice(mix, round(seconds / 0.1)):
+        estimates.running_changed(running, now)
+        for _ in range(round(0.1 / step_s)):
+            now += step_s
+            estimates.tokens_generated(running, now)
+    return now
+
+
+def test_chats_coming_and_going_at_a_few_sequences_keep_the_estimate_current() -> None:
+    # One chat doubles a level of one or two sequences; the window must not restart at each,
+    # or a stall seen there (a shared host's) would stand for good, and the bulk cap with it.
+    estimates = RateEstimates(parse_config({}).estimates)
+    now = churn(estimates, 0.0, step_s=0.025, seconds=4.0)
+    assert estimates.steps.at(2.0) == pytest.approx(0.025, rel=0.1)
+    churn(estimates, now, step_s=0.005, seconds=10.0)
+    assert estimates.steps.at(2.0) == pytest.approx(0.005, rel=0.1)
+
+
+def test_a_stall_seen_where_the_engine_no_longer_runs_fades_and_the_knee_tries_there_again() -> (
+    None
+):
+    steps = StepTimes(prior_step_s=0.01, weight=0.5)
+    steps.observe(8, 0.004)  # 2,000 tokens/s
+    steps.observe(32, 0.050)  # 640 tokens/s: a stall of the host, once
+    assert steps.knee(0.95) == pytest.approx(8)
+    for _ in range(10):  # the cap holds the engine at 8 sequences, and it runs as before
+        steps.observe(8, 0.004)
+    assert steps.at(32) == pytest.approx(0.016, rel=0.01)  # 2,000 tokens/s, no more
+    assert steps.knee(0.95) == pytest.approx(64)  # the best rate at the top: try beyond
+
+
+def test_a_rate_seen_falling_after_the_lower_levels_stands() -> None:
+    steps = StepTimes(prior_step_s=0.01, weight=0.5)
+    steps.observe(8, 0.004)
+    steps.observe(32, 0.020)  # seen after 8: 1,600 tokens/s against 2,000
+    assert steps.at(32) == pytest.approx(0.020)
+    assert steps.knee(0.95) == pytest.approx(8)

@@ -256,3 +256,14 @@ async def test_a_resumed_request_computes_again_only_what_follows_its_cached_blo
         assert 0 < resumed_prefill() <= 16
     finally:
         await engine.stop()
+
+
+async def test_the_sequences_budget_is_the_engine_seats() -> None:
+    # Sluice's own limit (256 by default) is above the engine's: the engine's seats bound it.
+    engine, runtime = await started_runtime(parse_config(OPTIMISTIC), SimConfig(max_num_seqs=12))
+    try:
+        assert runtime.core.ledger.limits.sequences == 12
+        gauge = runtime.metrics.registry.get_sample_value
+        assert gauge("sluice_budget_limit", {"budget": "sequences"}) == 12
+    finally:
+        await engine.stop()

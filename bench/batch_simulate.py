@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from server.batching.decisions import BatchConfig
-from server.batching.plan import latencies_ms, percentile
-from server.batching.simulate import simulate
+from server.fixed_batch.decisions import BatchConfig
+from server.fixed_batch.plan import latencies_ms, percentile
+from server.fixed_batch.simulate import simulate
 from server.simulation.workload import DEFAULT_MODEL, poisson_arrivals
 
 

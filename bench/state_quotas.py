@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from server.core.config import StateConfig, TenantConfig  # noqa: E402
-from server.metrics import Metrics  # noqa: E402
+from server.observability.metrics import Metrics  # noqa: E402
 from server.scheduler.quotas import TenantQuotas  # noqa: E402
 from server.scheduler.types import Ticket, TrafficClass  # noqa: E402
 from server.state.backend import RedisState  # noqa: E402

@@ -25,7 +25,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
     add_sim_arguments(p)
     try:
-        from server.batching.cli import add_serve_arguments as add_batch_serve_arguments
+        from server.fixed_batch.cli import add_serve_arguments as add_batch_serve_arguments
     except ImportError:  # batch mode not installed in this tree
         pass
     else:
@@ -67,7 +67,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     else:
         add_continuous(p)
     try:
-        from server.batching.cli import add_simulate_arguments as add_batch
+        from server.fixed_batch.cli import add_simulate_arguments as add_batch
     except ImportError:
         pass
     else:
@@ -76,7 +76,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     try:
-        from server.batching.cli import add_plan_parser
+        from server.fixed_batch.cli import add_plan_parser
     except ImportError:
         return
     add_plan_parser(sub)
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        from server.serving import serve
+        from server.api.serving import serve
 
         return serve(args)
     if args.command == "demo-model":
@@ -109,14 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "simulate":
         if args.mode == "batch":
-            from server.batching.cli import run_simulate
+            from server.fixed_batch.cli import run_simulate
 
             return run_simulate(args)
         from server.simulation.continuous import run
 
         return run(args)
     if args.command == "plan":
-        from server.batching.cli import run_plan
+        from server.fixed_batch.cli import run_plan
 
         return run_plan(args)
     raise AssertionError(args.command)

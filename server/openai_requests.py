@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapters.protocol import SamplingOptions
-from server.errors import InvalidRequest, UnsupportedParameter
+from server.core.errors import InvalidRequest, UnsupportedParameter
 
 # Parameters that change nothing Sluice does when left at these values; other values refused.
 # Compared by type as well as value: `logprobs: 0` asks for logprobs, though `0 == False`.

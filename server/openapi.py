@@ -15,9 +15,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from server.api.openai_routes import JSONResponse
+from server.api.tokenizer_routes import TOKENIZE_CHAT, TOKENIZE_TEXT, VERSION
 from server.openai_requests import MAX_CHOICES, MAX_LOGPROBS, REASONING_EFFORTS, accepted_fields
-from server.openai_routes import JSONResponse
-from server.tokenizer_routes import TOKENIZE_CHAT, TOKENIZE_TEXT, VERSION
 
 _INT = {"type": "integer"}
 _NUM = {"type": "number"}

@@ -30,7 +30,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
-    from server.serving import Serving
+    from server.api.serving import Serving
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "240"))
@@ -224,7 +224,7 @@ class SluiceProcess:
 
 class InProcessSluice:
     """`sluice serve` in a thread of this process, where the process is not what a test is
-    about: the same arguments, parser and assembly as the command (`server.serving`), uvicorn
+    about: the same arguments, parser and assembly as the command (`server.api.serving`), uvicorn
     on a loopback socket bound before it starts (`listener`, else one of `loopback_listener()`:
     no free-port race), an event loop of its own
     (the tests' sync clients would block one shared with the server) and a metrics registry
@@ -287,7 +287,7 @@ class InProcessSluice:
         return handler
 
     def _run(self) -> None:
-        from server.serving import loop_factory
+        from server.api.serving import loop_factory
 
         try:
             with asyncio.Runner(loop_factory=loop_factory()) as runner:
@@ -298,7 +298,7 @@ class InProcessSluice:
             self._ready.set()
 
     async def _serve(self) -> int:
-        from server.serving import Serving, assemble
+        from server.api.serving import Serving, assemble
 
         serving = Serving(
             assemble(self.args, self._environ), log_config=None, on_started=self._ready.set

@@ -6,7 +6,7 @@ panel uses the same datasource variable and label filters. After a change run
     python dashboards/grafana/build_dashboard.py
 
 and commit both files (tests/observability/test_dashboard_json.py checks they agree).
-Every metric named here is defined in server/metrics.py.
+Every metric named here is defined in server/observability/metrics.py.
 """
 
 from __future__ import annotations
@@ -603,7 +603,7 @@ def build() -> dict[str, Any]:
         "uid": "sluice-overview",
         "description": "Sluice streaming token server: latency, SLO attainment, the bulk cap, "
         "throughput, queueing, budgets, deadlines, cancellations and batching. Metrics are "
-        "defined in server/metrics.py.",
+        "defined in server/observability/metrics.py.",
         "tags": ["sluice", "llm"],
         "timezone": "browser",
         "editable": True,

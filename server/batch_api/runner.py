@@ -20,16 +20,17 @@ from collections.abc import Callable
 from typing import Any
 
 from server.batch_api.store import Batch, BatchStore, Line
-from server.errors import (
+from server.core.errors import (
     GenerationCancelled,
     SluiceError,
 )
-from server.generation import RequestContext, Sluice
+from server.generations.planner import RequestContext
 from server.generations.run import GenerationRun, Kind
-from server.metrics import BATCH_STATUSES, Metrics
+from server.generations.service import Generations
+from server.generations.timeline import RequestTimeline
+from server.observability.metrics import BATCH_STATUSES, Metrics
 from server.openai_requests import parse_request
 from server.scheduler.types import TrafficClass
-from server.timeline import RequestTimeline
 
 logger = logging.getLogger("sluice.batches")
 
@@ -57,14 +58,14 @@ def line_result(
 class BatchRunner:
     def __init__(
         self,
-        sluice: Sluice,
+        generations: Generations,
         store: BatchStore,
         metrics: Metrics,
         window: int = 64,
         retry_seconds: float = 0.5,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.sluice = sluice
+        self.generations = generations
         self.store = store
         self.metrics = metrics
         self.window = window
@@ -168,17 +169,17 @@ class BatchRunner:
         kind = KINDS[batch.endpoint]
         timeline = RequestTimeline(
             request_id=f"{batch.id}-{line.index}",
-            model=self.sluice.served_model,
+            model=self.generations.planner.served_model,
             api="chat" if kind == "chat" else "completions",
             metrics=self.metrics,
         )
         context = RequestContext(
             traffic_class=TrafficClass.BULK,
-            tenant=self.sluice.tenants.tenant(batch.tenant),
+            tenant=self.generations.planner.tenants.tenant(batch.tenant),
             timeout_s=max(1.0, batch.expires_at - self.clock()),
         )
         try:
-            run, _ = await self.sluice.generate(
+            run, _ = await self.generations.generate(
                 parse_request(line.body, kind), line.body, timeline, context, None, stream=False
             )
         except SluiceError as error:

@@ -17,7 +17,7 @@ from enum import IntEnum
 from typing import Any, overload
 
 from engine_adapters.protocol import TokenLogprob
-from server.errors import SluiceError
+from server.core.errors import SluiceError
 
 
 class Kind(IntEnum):

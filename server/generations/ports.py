@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from server.errors import SluiceError
+from server.core.errors import SluiceError
 from server.generations.log import EventLog
 
 

@@ -27,8 +27,7 @@ from engine_adapters.protocol import (
     EngineUnsupported,
     OutputParser,
 )
-from server.choices import Choices
-from server.errors import (
+from server.core.errors import (
     EngineUnavailable,
     GenerationCancelled,
     GenerationFailed,
@@ -39,10 +38,11 @@ from server.errors import (
 )
 from server.generations.log import Event, EventLog, Kind
 from server.generations.ports import LogFollower, LogMirror
+from server.generations.timeline import RequestTimeline
+from server.openai.choices import Choices
+from server.openai.responses import DONE, ChunkEncoder, Echo, usage, whole_response
 from server.openai_requests import ParsedRequest
-from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
 from server.scheduler.types import Admission, Generation
-from server.timeline import RequestTimeline
 
 logger = logging.getLogger("sluice.server")
 

@@ -6,7 +6,7 @@ runtimes, the simulator) ask here which error answers it.
 
 from __future__ import annotations
 
-from server.errors import (
+from server.core.errors import (
     DeadlineUnmeetable,
     InvalidRequest,
     ModelNotFound,

@@ -14,8 +14,8 @@ from functools import partial
 
 from engine_adapters.protocol import EngineClient, GenerationRequest, TokenDelta
 from server.core.config import SluiceConfig
-from server.errors import DeadlineExceeded, EngineUnavailable
-from server.metrics import ClassGauges, Metrics
+from server.core.errors import DeadlineExceeded, EngineUnavailable
+from server.observability.metrics import ClassGauges, Metrics
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import Calibration, calibrate
 from server.scheduler.core import Rejected, SchedulerCore

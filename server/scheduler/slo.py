@@ -4,7 +4,7 @@ Interactive: completed, its first token within the TTFT target and the median ga
 stream within the inter-token target. Bulk (no latency targets): completed. Refusals for
 capacity, expiry and failure are misses; invalid input and a tenant's own refusals (key, class,
 quota) do not count, nor does a client that left before any target was broken. The server
-(`server/timeline.py`) and the simulator judge every request with this one function.
+(`server/generations/timeline.py`) and the simulator judge every request with this one function.
 """
 
 from __future__ import annotations

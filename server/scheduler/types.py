@@ -125,7 +125,7 @@ class Dispatcher(Protocol):
     """What routes call: the scheduler shell in front of the engine (continuous or batch).
 
     `generation(ticket, request)` submits the ticket at once: it raises a
-    `server.errors.SluiceError` for a refusal (Overloaded, TenantQuotaExceeded,
+    `server.core.errors.SluiceError` for a refusal (Overloaded, TenantQuotaExceeded,
     DeadlineUnmeetable) before anything awaits, so refusals cost one pass of the route. It
     returns an Admission, which the caller must enter or leave. Entering waits in the queue
     until dispatch, raising DeadlineExceeded if the deadline passes while queued; cancelling

@@ -24,8 +24,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from server.core.config import StateConfig
-from server.errors import StateUnavailable
-from server.metrics import STATE_OPERATIONS, Metrics
+from server.core.errors import StateUnavailable
+from server.observability.metrics import STATE_OPERATIONS, Metrics
 
 logger = logging.getLogger("sluice.state")
 T = TypeVar("T")

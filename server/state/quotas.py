@@ -31,7 +31,7 @@ from typing import Any
 
 from engine_adapters.protocol import GenerationRequest
 from server.core.config import TenantConfig
-from server.errors import TenantQuotaExceeded
+from server.core.errors import TenantQuotaExceeded
 from server.scheduler.quotas import TenantQuotas
 from server.scheduler.types import Admission, Dispatcher, SloTargets, Ticket, TrafficClass
 from server.state.backend import RedisState, StateUnavailable

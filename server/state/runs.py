@@ -2,7 +2,7 @@
 logs, and which replica runs each.
 
 `RedisRuns` implements the ports of `server.generations.ports` (`SharedRuns`, `LogMirror`,
-`LogFollower`). A generation made with an idempotency key (`Sluice.generate`) is recorded here
+`LogFollower`). A generation made with an idempotency key (`Generations.generate`) is recorded here
 as well as in its replica's `RunStore`:
 
 - `sluice:idem:{tenant}:KEY` names the generation made under the key (and its request's
@@ -19,7 +19,7 @@ as well as in its replica's `RunStore`:
 Any replica can follow a generation it does not run (`RedisFollower`): it reads the stream into a
 local run that its readers read like any other. When the lease has expired (the replica
 died), the follower claims it, one replica winning, and continues the generation from the
-logged tokens, as a preempted generation is continued (`Sluice._takeover`).
+logged tokens, as a preempted generation is continued (`Generations._takeover`).
 
 Keys expire `resume.retention_seconds` after their last write. If Redis does not answer, new
 resumable generations are local to their replica, and a mirror that cannot write lets its
@@ -37,10 +37,10 @@ from typing import Any
 import orjson
 
 from engine_adapters.protocol import TokenLogprob
-from server.errors import GenerationFailed, SluiceError, StateUnavailable, restored
+from server.core.errors import GenerationFailed, SluiceError, StateUnavailable, restored
 from server.generations.log import Event, EventLog, Kind
 from server.generations.ports import RunRecord
-from server.metrics import Metrics
+from server.observability.metrics import Metrics
 from server.state.backend import PROBE_SECONDS, RedisState
 
 logger = logging.getLogger("sluice.state")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from server.batching.decisions import BatchConfig
+from server.fixed_batch.decisions import BatchConfig
 from server.scheduler.types import Ticket, TrafficClass
 
 MODEL = "sluice-demo"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from server.batching.decisions import CancelStage, Outcome
-from server.batching.dispatcher import BatchDispatcher
+from server.fixed_batch.decisions import CancelStage, Outcome
+from server.fixed_batch.dispatcher import BatchDispatcher
 from server.scheduler.types import RejectReason
 
 from .helpers import exercise_config, ticket

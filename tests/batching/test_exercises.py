@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.batching.simulate import simulate
+from server.fixed_batch.simulate import simulate
 from server.simulation.workload import parse_trace
 
 from .helpers import exercise_config, ms

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from server.batching.simulate import Faults, RequestRecord, SimResult, simulate
+from server.fixed_batch.simulate import Faults, RequestRecord, SimResult, simulate
 from server.simulation.workload import Arrival, parse_trace
 
 from .helpers import exercise_config, ms

@@ -12,10 +12,10 @@ import pytest
 
 from engine_adapters.protocol import GenerationRequest, SamplingOptions, TokenDelta
 from engine_adapters.sim_batch import BatchModel, SimBatchEngine, tokenize
-from server.batching.decisions import BatchConfig
-from server.batching.runtime import BatchRuntime
-from server.errors import DeadlineUnmeetable, GenerationFailed, Overloaded
-from server.metrics import Metrics
+from server.core.errors import DeadlineUnmeetable, GenerationFailed, Overloaded
+from server.fixed_batch.decisions import BatchConfig
+from server.fixed_batch.runtime import BatchRuntime
+from server.observability.metrics import Metrics
 from server.scheduler.types import Ticket, TrafficClass
 
 MODEL = "sluice-demo"

@@ -7,7 +7,13 @@ from datetime import UTC, datetime
 
 import pytest
 
-from server.access_log import ACCESS_LOGGER_NAME, AccessRecord, install_handler, log_request, median
+from server.observability.access_log import (
+    ACCESS_LOGGER_NAME,
+    AccessRecord,
+    install_handler,
+    log_request,
+    median,
+)
 
 
 def _record(**overrides: object) -> AccessRecord:

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from server.metrics import Metrics
+from server.observability.metrics import Metrics
 
 from .conftest import REPO_ROOT, require_tool
 
@@ -79,7 +79,7 @@ def test_panels_have_unique_ids_and_fit_the_grid() -> None:
 
 def test_dashboard_reads_only_metrics_sluice_exports() -> None:
     exported: set[str] = set()
-    for family in Metrics().registry.collect():  # every metric in server/metrics.py
+    for family in Metrics().registry.collect():  # every metric in server/observability/metrics.py
         suffixes = {
             "counter": ("_total",),
             "histogram": ("_bucket", "_sum", "_count"),

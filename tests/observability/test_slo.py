@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from server.metrics import SLO_RESULTS
+from server.observability.metrics import SLO_RESULTS
 
 from .conftest import run_sluice
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.errors import ERRORS
+from server.core.errors import ERRORS
 from server.scheduler.refusals import REFUSALS, refusal_error
 from server.scheduler.types import RejectReason
 

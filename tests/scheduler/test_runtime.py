@@ -11,8 +11,8 @@ import pytest
 from engine_adapters.protocol import GenerationRequest, SamplingOptions
 from engine_adapters.sim import SimConfig, SimEngine
 from server.core.config import SluiceConfig, parse_config
-from server.errors import DeadlineExceeded, Overloaded
-from server.metrics import Metrics
+from server.core.errors import DeadlineExceeded, Overloaded
+from server.observability.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
 from server.scheduler.types import Ticket, TrafficClass
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.errors import DeadlineUnmeetable, Overloaded, TenantQuotaExceeded
+from server.core.errors import DeadlineUnmeetable, Overloaded, TenantQuotaExceeded
 from server.scheduler.slo import slo_result
 from server.scheduler.types import SloTargets
 

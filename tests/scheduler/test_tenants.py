@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from server.api.edge import context_from_headers
 from server.core.config import ConfigError, key_digest, parse_config
+from server.core.errors import InvalidRequest, TooManyFailedAttempts, Unauthorized
 from server.core.settings import load_config
-from server.errors import InvalidRequest, TooManyFailedAttempts, Unauthorized
-from server.generation import RequestContext
-from server.scheduler.tenants import TenantDirectory
 from server.scheduler.types import TrafficClass
+from server.tenancy.tenants import TenantDirectory
 
 CHAT, BULK = TrafficClass.INTERACTIVE, TrafficClass.BULK
 
@@ -40,7 +40,7 @@ def directory(raw: dict | None = None, env: str | None = None) -> TenantDirector
 
 def make(d: TenantDirectory, key: str | None = None, **headers: str | None):
     """A ticket for a request with these headers (and `service_tier`), read as the edge does."""
-    context = RequestContext.from_headers(
+    context = context_from_headers(
         {
             "x-traffic-class": headers.get("traffic_class_header"),
             "x-request-timeout-ms": headers.get("timeout_ms_header"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.errors import (
+from server.core.errors import (
     ERRORS,
     OUTCOMES,
     REJECTION_CODES,
@@ -17,7 +17,7 @@ from server.errors import (
     SluiceError,
     restored,
 )
-from server.metrics import Metrics
+from server.observability.metrics import Metrics
 
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 

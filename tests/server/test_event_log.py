@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from server.errors import GenerationFailed
+from server.core.errors import GenerationFailed
 from server.generations.log import Event, EventLog, Kind
 
 pytestmark = pytest.mark.unit

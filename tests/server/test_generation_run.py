@@ -14,18 +14,19 @@ import json
 import pytest
 
 from engine_adapters.sim import SimConfig, SimEngine
-from server.app import build_app
+from server.api.app import build_app
+from server.api.send_guard import SendGuard
 from server.core.config import parse_config
-from server.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
-from server.generation import RequestContext, Sluice
+from server.core.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
+from server.generations.planner import RequestContext
+from server.generations.registry import RunStore
 from server.generations.run import GenerationRun, Kind
-from server.generations.store import RunStore
-from server.metrics import Metrics
+from server.generations.service import Generations
+from server.generations.timeline import RequestTimeline
+from server.observability.metrics import Metrics
+from server.openai.responses import ChunkEncoder
 from server.openai_requests import parse_request
-from server.openai_responses import ChunkEncoder
 from server.scheduler.runtime import SchedulerRuntime
-from server.send_guard import SendGuard
-from server.timeline import RequestTimeline
 
 OPTIMISTIC = {
     "estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9, "calibrate": False}
@@ -42,7 +43,7 @@ BODY = {
 
 
 @pytest.fixture
-async def sluice():  # type: ignore[no-untyped-def]
+async def sluice():  # type: ignore[no-untyped-def]  # the app's Generations
     # Set up on the loop's wall time (looptime compacts the test's only): nothing here waits.
     clock = asyncio.get_running_loop().time
     engine = SimEngine(SimConfig(step_base_ms=2.0))
@@ -52,13 +53,13 @@ async def sluice():  # type: ignore[no-untyped-def]
     app = build_app(engine, runtime, config, "sim", metrics=metrics, clock=clock)
     await engine.start()
     await runtime.start()
-    yield app.state.sluice
+    yield app.services.generations
     await runtime.stop()
     await engine.stop()
 
 
 async def open_run(
-    sluice: Sluice, body: dict = BODY, key: str | None = None
+    sluice: Generations, body: dict = BODY, key: str | None = None
 ) -> tuple[GenerationRun, bool]:
     timeline = RequestTimeline(
         request_id=f"r{next(REQUEST_NUMBERS)}",
@@ -82,7 +83,7 @@ async def read_all(run: GenerationRun, after: int = 0) -> list[tuple[int, Kind]]
         return [(seq, event.kind) async for seq, event in run.events(after)]
 
 
-async def test_a_stream_logs_numbered_events_and_ends_once(sluice: Sluice) -> None:
+async def test_a_stream_logs_numbered_events_and_ends_once(sluice: Generations) -> None:
     run, replayed = await open_run(sluice)
     events = await read_all(run)
     assert not replayed and run.ended and run.timeline.ended
@@ -96,7 +97,7 @@ async def test_a_stream_logs_numbered_events_and_ends_once(sluice: Sluice) -> No
     assert sluice.dispatcher.core.is_idle()  # type: ignore[attr-defined]
 
 
-async def test_cancelled_before_its_task_began_it_still_ends_once(sluice: Sluice) -> None:
+async def test_cancelled_before_its_task_began_it_still_ends_once(sluice: Generations) -> None:
     run, _ = await open_run(sluice)
     run.cancel(GenerationCancelled("at once"))  # before the task has had a turn
     last = await run.until_ended()
@@ -107,7 +108,7 @@ async def test_cancelled_before_its_task_began_it_still_ends_once(sluice: Sluice
     assert sluice.dispatcher.core.is_idle()  # type: ignore[attr-defined]
 
 
-async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: Sluice) -> None:
+async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: Generations) -> None:
     body = {**BODY, "max_tokens": 500}
     plain, _ = await open_run(sluice, body)
     resumable, _ = await open_run(sluice, body, key="k")
@@ -124,7 +125,7 @@ async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: S
     assert not any(event.kind is Kind.FAILED for event in resumable.log)
 
 
-async def test_the_same_key_attaches_and_another_body_is_refused(sluice: Sluice) -> None:
+async def test_the_same_key_attaches_and_another_body_is_refused(sluice: Generations) -> None:
     first, replayed_first = await open_run(sluice, key="same")
     second, replayed_second = await open_run(sluice, key="same")
     assert second is first and (replayed_first, replayed_second) == (False, True)

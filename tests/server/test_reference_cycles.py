@@ -28,9 +28,9 @@ import uvicorn
 import websockets
 
 from engine_adapters.sim import SimEngine
-from server.app import build_app
+from server.api.app import build_app
 from server.core.config import BudgetConfig, EstimateConfig, SluiceConfig
-from server.metrics import Metrics
+from server.observability.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
 from server.scheduler.types import TrafficClass
 

@@ -22,10 +22,10 @@ import websockets
 from conftest import ROOT, InProcessSluice, SluiceProcess, loopback_listener, uncalibrated_config
 
 from engine_adapters.sim import SimEngine
-from server.app import build_app
+from server.api.app import build_app
 from server.batch_api.store import BatchStore
 from server.core.config import SluiceConfig, key_digest
-from server.metrics import Metrics
+from server.observability.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
 
 ACME_KEY, GLOBEX_KEY, DIGEST_KEY = "sk-acme-7f3a9c", "sk-globex-41d2e8", "sk-hashed-90be77"

@@ -26,24 +26,19 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from server.errors import (
+from server.api.edge import api_key_from, client_address, timeout_from, traffic_class_from
+from server.api.services import Services
+from server.core.errors import (
     GenerationCancelled,
     InvalidRequest,
     ResourceNotFound,
     SluiceError,
 )
-from server.generation import (
-    RequestContext,
-    Sluice,
-    api_key_from,
-    client_address,
-    timeout_from,
-    traffic_class_from,
-)
+from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
+from server.generations.timeline import RequestTimeline
+from server.openai.responses import chat_logprobs, usage
 from server.openai_requests import parse_request
-from server.openai_responses import chat_logprobs, usage
-from server.timeline import RequestTimeline
 
 logger = logging.getLogger("sluice.ws")
 
@@ -105,9 +100,9 @@ BEARER_PROTOCOL = "sluice.bearer."  # a subprotocol that carries the key: for br
 
 
 class Connection:
-    def __init__(self, websocket: WebSocket, sluice: Sluice) -> None:
+    def __init__(self, websocket: WebSocket, services: Services) -> None:
         self.ws = websocket
-        self.sluice = sluice
+        self.services = services
         self.client = client_address(websocket)
         self.headers = {k.lower(): v for k, v in websocket.headers.items()}
         # A browser cannot set headers on a WebSocket: its key comes as a subprotocol
@@ -164,7 +159,7 @@ class Connection:
     async def _write(self) -> None:
         """The connection's one writer. Its sends are bounded by the server's SendGuard (one
         watchdog, no timer per message); a stalled client gets the connection closed."""
-        send = self.sluice.send_guard.wrap(self.ws.send)
+        send = self.services.edge.send_guard.wrap(self.ws.send)
         try:
             while True:
                 message = await self.outbox.get()
@@ -186,7 +181,7 @@ class Connection:
         await self._send({"type": "error", "id": gen_id, **error.to_body()})
 
     async def _handle(self, raw: str) -> None:
-        if len(raw) > self.sluice.max_body_bytes:
+        if len(raw) > self.services.edge.max_body_bytes:
             await self._error(None, InvalidRequest("message too large"))
             return
         try:
@@ -261,12 +256,12 @@ class Connection:
         )
 
     async def _generate(self, gen_id: str, message: dict[str, Any]) -> tuple[GenerationRun, int]:
-        sluice = self.sluice
+        services = self.services
         timeline = RequestTimeline(
             request_id=f"ws-{id(self):x}-{gen_id}"[:128],
-            model=sluice.served_model,
+            model=services.served_model,
             api="ws",
-            metrics=sluice.metrics,
+            metrics=services.metrics,
         )
         try:
             request_body = message.get("request")
@@ -286,7 +281,7 @@ class Connection:
             if key is not None and not isinstance(key, str):
                 raise InvalidRequest("'idempotency_key' must be a string", param="idempotency_key")
             fingerprinted = {k: v for k, v in message.items() if k not in _NOT_FINGERPRINTED}
-            run, _ = await sluice.generate(
+            run, _ = await services.generations.generate(
                 parsed,
                 fingerprinted,
                 timeline,
@@ -306,7 +301,7 @@ class Connection:
             raise InvalidRequest("'generation' must be the id of a generation", param="generation")
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidRequest("'after' must be an event number (an integer >= 0)", param="after")
-        run = await self.sluice.find(
+        run = await self.services.generations.find(
             RequestContext(api_key_from(self.headers), client=self.client), public_id
         )
         if run is None or not run.shape.stream:
@@ -320,12 +315,13 @@ class Connection:
                 await self._send(message)
 
 
-async def websocket_endpoint(websocket: WebSocket) -> None:
-    sluice: Sluice = websocket.app.state.sluice
-    connection = Connection(websocket, sluice)
+async def websocket_endpoint(services: Services, websocket: WebSocket) -> None:
+    connection = Connection(websocket, services)
     try:
         # Authenticate once per connection, so a bad key is refused before any work.
-        sluice.tenant_of(RequestContext(api_key_from(connection.headers), client=connection.client))
+        services.planner.tenant_of(
+            RequestContext(api_key_from(connection.headers), client=connection.client)
+        )
     except SluiceError as error:
         await websocket.accept(subprotocol=connection.subprotocol)
         await websocket.send_text(

@@ -15,11 +15,11 @@ from dataclasses import replace
 from typing import Any
 
 from engine_adapters.sim_batch import DEFAULT_POISON_MARKER, BatchModel, SimBatchEngine
-from server.batching.decisions import BatchConfig
-from server.batching.plan import format_plan, latencies_ms, percentile, plan
-from server.batching.runtime import BatchRuntime
-from server.batching.simulate import Faults, SimResult, simulate
-from server.metrics import Metrics
+from server.fixed_batch.decisions import BatchConfig
+from server.fixed_batch.plan import format_plan, latencies_ms, percentile, plan
+from server.fixed_batch.runtime import BatchRuntime
+from server.fixed_batch.simulate import Faults, SimResult, simulate
+from server.observability.metrics import Metrics
 from server.simulation.workload import (
     DEFAULT_MODEL,
     Arrival,

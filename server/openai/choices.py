@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapters.protocol import OutputParser, PromptLogprob, TokenDelta, TokenLogprob
-from server.errors import GenerationFailed
+from server.core.errors import GenerationFailed
 
 
 @dataclass(slots=True)

@@ -20,8 +20,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from server.batching.admission import RejectReason, admit, latest_start
-from server.batching.decisions import (
+from server.fixed_batch.admission import RejectReason, admit, latest_start
+from server.fixed_batch.decisions import (
     BatchCompletion,
     BatchConfig,
     CancelStage,

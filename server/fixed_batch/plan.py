@@ -11,8 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from server.batching.decisions import BatchConfig, Outcome
-from server.batching.simulate import SimResult, simulate
+from server.fixed_batch.decisions import BatchConfig, Outcome
+from server.fixed_batch.simulate import SimResult, simulate
 from server.simulation.workload import DEFAULT_MODEL, poisson_arrivals
 
 

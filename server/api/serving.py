@@ -39,14 +39,14 @@ from starlette.applications import Starlette
 from uvicorn.config import LOGGING_CONFIG
 
 from engine_adapters.protocol import EngineClient
-from server import redaction
-from server.access_log import install_handler
-from server.app import build_app, metrics_app
+from server.api.app import SluiceApp, build_app, metrics_app
 from server.batch_api.store import BatchStore, DataDirInUse
 from server.core.config import ConfigError, SluiceConfig
 from server.core.settings import config_flags, load_config
-from server.generation import Sluice
-from server.metrics import Metrics
+from server.generations.service import Generations
+from server.observability import redaction
+from server.observability.access_log import install_handler
+from server.observability.metrics import Metrics
 from server.scheduler.types import Dispatcher
 from server.state.backend import RedisState
 from server.state.quotas import SharedQuotaDispatcher, SharedQuotas
@@ -65,14 +65,9 @@ class Assembled:
     """What `sluice serve`'s arguments build, not yet started."""
 
     args: argparse.Namespace
-    app: Starlette
+    app: SluiceApp
     scrape_app: Starlette | None  # /metrics alone, with --metrics-port
     engine_died: asyncio.Event
-
-    @property
-    def sluice(self) -> Sluice:
-        sluice: Sluice = self.app.state.sluice
-        return sluice
 
 
 def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Assembled:
@@ -116,7 +111,7 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         max_file_bytes=args.max_file_bytes,
         state=state,
     )
-    scrape_app = None if args.metrics_port is None else metrics_app(app)
+    scrape_app = None if args.metrics_port is None else metrics_app(app.services)
     return Assembled(args, app, scrape_app, engine_died)
 
 
@@ -125,7 +120,7 @@ def _build_serving(
 ) -> tuple[EngineClient, Dispatcher, str]:
     """(engine, dispatcher, served model name) for `--engine`."""
     if args.engine == "sim-batch":
-        from server.batching.cli import build_serving
+        from server.fixed_batch.cli import build_serving
 
         return build_serving(args, config, metrics)
     from server.scheduler.runtime import SchedulerRuntime
@@ -177,7 +172,7 @@ class Serving:
         args = self.args = assembled.args
         self.engine_died = assembled.engine_died
         self.api = DrainingServer(
-            assembled.sluice,
+            assembled.app.services.generations,
             args.drain_seconds,
             uvicorn.Config(
                 assembled.app,
@@ -314,13 +309,13 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(
         self,
-        sluice: Sluice,
+        generations: Generations,
         drain_seconds: float,
         config: uvicorn.Config,
         on_started: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
-        self.sluice = sluice
+        self.generations = generations
         self.drain_seconds = drain_seconds
         self.on_started = on_started
         self._draining: asyncio.Task[None] | None = None
@@ -340,8 +335,8 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)
             return
         name = signal.Signals(sig).name
-        if not self.sluice.draining:
-            self.sluice.draining = True  # /ready answers 503 from now on
+        if not self.generations.draining:
+            self.generations.draining = True  # /ready answers 503 from now on
             self._loop.call_soon_threadsafe(self._start_drain, name)
         elif self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
@@ -357,9 +352,9 @@ class DrainingServer(uvicorn.Server):
             "%s: draining (up to %gs for %d running generation(s))",
             signal_name,
             self.drain_seconds,
-            len(self.sluice.live),
+            len(self.generations.live),
         )
-        await self.sluice.drain(self.drain_seconds)
+        await self.generations.drain(self.drain_seconds)
         logger.info("drained; shutting down")
         self.should_exit = True
 

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from engine_adapters.protocol import PromptLogprob, TokenLogprob
-from server.choices import Choices
+from server.openai.choices import Choices
 
 DONE = b"data: [DONE]\n\n"
 

@@ -14,7 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import (
+from server.api.edge import context_of, receive_disconnect, request_id_from
+from server.api.services import Services
+from server.core.errors import (
     GenerationCancelled,
     InvalidRequest,
     PayloadTooLarge,
@@ -22,11 +24,11 @@ from server.errors import (
     SluiceError,
     UnsupportedParameter,
 )
-from server.generation import RequestContext, Sluice, receive_disconnect, request_id_from
+from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
+from server.generations.timeline import RequestTimeline
+from server.openai.responses import DONE, ChunkEncoder, usage
 from server.openai_requests import boolean_from, parse_request, split_prompts
-from server.openai_responses import DONE, ChunkEncoder, usage
-from server.timeline import RequestTimeline
 
 logger = logging.getLogger("sluice.server")
 
@@ -74,33 +76,32 @@ async def read_json(request: Request, limit: int) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
-async def chat_completions(request: Request) -> ASGIApp:
-    return await _generate(request, "chat")
+async def chat_completions(services: Services, request: Request) -> ASGIApp:
+    return await _generate(services, request, "chat")
 
 
-async def completions(request: Request) -> ASGIApp:
-    return await _generate(request, "completion")
+async def completions(services: Services, request: Request) -> ASGIApp:
+    return await _generate(services, request, "completion")
 
 
-async def invocations(request: Request) -> ASGIApp:
+async def invocations(services: Services, request: Request) -> ASGIApp:
     """`POST /invocations` (SageMaker's), as vLLM's server has it: a chat body (`messages`)
     or a completion body (`prompt`), answered as its own endpoint would."""
-    return await _generate(request, None)
+    return await _generate(services, request, None)
 
 
-async def _generate(request: Request, kind: str | None) -> ASGIApp:
+async def _generate(services: Services, request: Request, kind: str | None) -> ASGIApp:
     """An error response at once, or a RunResponse that waits, then streams/replies.
     `kind` None: "chat" or "completion" by what the body holds."""
-    sluice: Sluice = request.app.state.sluice
     timeline = RequestTimeline(
         request_id=request_id_from(request.headers.get("x-request-id")),
-        model=sluice.served_model,
+        model=services.served_model,
         api="chat" if kind == "chat" else "completions",
-        metrics=sluice.metrics,
+        metrics=services.metrics,
     )
     key = request.headers.get("idempotency-key")
     try:
-        body = await read_json(request, sluice.max_body_bytes)
+        body = await read_json(request, services.edge.max_body_bytes)
         if kind is None:
             kind = "chat" if isinstance(body, dict) and "messages" in body else "completion"
             timeline.api = "chat" if kind == "chat" else "completions"
@@ -113,8 +114,8 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
                     param="Idempotency-Key",
                 )
             return await _batch(
-                sluice,
-                RequestContext.of(request),
+                services,
+                context_of(request),
                 timeline.request_id,
                 timeline,
                 kind,
@@ -122,30 +123,29 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
                 stream=bool(boolean_from(body, "stream")),
             )
         parsed = parse_request(body, kind)
-        run, replayed = await sluice.generate(
-            parsed, body, timeline, RequestContext.of(request), key, stream=parsed.stream
+        run, replayed = await services.generations.generate(
+            parsed, body, timeline, context_of(request), key, stream=parsed.stream
         )
     except SluiceError as error:
         timeline.finish(error.outcome, status=error.status, error=error)
         return error_response(error, timeline.request_id)
-    return RunResponse(sluice, run, replayed=replayed)
+    return RunResponse(services, run, replayed=replayed)
 
 
-async def resume_chat_completion(request: Request) -> ASGIApp:
-    return await _resume(request, "chat")
+async def resume_chat_completion(services: Services, request: Request) -> ASGIApp:
+    return await _resume(services, request, "chat")
 
 
-async def resume_completion(request: Request) -> ASGIApp:
-    return await _resume(request, "completion")
+async def resume_completion(services: Services, request: Request) -> ASGIApp:
+    return await _resume(services, request, "completion")
 
 
-async def _resume(request: Request, kind: str) -> ASGIApp:
+async def _resume(services: Services, request: Request, kind: str) -> ASGIApp:
     """`GET /v1/{chat/}completions/{id}/stream`: a resumable generation's stream, after the
     event named by `Last-Event-ID` or `?starting_after=N` (from the first without either)."""
-    sluice: Sluice = request.app.state.sluice
     public_id = request.path_params["id"]
     try:
-        run = await sluice.find(RequestContext.of(request), public_id)
+        run = await services.generations.find(context_of(request), public_id)
         if run is None or run.shape.parsed.kind != kind:
             raise ResourceNotFound(f"no generation '{public_id}' to resume", param="id")
         if not run.shape.stream:
@@ -157,7 +157,7 @@ async def _resume(request: Request, kind: str) -> ASGIApp:
         after = _after(request)
     except SluiceError as error:
         return error_response(error)
-    return RunResponse(sluice, run, after=after)
+    return RunResponse(services, run, after=after)
 
 
 def _after(request: Request) -> int:
@@ -173,18 +173,17 @@ def _after(request: Request) -> int:
     return 0
 
 
-async def chat_completions_batch(request: Request) -> ASGIApp:
+async def chat_completions_batch(services: Services, request: Request) -> ASGIApp:
     """vLLM's `POST /v1/chat/completions/batch`: a chat body whose `messages` is a list of
     conversations, answered whole with one choice per conversation (index i for the i-th).
     Each conversation is a generation of its own in the scheduler; like vLLM's, no streaming,
     no tools and n = 1."""
-    sluice: Sluice = request.app.state.sluice
     request_id = request_id_from(request.headers.get("x-request-id"))
     timeline = RequestTimeline(
-        request_id=request_id, model=sluice.served_model, api="chat", metrics=sluice.metrics
+        request_id=request_id, model=services.served_model, api="chat", metrics=services.metrics
     )
     try:
-        body = await read_json(request, sluice.max_body_bytes)
+        body = await read_json(request, services.edge.max_body_bytes)
         conversations = body.get("messages") if isinstance(body, dict) else None
         if not (
             isinstance(conversations, list)
@@ -210,12 +209,12 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
             raise UnsupportedParameter(
                 "the batch endpoint is not idempotent", param="Idempotency-Key"
             )
-        context = RequestContext.of(request)
+        context = context_of(request)
     except SluiceError as error:
         timeline.finish(error.outcome, status=error.status, error=error)
         return error_response(error, request_id)
     return await _batch(
-        sluice,
+        services,
         context,
         request_id,
         timeline,
@@ -225,7 +224,7 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
 
 
 async def _batch(
-    sluice: Sluice,
+    services: Services,
     context: RequestContext,
     request_id: str,
     timeline: RequestTimeline,
@@ -243,13 +242,13 @@ async def _batch(
             parsed = parse_request(body, kind)
             one = RequestTimeline(
                 request_id=f"{request_id}-{i}",
-                model=sluice.served_model,
+                model=services.served_model,
                 api=timeline.api,
-                metrics=sluice.metrics,
+                metrics=services.metrics,
             )
             try:
                 runs.append(
-                    sluice.generate_part(
+                    services.generations.generate_part(
                         parsed,
                         one,
                         context,
@@ -269,7 +268,7 @@ async def _batch(
             timeline.finish(error.outcome, status=error.status, error=error)
         return error_response(error, request_id)
     if stream:
-        return StreamedBatchResponse(sluice, request_id, runs)
+        return StreamedBatchResponse(services, request_id, runs)
     return BatchResponse(request_id, kind, runs)
 
 
@@ -326,8 +325,8 @@ class StreamedBatchResponse:
     As with one run: a refusal before the stream began is the HTTP answer; a part failing
     later ends the stream with its error event; the client leaving cancels every part."""
 
-    def __init__(self, sluice: Sluice, request_id: str, runs: list[GenerationRun]) -> None:
-        self.sluice = sluice
+    def __init__(self, services: Services, request_id: str, runs: list[GenerationRun]) -> None:
+        self.services = services
         self.request_id = request_id
         self.runs = runs
 
@@ -343,8 +342,8 @@ class StreamedBatchResponse:
             await GuardedEventSourceResponse(
                 self._events(),
                 headers={"X-Request-Id": self.request_id},
-                ping=self.sluice.ping_seconds,
-            )(scope, receive, self.sluice.send_guard.wrap(send))
+                ping=self.services.edge.ping_seconds,
+            )(scope, receive, self.services.edge.send_guard.wrap(send))
 
     async def _events(self) -> AsyncIterator[bytes]:
         arrived: asyncio.Queue[Event] = asyncio.Queue()  # (each run's log holds them anyway)
@@ -432,9 +431,9 @@ class RunResponse:
     """
 
     def __init__(
-        self, sluice: Sluice, run: GenerationRun, *, after: int = 0, replayed: bool = False
+        self, services: Services, run: GenerationRun, *, after: int = 0, replayed: bool = False
     ) -> None:
-        self.sluice = sluice
+        self.services = services
         self.run = run
         self.after = after
         self.headers = {"X-Request-Id": run.timeline.request_id}
@@ -455,8 +454,8 @@ class RunResponse:
                 await GuardedEventSourceResponse(
                     self._events(),
                     headers=self.headers,
-                    ping=self.sluice.ping_seconds,
-                )(scope, receive, self.sluice.send_guard.wrap(send))
+                    ping=self.services.edge.ping_seconds,
+                )(scope, receive, self.services.edge.send_guard.wrap(send))
                 return
             last = run.log[-1]
             response = (

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from server.errors import OUTCOMES, REJECTION_CODES
+from server.core.errors import OUTCOMES, REJECTION_CODES
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -77,7 +77,7 @@ _DURATION_BUCKETS = (
 
 # The label values known in advance, each labelled counter's vocabulary: `initialise` creates
 # every series at zero, so dashboards and alerts see 0 rather than nothing before the first event.
-# Outcomes and rejection reasons are the error classes' own (server/errors.py).
+# Outcomes and rejection reasons are the error classes' own (server/core/errors.py).
 TRAFFIC_CLASSES = ("interactive", "bulk")
 CANCEL_STAGES = ("queued", "running")
 ABORT_REASONS = ("client_cancelled", "deadline", "preempted")

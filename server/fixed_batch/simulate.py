@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from engine_adapters.sim_batch import BatchModel
-from server.batching.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
-from server.batching.dispatcher import BatchDispatcher
+from server.fixed_batch.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
+from server.fixed_batch.dispatcher import BatchDispatcher
 from server.scheduler.types import Ticket
 from server.simulation.events import EventHandle, EventLoop
 from server.simulation.workload import Arrival

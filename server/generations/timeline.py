@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.access_log import AccessRecord, log_request, median
-from server.errors import Outcome, SluiceError
-from server.metrics import Metrics
+from server.core.errors import Outcome, SluiceError
+from server.observability.access_log import AccessRecord, log_request, median
+from server.observability.metrics import Metrics
 from server.scheduler.slo import slo_result
 from server.scheduler.types import Generation, SloTargets
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.core.config import OPEN_TENANT, SluiceConfig, TenantConfig
-from server.errors import InvalidRequest, TooManyFailedAttempts, Unauthorized
+from server.core.errors import InvalidRequest, TooManyFailedAttempts, Unauthorized
 from server.scheduler.types import Ticket, TrafficClass
 
 SERVICE_TIER_CLASSES: dict[str, TrafficClass] = {

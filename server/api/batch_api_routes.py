@@ -17,12 +17,13 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.batch_api.runner import KINDS, BatchRunner
-from server.batch_api.store import Batch, BatchStore, Line
-from server.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
-from server.generation import RequestContext, Sluice
+from server.api.edge import context_of
+from server.api.openai_routes import JSONResponse, read_json
+from server.api.services import BatchServices, Services
+from server.batch_api.runner import KINDS
+from server.batch_api.store import Batch, Line
+from server.core.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
 from server.openai_requests import parse_request
-from server.openai_routes import JSONResponse, read_json
 
 WINDOWS = {"24h": 24 * 3600}
 MAX_ERRORS = 100  # errors listed for a batch that failed validation
@@ -38,19 +39,16 @@ def _found(value: T | None, what: str, object_id: str) -> T:
     return value
 
 
-def _parts(request: Request) -> tuple[Sluice, BatchStore, BatchRunner, str]:
-    sluice: Sluice = request.app.state.sluice
-    return (
-        sluice,
-        request.app.state.batch_store,
-        request.app.state.batch_runner,
-        sluice.tenant_of(RequestContext.of(request)).name,
-    )
+def _parts(services: Services, request: Request) -> tuple[BatchServices, str]:
+    """The Batch API's services, and the caller's tenant."""
+    assert services.batches is not None  # (its routes exist only with them)
+    return services.batches, services.planner.tenant_of(context_of(request)).name
 
 
-async def create_file(request: Request) -> Response:
-    _, store, _, tenant = _parts(request)
-    limit = request.app.state.max_file_bytes
+async def create_file(services: Services, request: Request) -> Response:
+    api, tenant = _parts(services, request)
+    store = api.store
+    limit = api.max_file_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit + 65536:
         raise PayloadTooLarge(f"the file exceeds {limit} bytes")
@@ -71,35 +69,40 @@ async def create_file(request: Request) -> Response:
     return JSONResponse(store.add_file(tenant, "batch", upload.filename or "input.jsonl", content))
 
 
-async def list_files(request: Request) -> Response:
-    _, store, _, tenant = _parts(request)
+async def list_files(services: Services, request: Request) -> Response:
+    api, tenant = _parts(services, request)
+    store = api.store
     files = store.files(tenant, request.query_params.get("purpose"))
     return JSONResponse({"object": "list", "data": files, "has_more": False})
 
 
-async def get_file(request: Request) -> Response:
-    _, store, _, tenant = _parts(request)
+async def get_file(services: Services, request: Request) -> Response:
+    api, tenant = _parts(services, request)
+    store = api.store
     file_id = request.path_params["id"]
     return JSONResponse(_found(store.file(tenant, file_id), "file", file_id))
 
 
-async def file_content(request: Request) -> Response:
-    _, store, _, tenant = _parts(request)
+async def file_content(services: Services, request: Request) -> Response:
+    api, tenant = _parts(services, request)
+    store = api.store
     file_id = request.path_params["id"]
     content = _found(store.file_content(tenant, file_id), "file", file_id)
     return Response(content, media_type="application/jsonl")
 
 
-async def delete_file(request: Request) -> Response:
-    _, store, _, tenant = _parts(request)
+async def delete_file(services: Services, request: Request) -> Response:
+    api, tenant = _parts(services, request)
+    store = api.store
     file_id = request.path_params["id"]
     _found(store.delete_file(tenant, file_id) or None, "file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-async def create_batch(request: Request) -> Response:
-    sluice, store, runner, tenant = _parts(request)
-    body = await read_json(request, sluice.max_body_bytes)
+async def create_batch(services: Services, request: Request) -> Response:
+    api, tenant = _parts(services, request)
+    store, runner = api.store, api.runner
+    body = await read_json(request, services.edge.max_body_bytes)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
@@ -132,7 +135,7 @@ async def create_batch(request: Request) -> Response:
         expires_at=now + WINDOWS[window],
         metadata=metadata,
     )
-    lines, errors = _lines(content, endpoint, sluice.served_model)
+    lines, errors = _lines(content, endpoint, services.served_model)
     batch.request_counts["total"] = len(lines)
     if errors or not lines:
         batch.status = "failed"
@@ -210,8 +213,9 @@ def _lines(content: bytes, endpoint: str, model: str) -> tuple[list[Line], list[
     return lines, errors
 
 
-async def list_batches(request: Request) -> Response:
-    _, store, _, tenant = _parts(request)
+async def list_batches(services: Services, request: Request) -> Response:
+    api, tenant = _parts(services, request)
+    store = api.store
     raw_limit = request.query_params.get("limit", "20")
     if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("'limit' must be between 1 and 100", param="limit")
@@ -228,14 +232,16 @@ async def list_batches(request: Request) -> Response:
     )
 
 
-async def get_batch(request: Request) -> Response:
-    _, store, _, tenant = _parts(request)
+async def get_batch(services: Services, request: Request) -> Response:
+    api, tenant = _parts(services, request)
+    store = api.store
     batch_id = request.path_params["id"]
     return JSONResponse(_found(store.batch(tenant, batch_id), "batch", batch_id).to_api())
 
 
-async def cancel_batch(request: Request) -> Response:
-    _, store, runner, tenant = _parts(request)
+async def cancel_batch(services: Services, request: Request) -> Response:
+    api, tenant = _parts(services, request)
+    store, runner = api.store, api.runner
     batch_id = request.path_params["id"]
     batch = runner.live(_found(store.batch(tenant, batch_id), "batch", batch_id))
     if batch.status in ("validating", "in_progress"):

@@ -19,15 +19,15 @@ from typing import Protocol
 
 from engine_adapters.protocol import EngineError, GenerationRequest, TokenDelta
 from engine_adapters.sim_batch import BatchItem, BatchItemResult
-from server.batching.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
-from server.batching.dispatcher import BatchDispatcher
-from server.errors import (
+from server.core.errors import (
     DeadlineExceeded,
     EngineUnavailable,
     GenerationFailed,
     SluiceError,
 )
-from server.metrics import Metrics
+from server.fixed_batch.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
+from server.fixed_batch.dispatcher import BatchDispatcher
+from server.observability.metrics import Metrics
 from server.scheduler.refusals import refusal_error
 from server.scheduler.types import Admission, RejectReason, SloTargets, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer

@@ -16,10 +16,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.errors import InvalidRequest, UnsupportedParameter
-from server.generation import RequestContext, Sluice, check_in_vocabulary
+from server.api.edge import context_of
+from server.api.openai_routes import JSONResponse, read_json
+from server.api.services import Services
+from server.core.errors import InvalidRequest, UnsupportedParameter
+from server.generations.planner import check_in_vocabulary
 from server.openai_requests import boolean_from, messages_from, token_ids_from
-from server.openai_routes import JSONResponse, read_json
 
 TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "return_token_strs"}
@@ -40,12 +42,11 @@ async def version(request: Request) -> Response:
 
 
 async def _body(
-    request: Request, allowed: Callable[[dict[str, Any]], set[str]]
-) -> tuple[Sluice, dict[str, Any]]:
+    services: Services, request: Request, allowed: Callable[[dict[str, Any]], set[str]]
+) -> dict[str, Any]:
     """The authenticated JSON body; `allowed(body)` names the keys it may have."""
-    sluice: Sluice = request.app.state.sluice
-    sluice.tenant_of(RequestContext.of(request))
-    body = await read_json(request, sluice.max_body_bytes)
+    services.planner.tenant_of(context_of(request))
+    body = await read_json(request, services.edge.max_body_bytes)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     unknown = sorted(body.keys() - allowed(body))
@@ -54,43 +55,43 @@ async def _body(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("'model' must be a string", param="model")
-    sluice.check_model(model)
-    return sluice, body
+    services.planner.check_model(model)
+    return body
 
 
-async def tokenize(request: Request) -> Response:
-    sluice, body = await _body(
-        request, lambda body: TOKENIZE_CHAT if "messages" in body else TOKENIZE_TEXT
+async def tokenize(services: Services, request: Request) -> Response:
+    body = await _body(
+        services, request, lambda body: TOKENIZE_CHAT if "messages" in body else TOKENIZE_TEXT
     )
     if "messages" in body:
         generation_prompt = boolean_from(body, "add_generation_prompt") is not False
-        tokens = sluice.render_chat(
+        tokens = services.planner.render_chat(
             messages_from(body), template_kwargs={"add_generation_prompt": generation_prompt}
         )
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise InvalidRequest("'prompt' must be a string", param="prompt")
-        tokens = sluice.engine.tokenize(
+        tokens = services.engine.tokenize(
             prompt, boolean_from(body, "add_special_tokens") is not False
         )
     strings = (
-        sluice.engine.token_strings(tokens) if boolean_from(body, "return_token_strs") else None
+        services.engine.token_strings(tokens) if boolean_from(body, "return_token_strs") else None
     )
     return JSONResponse(
         {
             "count": len(tokens),
-            "max_model_len": sluice.engine.model.max_model_len,
+            "max_model_len": services.engine.model.max_model_len,
             "tokens": tokens,
             "token_strs": strings,
         }
     )
 
 
-async def detokenize(request: Request) -> Response:
-    sluice, body = await _body(request, lambda body: {"model", "tokens"})
+async def detokenize(services: Services, request: Request) -> Response:
+    body = await _body(services, request, lambda body: {"model", "tokens"})
     tokens = token_ids_from(body, "tokens")
     if tokens is None:
         raise InvalidRequest("'tokens' is required", param="tokens")
-    check_in_vocabulary(tokens, sluice.engine.model.vocab_size, "tokens")
-    return JSONResponse({"prompt": sluice.engine.detokenize(tokens)})
+    check_in_vocabulary(tokens, services.engine.model.vocab_size, "tokens")
+    return JSONResponse({"prompt": services.engine.detokenize(tokens)})

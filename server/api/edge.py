@@ -1,0 +1,100 @@
+"""The edge: what is read from a connection (headers, the peer, a disconnect) into typed
+values, and what every transport is handed (the send watchdog, the ping interval, the body
+limit). Past the edge nothing reads headers."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from starlette.requests import HTTPConnection
+from starlette.types import Receive
+
+from server.api.send_guard import SendGuard
+from server.core.errors import InvalidRequest
+from server.generations.planner import RequestContext
+from server.scheduler.types import TrafficClass
+
+_REQUEST_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """What every transport needs besides the generations."""
+
+    send_guard: SendGuard
+    ping_seconds: float = 15.0
+    max_body_bytes: int = 1 << 20
+
+
+def request_id_from(header: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token, else a fresh one."""
+    if header and len(header) <= 128 and set(header) <= _REQUEST_ID_CHARS:
+        return header
+    return uuid.uuid4().hex
+
+
+def api_key_from(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("authorization")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return headers.get("x-api-key") or None
+
+
+def traffic_class_from(value: str | None) -> TrafficClass | None:
+    """X-Traffic-Class, or None when absent."""
+    if value is None or not value.strip():
+        return None
+    try:
+        return TrafficClass(value.strip().lower())
+    except ValueError:
+        raise InvalidRequest(
+            "X-Traffic-Class must be 'interactive' or 'bulk'", param="X-Traffic-Class"
+        ) from None
+
+
+def timeout_from(value: str | None) -> float | None:
+    """X-Request-Timeout-Ms in seconds, or None when absent."""
+    if value is None or not value.strip():
+        return None
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = -1.0
+    if not milliseconds > 0 or milliseconds == float("inf"):
+        raise InvalidRequest(
+            "X-Request-Timeout-Ms must be a positive number of milliseconds",
+            param="X-Request-Timeout-Ms",
+        )
+    return milliseconds / 1000.0
+
+
+def context_from_headers(headers: Mapping[str, str], client: str | None = None) -> RequestContext:
+    return RequestContext(
+        api_key_from(headers),
+        traffic_class_from(headers.get("x-traffic-class")),
+        timeout_from(headers.get("x-request-timeout-ms")),
+        client=client,
+    )
+
+
+def context_of(connection: HTTPConnection) -> RequestContext:
+    """An HTTP request's or a WebSocket's."""
+    return context_from_headers(connection.headers, client_address(connection))
+
+
+def client_address(connection: HTTPConnection) -> str | None:
+    return connection.client.host if connection.client is not None else None
+
+
+def receive_disconnect(receive: Receive) -> Callable[[], Awaitable[None]]:
+    """A waiter for an ASGI http.disconnect (the request body must already be read)."""
+
+    async def wait() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    return wait

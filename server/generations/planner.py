@@ -1,0 +1,271 @@
+"""From a parsed request to what runs it: the caller's tenant, the prompt's tokens, the output's
+plan, the scheduler's ticket and the engine's request; and the shape of the answer."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine_adapters.protocol import (
+    PLAIN_TEXT,
+    EngineClient,
+    EngineRequestError,
+    GenerationRequest,
+    OutputPlan,
+    OutputRequest,
+    PromptEmbeds,
+    token_id_name,
+)
+from server.core.errors import (
+    ContextLengthExceeded,
+    EngineUnavailable,
+    InvalidRequest,
+    ModelNotFound,
+    UnsupportedParameter,
+)
+from server.generations.run import Shape, engine_failure
+from server.generations.timeline import RequestTimeline
+from server.openai.responses import Echo
+from server.openai_requests import ParsedRequest
+from server.scheduler.types import Dispatcher, Ticket, TrafficClass
+from server.tenancy.tenants import Tenant, TenantDirectory
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """What the edge read from the transport (HTTP headers, a WebSocket's), typed: who is
+    asking, the class asked for, and the client's timeout. Past the edge nothing reads
+    headers."""
+
+    api_key: str | None = None
+    traffic_class: TrafficClass | None = None
+    timeout_s: float | None = None
+    client: str | None = None  # the peer's address (failed authentications are counted by it)
+    tenant: Tenant | None = None  # already known (Sluice's own work, e.g. a batch's lines)
+
+
+def check_in_vocabulary(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """A 400 naming the first token id at or above `vocab_size` (0: the engine did not say)."""
+    if vocab_size:
+        bad = next((t for t in token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} in '{param}' is out of the vocabulary (size {vocab_size})",
+                param=param,
+            )
+
+
+@dataclass(slots=True)
+class Planner:
+    """Checks a request against the engine and the caller's tenant, and plans it: nothing is
+    held when it refuses one."""
+
+    engine: EngineClient
+    tenants: TenantDirectory
+    dispatcher: Dispatcher
+    served_model: str
+
+    def tenant_of(self, context: RequestContext) -> Tenant:
+        """The caller's tenant (401 for a missing or wrong key, 429 after too many)."""
+        if context.tenant is not None:
+            return context.tenant
+        return self.tenants.authenticate(context.api_key, context.client)
+
+    def prepare(
+        self, parsed: ParsedRequest, timeline: RequestTimeline, context: RequestContext
+    ) -> tuple[Ticket, GenerationRequest, OutputPlan]:
+        """Authenticate, check the model, plan the output, count the prompt and build the
+        ticket.
+
+        Raises a SluiceError for anything wrong; nothing is held when it does.
+        """
+        tenant = self.tenant_of(context)
+        if not self.engine.is_healthy:
+            raise EngineUnavailable("the engine is not available", retry_after=5)
+        timeline.tenant = tenant.name
+        timeline.tenant_label = tenant.metric_label if tenant.configured else None
+        timeline.traffic_class = str(
+            self.tenants.traffic_class(tenant, parsed.service_tier, context.traffic_class)
+        )
+        self.check_model(parsed.model)
+        for key in ("logprobs", "prompt_logprobs"):
+            if key in parsed.sampling and not self.engine.model.logprobs:
+                raise UnsupportedParameter(
+                    f"the {self.engine.model.engine} engine does not return logprobs", param=key
+                )
+        if parsed.n > 1 and not self.engine.model.choices:
+            raise UnsupportedParameter(
+                f"the {self.engine.model.engine} engine samples one choice only", param="n"
+            )
+        if parsed.sampling.get("beam_search") and not self.engine.model.beam_search:
+            raise UnsupportedParameter(
+                f"the {self.engine.model.engine} engine does not search beams",
+                param="use_beam_search",
+            )
+        plan = self.plan_output(parsed)
+        if parsed.sampling.get("beam_search") and plan.constraint is not None:
+            raise UnsupportedParameter(
+                "beam search does not follow structured outputs or a required tool call",
+                param="use_beam_search",
+            )
+        self.check_token_ids(parsed)
+        prompt_ids, embeds = self._prompt(parsed, plan)
+        prompt_tokens = len(prompt_ids) if embeds is None else embeds.length
+        max_len = self.engine.model.max_model_len
+        room = max_len - prompt_tokens
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {max_len} tokens; the prompt has "
+                f"{prompt_tokens}, which leaves no room for an answer",
+                param="messages" if parsed.kind == "chat" else "prompt",
+            )
+        # As vLLM's server: a max_tokens beyond the context left is lowered to what is left.
+        # (An echo with max_tokens 0 still generates one token, dropped, as vLLM's does.)
+        max_tokens = room if parsed.max_tokens is None else min(max(1, parsed.max_tokens), room)
+        timeline.prompt_tokens = prompt_tokens
+        ticket = self.tenants.make_ticket(
+            tenant=tenant,
+            request_id=timeline.request_id,
+            model=self.served_model,
+            service_tier=parsed.service_tier,
+            asked_class=context.traffic_class,
+            timeout_s=context.timeout_s,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            open_ended=parsed.max_tokens is None,
+            arrival=timeline.arrival,
+            # A constrained generation resumed as a continuation would restart its grammar;
+            # one of several choices (or beams) cannot resume alone; embeddings cannot be
+            # continued with token ids.
+            preemptible=(
+                plan.constraint is None
+                and parsed.n == 1
+                and embeds is None
+                and not parsed.sampling.get("beam_search")
+            ),
+            n=parsed.n,
+        )
+        timeline.slo = self.dispatcher.slo_targets(ticket.traffic_class)
+        request = GenerationRequest(
+            request_id=timeline.request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=parsed.sampling_options(max_tokens, plan.constraint),
+            prompt_embeds=embeds,
+        )
+        return ticket, request, plan
+
+    def plan_output(self, parsed: ParsedRequest) -> OutputPlan:
+        """The engine's plan for the output's shape; what it cannot do is the client's 400."""
+        if not parsed.output and parsed.kind != "chat":
+            return PLAIN_TEXT
+        try:
+            return self.engine.plan_output(
+                OutputRequest(parsed.kind, parsed.output, parsed.messages, parsed.template_kwargs)
+            )
+        except EngineRequestError as exc:
+            raise engine_failure(exc) from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model:
+            raise ModelNotFound(
+                f"the model '{model}' does not exist; this server serves '{self.served_model}'",
+                param="model",
+            )
+
+    def check_token_ids(self, parsed: ParsedRequest) -> None:
+        """Token ids from the client must be in the vocabulary: a 400 here, not an engine error."""
+        vocab = self.engine.model.vocab_size
+        if isinstance(parsed.prompt, list):
+            check_in_vocabulary(parsed.prompt, vocab, "prompt")
+        check_in_vocabulary(parsed.sampling.get("stop_token_ids", ()), vocab, "stop_token_ids")
+        check_in_vocabulary(parsed.sampling.get("logit_bias") or (), vocab, "logit_bias")
+        check_in_vocabulary(
+            parsed.sampling.get("allowed_token_ids") or (), vocab, "allowed_token_ids"
+        )
+        check_in_vocabulary(
+            parsed.forwarded_prompt_ids or (), vocab, "kv_transfer_params.prompt_token_ids"
+        )
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        try:
+            return self.engine.render_chat(messages, tools, template_kwargs)
+        except Exception as exc:  # template errors are the client's messages' fault
+            raise InvalidRequest(
+                f"cannot apply the chat template: {exc}", param="messages"
+            ) from None
+
+    def _prompt(
+        self, parsed: ParsedRequest, plan: OutputPlan
+    ) -> tuple[list[int], PromptEmbeds | None]:
+        """The prompt's token ids (truncated as asked), or its embeddings (and no ids)."""
+        if parsed.prompt_embeds is not None:
+            try:
+                return [], self.engine.load_prompt_embeds(parsed.prompt_embeds)
+            except EngineRequestError as exc:
+                raise engine_failure(exc) from None
+        if parsed.forwarded_prompt_ids is not None:
+            ids = list(parsed.forwarded_prompt_ids)
+        elif parsed.messages is not None:
+            ids = self.render_chat(parsed.messages, plan.tools, parsed.template_kwargs)
+        elif isinstance(parsed.prompt, str):
+            ids = self.engine.tokenize(parsed.prompt, parsed.add_special_tokens)
+        else:
+            assert parsed.prompt is not None
+            ids = list(parsed.prompt)
+        keep = parsed.truncate_prompt_tokens
+        if keep is not None:  # vLLM's truncate_prompt_tokens (-1: the context's worth)
+            keep = self.engine.model.max_model_len if keep == -1 else keep
+            ids = ids[max(0, len(ids) - keep) :] if parsed.truncation_side == "left" else ids[:keep]
+        if not ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        return ids, None
+
+    def shape(
+        self,
+        parsed: ParsedRequest,
+        engine_request: GenerationRequest,
+        plan: OutputPlan,
+        *,
+        stream: bool,
+        response_id: str,
+        first_index: int = 0,
+        created: int | None = None,
+    ) -> Shape:
+        prompt_ids = engine_request.prompt_token_ids
+        return Shape(
+            parsed=parsed,
+            model=self.served_model,
+            stream=stream,
+            response_id=response_id,
+            first_index=first_index,
+            created=created,
+            new_parser=None if plan.parser is None else functools.partial(plan.parser, prompt_ids),
+            prompt_token_ids=prompt_ids if parsed.return_token_ids else None,
+            echo=self._echo(parsed, prompt_ids),
+        )
+
+    def _echo(self, parsed: ParsedRequest, prompt_ids: Sequence[int]) -> Echo | None:
+        if parsed.echo and parsed.messages is not None:  # vLLM's: what the answer continues
+            last = parsed.messages[-1]
+            content = last.get("content") if last["role"] == "assistant" else None
+            return Echo(content if isinstance(content, str) else "", (), "", prompt_only=False)
+        if not parsed.echo:
+            return None
+        text = (
+            parsed.prompt
+            if isinstance(parsed.prompt, str)
+            else self.engine.detokenize(list(prompt_ids))
+        )
+        first = (
+            token_id_name(prompt_ids[0])
+            if parsed.sampling.get("tokens_as_ids")
+            else self.engine.detokenize(list(prompt_ids[:1]))
+        )
+        return Echo(text, prompt_ids, first, prompt_only=parsed.max_tokens == 0)

@@ -21,7 +21,9 @@ from server.batch_api.runner import KINDS, BatchRunner
 from server.batch_api.store import Batch, BatchStore, Line
 from server.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
 from server.generation import RequestContext, Sluice
-from server.openai_requests import parse_request
+from server.openai.batch import CreateBatch
+from server.openai.requests import parse_request
+from server.openai.wire import validated
 from server.openai_routes import JSONResponse, read_json
 
 WINDOWS = {"24h": 24 * 3600}
@@ -99,27 +101,8 @@ async def delete_file(request: Request) -> Response:
 
 async def create_batch(request: Request) -> Response:
     sluice, store, runner, tenant = _parts(request)
-    body = await read_json(request, sluice.max_body_bytes)
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
-    if unknown:
-        raise InvalidRequest(f"unknown parameter '{sorted(unknown)[0]}'", param=sorted(unknown)[0])
-    endpoint, window = body.get("endpoint"), body.get("completion_window")
-    if not isinstance(endpoint, str) or endpoint not in KINDS:
-        raise InvalidRequest(f"'endpoint' must be one of {', '.join(KINDS)}", param="endpoint")
-    if not isinstance(window, str) or window not in WINDOWS:
-        raise InvalidRequest("'completion_window' must be '24h'", param="completion_window")
-    metadata = body.get("metadata")
-    if metadata is not None and not (
-        isinstance(metadata, dict)
-        and len(metadata) <= 16
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        raise InvalidRequest("'metadata' is at most 16 string keys and values", param="metadata")
-    file_id = body.get("input_file_id")
-    if not isinstance(file_id, str):
-        raise InvalidRequest("'input_file_id' must be a file id", param="input_file_id")
+    body = validated(CreateBatch, await read_json(request, sluice.max_body_bytes))
+    endpoint, window, file_id = body.endpoint, body.completion_window, body.input_file_id
     content = _found(store.file_content(tenant, file_id), "file", file_id)
     now = int(time.time())
     batch = Batch(
@@ -130,7 +113,7 @@ async def create_batch(request: Request) -> Response:
         completion_window=window,
         created_at=now,
         expires_at=now + WINDOWS[window],
-        metadata=metadata,
+        metadata=body.metadata,
     )
     lines, errors = _lines(content, endpoint, sluice.served_model)
     batch.request_counts["total"] = len(lines)

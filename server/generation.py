@@ -42,7 +42,8 @@ from server.errors import (
 from server.generations.run import GenerationRun, Kind, Shape, engine_failure
 from server.generations.store import MAX_KEY_LENGTH, RunStore, fingerprint
 from server.metrics import Metrics
-from server.openai_requests import ParsedRequest, parse_request
+from server.openai.parsed import ParsedRequest
+from server.openai.requests import parse_request
 from server.openai_responses import Echo
 from server.scheduler.tenants import Tenant, TenantDirectory
 from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass

@@ -24,7 +24,8 @@ from server.errors import (
 )
 from server.generation import RequestContext, Sluice, receive_disconnect, request_id_from
 from server.generations.run import Event, GenerationRun, Kind
-from server.openai_requests import boolean_from, parse_request, split_prompts
+from server.openai.completion import split_prompts
+from server.openai.requests import parse_request
 from server.openai_responses import DONE, ChunkEncoder, usage
 from server.timeline import RequestTimeline, outcome_for
 
@@ -119,7 +120,7 @@ async def _generate(request: Request, kind: str | None) -> ASGIApp:
                 timeline,
                 kind,
                 prompts,
-                stream=bool(boolean_from(body, "stream")),
+                stream=body.get("stream") is True,
             )
         parsed = parse_request(body, kind)
         run, replayed = await sluice.generate(

@@ -9,20 +9,17 @@ and never reach the scheduler.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.errors import InvalidRequest, UnsupportedParameter
 from server.generation import RequestContext, Sluice, check_in_vocabulary
-from server.openai_requests import boolean_from, messages_from, token_ids_from
+from server.openai.chat import messages_of
+from server.openai.tokenizer import Detokenize, TokenizeChat, tokenize_body
+from server.openai.wire import validated
 from server.openai_routes import JSONResponse, read_json
-
-TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "return_token_strs"}
 
 
 def _version() -> str:
@@ -39,44 +36,25 @@ async def version(request: Request) -> Response:
     return JSONResponse({"version": VERSION})
 
 
-async def _body(
-    request: Request, allowed: Callable[[dict[str, Any]], set[str]]
-) -> tuple[Sluice, dict[str, Any]]:
-    """The authenticated JSON body; `allowed(body)` names the keys it may have."""
+async def _authorized(request: Request) -> tuple[Sluice, Any]:
+    """The authenticated tenant's server and the JSON body (validated by the caller)."""
     sluice: Sluice = request.app.state.sluice
     sluice.tenant_of(RequestContext.of(request))
-    body = await read_json(request, sluice.max_body_bytes)
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    unknown = sorted(body.keys() - allowed(body))
-    if unknown:
-        raise UnsupportedParameter(f"unsupported parameter '{unknown[0]}'", param=unknown[0])
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("'model' must be a string", param="model")
-    sluice.check_model(model)
-    return sluice, body
+    return sluice, await read_json(request, sluice.max_body_bytes)
 
 
 async def tokenize(request: Request) -> Response:
-    sluice, body = await _body(
-        request, lambda body: TOKENIZE_CHAT if "messages" in body else TOKENIZE_TEXT
-    )
-    if "messages" in body:
-        generation_prompt = boolean_from(body, "add_generation_prompt") is not False
+    sluice, raw = await _authorized(request)
+    body = tokenize_body(raw)
+    sluice.check_model(body.model)
+    if isinstance(body, TokenizeChat):
         tokens = sluice.render_chat(
-            messages_from(body), template_kwargs={"add_generation_prompt": generation_prompt}
+            messages_of(body.messages),
+            template_kwargs={"add_generation_prompt": body.add_generation_prompt is not False},
         )
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise InvalidRequest("'prompt' must be a string", param="prompt")
-        tokens = sluice.engine.tokenize(
-            prompt, boolean_from(body, "add_special_tokens") is not False
-        )
-    strings = (
-        sluice.engine.token_strings(tokens) if boolean_from(body, "return_token_strs") else None
-    )
+        tokens = sluice.engine.tokenize(body.prompt, body.add_special_tokens is not False)
+    strings = sluice.engine.token_strings(tokens) if body.return_token_strs else None
     return JSONResponse(
         {
             "count": len(tokens),
@@ -88,9 +66,8 @@ async def tokenize(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    sluice, body = await _body(request, lambda body: {"model", "tokens"})
-    tokens = token_ids_from(body, "tokens")
-    if tokens is None:
-        raise InvalidRequest("'tokens' is required", param="tokens")
-    check_in_vocabulary(tokens, sluice.engine.model.vocab_size, "tokens")
-    return JSONResponse({"prompt": sluice.engine.detokenize(tokens)})
+    sluice, raw = await _authorized(request)
+    body = validated(Detokenize, raw)
+    sluice.check_model(body.model)
+    check_in_vocabulary(body.tokens, sluice.engine.model.vocab_size, "tokens")
+    return JSONResponse({"prompt": sluice.engine.detokenize(body.tokens)})

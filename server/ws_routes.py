@@ -41,7 +41,7 @@ from server.generation import (
     traffic_class_from,
 )
 from server.generations.run import Event, GenerationRun, Kind
-from server.openai_requests import parse_request
+from server.openai.requests import parse_request
 from server.openai_responses import chat_logprobs, usage
 from server.timeline import RequestTimeline, outcome_for
 

@@ -32,7 +32,7 @@ from server.errors import (
 from server.generation import RequestContext, Sluice
 from server.generations.run import GenerationRun, Kind
 from server.metrics import BATCH_STATUSES, Metrics
-from server.openai_requests import parse_request
+from server.openai.requests import parse_request
 from server.scheduler.types import TrafficClass
 from server.timeline import RequestTimeline, outcome_for
 

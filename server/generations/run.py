@@ -38,7 +38,7 @@ from server.errors import (
     SluiceError,
     UnsupportedParameter,
 )
-from server.openai_requests import ParsedRequest
+from server.openai.parsed import ParsedRequest
 from server.openai_responses import DONE, ChunkEncoder, Echo, usage, whole_response
 from server.scheduler.types import Admission, Generation
 from server.state.backend import StateUnavailable

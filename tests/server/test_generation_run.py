@@ -21,7 +21,7 @@ from server.generation import RequestContext, Sluice
 from server.generations.run import GenerationRun, Kind
 from server.generations.store import RunStore
 from server.metrics import Metrics
-from server.openai_requests import parse_request
+from server.openai.requests import parse_request
 from server.openai_responses import ChunkEncoder
 from server.scheduler.runtime import SchedulerRuntime
 from server.send_guard import SendGuard

@@ -101,9 +101,9 @@ class GenerationBody(WireModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    logit_bias: (
-        dict[Annotated[str, Field(pattern=r"^\s*[0-9]+\s*$")], Annotated[Number, Field()]] | None
-    ) = Field(None, description="token id: bias, clamped to [-100, 100]")
+    logit_bias: dict[Annotated[str, Field(pattern=r"^\s*[0-9]+\s*$")], Number] | None = Field(
+        None, description="token id: bias, clamped to [-100, 100]"
+    )
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="vLLM's: only these tokens may be generated"
     )

@@ -75,10 +75,10 @@ def validated(model: type[M], body: Any) -> M:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise refusal(model, body, exc.errors(include_url=False)) from None
+        raise _refusal(model, body, exc.errors(include_url=False)) from None
 
 
-def refusal(model: type[WireModel], body: Any, errors: list[ErrorDetails]) -> InvalidRequest:
+def _refusal(model: type[WireModel], body: Any, errors: list[ErrorDetails]) -> InvalidRequest:
     """The one error to answer for `errors`: an unknown field first (as the parser always
     answered), else every error of the first field that has one (a union's alternatives)."""
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
@@ -86,7 +86,7 @@ def refusal(model: type[WireModel], body: Any, errors: list[ErrorDetails]) -> In
         error = unknown[0]
         param, owner, _ = _locate(model, body, error["loc"])
         key = str(error["loc"][-1])
-        message = owner.unknown_field.format(key=key)
+        message = getattr(owner, "unknown_field", WireModel.unknown_field).format(key=key)
         close = difflib.get_close_matches(key, list(_fields(owner)), n=1)
         if close and owner is model:
             message += f"; did you mean '{close[0]}'?"

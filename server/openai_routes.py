@@ -24,6 +24,7 @@ from server.errors import (
 )
 from server.generation import RequestContext, Sluice, receive_disconnect, request_id_from
 from server.generations.run import Event, GenerationRun, Kind
+from server.openai.chat import NOT_IN_BATCH
 from server.openai.completion import split_prompts
 from server.openai.requests import parse_request
 from server.openai_responses import DONE, ChunkEncoder, usage
@@ -197,12 +198,7 @@ async def chat_completions_batch(request: Request) -> ASGIApp:
                 "a non-empty list of messages",
                 param="messages",
             )
-        for key, allowed in (
-            ("stream", (None, False)),
-            ("n", (None, 1)),
-            ("tools", (None,)),
-            ("kv_transfer_params", (None,)),
-        ):
+        for key, allowed in NOT_IN_BATCH.items():
             if body.get(key) not in allowed:
                 raise UnsupportedParameter(
                     f"'{key}' is not supported on the batch endpoint", param=key

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.openai.batch import CreateBatch, FileUpload
-from server.openai.chat import ChatCompletionRequest
+from server.openai.chat import NOT_IN_BATCH, ChatCompletionRequest
 from server.openai.completion import CompletionRequest
 from server.openai.error_body import ErrorBody
 from server.openai.tokenizer import Detokenize, TokenizeChat, TokenizeText
@@ -33,8 +33,6 @@ _MODELS: tuple[type[BaseModel], ...] = (
     FileUpload,
     ErrorBody,
 )
-# What vLLM's batched chat endpoint refuses (see openai_routes.chat_completions_batch).
-_NOT_IN_BATCH = ("stream", "stream_options", "n", "tools", "kv_transfer_params")
 _OBJ = {"type": "object"}
 _STR = {"type": "string"}
 
@@ -51,7 +49,7 @@ def _components() -> dict[str, Any]:
     schemas: dict[str, Any] = schema["$defs"]
     chat = schemas["ChatCompletionRequest"]
     batched = copy.deepcopy(chat)
-    for name in _NOT_IN_BATCH:
+    for name in (*NOT_IN_BATCH, "stream_options"):  # stream_options: only with stream
         batched["properties"].pop(name)
     batched["properties"]["messages"] = {
         "type": "array",

@@ -14,6 +14,14 @@ from server.openai.parsed import ParsedRequest
 from server.openai.wire import UNSUPPORTED
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's
+# vLLM's batched chat (`POST /v1/chat/completions/batch`, one conversation per choice) takes
+# these fields at these values only.
+NOT_IN_BATCH: dict[str, tuple[Any, ...]] = {
+    "stream": (None, False),
+    "n": (None, 1),
+    "tools": (None,),
+    "kv_transfer_params": (None,),
+}
 # Set by the server itself when it renders the template (the last two from their own fields).
 _TEMPLATE_OWN = {
     "messages",

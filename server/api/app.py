@@ -36,6 +36,7 @@ from server.api.openai_routes import (
     resume_chat_completion,
     resume_completion,
 )
+from server.api.openapi import openapi_json
 from server.api.send_guard import SendGuard
 from server.api.services import BatchServices, Services
 from server.api.tokenizer_routes import detokenize, tokenize, version
@@ -54,7 +55,6 @@ from server.generations.planner import Planner
 from server.generations.registry import RunStore
 from server.generations.service import Generations
 from server.observability.metrics import Metrics
-from server.openapi import openapi_json
 from server.scheduler.types import Dispatcher
 from server.state.backend import RedisState
 from server.state.runs import RedisRuns

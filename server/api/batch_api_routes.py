@@ -23,7 +23,9 @@ from server.api.services import BatchServices, Services
 from server.batch_api.runner import KINDS
 from server.batch_api.store import Batch, Line
 from server.core.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
-from server.openai_requests import parse_request
+from server.openai.batch import CreateBatch
+from server.openai.requests import parse_request
+from server.openai.wire import validated
 
 WINDOWS = {"24h": 24 * 3600}
 MAX_ERRORS = 100  # errors listed for a batch that failed validation
@@ -102,27 +104,8 @@ async def delete_file(services: Services, request: Request) -> Response:
 async def create_batch(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
     store, runner = api.store, api.runner
-    body = await read_json(request, services.edge.max_body_bytes)
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    unknown = set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"}
-    if unknown:
-        raise InvalidRequest(f"unknown parameter '{sorted(unknown)[0]}'", param=sorted(unknown)[0])
-    endpoint, window = body.get("endpoint"), body.get("completion_window")
-    if not isinstance(endpoint, str) or endpoint not in KINDS:
-        raise InvalidRequest(f"'endpoint' must be one of {', '.join(KINDS)}", param="endpoint")
-    if not isinstance(window, str) or window not in WINDOWS:
-        raise InvalidRequest("'completion_window' must be '24h'", param="completion_window")
-    metadata = body.get("metadata")
-    if metadata is not None and not (
-        isinstance(metadata, dict)
-        and len(metadata) <= 16
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        raise InvalidRequest("'metadata' is at most 16 string keys and values", param="metadata")
-    file_id = body.get("input_file_id")
-    if not isinstance(file_id, str):
-        raise InvalidRequest("'input_file_id' must be a file id", param="input_file_id")
+    body = validated(CreateBatch, await read_json(request, services.edge.max_body_bytes))
+    endpoint, window, file_id = body.endpoint, body.completion_window, body.input_file_id
     content = _found(store.file_content(tenant, file_id), "file", file_id)
     now = int(time.time())
     batch = Batch(
@@ -133,7 +116,7 @@ async def create_batch(services: Services, request: Request) -> Response:
         completion_window=window,
         created_at=now,
         expires_at=now + WINDOWS[window],
-        metadata=metadata,
+        metadata=body.metadata,
     )
     lines, errors = _lines(content, endpoint, services.served_model)
     batch.request_counts["total"] = len(lines)

@@ -27,8 +27,10 @@ from server.core.errors import (
 from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
+from server.openai.chat import NOT_IN_BATCH
+from server.openai.completion import split_prompts
+from server.openai.requests import parse_request
 from server.openai.responses import DONE, ChunkEncoder, usage
-from server.openai_requests import boolean_from, parse_request, split_prompts
 
 logger = logging.getLogger("sluice.server")
 
@@ -120,7 +122,7 @@ async def _generate(services: Services, request: Request, kind: str | None) -> A
                 timeline,
                 kind,
                 prompts,
-                stream=bool(boolean_from(body, "stream")),
+                stream=body.get("stream") is True,
             )
         parsed = parse_request(body, kind)
         run, replayed = await services.generations.generate(
@@ -195,12 +197,7 @@ async def chat_completions_batch(services: Services, request: Request) -> ASGIAp
                 "a non-empty list of messages",
                 param="messages",
             )
-        for key, allowed in (
-            ("stream", (None, False)),
-            ("n", (None, 1)),
-            ("tools", (None,)),
-            ("kv_transfer_params", (None,)),
-        ):
+        for key, allowed in NOT_IN_BATCH.items():
             if body.get(key) not in allowed:
                 raise UnsupportedParameter(
                     f"'{key}' is not supported on the batch endpoint", param=key

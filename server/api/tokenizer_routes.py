@@ -9,7 +9,6 @@ and never reach the scheduler.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
@@ -19,12 +18,10 @@ from starlette.responses import Response
 from server.api.edge import context_of
 from server.api.openai_routes import JSONResponse, read_json
 from server.api.services import Services
-from server.core.errors import InvalidRequest, UnsupportedParameter
 from server.generations.planner import check_in_vocabulary
-from server.openai_requests import boolean_from, messages_from, token_ids_from
-
-TOKENIZE_TEXT = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-TOKENIZE_CHAT = {"model", "messages", "add_generation_prompt", "return_token_strs"}
+from server.openai.chat import messages_of
+from server.openai.tokenizer import Detokenize, TokenizeChat, tokenize_body
+from server.openai.wire import validated
 
 
 def _version() -> str:
@@ -41,43 +38,23 @@ async def version(request: Request) -> Response:
     return JSONResponse({"version": VERSION})
 
 
-async def _body(
-    services: Services, request: Request, allowed: Callable[[dict[str, Any]], set[str]]
-) -> dict[str, Any]:
-    """The authenticated JSON body; `allowed(body)` names the keys it may have."""
+async def _authorized(services: Services, request: Request) -> Any:
+    """The JSON body of an authenticated tenant's request (validated by the caller)."""
     services.planner.tenant_of(context_of(request))
-    body = await read_json(request, services.edge.max_body_bytes)
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    unknown = sorted(body.keys() - allowed(body))
-    if unknown:
-        raise UnsupportedParameter(f"unsupported parameter '{unknown[0]}'", param=unknown[0])
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("'model' must be a string", param="model")
-    services.planner.check_model(model)
-    return body
+    return await read_json(request, services.edge.max_body_bytes)
 
 
 async def tokenize(services: Services, request: Request) -> Response:
-    body = await _body(
-        services, request, lambda body: TOKENIZE_CHAT if "messages" in body else TOKENIZE_TEXT
-    )
-    if "messages" in body:
-        generation_prompt = boolean_from(body, "add_generation_prompt") is not False
+    body = tokenize_body(await _authorized(services, request))
+    services.planner.check_model(body.model)
+    if isinstance(body, TokenizeChat):
         tokens = services.planner.render_chat(
-            messages_from(body), template_kwargs={"add_generation_prompt": generation_prompt}
+            messages_of(body.messages),
+            template_kwargs={"add_generation_prompt": body.add_generation_prompt is not False},
         )
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise InvalidRequest("'prompt' must be a string", param="prompt")
-        tokens = services.engine.tokenize(
-            prompt, boolean_from(body, "add_special_tokens") is not False
-        )
-    strings = (
-        services.engine.token_strings(tokens) if boolean_from(body, "return_token_strs") else None
-    )
+        tokens = services.engine.tokenize(body.prompt, body.add_special_tokens is not False)
+    strings = services.engine.token_strings(tokens) if body.return_token_strs else None
     return JSONResponse(
         {
             "count": len(tokens),
@@ -89,9 +66,7 @@ async def tokenize(services: Services, request: Request) -> Response:
 
 
 async def detokenize(services: Services, request: Request) -> Response:
-    body = await _body(services, request, lambda body: {"model", "tokens"})
-    tokens = token_ids_from(body, "tokens")
-    if tokens is None:
-        raise InvalidRequest("'tokens' is required", param="tokens")
-    check_in_vocabulary(tokens, services.engine.model.vocab_size, "tokens")
-    return JSONResponse({"prompt": services.engine.detokenize(tokens)})
+    body = validated(Detokenize, await _authorized(services, request))
+    services.planner.check_model(body.model)
+    check_in_vocabulary(body.tokens, services.engine.model.vocab_size, "tokens")
+    return JSONResponse({"prompt": services.engine.detokenize(body.tokens)})

@@ -37,8 +37,8 @@ from server.core.errors import (
 from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
+from server.openai.requests import parse_request
 from server.openai.responses import chat_logprobs, usage
-from server.openai_requests import parse_request
 
 logger = logging.getLogger("sluice.ws")
 

@@ -29,7 +29,7 @@ from server.generations.run import GenerationRun, Kind
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.observability.metrics import BATCH_STATUSES, Metrics
-from server.openai_requests import parse_request
+from server.openai.requests import parse_request
 from server.scheduler.types import TrafficClass
 
 logger = logging.getLogger("sluice.batches")

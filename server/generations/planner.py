@@ -27,8 +27,8 @@ from server.core.errors import (
 )
 from server.generations.run import Shape, engine_failure
 from server.generations.timeline import RequestTimeline
+from server.openai.parsed import ParsedRequest
 from server.openai.responses import Echo
-from server.openai_requests import ParsedRequest
 from server.scheduler.types import Dispatcher, Ticket, TrafficClass
 from server.tenancy.tenants import Tenant, TenantDirectory
 

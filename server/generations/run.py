@@ -40,8 +40,8 @@ from server.generations.log import Event, EventLog, Kind
 from server.generations.ports import LogFollower, LogMirror
 from server.generations.timeline import RequestTimeline
 from server.openai.choices import Choices
+from server.openai.parsed import ParsedRequest
 from server.openai.responses import DONE, ChunkEncoder, Echo, usage, whole_response
-from server.openai_requests import ParsedRequest
 from server.scheduler.types import Admission, Generation
 
 logger = logging.getLogger("sluice.server")

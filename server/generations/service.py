@@ -31,7 +31,8 @@ from server.generations.registry import MAX_KEY_LENGTH, RunStore, fingerprint
 from server.generations.run import GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
 from server.observability.metrics import Metrics
-from server.openai_requests import ParsedRequest, parse_request
+from server.openai.parsed import ParsedRequest
+from server.openai.requests import parse_request
 from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass
 
 

@@ -11,7 +11,7 @@ import pytest
 import websockets
 from conftest import InProcessSluice, wait_until
 
-from server.openai_requests import parse_request
+from server.openai.requests import parse_request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -80,7 +80,7 @@ def _assert_error(response: httpx.Response, status: int, code: str) -> dict:
         (
             {**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}},
             "invalid_request",
-            "include_usage",
+            "stream_options.include_usage",
         ),
         (
             {**CHAT, "stream": True, "stream_options": {"sparkle": True}},
@@ -130,7 +130,7 @@ def test_error_messages_name_what_is_wrong(sim_server: InProcessSluice) -> None:
     assert _assert_error(vocab, 400, "invalid_request")["param"] == "prompt"
     assert "2048" in vocab.json()["error"]["message"]
     seed = _post(sim_server, "/v1/chat/completions", json={**CHAT, "seed": -(2**63) - 1})
-    assert "at least -9223372036854775808" in seed.json()["error"]["message"]
+    assert "greater than or equal to -9223372036854775808" in seed.json()["error"]["message"]
     schema = _post(
         sim_server,
         "/v1/completions",

@@ -33,6 +33,36 @@ if TYPE_CHECKING:
     from server.api.serving import Serving
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def share_httpx_default_ssl_context() -> None:
+    """One SSL context for every httpx client the tests make.
+
+    httpx builds a new default context, loading certifi's CA bundle (~20-30 ms), for every
+    client it makes, and so for every `httpx.get(...)`: hundreds of times a run, each request
+    plain HTTP to loopback, where no context is used. Here the default one (`verify=True`, no
+    client certificate) is built once and shared, as `verify=<context>` shares one among
+    clients; any other arguments still get a context of their own. Where httpx has no
+    `create_ssl_context` to share (another version), nothing changes."""
+    import functools
+
+    from httpx import _config
+    from httpx._transports import default
+
+    create = getattr(_config, "create_ssl_context", None)
+    if create is None or getattr(default, "create_ssl_context", None) is not create:
+        return
+    shared = functools.cache(create)
+
+    def create_ssl_context(verify: object = True, cert: object = None, trust_env: bool = True):  # type: ignore[no-untyped-def]
+        if verify is True and cert is None:
+            return shared(True, None, trust_env)
+        return create(verify, cert, trust_env)
+
+    default.create_ssl_context = create_ssl_context
+
+
+share_httpx_default_ssl_context()
 READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "240"))
 STOP_TIMEOUT_S = 30.0
 

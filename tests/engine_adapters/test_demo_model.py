@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from engine_adapters.demo_model import GREEDY_MARGIN, is_demo_model
@@ -27,6 +26,8 @@ def test_the_cached_build_is_this_version(demo_model_dir: Path, tmp_path: Path) 
 
 @pytest.mark.parametrize("api", ["chat", "completion"])
 def test_greedy_choices_lead_by_the_margin(vllm_server: Any, api: str) -> None:
+    import openai  # here, not at the top: every pytest-xdist worker collects this module
+
     client = openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=0)
     ask: dict[str, Any] = dict(
         model=MODEL, max_tokens=64, temperature=0, extra_body={"ignore_eos": True}

@@ -13,11 +13,16 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import openai
 import pytest
 from conftest import InProcessSluice, SluiceProcess, uncalibrated_config, wait_until
+
+# `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
+# this module, and most never run them.
+if TYPE_CHECKING:
+    import openai
 
 pytestmark = pytest.mark.system
 
@@ -43,6 +48,8 @@ def chat_lines(count: int, max_tokens: int = 8, model: str = "sim") -> list[dict
 
 
 def client_for(server: InProcessSluice) -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -123,6 +130,8 @@ def test_a_line_the_engine_refuses_lands_in_the_error_file(server: InProcessSlui
 
 
 def test_input_that_cannot_run_fails_the_batch_naming_the_lines(server: InProcessSluice) -> None:
+    import openai
+
     client = client_for(server)
     lines = chat_lines(6)
     lines[2]["custom_id"] = "req-1"
@@ -159,6 +168,8 @@ def test_input_that_cannot_run_fails_the_batch_naming_the_lines(server: InProces
 
 
 def test_files_list_read_and_delete(server: InProcessSluice) -> None:
+    import openai
+
     client = client_for(server)
     file = client.files.create(file=("f.jsonl", jsonl(chat_lines(1))), purpose="batch")
     assert client.files.retrieve(file.id).bytes == len(jsonl(chat_lines(1)))

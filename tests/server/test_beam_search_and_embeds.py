@@ -6,12 +6,16 @@ from __future__ import annotations
 import base64
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 import pytest
 from conftest import InProcessSluice, SluiceProcess, wait_until
+
+# `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
+# this module, and most never run them.
+if TYPE_CHECKING:
+    import openai
 
 MODEL = "sluice-demo"
 PROMPT = "Hello, my name is"
@@ -19,6 +23,8 @@ PROMPT = "Hello, my name is"
 
 @pytest.fixture
 def client(vllm_server: SluiceProcess) -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -32,6 +38,8 @@ def test_beam_search_as_vllms_server(client: openai.OpenAI, vllm_server: SluiceP
     # One beam is greedy decoding: the same tokens as temperature 0. (Not quite the same text:
     # the search decodes its tokens at the end, a character cut short and all, as vLLM's does.)
     # Any hardware: the demo model's greedy margin (tests/engine_adapters/test_demo_model.py).
+    import openai
+
     ask: dict[str, Any] = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
     greedy = client.completions.create(
         **ask, extra_body={"ignore_eos": True, "return_token_ids": True}
@@ -154,6 +162,7 @@ def _embeds(demo_model_dir: Path, token_ids: list[int]) -> str:
 def test_prompt_embeds_generate_as_their_tokens(
     client: openai.OpenAI, vllm_server: SluiceProcess, demo_model_dir: Path
 ) -> None:
+    import openai
     from torch import zeros
 
     token_ids = httpx.post(

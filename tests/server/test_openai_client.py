@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 import pytest
 
 from engine_adapters.demo_model import GREEDY_MARGIN
+
+# `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
+# this module, and most never run them.
+if TYPE_CHECKING:
+    import openai
 
 MODEL = "sluice-demo"
 CHAT = [{"role": "user", "content": "Tell me about schedulers."}]
@@ -16,6 +20,8 @@ CHAT = [{"role": "user", "content": "Tell me about schedulers."}]
 
 @pytest.fixture
 def client(vllm_server) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    import openai
+
     return openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -92,6 +98,8 @@ def test_text_completion_streaming(client: openai.OpenAI) -> None:
 
 async def test_async_client_streams_concurrently(vllm_server) -> None:  # type: ignore[no-untyped-def]
     import asyncio
+
+    import openai
 
     client = openai.AsyncOpenAI(base_url=vllm_server.url + "/v1", api_key="unused")
 
@@ -300,6 +308,8 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 
 
 def test_errors_arrive_as_openai_errors(client: openai.OpenAI, vllm_server: Any) -> None:
+    import openai
+
     with pytest.raises(openai.NotFoundError) as not_found:
         client.chat.completions.create(model="no-such-model", messages=CHAT)
     assert not_found.value.code == "model_not_found"
@@ -323,6 +333,8 @@ def test_errors_arrive_as_openai_errors(client: openai.OpenAI, vllm_server: Any)
 def test_forwarded_prompt_token_ids_are_the_prompt(client: openai.OpenAI) -> None:
     """vLLM's kv_transfer_params.prompt_token_ids (a disaggregated-serving router forwards the
     prefill stage's prompt): used verbatim instead of the request's own messages."""
+    import openai
+
     baseline = client.chat.completions.create(
         model=MODEL,
         messages=CHAT,
@@ -359,6 +371,8 @@ def test_forwarded_prompt_token_ids_are_the_prompt(client: openai.OpenAI) -> Non
 
 def test_allowed_token_ids_and_bad_words_as_vllm_applies_them(client: openai.OpenAI) -> None:
     """vLLM's allowed_token_ids (only these may be generated) and bad_words (never these)."""
+    import openai
+
     allowed = [100, 200, 300]
     reply = client.completions.create(
         model=MODEL,

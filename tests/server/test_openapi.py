@@ -4,15 +4,18 @@ not, gets a server error. Against the sim engine (a generation costs microsecond
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-import schemathesis
-from conftest import InProcessSluice
-from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import not_a_server_error
+from conftest import InProcessSluice, uncalibrated_config
 
 from server.openai.requests import REQUEST_MODELS
+
+# schemathesis (and the hypothesis it loads, ~1 s) is imported by the tests that use it, not
+# here: every pytest-xdist worker collects this module, and most never fuzz.
+if TYPE_CHECKING:
+    import schemathesis
 
 pytestmark = pytest.mark.service
 
@@ -22,11 +25,14 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSl
     """A sim engine that answers fast: a step of ~0.05 ms and a context of 512 tokens. A
     well-formed chat that sets no `max_tokens` runs to the context's end, which at the
     defaults (2,048 tokens, ~2 ms a step) took seconds an example; the fuzzing is about what
-    the inputs are, not how long the answers run."""
+    the inputs are, not how long the answers run (uncalibrated, likewise)."""
+    root = tmp_path_factory.mktemp("openapi")
     server = InProcessSluice(
         [
             "--engine",
             "sim",
+            "--config",
+            str(uncalibrated_config(root)),
             "--sim-step-base-ms",
             "0.05",
             "--sim-decode-ms-per-token",
@@ -34,7 +40,7 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSl
             "--sim-max-model-len",
             "512",
         ],
-        tmp_path_factory.mktemp("openapi") / "server.log",
+        root / "server.log",
     )
     try:
         server.wait_ready(60)
@@ -45,6 +51,8 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSl
 
 @pytest.fixture(scope="module")
 def api_schema(sim_server: InProcessSluice) -> schemathesis.BaseSchema:
+    import schemathesis
+
     return schemathesis.openapi.from_url(sim_server.url + "/openapi.json")
 
 
@@ -85,10 +93,16 @@ OPERATIONS = [
     ("POST", "/v1/batches/{id}/cancel"),
 ]
 
+# schemathesis's generation modes, by value (its enum, at collection, would import it).
+MODES = ("positive", "negative")
+
 
 def test_the_fuzzed_operations_are_the_documented_ones(api_schema: schemathesis.BaseSchema) -> None:
     documented = {(op.ok().method.upper(), op.ok().path) for op in api_schema.get_all_operations()}
     assert documented == set(OPERATIONS)
+    import schemathesis
+
+    assert {mode.value for mode in schemathesis.GenerationMode} == set(MODES)
 
 
 @pytest.mark.slow  # 40 examples an operation and mode: tens of seconds by design
@@ -97,11 +111,11 @@ def test_the_fuzzed_operations_are_the_documented_ones(api_schema: schemathesis.
     [
         (method, path, mode)
         for method, path in OPERATIONS
-        for mode in schemathesis.GenerationMode
+        for mode in MODES
         # Malformed input only where there is input that can be malformed: a body or a number.
         if (method == "POST" and "{id}" not in path)
         or path.endswith("/stream")
-        or mode is schemathesis.GenerationMode.POSITIVE
+        or mode == "positive"
     ],
 )
 def test_no_input_gets_a_server_error(
@@ -109,12 +123,16 @@ def test_no_input_gets_a_server_error(
     sim_server: InProcessSluice,
     method: str,
     path: str,
-    mode: schemathesis.GenerationMode,
+    mode: str,
 ) -> None:
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+
     # schemathesis's own pytest integration does not run on pytest 9: hypothesis drives it.
     operation = api_schema[path][method]
 
-    @given(case=operation.as_strategy(generation_mode=mode))
+    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
     @settings(
         max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck)
     )

@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import InProcessSluice, loopback_listener, wait_until
+from conftest import InProcessSluice, loopback_listener, uncalibrated_config, wait_until
 
 pytestmark = pytest.mark.service
 
@@ -22,9 +22,12 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
     server = InProcessSluice(
         # A fast engine and a long answer: the socket buffers must fill before a send blocks.
+        # Uncalibrated: a stalled reader is dropped whatever the engine's measured speed.
         [
             "--engine",
             "sim",
+            "--config",
+            str(uncalibrated_config(tmp_path)),
             "--send-timeout-seconds",
             "0.5",
             "--sim-max-model-len",

@@ -11,13 +11,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
-import openai
 import pytest
 import websockets
 from conftest import SluiceProcess
+
+# `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
+# this module, and most never run them.
+if TYPE_CHECKING:
+    import openai
 
 MODEL = "sluice-demo"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -41,6 +45,8 @@ PYTHONIC_CALL = {"regex": r"\[get_weather\(city='(Paris|Rome)', sunny=(True|Fals
 
 @pytest.fixture
 def client(vllm_server: SluiceProcess) -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -228,6 +234,8 @@ def test_bad_constraints_are_400s_before_anything_is_queued(
     fields: dict[str, Any],
     param: str,
 ) -> None:
+    import openai
+
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=fields)
     error = refused.value.body

@@ -4,7 +4,6 @@ vocabulary: the real engine's tokenizer where it matters, the sim engine for the
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from conftest import InProcessSluice, SluiceProcess
 
@@ -78,6 +77,8 @@ def test_tokenize_and_detokenize_with_the_models_tokenizer(vllm_server: SluicePr
 def test_a_token_id_outside_the_vocabulary_is_a_400_not_a_retried_500(
     vllm_server: SluiceProcess,
 ) -> None:
+    import openai  # here, not at the top: every pytest-xdist worker collects this module
+
     vocab = httpx.get(vllm_server.url + "/v1/models").json()["data"][0]  # the model exists
     assert vocab["id"] == MODEL
     client = openai.OpenAI(base_url=vllm_server.url + "/v1", api_key="unused", max_retries=2)

@@ -269,13 +269,15 @@ def _exit_before_teardown(status: int) -> None:
     every atexit handler run, logging and stdio flushed, then `os._exit`. That skips only the
     interpreter's teardown of the objects still alive, where triton's nanobind bindings call
     each of theirs a leak (~30 lines on stderr at every stop: a few `ir.attribute`s that
-    live as long as the process, and every type and function of the module). Returns (to a
-    normal exit) without triton, or while a thread the interpreter would wait for runs."""
+    live as long as the process, and every type and function of the module). Threads the
+    interpreter would wait for are waited for first, as it would. Returns (to a normal exit)
+    without triton."""
     if "triton._C.libtriton" not in sys.modules:
         return
     main = threading.main_thread()
-    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
-        return
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -1,7 +1,7 @@
 """Batch mode's part of the `sluice` command: serve flags, `simulate --mode batch`, `plan`.
 
-`server/cli.py` owns the parser and calls these hooks. Flags are added only if the shared
-parser does not already have them (the continuous simulator adds its own to the same parser).
+`server/cli.py` owns the parser, with the simulate flags both modes share, and calls these
+hooks.
 """
 
 from __future__ import annotations
@@ -31,47 +31,40 @@ from server.simulation.workload import (
 _TIMELINE_LIMIT = 200
 
 
-def _add(parser: argparse.ArgumentParser | Any, *flags: str, **kwargs: Any) -> None:
-    existing = getattr(parser, "_option_string_actions", {})
-    if not any(flag in existing for flag in flags):
-        parser.add_argument(*flags, **kwargs)
-
-
 def _add_batch_shape(p: Any) -> None:
-    _add(p, "--workers", type=int, default=1, help="batch workers (one batch at a time each)")
-    _add(p, "--batch-ms", type=float, default=100.0, help="fixed time of one batch")
-    _add(p, "--max-batch", type=int, default=32, help="most requests in one batch")
-    _add(
-        p,
+    p.add_argument(
+        "--workers", type=int, default=1, help="batch workers (one batch at a time each)"
+    )
+    p.add_argument("--batch-ms", type=float, default=100.0, help="fixed time of one batch")
+    p.add_argument("--max-batch", type=int, default=32, help="most requests in one batch")
+    p.add_argument(
         "--max-delay-ms",
         type=float,
         default=10.0,
         help="longest a partial batch waits for company once a worker is free",
     )
-    _add(p, "--max-queue", type=int, default=10_000, help="queued requests per model, at most")
-    _add(
-        p,
+    p.add_argument(
+        "--max-queue", type=int, default=10_000, help="queued requests per model, at most"
+    )
+    p.add_argument(
         "--attempts",
         type=int,
         default=None,
         help="dispatches allowed per request (default: ceil(log2(max-batch)) + 3)",
     )
-    _add(
-        p,
+    p.add_argument(
         "--lease-ms",
         type=float,
         default=None,
         help="a batch unanswered this long after it started is presumed lost "
         "(default: 3 x batch-ms)",
     )
-    _add(
-        p,
+    p.add_argument(
         "--poison-marker",
         default=DEFAULT_POISON_MARKER,
         help="a prompt containing this text crashes its batch (failure injection)",
     )
-    _add(
-        p,
+    p.add_argument(
         "--batch-fail-rate",
         type=float,
         default=0.0,
@@ -110,53 +103,38 @@ def build_serving(
 def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     group = simulate_parser.add_argument_group("batch mode (--mode batch)")
     _add_batch_shape(group)
-    _add(
-        group,
+    group.add_argument(
         "--models",
         default=None,
         metavar="MODEL=N,...",
         help="workers per model version, e.g. 'a=2,b=1' (overrides --workers)",
     )
-    _add(
-        group,
-        "--deadline-ms",
-        type=float,
-        default=None,
-        help="deadline of generated arrivals, relative to their arrival",
-    )
-    _add(
-        group,
+    group.add_argument(
         "--poison-rate",
         type=float,
         default=0.0,
         help="fraction of generated arrivals whose prompt carries the poison marker",
     )
-    _add(
-        group,
+    group.add_argument(
         "--kill",
         action="append",
         default=[],
         metavar="WORKER@MS",
         help="the worker dies at this time, mid-batch if busy (repeatable)",
     )
-    _add(
-        group,
+    group.add_argument(
         "--hang",
         action="append",
         default=[],
         metavar="WORKER@MS",
         help="the worker's next batch from this time answers only after --hang-ms",
     )
-    _add(group, "--hang-ms", type=float, default=1000.0, help="how late a hung batch answers")
-    _add(
-        group,
-        "--cancel",
-        action="append",
-        default=[],
-        metavar="ID@MS",
-        help="the caller of request ID leaves at this time (repeatable)",
+    group.add_argument(
+        "--hang-ms", type=float, default=1000.0, help="how late a hung batch answers"
     )
-    _add(group, "--restart-ms", type=float, default=0.0, help="time for a lost worker to return")
+    group.add_argument(
+        "--restart-ms", type=float, default=0.0, help="time for a lost worker to return"
+    )
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:

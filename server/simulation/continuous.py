@@ -406,44 +406,32 @@ def _percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
 
 
 # --- CLI ---------------------------------------------------------------------------------
-def _add(parser: Any, *flags: str, **kwargs: Any) -> None:
-    existing = getattr(parser, "_option_string_actions", {})
-    if not any(flag in existing for flag in flags):
-        parser.add_argument(*flags, **kwargs)
-
-
 def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     g = simulate_parser.add_argument_group("continuous mode (--mode continuous)")
-    _add(g, "--config", type=Path, default=None, help="scheduler YAML (tenants, budgets)")
-    _add(
-        g,
+    g.add_argument("--config", type=Path, default=None, help="scheduler YAML (tenants, budgets)")
+    g.add_argument(
         "--interactive-share",
         type=float,
         default=None,
         help="share of generated arrivals that are interactive (default 1; 0.5 for mixed)",
     )
-    _add(
-        g,
+    g.add_argument(
         "--tenants",
         default=None,
         metavar="NAME=WEIGHT,...",
         help="tenants of generated arrivals and their weights (default 'default'; mixed: "
         "'flood=9,steady=1')",
     )
-    _add(g, "--prompt-tokens", type=int, default=64, help="prompt tokens of interactive arrivals")
-    _add(g, "--max-tokens", type=int, default=32, help="max_tokens of interactive arrivals")
-    _add(g, "--bulk-prompt-tokens", type=int, default=256)
-    _add(g, "--bulk-max-tokens", type=int, default=256)
-    _add(
-        g,
-        "--deadline-ms",
-        type=float,
-        default=None,
-        help="deadline of generated arrivals, relative to their arrival (default: class's)",
+    g.add_argument(
+        "--prompt-tokens", type=int, default=64, help="prompt tokens of interactive arrivals"
     )
-    _add(g, "--burst-size", type=int, default=20, help="arrivals per burst (--workload bursts)")
-    _add(
-        g,
+    g.add_argument("--max-tokens", type=int, default=32, help="max_tokens of interactive arrivals")
+    g.add_argument("--bulk-prompt-tokens", type=int, default=256)
+    g.add_argument("--bulk-max-tokens", type=int, default=256)
+    g.add_argument(
+        "--burst-size", type=int, default=20, help="arrivals per burst (--workload bursts)"
+    )
+    g.add_argument(
         "--bulk-streams",
         type=int,
         default=0,
@@ -451,17 +439,7 @@ def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
         help="besides the arrivals, N closed-loop bulk streams for --duration seconds (each "
         "sends its next request when the previous ends; shaped by --bulk-*-tokens)",
     )
-    _add(
-        g,
-        "--cancel",
-        action="append",
-        default=[],
-        metavar="ID@MS",
-        help="the caller of request ID leaves at this time (repeatable)",
-    )
-    existing = getattr(simulate_parser, "_option_string_actions", {})
-    if "--sim-kv-blocks" not in existing:
-        add_sim_arguments(simulate_parser)
+    add_sim_arguments(simulate_parser)
 
 
 def build_arrivals(args: argparse.Namespace) -> list[Arrival] | Iterable[Arrival]:

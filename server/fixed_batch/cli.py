@@ -14,7 +14,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from engine_adapters.sim_batch import DEFAULT_POISON_MARKER, BatchModel, SimBatchEngine
+from server.core.settings import add_arguments
 from server.fixed_batch.decisions import BatchConfig
 from server.fixed_batch.plan import format_plan, latencies_ms, percentile, plan
 from server.fixed_batch.runtime import BatchRuntime
@@ -31,50 +34,61 @@ from server.simulation.workload import (
 _TIMELINE_LIMIT = 200
 
 
-def _add_batch_shape(p: Any) -> None:
-    p.add_argument(
-        "--workers", type=int, default=1, help="batch workers (one batch at a time each)"
+class BatchShape(BaseModel):
+    """The flags of the batch engine's shape, for `serve --engine sim-batch` and `simulate
+    --mode batch`."""
+
+    workers: int = Field(1, description="batch workers (one batch at a time each)")
+    batch_ms: float = Field(100.0, description="fixed time of one batch")
+    max_batch: int = Field(32, description="most requests in one batch")
+    max_delay_ms: float = Field(
+        10.0, description="longest a partial batch waits for company once a worker is free"
     )
-    p.add_argument("--batch-ms", type=float, default=100.0, help="fixed time of one batch")
-    p.add_argument("--max-batch", type=int, default=32, help="most requests in one batch")
-    p.add_argument(
-        "--max-delay-ms",
-        type=float,
-        default=10.0,
-        help="longest a partial batch waits for company once a worker is free",
+    max_queue: int = Field(10_000, description="queued requests per model, at most")
+    attempts: int | None = Field(
+        None, description="dispatches allowed per request (default: ceil(log2(max-batch)) + 3)"
     )
-    p.add_argument(
-        "--max-queue", type=int, default=10_000, help="queued requests per model, at most"
-    )
-    p.add_argument(
-        "--attempts",
-        type=int,
-        default=None,
-        help="dispatches allowed per request (default: ceil(log2(max-batch)) + 3)",
-    )
-    p.add_argument(
-        "--lease-ms",
-        type=float,
-        default=None,
-        help="a batch unanswered this long after it started is presumed lost "
+    lease_ms: float | None = Field(
+        None,
+        description="a batch unanswered this long after it started is presumed lost "
         "(default: 3 x batch-ms)",
     )
-    p.add_argument(
-        "--poison-marker",
-        default=DEFAULT_POISON_MARKER,
-        help="a prompt containing this text crashes its batch (failure injection)",
+    poison_marker: str = Field(
+        DEFAULT_POISON_MARKER,
+        description="a prompt containing this text crashes its batch (failure injection)",
     )
-    p.add_argument(
-        "--batch-fail-rate",
-        type=float,
-        default=0.0,
-        help="probability that any batch crashes its worker (failure injection)",
+    batch_fail_rate: float = Field(
+        0.0, description="probability that any batch crashes its worker (failure injection)"
     )
+
+
+class BatchFaults(BaseModel):
+    """The flags of `simulate --mode batch` beside the shape: models and injected faults."""
+
+    models: str | None = Field(
+        None,
+        description="workers per model version, e.g. 'a=2,b=1' (overrides --workers)",
+        json_schema_extra={"metavar": "MODEL=N,..."},
+    )
+    poison_rate: float = Field(
+        0.0, description="fraction of generated arrivals whose prompt carries the poison marker"
+    )
+    kill: list[str] = Field(
+        [],
+        description="the worker dies at this time, mid-batch if busy (repeatable)",
+        json_schema_extra={"metavar": "WORKER@MS"},
+    )
+    hang: list[str] = Field(
+        [],
+        description="the worker's next batch from this time answers only after --hang-ms",
+        json_schema_extra={"metavar": "WORKER@MS"},
+    )
+    hang_ms: float = Field(1000.0, description="how late a hung batch answers")
+    restart_ms: float = Field(0.0, description="time for a lost worker to return")
 
 
 def add_serve_arguments(serve_parser: argparse.ArgumentParser) -> None:
-    group = serve_parser.add_argument_group("batch engine (--engine sim-batch)")
-    _add_batch_shape(group)
+    add_arguments(serve_parser.add_argument_group("batch engine (--engine sim-batch)"), BatchShape)
 
 
 def sim_batch_from_args(
@@ -102,39 +116,8 @@ def build_serving(
 
 def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     group = simulate_parser.add_argument_group("batch mode (--mode batch)")
-    _add_batch_shape(group)
-    group.add_argument(
-        "--models",
-        default=None,
-        metavar="MODEL=N,...",
-        help="workers per model version, e.g. 'a=2,b=1' (overrides --workers)",
-    )
-    group.add_argument(
-        "--poison-rate",
-        type=float,
-        default=0.0,
-        help="fraction of generated arrivals whose prompt carries the poison marker",
-    )
-    group.add_argument(
-        "--kill",
-        action="append",
-        default=[],
-        metavar="WORKER@MS",
-        help="the worker dies at this time, mid-batch if busy (repeatable)",
-    )
-    group.add_argument(
-        "--hang",
-        action="append",
-        default=[],
-        metavar="WORKER@MS",
-        help="the worker's next batch from this time answers only after --hang-ms",
-    )
-    group.add_argument(
-        "--hang-ms", type=float, default=1000.0, help="how late a hung batch answers"
-    )
-    group.add_argument(
-        "--restart-ms", type=float, default=0.0, help="time for a lost worker to return"
-    )
+    add_arguments(group, BatchShape)
+    add_arguments(group, BatchFaults)
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:

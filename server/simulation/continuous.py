@@ -28,6 +28,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from engine_adapters.sim_model import (
     SPECIAL_TOKENS,
     SimConfig,
@@ -36,8 +38,8 @@ from engine_adapters.sim_model import (
     add_sim_arguments,
     stable_hash,
 )
+from server.core import settings
 from server.core.config import SluiceConfig, TenantConfig
-from server.core.settings import load_config
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
@@ -406,39 +408,36 @@ def _percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
 
 
 # --- CLI ---------------------------------------------------------------------------------
-def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
-    g = simulate_parser.add_argument_group("continuous mode (--mode continuous)")
-    g.add_argument("--config", type=Path, default=None, help="scheduler YAML (tenants, budgets)")
-    g.add_argument(
-        "--interactive-share",
-        type=float,
-        default=None,
-        help="share of generated arrivals that are interactive (default 1; 0.5 for mixed)",
+class ContinuousOptions(BaseModel):
+    """The flags of `simulate --mode continuous` (the `--sim-*` engine flags apart)."""
+
+    config: Path | None = Field(None, description="scheduler YAML (tenants, budgets)")
+    interactive_share: float | None = Field(
+        None,
+        description="share of generated arrivals that are interactive (default 1; 0.5 for mixed)",
     )
-    g.add_argument(
-        "--tenants",
-        default=None,
-        metavar="NAME=WEIGHT,...",
-        help="tenants of generated arrivals and their weights (default 'default'; mixed: "
+    tenants: str | None = Field(
+        None,
+        description="tenants of generated arrivals and their weights (default 'default'; mixed: "
         "'flood=9,steady=1')",
+        json_schema_extra={"metavar": "NAME=WEIGHT,..."},
     )
-    g.add_argument(
-        "--prompt-tokens", type=int, default=64, help="prompt tokens of interactive arrivals"
-    )
-    g.add_argument("--max-tokens", type=int, default=32, help="max_tokens of interactive arrivals")
-    g.add_argument("--bulk-prompt-tokens", type=int, default=256)
-    g.add_argument("--bulk-max-tokens", type=int, default=256)
-    g.add_argument(
-        "--burst-size", type=int, default=20, help="arrivals per burst (--workload bursts)"
-    )
-    g.add_argument(
-        "--bulk-streams",
-        type=int,
-        default=0,
-        metavar="N",
-        help="besides the arrivals, N closed-loop bulk streams for --duration seconds (each "
+    prompt_tokens: int = Field(64, description="prompt tokens of interactive arrivals")
+    max_tokens: int = Field(32, description="max_tokens of interactive arrivals")
+    bulk_prompt_tokens: int = 256
+    bulk_max_tokens: int = 256
+    burst_size: int = Field(20, description="arrivals per burst (--workload bursts)")
+    bulk_streams: int = Field(
+        0,
+        description="besides the arrivals, N closed-loop bulk streams for --duration seconds (each "
         "sends its next request when the previous ends; shaped by --bulk-*-tokens)",
+        json_schema_extra={"metavar": "N"},
     )
+
+
+def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
+    group = simulate_parser.add_argument_group("continuous mode (--mode continuous)")
+    settings.add_arguments(group, ContinuousOptions)
     add_sim_arguments(simulate_parser)
 
 
@@ -478,7 +477,9 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ValueError) as exc:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2
-    config = with_tenants(load_config(args.config), {a.tenant for a in arrivals} or {"default"})
+    config = with_tenants(
+        settings.load_config(args.config), {a.tenant for a in arrivals} or {"default"}
+    )
     simulation = ContinuousSimulation(config, SimConfig.from_args(args))
     simulation.add_arrivals(arrivals)
     if args.bulk_streams:

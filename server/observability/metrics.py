@@ -62,16 +62,6 @@ SLO_RESULTS: dict[str, tuple[tuple[str, str], ...]] = {
     "bulk": (("met", "none"), ("missed", "refused"), ("missed", "expired"), ("missed", "failed")),
 }
 
-BATCH_STATUSES = (
-    "validating",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "failed",
-    "expired",
-    "cancelling",
-    "cancelled",
-)
 BATCH_LINE_OUTCOMES = ("completed", "failed", "expired")
 
 _STATE_BUCKETS = _by_decade(

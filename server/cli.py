@@ -72,7 +72,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         help="the caller of request ID leaves at this time (repeatable)",
     )
     from server.fixed_batch.cli import add_simulate_arguments as add_batch
-    from server.simulation.continuous import add_arguments as add_continuous
+    from server.simulation.continuous import add_simulate_arguments as add_continuous
 
     add_continuous(p)
     add_batch(p)

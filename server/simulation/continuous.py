@@ -38,8 +38,8 @@ from engine_adapters.sim_model import (
     add_sim_arguments,
     stable_hash,
 )
-from server.core import settings
 from server.core.config import SluiceConfig, TenantConfig
+from server.core.settings import add_arguments, load_config
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
@@ -435,9 +435,9 @@ class ContinuousOptions(BaseModel):
     )
 
 
-def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
+def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     group = simulate_parser.add_argument_group("continuous mode (--mode continuous)")
-    settings.add_arguments(group, ContinuousOptions)
+    add_arguments(group, ContinuousOptions)
     add_sim_arguments(simulate_parser)
 
 
@@ -477,9 +477,7 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, ValueError) as exc:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2
-    config = with_tenants(
-        settings.load_config(args.config), {a.tenant for a in arrivals} or {"default"}
-    )
+    config = with_tenants(load_config(args.config), {a.tenant for a in arrivals} or {"default"})
     simulation = ContinuousSimulation(config, SimConfig.from_args(args))
     simulation.add_arrivals(arrivals)
     if args.bulk_streams:

@@ -304,14 +304,10 @@ def format_result(result: SimResult, *, timeline: bool) -> str:
             if r.outcome in ("rejected", "expired", "failed", "cancelled") and r.ended is not None:
                 events.append((r.ended, 2, f"{r.id} {r.outcome}: {r.reason or ''}".rstrip(": ")))
         for b in result.batches:
+            size = f"{b.size} request{'s' * (b.size != 1)}"
+            retry = " [retry]" if b.retry else ""
             events.append(
-                (
-                    b.start,
-                    1,
-                    f"worker {b.worker} starts batch {b.lease_id} "
-                    f"({b.size} request{'s' * (b.size != 1)})"
-                    f"{' [retry]' if b.retry else ''}",
-                )
+                (b.start, 1, f"worker {b.worker} starts batch {b.lease_id} ({size}){retry}")
             )
             if b.end is not None:
                 events.append((b.end, 1, f"worker {b.worker} batch {b.lease_id} {b.status}"))

@@ -24,12 +24,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from engine_adapters.sim import add_sim_arguments
 
     add_sim_arguments(p)
-    try:
-        from server.fixed_batch.cli import add_serve_arguments as add_batch_serve_arguments
-    except ImportError:  # batch mode not installed in this tree
-        pass
-    else:
-        add_batch_serve_arguments(p)
+    from server.fixed_batch.cli import add_serve_arguments as add_batch_serve_arguments
+
+    add_batch_serve_arguments(p)
 
 
 def _add_demo_model(sub: argparse._SubParsersAction) -> None:
@@ -60,25 +57,30 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workload", choices=("poisson", "bursts", "mixed"), default=None)
     p.add_argument("--rate", type=float, default=100.0, help="arrivals per second")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of generated arrivals")
-    try:
-        from server.simulation.continuous import add_arguments as add_continuous
-    except ImportError:
-        pass
-    else:
-        add_continuous(p)
-    try:
-        from server.fixed_batch.cli import add_simulate_arguments as add_batch
-    except ImportError:
-        pass
-    else:
-        add_batch(p)
+    p.add_argument(
+        "--deadline-ms",
+        type=float,
+        default=None,
+        help="deadline of generated arrivals, relative to their arrival (default: continuous "
+        "mode, the class's; batch mode, none)",
+    )
+    p.add_argument(
+        "--cancel",
+        action="append",
+        default=[],
+        metavar="ID@MS",
+        help="the caller of request ID leaves at this time (repeatable)",
+    )
+    from server.fixed_batch.cli import add_simulate_arguments as add_batch
+    from server.simulation.continuous import add_simulate_arguments as add_continuous
+
+    add_continuous(p)
+    add_batch(p)
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    try:
-        from server.fixed_batch.cli import add_plan_parser
-    except ImportError:
-        return
+    from server.fixed_batch.cli import add_plan_parser
+
     add_plan_parser(sub)
 
 

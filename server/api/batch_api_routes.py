@@ -49,7 +49,6 @@ def _parts(services: Services, request: Request) -> tuple[BatchServices, str]:
 
 async def create_file(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
-    store = api.store
     limit = api.max_file_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit + 65536:
@@ -68,36 +67,34 @@ async def create_file(services: Services, request: Request) -> Response:
     content = await upload.read(limit + 1)
     if len(content) > limit:
         raise PayloadTooLarge(f"the file exceeds {limit} bytes")
-    return JSONResponse(store.add_file(tenant, "batch", upload.filename or "input.jsonl", content))
+    return JSONResponse(
+        api.store.add_file(tenant, "batch", upload.filename or "input.jsonl", content)
+    )
 
 
 async def list_files(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
-    store = api.store
-    files = store.files(tenant, request.query_params.get("purpose"))
+    files = api.store.files(tenant, request.query_params.get("purpose"))
     return JSONResponse({"object": "list", "data": files, "has_more": False})
 
 
 async def get_file(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
-    store = api.store
     file_id = request.path_params["id"]
-    return JSONResponse(_found(store.file(tenant, file_id), "file", file_id))
+    return JSONResponse(_found(api.store.file(tenant, file_id), "file", file_id))
 
 
 async def file_content(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
-    store = api.store
     file_id = request.path_params["id"]
-    content = _found(store.file_content(tenant, file_id), "file", file_id)
+    content = _found(api.store.file_content(tenant, file_id), "file", file_id)
     return Response(content, media_type="application/jsonl")
 
 
 async def delete_file(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
-    store = api.store
     file_id = request.path_params["id"]
-    _found(store.delete_file(tenant, file_id) or None, "file", file_id)
+    _found(api.store.delete_file(tenant, file_id) or None, "file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -198,11 +195,10 @@ def _lines(content: bytes, endpoint: str, model: str) -> tuple[list[Line], list[
 
 async def list_batches(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
-    store = api.store
     raw_limit = request.query_params.get("limit", "20")
     if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("'limit' must be between 1 and 100", param="limit")
-    batches, more = store.batches(tenant, request.query_params.get("after"), int(raw_limit))
+    batches, more = api.store.batches(tenant, request.query_params.get("after"), int(raw_limit))
     data = [batch.to_api() for batch in batches]
     return JSONResponse(
         {
@@ -217,9 +213,8 @@ async def list_batches(services: Services, request: Request) -> Response:
 
 async def get_batch(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
-    store = api.store
     batch_id = request.path_params["id"]
-    return JSONResponse(_found(store.batch(tenant, batch_id), "batch", batch_id).to_api())
+    return JSONResponse(_found(api.store.batch(tenant, batch_id), "batch", batch_id).to_api())
 
 
 async def cancel_batch(services: Services, request: Request) -> Response:

@@ -79,14 +79,21 @@ _ERRORS = {
         ("504", "the deadline passed while queued"),
     )
 }
-_IDEMPOTENCY_KEY = {
-    "name": "Idempotency-Key",
-    "in": "header",
-    "required": False,
-    "schema": {"type": "string", "minLength": 1, "maxLength": 255},
-    "description": "makes the generation resumable; the same key and body answer with it "
-    "again (Idempotent-Replayed: true), another body gets 422",
-}
+
+
+def _param(name: str, where: str, schema: dict[str, Any], description: str = "") -> dict[str, Any]:
+    """A parameter: required in the path, optional elsewhere."""
+    param = {"name": name, "in": where, "required": where == "path", "schema": schema}
+    return {**param, "description": description} if description else param
+
+
+_IDEMPOTENCY_KEY = _param(
+    "Idempotency-Key",
+    "header",
+    {"type": "string", "minLength": 1, "maxLength": 255},
+    "makes the generation resumable; the same key and body answer with it again "
+    "(Idempotent-Replayed: true), another body gets 422",
+)
 
 
 def _generation(summary: str, body: dict[str, Any], *, idempotent: bool = True) -> dict[str, Any]:
@@ -111,25 +118,13 @@ def _resume(kind: str) -> dict[str, Any]:
         "get": {
             "summary": f"resume a streamed {kind} sent with an Idempotency-Key",
             "parameters": [
-                {
-                    "name": "id",
-                    "in": "path",
-                    "required": True,
-                    "schema": _STR,
-                    "description": "the id of the chunks received",
-                },
-                {
-                    "name": "Last-Event-ID",
-                    "in": "header",
-                    "required": False,
-                    "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"},
-                },
-                {
-                    "name": "starting_after",
-                    "in": "query",
-                    "required": False,
-                    "schema": {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
-                },
+                _param("id", "path", _STR, "the id of the chunks received"),
+                _param("Last-Event-ID", "header", {"type": "string", "pattern": "^[0-9]{1,18}$"}),
+                _param(
+                    "starting_after",
+                    "query",
+                    {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+                ),
             ],
             "responses": {
                 "200": {
@@ -161,9 +156,7 @@ def _with_id(operation: dict[str, Any], name: str) -> dict[str, Any]:
     return {
         method: {
             **spec,
-            "parameters": [
-                {"name": "id", "in": "path", "required": True, "schema": _STR, "description": name}
-            ],
+            "parameters": [_param("id", "path", _STR, name)],
             "responses": {**spec["responses"], **_ERRORS},
         }
         for method, spec in operation.items()

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from server.batch_api.store import Batch, BatchStore, Line
+from server.batch_api.store import STATUSES, Batch, BatchStore, Line
 from server.core.errors import (
     GenerationCancelled,
     SluiceError,
@@ -28,7 +28,7 @@ from server.generations.planner import RequestContext
 from server.generations.run import GenerationRun, Kind
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
-from server.observability.metrics import BATCH_STATUSES, Metrics
+from server.observability.metrics import Metrics
 from server.openai.requests import parse_request
 from server.scheduler.types import TrafficClass
 
@@ -115,7 +115,7 @@ class BatchRunner:
             self.submit(batch)
 
     def count_batches(self) -> None:
-        counts: dict[str, int] = dict.fromkeys(BATCH_STATUSES, 0)
+        counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
         for status in self.store.statuses():
             counts[status] = counts.get(status, 0) + 1
         for status, count in counts.items():

@@ -36,6 +36,18 @@ CREATE TABLE IF NOT EXISTS lines (
 CREATE INDEX IF NOT EXISTS pending_lines ON lines (batch_id, state, idx);
 """
 
+# A batch's statuses, in the order it may pass them (OpenAI's); each after the first stamps
+# its `<status>_at` time.
+STATUSES = (
+    "validating",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "failed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 
 
@@ -80,18 +92,7 @@ class Batch:
             "error_file_id": self.error_file_id,
             "created_at": self.created_at,
             "expires_at": self.expires_at,
-            **{
-                f"{name}_at": self.times.get(name)
-                for name in (
-                    "in_progress",
-                    "finalizing",
-                    "completed",
-                    "failed",
-                    "expired",
-                    "cancelling",
-                    "cancelled",
-                )
-            },
+            **{f"{name}_at": self.times.get(name) for name in STATUSES[1:]},
             "request_counts": dict(self.request_counts),
             "metadata": self.metadata,
         }

@@ -150,14 +150,14 @@ class ServeOptions(BaseModel):
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser, options: type[BaseModel]) -> None:
+def add_arguments(parser: argparse._ActionsContainer, options: type[BaseModel]) -> None:
     """A flag per field of `options`: `--some-name` for `some_name`, with its default and
     help; a value out of the field's type or bounds is refused by argparse, naming the flag."""
     for name, field in options.model_fields.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, **_argument(field))
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, **_argument(field, options))
 
 
-def _argument(field: FieldInfo) -> dict[str, Any]:
+def _argument(field: FieldInfo, options: type[BaseModel]) -> dict[str, Any]:
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
     kwargs: dict[str, Any] = {"help": field.description or None}
     if "metavar" in extra:
@@ -168,23 +168,28 @@ def _argument(field: FieldInfo) -> dict[str, Any]:
         return {**kwargs, "action": "store_true"}
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation)
-        return {**kwargs, "action": "append", "default": list(default), "type": _parser(item)}
+        return {
+            **kwargs,
+            "action": "append",
+            "default": list(default),
+            "type": _parser(item, options),
+        }
     if typing.get_origin(annotation) is Literal:
         return {**kwargs, "default": default, "choices": typing.get_args(annotation)}
     checked: Any = field.annotation
     if field.metadata:  # bounds (Field(gt=0)) travel with the type
         checked = Annotated[field.annotation, *field.metadata]
-    return {**kwargs, "default": default, "type": _parser(checked)}
+    return {**kwargs, "default": default, "type": _parser(checked, options)}
 
 
-def _parser(annotation: Any) -> Callable[[str], Any]:
+def _parser(annotation: Any, options: type[BaseModel]) -> Callable[[str], Any]:
     adapter: TypeAdapter[Any] = TypeAdapter(annotation)
 
     def parse(text: str) -> Any:
         try:
             return adapter.validate_python(text)
         except ValidationError as exc:
-            raise argparse.ArgumentTypeError(describe(exc.errors()[0], ServeOptions)) from None
+            raise argparse.ArgumentTypeError(describe(exc.errors()[0], options)) from None
 
     return parse
 

@@ -1,7 +1,7 @@
 """Batch mode's part of the `sluice` command: serve flags, `simulate --mode batch`, `plan`.
 
-`server/cli.py` owns the parser and calls these hooks. Flags are added only if the shared
-parser does not already have them (the continuous simulator adds its own to the same parser).
+`server/cli.py` owns the parser, with the simulate flags both modes share, and calls these
+hooks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from engine_adapters.sim_batch import DEFAULT_POISON_MARKER, BatchModel, SimBatchEngine
+from server.core.settings import add_arguments
 from server.fixed_batch.decisions import BatchConfig
 from server.fixed_batch.plan import format_plan, latencies_ms, percentile, plan
 from server.fixed_batch.runtime import BatchRuntime
@@ -31,57 +34,61 @@ from server.simulation.workload import (
 _TIMELINE_LIMIT = 200
 
 
-def _add(parser: argparse.ArgumentParser | Any, *flags: str, **kwargs: Any) -> None:
-    existing = getattr(parser, "_option_string_actions", {})
-    if not any(flag in existing for flag in flags):
-        parser.add_argument(*flags, **kwargs)
+class BatchShape(BaseModel):
+    """The flags of the batch engine's shape, for `serve --engine sim-batch` and `simulate
+    --mode batch`."""
 
-
-def _add_batch_shape(p: Any) -> None:
-    _add(p, "--workers", type=int, default=1, help="batch workers (one batch at a time each)")
-    _add(p, "--batch-ms", type=float, default=100.0, help="fixed time of one batch")
-    _add(p, "--max-batch", type=int, default=32, help="most requests in one batch")
-    _add(
-        p,
-        "--max-delay-ms",
-        type=float,
-        default=10.0,
-        help="longest a partial batch waits for company once a worker is free",
+    workers: int = Field(1, description="batch workers (one batch at a time each)")
+    batch_ms: float = Field(100.0, description="fixed time of one batch")
+    max_batch: int = Field(32, description="most requests in one batch")
+    max_delay_ms: float = Field(
+        10.0, description="longest a partial batch waits for company once a worker is free"
     )
-    _add(p, "--max-queue", type=int, default=10_000, help="queued requests per model, at most")
-    _add(
-        p,
-        "--attempts",
-        type=int,
-        default=None,
-        help="dispatches allowed per request (default: ceil(log2(max-batch)) + 3)",
+    max_queue: int = Field(10_000, description="queued requests per model, at most")
+    attempts: int | None = Field(
+        None, description="dispatches allowed per request (default: ceil(log2(max-batch)) + 3)"
     )
-    _add(
-        p,
-        "--lease-ms",
-        type=float,
-        default=None,
-        help="a batch unanswered this long after it started is presumed lost "
+    lease_ms: float | None = Field(
+        None,
+        description="a batch unanswered this long after it started is presumed lost "
         "(default: 3 x batch-ms)",
     )
-    _add(
-        p,
-        "--poison-marker",
-        default=DEFAULT_POISON_MARKER,
-        help="a prompt containing this text crashes its batch (failure injection)",
+    poison_marker: str = Field(
+        DEFAULT_POISON_MARKER,
+        description="a prompt containing this text crashes its batch (failure injection)",
     )
-    _add(
-        p,
-        "--batch-fail-rate",
-        type=float,
-        default=0.0,
-        help="probability that any batch crashes its worker (failure injection)",
+    batch_fail_rate: float = Field(
+        0.0, description="probability that any batch crashes its worker (failure injection)"
     )
+
+
+class BatchFaults(BaseModel):
+    """The flags of `simulate --mode batch` beside the shape: models and injected faults."""
+
+    models: str | None = Field(
+        None,
+        description="workers per model version, e.g. 'a=2,b=1' (overrides --workers)",
+        json_schema_extra={"metavar": "MODEL=N,..."},
+    )
+    poison_rate: float = Field(
+        0.0, description="fraction of generated arrivals whose prompt carries the poison marker"
+    )
+    kill: list[str] = Field(
+        [],
+        description="the worker dies at this time, mid-batch if busy (repeatable)",
+        json_schema_extra={"metavar": "WORKER@MS"},
+    )
+    hang: list[str] = Field(
+        [],
+        description="the worker's next batch from this time answers only after --hang-ms",
+        json_schema_extra={"metavar": "WORKER@MS"},
+    )
+    hang_ms: float = Field(1000.0, description="how late a hung batch answers")
+    restart_ms: float = Field(0.0, description="time for a lost worker to return")
 
 
 def add_serve_arguments(serve_parser: argparse.ArgumentParser) -> None:
-    group = serve_parser.add_argument_group("batch engine (--engine sim-batch)")
-    _add_batch_shape(group)
+    add_arguments(serve_parser.add_argument_group("batch engine (--engine sim-batch)"), BatchShape)
 
 
 def sim_batch_from_args(
@@ -109,54 +116,8 @@ def build_serving(
 
 def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     group = simulate_parser.add_argument_group("batch mode (--mode batch)")
-    _add_batch_shape(group)
-    _add(
-        group,
-        "--models",
-        default=None,
-        metavar="MODEL=N,...",
-        help="workers per model version, e.g. 'a=2,b=1' (overrides --workers)",
-    )
-    _add(
-        group,
-        "--deadline-ms",
-        type=float,
-        default=None,
-        help="deadline of generated arrivals, relative to their arrival",
-    )
-    _add(
-        group,
-        "--poison-rate",
-        type=float,
-        default=0.0,
-        help="fraction of generated arrivals whose prompt carries the poison marker",
-    )
-    _add(
-        group,
-        "--kill",
-        action="append",
-        default=[],
-        metavar="WORKER@MS",
-        help="the worker dies at this time, mid-batch if busy (repeatable)",
-    )
-    _add(
-        group,
-        "--hang",
-        action="append",
-        default=[],
-        metavar="WORKER@MS",
-        help="the worker's next batch from this time answers only after --hang-ms",
-    )
-    _add(group, "--hang-ms", type=float, default=1000.0, help="how late a hung batch answers")
-    _add(
-        group,
-        "--cancel",
-        action="append",
-        default=[],
-        metavar="ID@MS",
-        help="the caller of request ID leaves at this time (repeatable)",
-    )
-    _add(group, "--restart-ms", type=float, default=0.0, help="time for a lost worker to return")
+    add_arguments(group, BatchShape)
+    add_arguments(group, BatchFaults)
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -343,14 +304,10 @@ def format_result(result: SimResult, *, timeline: bool) -> str:
             if r.outcome in ("rejected", "expired", "failed", "cancelled") and r.ended is not None:
                 events.append((r.ended, 2, f"{r.id} {r.outcome}: {r.reason or ''}".rstrip(": ")))
         for b in result.batches:
+            size = f"{b.size} request{'s' * (b.size != 1)}"
+            retry = " [retry]" if b.retry else ""
             events.append(
-                (
-                    b.start,
-                    1,
-                    f"worker {b.worker} starts batch {b.lease_id} "
-                    f"({b.size} request{'s' * (b.size != 1)})"
-                    f"{' [retry]' if b.retry else ''}",
-                )
+                (b.start, 1, f"worker {b.worker} starts batch {b.lease_id} ({size}){retry}")
             )
             if b.end is not None:
                 events.append((b.end, 1, f"worker {b.worker} batch {b.lease_id} {b.status}"))

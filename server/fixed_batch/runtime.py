@@ -168,13 +168,6 @@ class BatchRuntime:
         if not self._stopping:
             self._poll()
 
-    def kill_worker_now(self, worker_id: int) -> None:
-        """Failure injection from outside the engine: the worker is lost as of now."""
-        task = self._tasks.pop(worker_id, None)
-        if task is not None:
-            task.cancel()
-        self._lose_worker(worker_id)
-
     # --- applying decisions ---
     def _poll(self) -> None:
         self._act(self.core.poll(self.clock()))

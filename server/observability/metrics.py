@@ -9,70 +9,37 @@ The README's "Metrics" section defines each one precisely.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from server.core.errors import OUTCOMES, REJECTION_CODES
 
-_LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    30.0,
-    60.0,
+
+def _by_decade(*decades: tuple[float, ...]) -> tuple[float, ...]:
+    """A histogram's bucket bounds, written a decade a row."""
+    return tuple(bound for decade in decades for bound in decade)
+
+
+_LATENCY_BUCKETS = _by_decade(
+    (0.005,),
+    (0.01, 0.025, 0.05, 0.075),
+    (0.1, 0.15, 0.2, 0.3, 0.5, 0.75),
+    (1.0, 1.5, 2.0, 3.0, 5.0, 7.5),
+    (10.0, 20.0, 30.0, 60.0),
 )
-_ITL_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    1.0,
-    2.0,
+_ITL_BUCKETS = _by_decade(
+    (0.001, 0.0025, 0.005, 0.0075),
+    (0.01, 0.015, 0.02, 0.03, 0.05, 0.075),
+    (0.1, 0.15, 0.2, 0.3, 0.5),
+    (1.0, 2.0),
 )
-_DURATION_BUCKETS = (
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.0,
-    3.0,
-    5.0,
-    7.5,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
+_DURATION_BUCKETS = _by_decade(
+    (0.05,),
+    (0.1, 0.25, 0.5),
+    (1.0, 2.0, 3.0, 5.0, 7.5),
+    (10.0, 15.0, 20.0, 30.0, 60.0),
+    (120.0, 300.0),
 )
 
 # The label values known in advance, each labelled counter's vocabulary: `initialise` creates
@@ -95,36 +62,18 @@ SLO_RESULTS: dict[str, tuple[tuple[str, str], ...]] = {
     "bulk": (("met", "none"), ("missed", "refused"), ("missed", "expired"), ("missed", "failed")),
 }
 
-BATCH_STATUSES = (
-    "validating",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "failed",
-    "expired",
-    "cancelling",
-    "cancelled",
-)
 BATCH_LINE_OUTCOMES = ("completed", "failed", "expired")
 
-_STATE_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.00075,
-    0.001,
-    0.0015,
-    0.002,
-    0.003,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
+_STATE_BUCKETS = _by_decade(
+    (0.0001, 0.00025, 0.0005, 0.00075),
+    (0.001, 0.0015, 0.002, 0.003, 0.005),
+    (0.01, 0.025, 0.05),
+    (0.1, 0.25, 0.5),
 )
 STATE_OPERATIONS = ("acquire", "release", "renew", "open", "find", "append", "claim", "read")
+
+
+_BY_CLASS = ("model", "traffic_class")
 
 
 class Metrics:
@@ -134,244 +83,186 @@ class Metrics:
 
     def __init__(self) -> None:
         registry = self.registry = CollectorRegistry(auto_describe=True)
+        counter = partial(Counter, registry=registry)
+        gauge = partial(Gauge, registry=registry)
+        histogram = partial(Histogram, registry=registry)
         # --- Per-request timings (recorded by the server as bytes reach the client) ---
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = histogram(
             "sluice_time_to_first_token_seconds",
             "Arrival at the server to the first generated token written to the client.",
-            ["model", "traffic_class"],
+            _BY_CLASS,
             buckets=_LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = histogram(
             "sluice_inter_token_latency_seconds",
             "Gap between consecutive writes of generated tokens to the client, divided evenly "
             "among the tokens of the later write.",
-            ["model", "traffic_class"],
+            _BY_CLASS,
             buckets=_ITL_BUCKETS,
-            registry=registry,
         )
-        self.request_duration = Histogram(
+        self.request_duration = histogram(
             "sluice_request_duration_seconds",
             "Arrival at the server to the last byte of the response written.",
-            ["model", "traffic_class"],
+            _BY_CLASS,
             buckets=_DURATION_BUCKETS,
-            registry=registry,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = histogram(
             "sluice_queue_wait_seconds",
             "Arrival at the server to dispatch into the engine.",
-            ["model", "traffic_class"],
+            _BY_CLASS,
             buckets=_LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.batches = Gauge(
-            "sluice_batches",
-            "Batches (the Batch API) by status.",
-            ["status"],
-            registry=registry,
-        )
-        self.batch_lines = Counter(
+        self.batches = gauge("sluice_batches", "Batches (the Batch API) by status.", ["status"])
+        self.batch_lines = counter(
             "sluice_batch_lines",
             "Batch lines that ended: completed, failed (an error response) or expired.",
             ["outcome"],
-            registry=registry,
         )
-        self.requests = Counter(
-            "sluice_requests",
-            "Requests that ended, by outcome.",
-            ["model", "traffic_class", "outcome"],
-            registry=registry,
+        self.requests = counter(
+            "sluice_requests", "Requests that ended, by outcome.", [*_BY_CLASS, "outcome"]
         )
-        self.generated_tokens = Counter(
-            "sluice_generated_tokens",
-            "Tokens the engine generated and Sluice received.",
-            ["model", "traffic_class"],
-            registry=registry,
+        self.generated_tokens = counter(
+            "sluice_generated_tokens", "Tokens the engine generated and Sluice received.", _BY_CLASS
         )
-        self.prompt_tokens = Counter(
-            "sluice_prompt_tokens",
-            "Prompt tokens of requests dispatched to the engine.",
-            ["model", "traffic_class"],
-            registry=registry,
+        self.prompt_tokens = counter(
+            "sluice_prompt_tokens", "Prompt tokens of requests dispatched to the engine.", _BY_CLASS
         )
 
         # --- Engine state ---
-        self.engine_unfinished_requests = Gauge(
+        self.engine_unfinished_requests = gauge(
             "sluice_engine_unfinished_requests",
             "Requests the engine holds (running or waiting inside the engine), read at scrape "
             "time.",
             ["model"],
-            registry=registry,
         )
-        self.engine_healthy = Gauge(
-            "sluice_engine_healthy",
-            "1 while the engine is loaded and healthy, else 0.",
-            ["model"],
-            registry=registry,
+        self.engine_healthy = gauge(
+            "sluice_engine_healthy", "1 while the engine is loaded and healthy, else 0.", ["model"]
         )
-        self.engine_aborts = Counter(
+        self.engine_aborts = counter(
             "sluice_engine_aborts",
             "Engine requests aborted by Sluice before they finished, by reason.",
             ["model", "reason"],
-            registry=registry,
         )
-        self.cancellations = Counter(
+        self.cancellations = counter(
             "sluice_cancellations",
             "Requests whose client left or cancelled, by where they were (queued or running).",
-            ["model", "traffic_class", "stage"],
-            registry=registry,
+            [*_BY_CLASS, "stage"],
         )
 
         # --- Scheduler state (recorded at state changes by the scheduler shell) ---
-        self.queue_depth = Gauge(
-            "sluice_queue_depth",
-            "Requests waiting in Sluice's queue.",
-            ["model", "traffic_class"],
-            registry=registry,
+        self.queue_depth = gauge(
+            "sluice_queue_depth", "Requests waiting in Sluice's queue.", _BY_CLASS
         )
-        self.queue_oldest_age = Gauge(
-            "sluice_queue_oldest_age_seconds",
-            "Age of the oldest queued request.",
-            ["model", "traffic_class"],
-            registry=registry,
+        self.queue_oldest_age = gauge(
+            "sluice_queue_oldest_age_seconds", "Age of the oldest queued request.", _BY_CLASS
         )
-        self.running_requests = Gauge(
+        self.running_requests = gauge(
             "sluice_running_requests",
             "Sequences dispatched to the engine and not yet ended (a request with n choices runs "
             "n).",
-            ["model", "traffic_class"],
-            registry=registry,
+            _BY_CLASS,
         )
-        self.budget_in_use = Gauge(
-            "sluice_budget_in_use",
-            "Units of each budget held by running requests.",
-            ["budget"],
-            registry=registry,
+        self.budget_in_use = gauge(
+            "sluice_budget_in_use", "Units of each budget held by running requests.", ["budget"]
         )
-        self.budget_limit = Gauge(
-            "sluice_budget_limit",
-            "Limit of each budget.",
-            ["budget"],
-            registry=registry,
-        )
-        self.rejections = Counter(
+        self.budget_limit = gauge("sluice_budget_limit", "Limit of each budget.", ["budget"])
+        self.rejections = counter(
             "sluice_rejections",
             "Requests refused before or instead of dispatch, by reason.",
-            ["model", "traffic_class", "reason", "tenant"],
-            registry=registry,
+            [*_BY_CLASS, "reason", "tenant"],
         )
-        self.deadline_misses = Counter(
+        self.deadline_misses = counter(
             "sluice_deadline_misses",
             "Requests whose deadline passed before they completed (expired queued or aborted "
             "running).",
-            ["model", "traffic_class"],
-            registry=registry,
+            _BY_CLASS,
         )
-        self.tenant_requests = Counter(
+        self.tenant_requests = counter(
             "sluice_tenant_requests",
             "Requests that ended, by configured tenant and outcome.",
             ["tenant", "outcome"],
-            registry=registry,
         )
-        self.autoscale_pressure = Gauge(
+        self.autoscale_pressure = gauge(
             "sluice_autoscale_pressure",
             "Predicted queue wait over the class's deadline budget; above 1 means add capacity.",
-            ["model", "traffic_class"],
-            registry=registry,
+            _BY_CLASS,
         )
 
         # --- Interactive SLO and the bulk cap ---
-        self.slo_requests = Counter(
+        self.slo_requests = counter(
             "sluice_slo_requests",
             "Requests that ended, by whether they met their class's service-level objective "
             "(interactive: completed within the TTFT and median inter-token targets; bulk: "
             "completed).",
-            ["model", "traffic_class", "result", "reason"],
-            registry=registry,
+            [*_BY_CLASS, "result", "reason"],
         )
-        self.slo_target = Gauge(
+        self.slo_target = gauge(
             "sluice_slo_target_seconds",
             "The interactive targets in effect: time to first token (ttft) and median gap between "
             "tokens (itl).",
-            ["model", "traffic_class", "target"],
-            registry=registry,
+            [*_BY_CLASS, "target"],
         )
-        self.bulk_cap = Gauge(
+        self.bulk_cap = gauge(
             "sluice_bulk_cap_sequences",
             "Bulk sequences allowed to run now (lower while chats run, the knee otherwise).",
             ["model"],
-            registry=registry,
         )
-        self.resumed_prefill_tokens = Counter(
+        self.resumed_prefill_tokens = counter(
             "sluice_resumed_prefill_tokens",
             "Prompt tokens the engine computed again to resume preempted requests (the rest of "
             "each resumed prompt came from its prefix cache); with "
             'engine_aborts_total{reason="preempted"}, what a pause costs.',
             ["model"],
-            registry=registry,
         )
-        self.knee = Gauge(
+        self.knee = gauge(
             "sluice_knee_sequences",
             "Learned concurrency past which more sequences add little throughput.",
             ["model"],
-            registry=registry,
         )
 
         # --- Batch dispatch mode ---
-        self.batch_size = Histogram(
+        self.batch_size = histogram(
             "sluice_batch_size",
             "Requests per dispatched batch.",
             ["model"],
             buckets=(1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 48, 64, 128),
-            registry=registry,
         )
-        self.worker_failures = Counter(
-            "sluice_worker_failures",
-            "Batches lost to a worker failure.",
-            ["model"],
-            registry=registry,
+        self.worker_failures = counter(
+            "sluice_worker_failures", "Batches lost to a worker failure.", ["model"]
         )
-        self.batch_retries = Counter(
-            "sluice_batch_retries",
-            "Requests re-queued after their batch failed.",
-            ["model"],
-            registry=registry,
+        self.batch_retries = counter(
+            "sluice_batch_retries", "Requests re-queued after their batch failed.", ["model"]
         )
 
         # --- Shared state (Redis), with `state.url` set ---
-        self.state_up = Gauge(
+        self.state_up = gauge(
             "sluice_state_backend_up",
             "1 while the shared state backend answers; 0 while this replica enforces its share of "
             "each tenant limit alone.",
             ["backend"],
-            registry=registry,
         )
-        self.state_latency = Histogram(
+        self.state_latency = histogram(
             "sluice_state_backend_seconds",
             "Round trips to the shared state backend, by operation.",
             ["operation"],
             buckets=_STATE_BUCKETS,
-            registry=registry,
         )
-        self.state_errors = Counter(
+        self.state_errors = counter(
             "sluice_state_backend_errors_total",
             "Calls to the shared state backend that failed or timed out, by operation.",
             ["operation"],
-            registry=registry,
         )
-        self.state_replicas = Gauge(
+        self.state_replicas = gauge(
             "sluice_state_replicas",
             "Replicas the shared state backend last counted (those renewing their leases).",
             ["backend"],
-            registry=registry,
         )
-        self.state_takeovers = Counter(
+        self.state_takeovers = counter(
             "sluice_state_takeovers",
             "Resumable generations this replica took over from a replica that stopped renewing its "
             "lease (it died), by how: continued from the logged tokens, or started afresh (nothing "
             "was sent yet).",
             ["how"],
-            registry=registry,
         )
 
     def exposition(self) -> bytes:

@@ -14,25 +14,9 @@ from server.openai.wire import MAX_CHOICES, MAX_LOGPROBS, Number, OnlyDefault, T
 
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[Number, Field(ge=-2, le=2)]
-# What vLLM's beam search does not apply (it would drop them): refused with it.
-_NOT_WITH_BEAM = (
-    "top_p",
-    "top_k",
-    "min_p",
-    "min_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "logit_bias",
-    "logprobs",
-    "prompt_logprobs",
-    "tokens_as_ids",
-    "allowed_token_ids",
-    "bad_words",
-)
+# The sampling options vLLM's beam search applies; any other is refused with it (it would
+# drop them).
+_WITH_BEAM = ("temperature", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "n")
 # Read as they are into the sampling options (numbers as floats, lists as tuples).
 _SAMPLING = (
     "temperature",
@@ -192,8 +176,8 @@ class GenerationBody(WireModel):
         refused."""
         if not self.use_beam_search:
             return
-        for key in _NOT_WITH_BEAM:
-            if key in sampling:
+        for key in sampling:
+            if key not in _WITH_BEAM:
                 param = {"tokens_as_ids": "return_tokens_as_token_ids"}.get(key, key)
                 raise UnsupportedParameter(f"'{param}' does not apply to beam search", param=param)
         if kind == "completion" and self.stream:  # vLLM's rule and message

@@ -137,10 +137,6 @@ class StepTimes:
             return 2.0 * points[-1][0]
         return next(c for (c, _), rate in zip(points, rates, strict=True) if rate >= share * best)
 
-    def observed(self) -> list[tuple[float, float]]:
-        """(concurrency, step seconds) of every observed bin, by concurrency."""
-        return list(self._points)
-
 
 @dataclass(slots=True)
 class _Window:

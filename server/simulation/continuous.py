@@ -28,6 +28,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from engine_adapters.sim_model import (
     SPECIAL_TOKENS,
     SimConfig,
@@ -37,7 +39,7 @@ from engine_adapters.sim_model import (
     stable_hash,
 )
 from server.core.config import SluiceConfig, TenantConfig
-from server.core.settings import load_config
+from server.core.settings import add_arguments, load_config
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
@@ -406,62 +408,37 @@ def _percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
 
 
 # --- CLI ---------------------------------------------------------------------------------
-def _add(parser: Any, *flags: str, **kwargs: Any) -> None:
-    existing = getattr(parser, "_option_string_actions", {})
-    if not any(flag in existing for flag in flags):
-        parser.add_argument(*flags, **kwargs)
+class ContinuousOptions(BaseModel):
+    """The flags of `simulate --mode continuous` (the `--sim-*` engine flags apart)."""
 
-
-def add_arguments(simulate_parser: argparse.ArgumentParser) -> None:
-    g = simulate_parser.add_argument_group("continuous mode (--mode continuous)")
-    _add(g, "--config", type=Path, default=None, help="scheduler YAML (tenants, budgets)")
-    _add(
-        g,
-        "--interactive-share",
-        type=float,
-        default=None,
-        help="share of generated arrivals that are interactive (default 1; 0.5 for mixed)",
+    config: Path | None = Field(None, description="scheduler YAML (tenants, budgets)")
+    interactive_share: float | None = Field(
+        None,
+        description="share of generated arrivals that are interactive (default 1; 0.5 for mixed)",
     )
-    _add(
-        g,
-        "--tenants",
-        default=None,
-        metavar="NAME=WEIGHT,...",
-        help="tenants of generated arrivals and their weights (default 'default'; mixed: "
+    tenants: str | None = Field(
+        None,
+        description="tenants of generated arrivals and their weights (default 'default'; mixed: "
         "'flood=9,steady=1')",
+        json_schema_extra={"metavar": "NAME=WEIGHT,..."},
     )
-    _add(g, "--prompt-tokens", type=int, default=64, help="prompt tokens of interactive arrivals")
-    _add(g, "--max-tokens", type=int, default=32, help="max_tokens of interactive arrivals")
-    _add(g, "--bulk-prompt-tokens", type=int, default=256)
-    _add(g, "--bulk-max-tokens", type=int, default=256)
-    _add(
-        g,
-        "--deadline-ms",
-        type=float,
-        default=None,
-        help="deadline of generated arrivals, relative to their arrival (default: class's)",
-    )
-    _add(g, "--burst-size", type=int, default=20, help="arrivals per burst (--workload bursts)")
-    _add(
-        g,
-        "--bulk-streams",
-        type=int,
-        default=0,
-        metavar="N",
-        help="besides the arrivals, N closed-loop bulk streams for --duration seconds (each "
+    prompt_tokens: int = Field(64, description="prompt tokens of interactive arrivals")
+    max_tokens: int = Field(32, description="max_tokens of interactive arrivals")
+    bulk_prompt_tokens: int = 256
+    bulk_max_tokens: int = 256
+    burst_size: int = Field(20, description="arrivals per burst (--workload bursts)")
+    bulk_streams: int = Field(
+        0,
+        description="besides the arrivals, N closed-loop bulk streams for --duration seconds (each "
         "sends its next request when the previous ends; shaped by --bulk-*-tokens)",
+        json_schema_extra={"metavar": "N"},
     )
-    _add(
-        g,
-        "--cancel",
-        action="append",
-        default=[],
-        metavar="ID@MS",
-        help="the caller of request ID leaves at this time (repeatable)",
-    )
-    existing = getattr(simulate_parser, "_option_string_actions", {})
-    if "--sim-kv-blocks" not in existing:
-        add_sim_arguments(simulate_parser)
+
+
+def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
+    group = simulate_parser.add_argument_group("continuous mode (--mode continuous)")
+    add_arguments(group, ContinuousOptions)
+    add_sim_arguments(simulate_parser)
 
 
 def build_arrivals(args: argparse.Namespace) -> list[Arrival] | Iterable[Arrival]:

@@ -113,7 +113,10 @@ class PrefillPacer:
     leaving) rescales it. A start that needs more than the whole headroom goes when the bucket
     is full, alone: its step is longer by its prefill, and the next start waits for that step
     and one more. It bounds what bulk adds to any one step, not bulk's share of the engine:
-    bulk must still be able to replace what finishes."""
+    bulk must still be able to replace what finishes.
+
+    A start may also name the least share of the bucket it takes (`min_share`, at most 1),
+    whatever its prefill, so that starts of small prefills are spread over steps too."""
 
     MIN_HEADROOM_SHARE = 0.1  # of the step, when the target leaves none
 
@@ -135,21 +138,24 @@ class PrefillPacer:
     # Fill reached through float arithmetic may fall short of a level by a few ulps: a start is
     # allowed a millionth short, and `ready_at` aims at a billionth short, so that a poll at the
     # time it names always finds the start allowed.
-    def _needed(self, prefill_s: float) -> float:
-        return min(1.0, prefill_s / self._headroom_s)
+    def _needed(self, prefill_s: float, min_share: float) -> float:
+        return min(1.0, max(min_share, prefill_s / self._headroom_s))
 
-    def allows(self, prefill_s: float) -> bool:
-        return self._fill >= self._needed(prefill_s) * (1.0 - 1e-6)
+    def allows(self, prefill_s: float, min_share: float = 0.0) -> bool:
+        return self._fill >= self._needed(prefill_s, min_share) * (1.0 - 1e-6)
 
-    def spend(self, prefill_s: float) -> None:
-        if prefill_s <= self._fill * self._headroom_s:
-            self._fill -= prefill_s / self._headroom_s
+    def spend(self, prefill_s: float, min_share: float = 0.0) -> None:
+        share = max(min_share, prefill_s / self._headroom_s)
+        if share <= self._fill or prefill_s <= self._fill * self._headroom_s:
+            self._fill -= share
         else:  # alone, in a step its prefill makes longer: wait for that step and one more
-            self._fill = -prefill_s / self._step_s if self._step_s > 0 else 0.0
+            self._fill = min(
+                self._fill - min_share, -prefill_s / self._step_s if self._step_s > 0 else 0.0
+            )
 
-    def ready_at(self, prefill_s: float) -> float:
-        """When `allows(prefill_s)` turns true if nothing else changes."""
-        missing = self._needed(prefill_s) * (1.0 - 1e-9) - self._fill
+    def ready_at(self, prefill_s: float, min_share: float = 0.0) -> float:
+        """When `allows(prefill_s, min_share)` turns true if nothing else changes."""
+        missing = self._needed(prefill_s, min_share) * (1.0 - 1e-9) - self._fill
         if missing <= 0 or self._step_s <= 0:
             return self._at
         return self._at + missing * self._step_s

@@ -43,6 +43,9 @@ from server.scheduler.types import RejectReason, Ticket, TrafficClass
 
 Stage = Literal["queued", "running"]
 
+# Bulk may start this many times as often as the bulk allowed turns over (`_start_share`).
+TURNOVER_PACE = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
@@ -313,7 +316,7 @@ class SchedulerCore:
                 )
             ):
                 bulk.pop(bulk_head)
-                self._pacer.spend(self._prefill_s(bulk_head))
+                self._pacer.spend(self._prefill_s(bulk_head), self._start_share(bulk_head, now))
                 started.append(self._start(bulk_head, now))
                 continue
             return started
@@ -328,7 +331,22 @@ class SchedulerCore:
         if running < self.bulk_cap.floor():
             return True
         self._pace(now)
-        return self._pacer.allows(self._prefill_s(ticket))
+        return self._pacer.allows(self._prefill_s(ticket), self._start_share(ticket, now))
+
+    def _start_share(self, ticket: Ticket, now: float) -> float:
+        """The least share of a step's prefill headroom one bulk start takes while chats are
+        about, whatever its prefill: one start per engine step, or more where the bulk allowed
+        turns over faster (`TURNOVER_PACE` times the rate that replaces it, with each request's
+        expected output as its steps). Bulk started together ends together (closed-loop
+        clients, a batch's lines: the same lengths), and a cohort that returns at once brings
+        every start's prefill, and the server's own work on each request, into the same few
+        steps, where a chat arriving waits behind them. Spread once, the starts stay spread:
+        each follows the end of the one it replaces. Within bulk's guaranteed minimum share
+        a start takes none."""
+        if not self._chats_about(now) or self.ledger.fits_bulk_floor(ticket):
+            return 0.0
+        turnover_steps = max(1.0, self.estimates.expected_output_tokens(ticket))
+        return min(1.0, turnover_steps / (TURNOVER_PACE * max(1, self.bulk_allowed(now))))
 
     def _pace(self, now: float) -> None:
         step = self.estimates.steps.at(self._sequences() + 1)
@@ -383,7 +401,9 @@ class SchedulerCore:
             running = self._bulk_running()
             if running < self.bulk_allowed(now):
                 self._pace(now)
-                ready = self._pacer.ready_at(self._prefill_s(bulk_head))
+                ready = self._pacer.ready_at(
+                    self._prefill_s(bulk_head), self._start_share(bulk_head, now)
+                )
                 if ready > now:  # else the budgets hold it, and a release will poll
                     times.append(ready)
             hold_until = self._hold_until()

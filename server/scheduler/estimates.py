@@ -31,6 +31,9 @@ WINDOW_JUMP = 1.5
 WINDOW_JUMP_MIN = 4
 # A window whose time was mostly prefill (an engine filling up) says little about decode steps.
 MIN_DECODE_SHARE = 0.5
+# One window counts for at most this factor of the step time estimated at its concurrency (see
+# `StepTimes.observe`).
+STALL_CLAMP = 2.0
 # Rates (or step times) within this factor of each other are the same rate.
 _SAME_RATE = 1.01
 # Concurrency levels are grouped in half-octave bins (1, 1.4, 2, 2.8, 4, ... sequences).
@@ -63,6 +66,12 @@ class StepTimes:
     longer reaches (a shared host's) would otherwise stand for good, hold the knee below it and
     the cap with it; it fades, and the knee tries that level again. Where the rate really
     falls, the engine shows it falling again there.
+
+    One window counts for at most `STALL_CLAMP` times the estimate at its concurrency. A shared
+    host that freezes the server for seconds (seen: 3 s, with 18 ms of its CPU) makes a window
+    of one step and almost no tokens: a step time thousands of times the engine's, which set
+    the bulk cap to a few sequences at once, and the next freeze there lowered it again. A
+    real slowdown is learnt over a few windows instead of one (20% a window, at weight 0.2).
     """
 
     def __init__(self, prior_step_s: float, weight: float) -> None:
@@ -74,6 +83,8 @@ class StepTimes:
     def observe(self, concurrency: float, step_s: float) -> None:
         if concurrency <= 0 or step_s <= 0:
             return
+        if self._points:
+            step_s = min(step_s, STALL_CLAMP * self.at(concurrency))
         key = concurrency_bin(concurrency)
         old = self._bins.get(key)
         if old is None:

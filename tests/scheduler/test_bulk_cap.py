@@ -218,6 +218,56 @@ def test_small_prefills_share_a_step() -> None:
     assert len(s.poll(2.1).started) > 15  # of the 23 paused
 
 
+def test_bulk_that_ends_together_restarts_one_step_apart_while_chats_are_about() -> None:
+    # Bulk of one length started together ends together (closed-loop clients, a batch's
+    # lines). Its replacements must not all start in the step where a chat arrives: their
+    # prefills, and the server's work on each new request, would share it. With a chat about,
+    # they start one engine step apart (beyond bulk's guaranteed share, 2 of 100 sequences),
+    # and so end apart in turn.
+    s = core(
+        config(budgets={"bulk_min_share": 0.02}),
+        tokens=10**6,
+        kv_blocks=10**6,
+        sequences=100,
+        block_size=BLOCK,
+    )
+    for n, step_ms in CPU_STEPS_MS.items():
+        s.estimates.steps.observe(n, step_ms / 1000)
+    s.estimates.observe_idle_ttft(IDLE_TTFT_S)
+    admit(s, ticket("chat", at=0.0, max_tokens=10_000))
+    assert ids(s.poll(0.0).started) == ["chat"]
+    cohort = s.bulk_allowed(0.0)
+    assert cohort == 9
+    for i in range(2 * cohort):
+        admit(s, ticket(f"bulk{i}", at=0.0, traffic_class=BULK, max_tokens=500), 0.0)
+    now, step = 0.0, s.poll(0.0)
+    while s.running_count(BULK) < cohort:  # the first cohort, spread as it fills
+        assert step.wake_at is not None
+        now, step = step.wake_at, s.poll(step.wake_at)
+    for i in range(cohort):
+        s.release(f"bulk{i}", 1.0, completed=True)
+    now, step = 1.0, s.poll(1.0)
+    starts = [(now, len(step.started))]
+    while s.running_count(BULK) < cohort:
+        assert step.wake_at is not None and step.wake_at > now
+        now, step = step.wake_at, s.poll(step.wake_at)
+        starts.append((now, len(step.started)))
+    assert sum(count for _, count in starts) == cohort
+    assert starts[0][1] == 2  # bulk's guaranteed share, at once
+    paced = [at for at, count in starts[1:] if count]
+    assert len(paced) == cohort - 2  # then one at a time, each a step after the one before
+    for before, after in itertools.pairwise(paced):
+        assert after - before >= s.estimates.steps.at(1.0)
+
+
+def test_with_no_chat_about_a_cohort_of_bulk_restarts_at_once() -> None:
+    s = calibrated()
+    flood(s, 64)
+    for i in range(32):
+        s.release(f"bulk{i}", 1.0, completed=True)
+    assert len(s.poll(1.0).started) == 32
+
+
 def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
     s = calibrated()
     flood(s, 9)

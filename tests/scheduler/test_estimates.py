@@ -112,3 +112,29 @@ def test_a_rate_seen_falling_after_the_lower_levels_stands() -> None:
     steps.observe(32, 0.020)  # seen after 8: 1,600 tokens/s against 2,000
     assert steps.at(32) == pytest.approx(0.020)
     assert steps.knee(0.95) == pytest.approx(8)
+
+
+SIM_STEPS = {1: 0.0053, 8: 0.0055, 16: 0.0057, 32: 0.0070}  # the sim engine of seat_flood.py
+
+
+def test_one_window_of_a_host_freezing_the_server_moves_the_step_time_a_little() -> None:
+    # Seen on a shared host: a 3 s step with 18 ms of the server's CPU, a window of 31
+    # sequences and three tokens. Taken as it came, it made the step at 31 sequences 5.6 s and
+    # the bulk cap fell from 25 to 12 sequences at once, then lower with each freeze after.
+    steps = StepTimes(prior_step_s=0.01, weight=0.2)
+    for n, step_s in SIM_STEPS.items():
+        steps.observe(n, step_s)
+    before = steps.at(31)
+    steps.observe(31, 3.2 * 31 / 3)
+    assert before < steps.at(31) <= 1.25 * before
+    assert steps.within(0.0144) > 32  # the gap target's aim still fits every seat
+
+
+@pytest.mark.parametrize("slower", [2.0, 5.0])
+def test_an_engine_that_really_slows_down_is_learnt_within_a_few_windows(slower: float) -> None:
+    steps = StepTimes(prior_step_s=0.01, weight=0.2)
+    for n, step_s in SIM_STEPS.items():
+        steps.observe(n, step_s)
+    for _ in range(14):  # 7 s of engine time
+        steps.observe(32, slower * 0.0070)
+    assert steps.at(32) == pytest.approx(slower * 0.0070, rel=0.1)

@@ -14,6 +14,7 @@ and a chat never queues inside the engine behind bulk.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class Run:
     chats: list[Chat]
     bulk_tokens_per_s: float
     peak_sequences: int
+    bulk_starts: list[float]  # when each bulk request was dispatched, in order
 
     def ttft_p99(self) -> float:
         return statistics.quantiles([c.ttft_s for c in self.chats], n=100)[98]
@@ -70,7 +72,10 @@ def run(bulk: BulkStreams | None, chats: bool = True) -> Run:
     asked = sum(t.traffic_class == "interactive" for t in timelines)
     assert len(done) == asked  # every chat completed
     bulk_tokens = sum(t.output_tokens for t in timelines if t.traffic_class == "bulk")
-    return Run(done, bulk_tokens / SECONDS, simulation.peak_budget_in_use["sequences"])
+    starts = sorted(
+        t.dispatched for t in timelines if t.traffic_class == "bulk" and t.dispatched is not None
+    )
+    return Run(done, bulk_tokens / SECONDS, simulation.peak_budget_in_use["sequences"], starts)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +98,15 @@ def test_a_batch_turning_the_seats_over_keeps_the_chats_ttft_within_twice_idle(i
     assert batch.peak_sequences <= SEATS
     assert batch.bulk_tokens_per_s > 0
     assert batch.ttft_p99() <= 2 * idle.ttft_p99()
+
+
+def test_a_flood_of_one_length_restarts_spread_out_not_as_one_cohort() -> None:
+    # 64 streams of 256 tokens: bulk started together would end together and come back as one
+    # burst of starts every 256 steps, all in the step a chat may arrive in. Once chats are
+    # about, starts go one step apart, and the spread holds.
+    flood = run(FLOOD)
+    later = [at for at in flood.bulk_starts if at >= 2.0]
+    assert len(later) > 200
+    step_s = ENGINE.step_base_ms / 1000
+    most_in_a_step = max(bisect.bisect_right(later, at + step_s) - i for i, at in enumerate(later))
+    assert most_in_a_step <= 2

@@ -97,6 +97,7 @@ OPERATIONS = [
 MODES = ("positive", "negative")
 
 
+@pytest.mark.slow  # the fuzzing's own check (it loads schemathesis: ~3 s): runs with the fuzzing
 def test_the_fuzzed_operations_are_the_documented_ones(api_schema: schemathesis.BaseSchema) -> None:
     documented = {(op.ok().method.upper(), op.ok().path) for op in api_schema.get_all_operations()}
     assert documented == set(OPERATIONS)

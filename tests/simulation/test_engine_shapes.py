@@ -71,11 +71,11 @@ def test_on_a_gpu_shaped_engine_the_cap_takes_nothing_from_bulk() -> None:
     assert capped["bulk_tokens_per_s"] >= 0.99 * uncapped["bulk_tokens_per_s"]
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_on_a_gpu_shaped_engine_with_every_seat_taken_chats_keep_their_slo(seed: int) -> None:
+def test_on_a_gpu_shaped_engine_with_every_seat_taken_chats_keep_their_slo() -> None:
     seat_bound = dataclasses.replace(GPU, max_num_seqs=32)  # 96 bulk streams: 3 per seat
-    with_chats, bulk_alone = flood(seat_bound, seed=seed), flood(seat_bound, chats_per_s=0)
-    assert with_chats["chats"] > 50
-    # Seed 1: 4 of 80 chats wait past 3 steps for a seat (95%); seed 2: 1 of 59.
+    with_chats, bulk_alone = flood(seat_bound), flood(seat_bound, chats_per_s=0)
+    assert with_chats["chats"] > 60
+    # 4 of the 80 chats wait past 3 steps for a seat (95%; with seed 2, 1 of 59, seeds 3 and 4
+    # none): a chat takes a seat as one turns over, without preempting bulk.
     assert with_chats["chats_met"] >= 0.95
     assert with_chats["bulk_tokens_per_s"] >= 0.9 * bulk_alone["bulk_tokens_per_s"]

@@ -83,7 +83,7 @@ VLLM_OUTPUT_FLAGS = [
 VLLM_FIXTURES = {"vllm_server", "demo_model_dir"}
 
 
-# The tiers (README, "Tests"): `unit` runs no server; `service` serves an app in this process on
+# The tiers (docs/testing.md): `unit` runs no server; `service` serves an app in this process on
 # loopback; `system` runs real processes (vLLM, a `sluice serve` whose process is the subject,
 # Redis, Chromium, Prometheus). A module whose tests start processes says `system` itself; the
 # rest is derived here.

@@ -12,7 +12,7 @@ to resume it by, when it is resumable), exactly one `{"type": "final", "id", "se
 or `{"type": "error", "id", "error": {...}}` per generate or resume that passed validation
 (finish_reason "cancelled" after a cancel), and errors with id null for a message that could
 not be attributed. `seq` numbers the generation's events as the `id:` of its SSE events does.
-The README documents the protocol.
+docs/api.md documents the protocol.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ class ServeOptions(BaseModel):
         description="where the demo model lives ($SLUICE_CACHE_DIR)",
     )
     config: Path | None = Field(
-        None, description="YAML file with tenants, API keys and scheduler limits (see README)"
+        None,
+        description="YAML file of tenants, API keys and scheduler limits: docs/configuration.md",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
     max_body_bytes: int = Field(1 << 20, gt=0, description="largest request body accepted")

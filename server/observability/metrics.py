@@ -3,7 +3,7 @@
 Naming follows Prometheus conventions: `sluice_` prefix, base units with `_seconds`, counters
 end in `_total`. Label sets are bounded: model (served names), traffic_class (two values),
 outcome/reason/budget (fixed vocabularies), tenant (configured tenants only, counters only).
-The README's "Metrics" section defines each one precisely.
+docs/operations.md ("Metrics") defines each one precisely.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Chromium is the Debian package, driven by Playwright for Python (which never downloads a
 browser here: it is given /usr/bin/chromium). The sim engine is slowed to ~25 tokens/s so the
 page is seen mid-stream. It takes a screenshot mid-stream, into the test's tmp_path; with
-`SLUICE_UPDATE_SCREENSHOT=1` into docs/chat-page.png (shown in the README and
+`SLUICE_UPDATE_SCREENSHOT=1` into docs/chat-page.png (shown in docs/operations.md and
 docs/observability.md), to update that picture after the page changes.
 """
 

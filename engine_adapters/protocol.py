@@ -168,6 +168,19 @@ class TokenDelta:
     index: int = 0
     prompt_logprobs: Sequence[Sequence[PromptLogprob] | None] | None = None
 
+    def followed_by(self, later: TokenDelta) -> TokenDelta:
+        """One delta with this one's output and then `later`'s (of the same choice)."""
+        return TokenDelta(
+            self.text + later.text,
+            [*self.token_ids, *later.token_ids],
+            later.finish_reason,
+            later.stop_reason,
+            later.num_cached_tokens if self.num_cached_tokens is None else self.num_cached_tokens,
+            None if self.logprobs is None else [*self.logprobs, *(later.logprobs or ())],
+            self.index,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheInfo:

@@ -198,6 +198,8 @@ def build_app(
     *,
     metrics: Metrics,
     ping_seconds: float = 15.0,
+    coalesce: bool = True,
+    stream_interval: int = 1,
     send_timeout_seconds: float = 30.0,
     max_body_bytes: int = 1 << 20,
     on_engine_death: asyncio.Event | None = None,
@@ -218,7 +220,9 @@ def build_app(
             state, config.idempotency.retention_seconds, config.resume.grace_seconds, metrics
         )
     )
-    planner = Planner(engine, TenantDirectory(config, clock), dispatcher, served_model)
+    planner = Planner(
+        engine, TenantDirectory(config, clock), dispatcher, served_model, stream_interval
+    )
     generations = Generations(
         planner=planner,
         dispatcher=dispatcher,
@@ -231,7 +235,7 @@ def build_app(
         engine=engine,
         planner=planner,
         generations=generations,
-        edge=Edge(SendGuard(send_timeout_seconds), ping_seconds, max_body_bytes),
+        edge=Edge(SendGuard(send_timeout_seconds), ping_seconds, max_body_bytes, coalesce),
         metrics=metrics,
         started=int(time.time()),
         batches=None

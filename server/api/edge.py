@@ -26,6 +26,9 @@ class Edge:
     send_guard: SendGuard
     ping_seconds: float = 15.0
     max_body_bytes: int = 1 << 20
+    # A stream's reader that finds several pieces of text waiting (it fell behind) sends them
+    # as one chunk; off: one event per piece, whatever the backlog.
+    coalesce: bool = True
 
 
 def request_id_from(header: str | None) -> str:

@@ -463,14 +463,8 @@ class RunResponse:
             await response(scope, receive, send)
 
     async def _events(self) -> AsyncIterator[bytes]:
-        """The events after `after`: under their ids when the run is resumable; a plain
-        stream stays as OpenAI's and vLLM's are, which clients that take each event for one
-        `data:` line (vLLM's benchmark client among them) read."""
-        if not self.run.resumable:
-            async for _, event in self.run.events(self.after):
-                yield event.sse
-            return
-        async for seq, event in self.run.events(self.after):
-            # (An event of this replica's alone has no number: a client resuming elsewhere
-            # names the last event of the generation it had.)
-            yield event.sse if event.local else b"id: %d\n%s" % (seq, event.sse)
+        """The events after `after`: all that are ready when the reader wakes, in one write
+        (merged into one chunk where they can be: `Edge.coalesce`)."""
+        run, merge = self.run, self.services.edge.coalesce
+        async for last, batch in run.log.batches(self.after):
+            yield run.sse(last, batch, merge)

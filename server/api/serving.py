@@ -103,6 +103,8 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         name,
         metrics=metrics,
         ping_seconds=args.sse_ping_seconds,
+        coalesce=args.stream_coalesce == "on",
+        stream_interval=args.stream_interval,
         send_timeout_seconds=args.send_timeout_seconds,
         max_body_bytes=args.max_body_bytes,
         on_engine_death=engine_died,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -47,8 +48,28 @@ OUTBOX_SIZE = 1024
 _NOT_FINGERPRINTED = ("type", "id", "idempotency_key")
 
 
-def ws_message(local_id: str, seq: int, event: Event, run: GenerationRun) -> dict[str, Any] | None:
-    """The WebSocket message for one event of a run's log (None: the event has none)."""
+def ws_message(local_id: str, seq: int, group: Sequence[Event], run: GenerationRun) -> bytes | None:
+    """The WebSocket message for a group of a run's events (`GenerationRun.coalesced`: one
+    event, or pieces of one choice's text merged), rendered once (None: it has none)."""
+    event = group[0]
+    if event.kind is Kind.PIECE and run.mergeable:  # text alone: no dict per token
+        text = "".join(e.text for e in group) if len(group) > 1 else event.text
+        tokens = sum(e.tokens for e in group)
+        index = b',"index":%d' % event.index if run.shape.parsed.n > 1 else b""
+        generation = b',"generation":' + orjson.dumps(run.shape.public_id) if run.resumable else b""
+        return b'{"type":"delta","id":%b,"seq":%d,"text":%b,"tokens":%d%b%b}' % (
+            orjson.dumps(local_id),
+            seq,
+            orjson.dumps(text),
+            tokens,
+            index,
+            generation,
+        )
+    message = _message(local_id, seq, event, run)
+    return None if message is None else orjson.dumps(message)
+
+
+def _message(local_id: str, seq: int, event: Event, run: GenerationRun) -> dict[str, Any] | None:
     message: dict[str, Any]
     if event.kind is Kind.PIECE:
         message = {
@@ -309,10 +330,14 @@ class Connection:
         return run, after
 
     async def _read(self, gen_id: str, run: GenerationRun, after: int) -> None:
-        async for seq, event in run.events(after):
-            message = ws_message(gen_id, seq, event, run)
-            if message is not None:
-                await self._send(message)
+        """The run's events as messages to the connection's writer: all that are ready when
+        the reader wakes (merged where they can be: `Edge.coalesce`)."""
+        merge = self.services.edge.coalesce
+        async for last, batch in run.log.batches(after):
+            for seq, group in run.coalesced(last, batch, merge):
+                message = ws_message(gen_id, seq, group, run)
+                if message is not None:
+                    await self.outbox.put(message)
 
 
 async def websocket_endpoint(services: Services, websocket: WebSocket) -> None:

@@ -112,6 +112,17 @@ class ServeOptions(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
     max_body_bytes: int = Field(1 << 20, gt=0, description="largest request body accepted")
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive interval")
+    stream_coalesce: Literal["on", "off"] = Field(
+        "on",
+        description="on: a stream whose client reads slower than tokens come gets the waiting "
+        "pieces of text merged into one chunk; off: one event per piece, whatever the backlog",
+    )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="tokens per streamed chunk, as vLLM's --stream-interval (a request's "
+        "stream_interval raises it for that request); the first and last are sent at once",
+    )
     send_timeout_seconds: float = Field(
         30.0,
         gt=0,

@@ -65,37 +65,58 @@ class EventLog(Sequence[Event]):
     `closed`: its run has ended too, and nothing more comes. `dispatched`: the generation
     reached the engine (a refusal did not). `durable`: how many events readers may see
     (None: all of them).
+
+    A log that does not `keep` its events (a run nobody can resume, read by its one reader)
+    holds only what that reader has not taken yet, and the last event it took: memory
+    bounded behind the reader, whatever the generation's length. `len` still counts every
+    event; indexing one dropped is an IndexError.
     """
 
-    def __init__(self, *, stream: bool) -> None:
+    def __init__(self, *, stream: bool, keep: bool = True) -> None:
         self.stream = stream  # a stream's error is followed by DONE; a whole response's ends it
-        self.size = 0  # bytes the log holds, roughly
+        self.keep = keep
+        self.size = 0  # bytes the log holds, roughly (a log that keeps its events)
         self.dispatched = False
         self.concluded = False
         self.closed = False
         self.durable: int | None = None
         self._events: list[Event] = []
+        self._dropped = 0  # events before the first held (a log that does not keep them)
         self._waiters: list[asyncio.Future[None]] = []
 
     def __len__(self) -> int:
-        return len(self._events)
+        return self._dropped + len(self._events)
 
     @overload
     def __getitem__(self, index: int) -> Event: ...
     @overload
     def __getitem__(self, index: slice) -> Sequence[Event]: ...
     def __getitem__(self, index: int | slice) -> Event | Sequence[Event]:
+        if isinstance(index, slice):
+            return self._events[index] if not self._dropped else list(self)[index]
+        if index >= 0:
+            index -= self._dropped
+            if index < 0:
+                raise IndexError("the event was dropped once read")
         return self._events[index]
 
     def __iter__(self) -> Iterator[Event]:
+        if self._dropped:
+            raise IndexError("the log's first events were dropped once read")
         return iter(self._events)
+
+    @property
+    def held(self) -> int:
+        """How many events the log holds now."""
+        return len(self._events)
 
     # -- writers ----------------------------------------------------------------------------
 
     def append(self, event: Event) -> None:
         self.concluded = event.kind in _LAST or (event.kind is Kind.FAILED and not self.stream)
         self._events.append(event)
-        self.size += EVENT_BYTES + len(event.sse) + len(event.text)
+        if self.keep:
+            self.size += EVENT_BYTES + len(event.sse) + len(event.text)
         self.wake()
 
     def mark_dispatched(self) -> None:
@@ -125,23 +146,37 @@ class EventLog(Sequence[Event]):
     @property
     def visible(self) -> int:
         """How many events readers may see."""
-        return len(self._events) if self.durable is None else self.durable
+        return len(self) if self.durable is None else self.durable
 
     async def until_closed(self) -> Event:
         """The last event, once the log is closed (and readers may see all of it)."""
-        while not (self.closed and self.visible == len(self._events)):
+        while not (self.closed and self.visible == len(self)):
             await self.changed()
         return self._events[-1]
 
-    async def events(self, after: int = 0) -> AsyncIterator[tuple[int, Event]]:
-        """(number, event) for every event after number `after`, live, until it closes."""
+    async def batches(self, after: int = 0) -> AsyncIterator[tuple[int, list[Event]]]:
+        """Every event after number `after`, live, until the log closes: at each wake, all
+        that readers may see and this one has not taken, with the number of the last."""
         seq = after
-        events = self._events
         while True:
-            while seq < self.visible:
-                event = events[seq]
-                seq += 1
-                yield seq, event
-            if self.closed and seq >= len(events):
+            visible = self.visible
+            if seq < visible:
+                start = seq - self._dropped
+                if start < 0:
+                    raise IndexError("the events were dropped once read")
+                batch = self._events[start : visible - self._dropped]
+                seq = visible
+                if not self.keep:  # its one reader has them now: hold the last alone
+                    del self._events[: len(batch) + start - 1]
+                    self._dropped = seq - 1
+                yield seq, batch
+                continue
+            if self.closed and seq >= len(self):
                 return
             await self.changed()
+
+    async def events(self, after: int = 0) -> AsyncIterator[tuple[int, Event]]:
+        """(number, event) for every event after number `after`, live, until it closes."""
+        async for last, batch in self.batches(after):
+            for seq, event in enumerate(batch, last - len(batch) + 1):
+                yield seq, event

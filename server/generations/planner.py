@@ -66,6 +66,7 @@ class Planner:
     tenants: TenantDirectory
     dispatcher: Dispatcher
     served_model: str
+    stream_interval: int = 1  # the server's tokens per streamed chunk (a request may raise it)
 
     def tenant_of(self, context: RequestContext) -> Tenant:
         """The caller's tenant (401 for a missing or wrong key, 429 after too many)."""
@@ -249,6 +250,7 @@ class Planner:
             new_parser=None if plan.parser is None else functools.partial(plan.parser, prompt_ids),
             prompt_token_ids=prompt_ids if parsed.return_token_ids else None,
             echo=self._echo(parsed, prompt_ids),
+            stream_interval=max(self.stream_interval, parsed.stream_interval or 1),
         )
 
     def _echo(self, parsed: ParsedRequest, prompt_ids: Sequence[int]) -> Echo | None:

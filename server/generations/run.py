@@ -26,6 +26,7 @@ from engine_adapters.protocol import (
     EngineRequestError,
     EngineUnsupported,
     OutputParser,
+    TokenDelta,
 )
 from server.core.errors import (
     EngineUnavailable,
@@ -45,6 +46,32 @@ from server.openai.responses import DONE, ChunkEncoder, Echo, usage, whole_respo
 from server.scheduler.types import Admission, Generation
 
 logger = logging.getLogger("sluice.server")
+
+
+def _joins(first: Event, event: Event) -> bool:
+    """Whether `event` merges into a group that `first` begins: pieces of one choice's text."""
+    return (
+        first.kind is Kind.PIECE
+        and event.kind is Kind.PIECE
+        and event.index == first.index
+        and not (first.local or event.local)
+    )
+
+
+def _filled(
+    delta: TokenDelta, held: dict[int, TokenDelta], begun: set[int], interval: int
+) -> TokenDelta | None:
+    """`delta` with the tokens held back before it, once it fills a chunk of `interval`
+    tokens (or is its choice's first or last); None: it is held back too."""
+    before = held.pop(delta.index, None)
+    if before is not None:
+        delta = before.followed_by(delta)
+    if delta.finish_reason is None and delta.index in begun and len(delta.token_ids) < interval:
+        held[delta.index] = delta
+        return None
+    if delta.token_ids:
+        begun.add(delta.index)
+    return delta
 
 
 def engine_failure(exc: EngineError) -> SluiceError:
@@ -73,6 +100,7 @@ class Shape:
     echo: Echo | None = None  # what comes before the generated text
     first_index: int = 0  # its choice 0's index in the response (one of several prompts)
     created: int | None = None  # its chunks' `created` (None: when its encoder is made)
+    stream_interval: int = 1  # tokens per chunk, but a choice's first and last (vLLM's)
 
     @property
     def public_id(self) -> str:
@@ -114,7 +142,10 @@ class GenerationRun:
         self.timeline = timeline
         self.resumable = resumable
         self.grace_seconds = grace_seconds
-        self.log = EventLog(stream=shape.stream)
+        # Nobody can come back for a run that is not resumable: its log holds only what its
+        # one reader has not taken.
+        self.log = EventLog(stream=shape.stream, keep=resumable)
+        self.encoder: ChunkEncoder | None = None  # a stream's, once it is dispatched here
         self._admission: Admission[Any] | None = admission
         self._on_end = on_end
         self._mirror = mirror
@@ -231,6 +262,7 @@ class GenerationRun:
             shape.first_index,
             shape.created,
         )
+        self.encoder = encoder
         with_ids = shape.prompt_token_ids is not None  # each chunk carries its token ids
         echo = shape.echo
         answer = echo is None or not echo.prompt_only  # whether the text generated is sent
@@ -261,7 +293,15 @@ class GenerationRun:
         # by the next event: the log holds every token, and every character the parser read.
         unsent: list[int] = []
         unsent_text = ""
+        interval = shape.stream_interval
+        held: dict[int, TokenDelta] = {}  # per choice: tokens waiting to fill a chunk
+        begun: set[int] = set()  # choices whose first tokens were sent
         async for delta in generation:
+            if interval > 1:
+                filled = _filled(delta, held, begun, interval)
+                if filled is None:
+                    continue
+                delta = filled
             count = len(delta.token_ids)
             if count:
                 timeline.wrote_tokens(count)
@@ -420,6 +460,57 @@ class GenerationRun:
             self._on_end(self)
 
     # -- readers ----------------------------------------------------------------------------
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether pieces of its text can be sent merged, as one chunk: a plain stream (no
+        parsed output, logprobs, token ids or usage in each chunk), rendered here."""
+        parsed = self.shape.parsed
+        return (
+            self.encoder is not None
+            and self.encoder.plain
+            and self.shape.new_parser is None
+            and parsed.sampling.get("logprobs") is None
+        )
+
+    def coalesced(
+        self, last: int, batch: Sequence[Event], merge: bool
+    ) -> Iterator[tuple[int, Sequence[Event]]]:
+        """A batch of events a reader took at once (the last numbered `last`), as (number of
+        the last, events) groups to send as one each: with `merge` (and a mergeable run),
+        consecutive pieces of one choice's text form a group; every other event is alone."""
+        if not (merge and len(batch) > 1 and self.mergeable):
+            for seq, event in enumerate(batch, last - len(batch) + 1):
+                yield seq, (event,)
+            return
+        start = 0
+        for end in range(1, len(batch) + 1):
+            if end < len(batch) and _joins(batch[start], batch[end]):
+                continue
+            yield last - len(batch) + end, batch[start:end]
+            start = end
+
+    def sse(self, last: int, batch: Sequence[Event], merge: bool) -> bytes:
+        """The SSE bytes of a batch a reader took at once: each group of `coalesced` one
+        event, under its (last) number when the run is resumable. A plain stream stays as
+        OpenAI's and vLLM's are, which clients that take each event for one `data:` line
+        (vLLM's benchmark client among them) read."""
+        numbered = self.resumable
+        if len(batch) == 1 and not numbered:
+            return batch[0].sse
+        parts = []
+        for seq, group in self.coalesced(last, batch, merge):
+            event = group[0]
+            if len(group) > 1:
+                assert self.encoder is not None
+                text = "".join(e.text for e in group)
+                sse = self.encoder.text(text, 0, None, event.index)
+            else:
+                sse = event.sse
+            # (An event of this replica's alone has no number: a client resuming elsewhere
+            # names the last event of the generation it had.)
+            parts.append(b"id: %d\n%s" % (seq, sse) if numbered and not event.local else sse)
+        return b"".join(parts)
 
     def attach(self) -> None:
         """A reader begins (each `attach` is matched by one `detach`)."""

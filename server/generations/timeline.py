@@ -3,11 +3,18 @@
 A route creates a `RequestTimeline` at arrival, calls `dispatched`, `wrote_tokens` (just before
 handing generated tokens to the transport) and exactly one `finish(outcome)`. This is the one
 place per-request counters and histograms are recorded.
+
+Per-token metrics (generated tokens, the inter-token latency histogram) are accumulated by the
+request and flushed into the registry at most every `FLUSH_SECONDS` and at its end, not
+observed per token: the histogram's buckets get exactly the counts per-token observations
+would have given them.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +23,8 @@ from server.observability.access_log import AccessRecord, log_request, median
 from server.observability.metrics import Metrics
 from server.scheduler.slo import slo_result
 from server.scheduler.types import Generation, SloTargets
+
+FLUSH_SECONDS = 1.0  # a running request's per-token metrics reach the registry this often
 
 
 @dataclass(slots=True)
@@ -40,7 +49,10 @@ class RequestTimeline:
     # False: a generation another replica runs, followed here: its metrics and access log
     # are that replica's (until this one takes it over).
     recorded: bool = True
-    _token_metrics: tuple[Any, Any, Any] | None = None  # per-token children, looked up once
+    clock: Callable[[], float] = time.monotonic  # what its token writes are timed by
+    _flushed_tokens: int = 0  # generated tokens counted in the registry
+    _flushed_gaps: int = 0  # gaps of `itl` observed in the registry
+    _flushed_at: float = 0.0
 
     def _label_values(self) -> tuple[str, str]:
         return (self.model, self.traffic_class)
@@ -56,27 +68,36 @@ class RequestTimeline:
         """Generated tokens are about to be written to the client."""
         if count <= 0:
             return
-        now = time.monotonic()
-        if self._token_metrics is None:
-            labels = self._label_values()
-            self._token_metrics = (
-                self.metrics.generated_tokens.labels(*labels),
-                self.metrics.time_to_first_token.labels(*labels),
-                self.metrics.inter_token_latency.labels(*labels),
-            )
-        generated, ttft, histogram = self._token_metrics
-        generated.inc(count)
+        now = self.clock()
         if self.first_token_at is None:
-            self.first_token_at = now
-            ttft.observe(now - self.arrival)
+            self.first_token_at = self._flushed_at = now
+            self.metrics.time_to_first_token.labels(*self._label_values()).observe(
+                now - self.arrival
+            )
         else:
             assert self.last_write_at is not None
             gap = (now - self.last_write_at) / count
-            for _ in range(count):
-                histogram.observe(gap)
+            if count == 1:
                 self.itl.append(gap)
+            else:
+                self.itl.extend([gap] * count)
         self.last_write_at = now
         self.generated_tokens += count
+        if now - self._flushed_at >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add the tokens and gaps written since the last flush to the registry."""
+        self._flushed_at = self.last_write_at or 0.0
+        labels = self._label_values()
+        tokens = self.generated_tokens - self._flushed_tokens
+        if tokens:
+            self.metrics.generated_tokens.labels(*labels).inc(tokens)
+            self._flushed_tokens = self.generated_tokens
+        gaps = self.itl[self._flushed_gaps :]
+        if gaps:
+            self._flushed_gaps = len(self.itl)
+            observe_all(self.metrics.inter_token_latency.labels(*labels), gaps)
 
     def timings(self) -> dict[str, Any]:
         """The request's own timings, in seconds, for the `timings` object beside `usage`."""
@@ -98,6 +119,7 @@ class RequestTimeline:
         if self.ended:
             return
         self.ended = True
+        self.flush()
         if not self.recorded:
             return
         now = time.monotonic()
@@ -148,6 +170,23 @@ class RequestTimeline:
                 preemptions=self.generation.preemptions if self.generation is not None else 0,
             )
         )
+
+
+def observe_all(histogram: Any, values: list[float]) -> None:
+    """`histogram.observe(v)` for each of `values`, in one pass: each value counted in the
+    first bucket whose bound it does not exceed, as `observe` counts it.
+
+    (prometheus_client has no call for many observations; this writes its child's bucket
+    and sum values as `Histogram.observe` does, under their own locks.)
+    """
+    bounds = histogram._upper_bounds
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[bisect_left(bounds, value)] += 1
+    for bucket, n in zip(histogram._buckets, counts, strict=True):
+        if n:
+            bucket.inc(n)
+    histogram._sum.inc(sum(values))
 
 
 def _round(value: float | None) -> float | None:

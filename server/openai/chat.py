@@ -138,6 +138,7 @@ class ChatCompletionRequest(GenerationBody):
             truncation_side=self.truncation_side or "left",
             output=self._output(),
             forwarded_prompt_ids=self._forwarded_prompt_ids(),
+            stream_interval=self.stream_interval,
         )
 
     def _logprobs(self) -> int | None:

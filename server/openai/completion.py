@@ -67,6 +67,7 @@ class CompletionRequest(GenerationBody):
             output=self._output(),
             forwarded_prompt_ids=self._forwarded_prompt_ids(),
             prompt_embeds=embeds,
+            stream_interval=self.stream_interval,
         )
 
     def _prompt(self, embeds: str | None) -> str | list[int] | None:

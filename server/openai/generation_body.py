@@ -121,6 +121,11 @@ class GenerationBody(WireModel):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
     kv_transfer_params: KvTransferParams | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="vLLM's: tokens per streamed chunk, raising the server's --stream-interval "
+        "for this request; a choice's first and last chunks are sent at once",
+    )
     # How the output is shaped: the engine's to apply (see EngineClient.plan_output).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = Field(

@@ -37,6 +37,7 @@ class ParsedRequest:
     forwarded_prompt_ids: tuple[int, ...] | None = None
     # Completions: vLLM's prompt_embeds, one tensor's base64 text (then `prompt` is None).
     prompt_embeds: str | None = None
+    stream_interval: int | None = None  # vLLM's: tokens per streamed chunk, at least
 
     @property
     def n(self) -> int:

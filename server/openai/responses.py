@@ -128,7 +128,7 @@ class ChunkEncoder:
         self.prompt_tokens = prompt_tokens
         self._prompt_ids = None if prompt_token_ids is None else list(prompt_token_ids)
         self._ids = prompt_token_ids is not None
-        self._plain = not (continuous_usage or self._ids)  # text alone changes per chunk
+        self.plain = not (continuous_usage or self._ids)  # text alone changes per chunk
         # Characters of text sent so far, per choice (completions' text_offset).
         self._text_offset: dict[int, int] = {}
         self._head = (
@@ -192,7 +192,7 @@ class ChunkEncoder:
         token_ids: Sequence[int] = (),
     ) -> bytes:
         """A chunk of a choice's generated text (and its tokens' logprobs when asked)."""
-        if logprobs is None and self._plain:
+        if logprobs is None and self.plain:
             index += self.first_index
             while index >= len(self._prefixes):
                 self._prefixes.append(self._prefix(len(self._prefixes)))

@@ -12,6 +12,7 @@ import itertools
 import json
 
 import pytest
+from prometheus_client import Histogram
 
 from engine_adapters.sim import SimConfig, SimEngine
 from server.api.app import build_app
@@ -83,18 +84,134 @@ async def read_all(run: GenerationRun, after: int = 0) -> list[tuple[int, Kind]]
         return [(seq, event.kind) async for seq, event in run.events(after)]
 
 
-async def test_a_stream_logs_numbered_events_and_ends_once(sluice: Generations) -> None:
-    run, replayed = await open_run(sluice)
-    events = await read_all(run)
+@pytest.mark.parametrize("key", [None, "k"])
+async def test_a_stream_logs_numbered_events_and_ends_once(
+    sluice: Generations, key: str | None
+) -> None:
+    run, replayed = await open_run(sluice, key=key)
+    with run.reading():
+        events = [(seq, event) async for seq, event in run.events()]
     assert not replayed and run.ended and run.timeline.ended
     assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
-    assert events[0][1] is Kind.OPEN and events[-2][1] is Kind.FINISH
-    assert events[-1][1] is Kind.DONE
-    pieces = [e for e in run.log if e.kind is Kind.PIECE]
+    kinds = [event.kind for _, event in events]
+    assert kinds[0] is Kind.OPEN and kinds[-2] is Kind.FINISH and kinds[-1] is Kind.DONE
+    pieces = [e for _, e in events if e.kind is Kind.PIECE]
     assert sum(e.tokens for e in pieces) == run.timeline.generated_tokens == 12
-    # A second reader from any offset reads the same events after it.
-    assert await read_all(run, 3) == events[3:]
+    assert len(run.log) == len(events)
+    if key is None:
+        # Nobody can come back for it: its log held only what its one reader had not taken.
+        assert run.log.held == 1
+    else:
+        # A second reader from any offset reads the same events after it.
+        assert await read_all(run, 3) == [(seq, event.kind) for seq, event in events[3:]]
     assert sluice.dispatcher.core.is_idle()  # type: ignore[attr-defined]
+
+
+def sse_events(sse: bytes) -> list[tuple[int | None, dict]]:
+    """(id, chunk) for each `data: {...}` event of SSE bytes."""
+    found = []
+    for event in sse.split(b"\n\n"):
+        fields = dict(line.split(b": ", 1) for line in event.split(b"\n") if b": " in line)
+        if fields.get(b"data", b"").startswith(b"{"):
+            seq = fields.get(b"id")
+            found.append((None if seq is None else int(seq), json.loads(fields[b"data"])))
+    return found
+
+
+def content_of(chunks: list[dict]) -> list[str]:
+    return [
+        c["choices"][0]["delta"]["content"]
+        for c in chunks
+        if c["choices"] and c["choices"][0]["delta"].get("content")
+    ]
+
+
+async def test_an_idle_stream_sends_one_token_per_event(sluice: Generations) -> None:
+    # The reader keeps up (an engine step takes time, the reader none): it takes each piece
+    # alone and writes it as an event of its own, one token each, so that TTFT and the gaps
+    # between events keep their meaning. Its log holds nothing it has taken but the last.
+    run, _ = await open_run(sluice, {**BODY, "max_tokens": 30, "ignore_eos": True})
+    pieces = 0
+    with run.reading():
+        async for last, batch in run.log.batches():
+            assert run.log.held == 1  # (no run that nobody can resume keeps what was read)
+            sent = sse_events(run.sse(last, batch, merge=True))
+            assert len(sent) == sum(e.kind is not Kind.DONE for e in batch)
+            in_batch = [e for e in batch if e.kind is Kind.PIECE]
+            assert len(in_batch) <= 1 and all(e.tokens == 1 for e in in_batch)
+            pieces += len(in_batch)
+    assert pieces == 30 == run.timeline.generated_tokens
+
+
+@pytest.mark.parametrize("key", [None, "behind"])
+async def test_a_reader_that_fell_behind_gets_the_waiting_text_as_one_chunk(
+    sluice: Generations, key: str | None
+) -> None:
+    run, _ = await open_run(sluice, {**BODY, "max_tokens": 30, "ignore_eos": True}, key=key)
+    with run.reading():
+        await run.until_ended()  # the reader took nothing while the run went on
+        assert run.log.held == len(run.log)  # what it has not taken is all there
+        ((last, batch),) = [taken async for taken in run.log.batches()]
+    merged = sse_events(run.sse(last, batch, merge=True))
+    one_each = sse_events(run.sse(last, batch, merge=False))
+    assert len(content_of([c for _, c in one_each])) == 30
+    (text,) = content_of([c for _, c in merged])
+    assert text == "".join(content_of([c for _, c in one_each]))
+    if key is not None:  # resumable: the merged chunk is numbered as the last piece it holds
+        pieces = [n for n, e in enumerate(batch, 1) if e.kind is Kind.PIECE]
+        assert [seq for seq, c in merged if content_of([c])] == [pieces[-1]]
+        assert [seq for seq, _ in one_each][:3] == [1, 2, 3]
+
+
+async def test_stream_interval_fills_every_chunk_but_a_choices_first_and_last(
+    sluice: Generations,
+) -> None:
+    body = {**BODY, "max_tokens": 14, "ignore_eos": True, "stream_interval": 4}
+    run, _ = await open_run(sluice, body)
+    with run.reading():
+        pieces = [e for _, e in [x async for x in run.events()] if e.kind is Kind.PIECE]
+    # (one token per engine step: the first at once, then four at a time, the rest at the end)
+    assert [e.tokens for e in pieces] == [1, 4, 4, 4, 1]
+    assert run.timeline.generated_tokens == 14
+
+
+def test_per_token_metrics_are_flushed_as_one_by_one_observations_would_be() -> None:
+    now = [0.0]
+    metrics = Metrics()
+    timeline = RequestTimeline("r", "m", "chat", metrics, arrival=0.0, clock=lambda: now[0])
+    reference = Histogram(
+        "reference", "", buckets=metrics.inter_token_latency._upper_bounds, registry=None
+    )
+    labels = {"model": "m", "traffic_class": "interactive"}
+
+    def sample(name: str, **extra: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {**labels, **extra})
+
+    previous = None
+    for at, count in [(0.1, 1), (0.15, 1), (0.45, 3), (0.4501, 1), (1.2, 2), (1.25, 1), (4, 5)]:
+        now[0] = at
+        timeline.wrote_tokens(count)
+        if previous is not None:
+            for _ in range(count):
+                reference.observe((at - previous) / count)
+        previous = at
+        if at == 1.2:  # a second since the first token: what came so far is in the registry
+            assert sample("sluice_generated_tokens_total") == 8
+        if at == 1.25:  # (and the next writes wait for the next flush)
+            assert sample("sluice_generated_tokens_total") == 8
+    timeline.finish("completed")
+    assert sample("sluice_generated_tokens_total") == 14
+    assert sample("sluice_time_to_first_token_seconds_count") == 1
+    for bound in (*reference._upper_bounds[:-1], float("inf")):
+        le = "+Inf" if bound == float("inf") else repr(bound)
+        expected = sum(
+            reference._buckets[i].get()
+            for i, upper in enumerate(reference._upper_bounds)
+            if upper <= bound
+        )
+        assert sample("sluice_inter_token_latency_seconds_bucket", le=le) == expected, le
+    assert sample("sluice_inter_token_latency_seconds_count") == 13
+    assert sample("sluice_inter_token_latency_seconds_sum") == pytest.approx(reference._sum.get())
 
 
 async def test_cancelled_before_its_task_began_it_still_ends_once(sluice: Generations) -> None:

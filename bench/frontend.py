@@ -1,0 +1,336 @@
+"""The frontend's cost: what Sluice streams per second against the framework's floor, in one run.
+
+Each system serves in a subprocess of its own, in turn, on a socket bound here; this process
+opens `--streams` (256) streams at once, each asking for `--tokens` (500) tokens, reads them
+with raw sockets that only count (an SSE event is `data: {`, a WebSocket one `{"type":"delta"`),
+and reports
+tokens/s, events/s, the first event's latency (p50/p99 from the request being written) and the
+server process's CPU per token:
+
+* floor: a bare uvicorn ASGI app (same loop and HTTP parser as Sluice) that writes the same
+  OpenAI chunks, one per token, yielding to the loop between tokens, and nothing else;
+* sluice: `sluice serve` on the `sim` engine at near-zero step cost (0.2 ms a step, 512 seats),
+  so what is measured is the frontend: scheduler, run, log, encoder, transport;
+* sluice-1: the same with `--stream-coalesce off`: one token per event, whatever the backlog.
+
+    python bench/frontend.py                         # SSE and WebSocket, every system
+    python bench/frontend.py --transports sse --systems floor,sluice --streams 64
+
+A warm-up round (`--warmup` streams) precedes each measured one. On 2 cores the client and the
+server share the machine: compare systems within one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = [
+    "--engine", "sim", "--sim-step-base-ms", "0.2", "--sim-decode-ms-per-token", "0",
+    "--sim-prefill-ms-per-token", "0", "--sim-max-num-seqs", "512", "--sim-kv-blocks", "8192",
+]  # fmt: skip
+SYSTEMS = {
+    "floor": None,
+    "sluice": [],
+    "sluice-1": ["--stream-coalesce", "off"],
+}
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
+
+
+# -- the floor: a bare ASGI app writing the same chunks ---------------------------------------
+
+
+def floor_app():  # type: ignore[no-untyped-def]
+    import orjson
+
+    head = (
+        b'data: {"id":"chatcmpl-floor","object":"chat.completion.chunk","created":1,'
+        b'"model":"sluice-demo","choices":[{"index":0,'
+    )
+    suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+    role = head + b'"delta":{"role":"assistant","content":""' + suffix
+    prefix = head + b'"delta":{"content":'
+    finish = head + b'"delta":{},"logprobs":null,"finish_reason":"length"}]}\n\n'
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] == "websocket":
+            await receive()  # connect
+            await send({"type": "websocket.accept"})
+            message = orjson.loads((await receive())["text"])
+            tokens, gen = message["request"]["max_tokens"], message["id"]
+            for seq in range(1, tokens + 1):
+                text = orjson.dumps(
+                    {"type": "delta", "id": gen, "seq": seq, "text": " tok", "tokens": 1}
+                ).decode()
+                await send({"type": "websocket.send", "text": text})
+                await asyncio.sleep(0)
+            usage = {"prompt_tokens": 2, "completion_tokens": tokens, "total_tokens": tokens + 2}
+            final = {"type": "final", "id": gen, "seq": tokens + 1, "finish_reason": "length"}
+            text = orjson.dumps({**final, "usage": usage}).decode()
+            await send({"type": "websocket.send", "text": text})
+            await receive()  # the client closes
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        tokens = orjson.loads(body)["max_tokens"]
+        await send(
+            {"type": "http.response.start", "status": 200,
+             "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]}
+        )  # fmt: skip
+        await send({"type": "http.response.body", "body": role, "more_body": True})
+        for _ in range(tokens):
+            chunk = prefix + orjson.dumps(" tok") + suffix
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(0)
+        usage = b'{"completion_tokens":%d}' % tokens
+        await send({"type": "http.response.body", "body": finish, "more_body": True})
+        end = b'data: {"choices":[],"usage":' + usage + b"}\n\ndata: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": end, "more_body": False})
+
+    return app
+
+
+def serve_floor(fd: int) -> None:
+    import uvicorn
+
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    uvicorn.Server(uvicorn.Config(floor_app(), fd=fd, log_level="warning", access_log=False)).run()
+
+
+# -- the client --------------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    first_event_s: float
+    events: int
+    tokens: int
+
+
+class Counter(asyncio.Protocol):
+    """Reads one stream's bytes and counts events in them, without parsing anything: the
+    bytes before the events (HTTP headers) are skipped, and the stream ends at `end`."""
+
+    def __init__(self, request: bytes, event: bytes, end: bytes, then: bytes = b"") -> None:
+        """`then`: written once the response's head has come (a WebSocket's first message)."""
+        self.request, self.event, self.end, self.then = request, event, end, then
+        self.started = 0.0
+        self.first: float | None = None
+        self.events = 0
+        self.tail = b""
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.started = time.monotonic()
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        # (the carried bytes are shorter than an event: one split across reads counts once)
+        carried = self.tail[1 - len(self.event) :] + data
+        found = carried.count(self.event)
+        if found and self.first is None:
+            self.first = time.monotonic() - self.started
+        self.events += found
+        self.tail = (self.tail + data)[-4096:]
+        if self.then and b"\r\n\r\n" in self.tail:
+            self.transport.write(self.then)  # type: ignore[attr-defined]
+            self.then = b""
+        if self.end in self.tail and not self.done.done():
+            self.done.set_result(None)
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            ended = ConnectionError(f"the stream ended early: {self.tail[-300:]!r}")
+            self.done.set_exception(ended)
+
+
+async def one_stream(
+    port: int, request: tuple[bytes, bytes], event: bytes, end: bytes, skip: int
+) -> Stream:
+    loop = asyncio.get_running_loop()
+    _, counter = await loop.create_connection(
+        lambda: Counter(request[0], event, end, request[1]), "127.0.0.1", port
+    )
+    await counter.done
+    counted = COMPLETION_TOKENS.findall(counter.tail)
+    assert counter.first is not None and counted, f"no usage in {counter.tail[-300:]!r}"
+    return Stream(counter.first, counter.events - skip, int(counted[-1]))
+
+
+def sse_request(tokens: int) -> tuple[bytes, bytes]:
+    body = (
+        b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":%d,"ignore_eos":true,'
+        b'"stream":true,"stream_options":{"include_usage":true}}' % tokens
+    )
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+        b"",
+    )
+
+
+def ws_request(tokens: int) -> tuple[bytes, bytes]:
+    """The upgrade; once accepted, the generate message as one masked text frame (mask 0:
+    the bytes stay as they are)."""
+    message = (
+        b'{"type":"generate","id":"b","request":{"messages":[{"role":"user","content":"hi"}],'
+        b'"max_tokens":%d,"ignore_eos":true}}' % tokens
+    )
+    size = len(message)
+    length = bytes([0x80 | size]) if size < 126 else b"\xfe" + size.to_bytes(2, "big")
+    frame = b"\x81" + length + b"\0\0\0\0" + message
+    return (
+        b"GET /v1/ws HTTP/1.1\r\nHost: bench\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        frame,
+    )
+
+
+async def load(transport: str, port: int, streams: int, tokens: int) -> list[Stream]:
+    if transport == "sse":  # (the role, finish and usage chunks are events, not tokens)
+        request, event, end, skip = sse_request(tokens), b"data: {", b"data: [DONE]", 3
+    else:
+        request, event, end, skip = ws_request(tokens), b'{"type":"delta"', b'"type":"final"', 0
+    return await asyncio.gather(
+        *(one_stream(port, request, event, end, skip) for _ in range(streams))
+    )
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def start(system: str, listener: socket.socket, data: str) -> subprocess.Popen[bytes]:
+    extra = SYSTEMS[system]
+    fd = str(listener.fileno())
+    command = (
+        [sys.executable, __file__, "--floor-fd", fd]
+        if extra is None
+        else [sys.executable, "-m", "server.cli", "serve", "--fd", fd, "--data-dir", data,
+              "--log-level", "warning", *ENGINE, *extra]
+    )  # fmt: skip
+    return subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, process_group=0,
+        pass_fds=[listener.fileno()],
+    )  # fmt: skip
+
+
+def ready(port: int, server: subprocess.Popen[bytes], system: str) -> None:
+    url = f"http://127.0.0.1:{port}/ready"
+    for _ in range(600):
+        if server.poll() is not None:
+            raise SystemExit(f"{system} exited with {server.returncode}")
+        try:
+            if system == "floor" or httpx.get(url).status_code == 200:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.1)  # start-up polling interval
+    raise SystemExit(f"{system} was not ready in 60 s")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(args: argparse.Namespace, system: str, transport: str) -> dict[str, float]:
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    port = int(listener.getsockname()[1])
+    with tempfile.TemporaryDirectory() as data, listener:
+        server = start(system, listener, data)
+        try:
+            ready(port, server, system)
+            process = psutil.Process(server.pid)
+            asyncio.run(load(transport, port, args.warmup, args.tokens))
+            cpu, started = sum(process.cpu_times()[:2]), time.monotonic()
+            results = asyncio.run(load(transport, port, args.streams, args.tokens))
+            took = time.monotonic() - started
+            cpu = sum(process.cpu_times()[:2]) - cpu
+        finally:
+            server.terminate()
+            server.wait(30)
+    tokens = sum(r.tokens for r in results)
+    events = sum(r.events for r in results)
+    firsts = [r.first_event_s for r in results]
+    assert tokens == args.streams * args.tokens, f"{tokens} tokens streamed"
+    return {
+        "tokens_per_s": tokens / took,
+        "events_per_s": events / took,
+        "tokens_per_event": tokens / events,
+        "first_p50_ms": 1e3 * statistics.median(firsts),
+        "first_p99_ms": 1e3 * percentile(firsts, 0.99),
+        "cpu_us_per_token": 1e6 * cpu / tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=500)
+    parser.add_argument("--warmup", type=int, default=16, help="streams of the warm-up round")
+    parser.add_argument("--transports", default="sse,ws")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--floor-fd", type=int, help=argparse.SUPPRESS)  # serve the floor
+    args = parser.parse_args()
+    if args.floor_fd is not None:
+        serve_floor(args.floor_fd)
+        return
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    print(f"{args.streams} streams x {args.tokens} tokens")
+    print(
+        f"{'transport':9} {'system':9} {'tokens/s':>9} {'events/s':>9} {'tok/event':>9} "
+        f"{'first p50':>9} {'first p99':>9} {'CPU µs/token':>12} {'x floor tok/s':>13}"
+    )
+    for transport in args.transports.split(","):
+        floor = None
+        for system in args.systems.split(","):
+            r = measure(args, system, transport)
+            if system == "floor":
+                floor = r["tokens_per_s"]
+            ratio = f"{r['tokens_per_s'] / floor:.2f}x" if floor else "-"
+            print(
+                f"{transport:9} {system:9} {r['tokens_per_s']:9.0f} {r['events_per_s']:9.0f} "
+                f"{r['tokens_per_event']:9.2f} {r['first_p50_ms']:7.1f}ms "
+                f"{r['first_p99_ms']:7.1f}ms "
+                f"{r['cpu_us_per_token']:12.1f} {ratio:>13}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -186,10 +186,11 @@ async def one_stream(
     return Stream(counter.first, counter.events - skip, int(counted[-1]))
 
 
-def sse_request(tokens: int) -> tuple[bytes, bytes]:
+def sse_request(tokens: int, model: str | None = None) -> tuple[bytes, bytes]:
+    named = b'"model":"%s",' % model.encode() if model else b""
     body = (
-        b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":%d,"ignore_eos":true,'
-        b'"stream":true,"stream_options":{"include_usage":true}}' % tokens
+        b'{%s"messages":[{"role":"user","content":"hi"}],"max_tokens":%d,"ignore_eos":true,'
+        b'"stream":true,"stream_options":{"include_usage":true}}' % (named, tokens)
     )
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json"
@@ -215,9 +216,13 @@ def ws_request(tokens: int) -> tuple[bytes, bytes]:
     )
 
 
-async def load(transport: str, port: int, streams: int, tokens: int) -> list[Stream]:
+async def load(
+    transport: str, port: int, streams: int, tokens: int, model: str | None = None
+) -> list[Stream]:
+    """`streams` streams at once, each of `tokens` tokens (of `model`: the server's default
+    when None), read to their ends."""
     if transport == "sse":  # (the role, finish and usage chunks are events, not tokens)
-        request, event, end, skip = sse_request(tokens), b"data: {", b"data: [DONE]", 3
+        request, event, end, skip = sse_request(tokens, model), b"data: {", b"data: [DONE]", 3
     else:
         request, event, end, skip = ws_request(tokens), b'{"type":"delta"', b'"type":"final"', 0
     return await asyncio.gather(

@@ -1,0 +1,105 @@
+"""API-process CPU per token on the real engine: Sluice against vLLM's own server, in one run.
+
+Both servers run the demo model on vLLM (CPU) with the same engine settings, both up for the
+whole run, measured alternately. Each round opens `--streams` (64) streamed chats of
+`--tokens` (256) tokens at once, read by raw sockets that only count (bench/frontend.py's
+client), and reads the CPU time (user + system) of each server's API process alone: its
+engine core is a child process and is not counted. What the API process spends per token is
+the frontend's cost: HTTP, SSE, detokenizing, and for Sluice its scheduling too.
+
+    python bench/api_cpu.py [--rounds 3] [--streams 64] [--tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from frontend import load
+from throughput import ENGINE_SETTINGS, MODEL_NAME, RESULTS, ROOT, start, stop, wait_ready
+
+
+def commands(
+    model: Path, vllm_port: int, sluice_port: int
+) -> dict[str, tuple[int, list[str], str]]:
+    vllm = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(vllm_port),
+        "--disable-log-stats", "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    for key, value in ENGINE_SETTINGS.items():
+        vllm += ["--" + key.replace("_", "-"), str(value)]
+    sluice = [
+        sys.executable, "-m", "server.cli", "serve", "--model", str(model),
+        "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(sluice_port),
+        "--log-level", "warning", "--data-dir", tempfile.mkdtemp(prefix="sluice-bench-"),
+    ]  # fmt: skip
+    for key, value in ENGINE_SETTINGS.items():
+        sluice += ["--engine-arg", f"{key}={value}"]
+    return {
+        "vllm": (vllm_port, vllm, "/health"),
+        "sluice": (sluice_port, sluice, "/ready"),
+    }
+
+
+def round_once(port: int, pid: int, streams: int, tokens: int) -> tuple[float, float]:
+    """(API-process CPU µs per token, tokens/s) of one round."""
+    process = psutil.Process(pid)
+    cpu, started = sum(process.cpu_times()[:2]), time.monotonic()
+    results = asyncio.run(load("sse", port, streams, tokens, MODEL_NAME))
+    took, cpu = time.monotonic() - started, sum(process.cpu_times()[:2]) - cpu
+    total = sum(r.tokens for r in results)
+    assert total == streams * tokens, f"{total} tokens streamed"
+    return 1e6 * cpu / total, total / took
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from engine_adapters.demo_model import build_demo_model
+
+    cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
+    model = build_demo_model(cache / "demo-model")
+    systems = commands(model, 8303, 8304)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    procs = {
+        name: start(cmd, RESULTS / f"api-cpu-{name}-server.log")
+        for name, (_, cmd, _) in systems.items()
+    }
+    per_token: dict[str, list[float]] = {name: [] for name in systems}
+    try:
+        for name, (port, _, ready_path) in systems.items():
+            wait_ready(f"http://127.0.0.1:{port}", procs[name], ready_path)
+            round_once(port, procs[name].pid, 8, args.tokens)  # warm-up
+        for round_no in range(args.rounds):
+            order = list(systems) if round_no % 2 == 0 else list(reversed(systems))
+            for name in order:
+                port = systems[name][0]
+                us, rate = round_once(port, procs[name].pid, args.streams, args.tokens)
+                per_token[name].append(us)
+                print(f"round {round_no} {name:6}: {us:6.1f} µs/token, {rate:6.0f} tokens/s")
+    finally:
+        for proc in procs.values():
+            stop(proc)
+    sluice, vllm = (statistics.median(per_token[n]) for n in ("sluice", "vllm"))
+    print(
+        f"median API-process CPU per token: Sluice {sluice:.1f} µs, vLLM {vllm:.1f} µs "
+        f"({sluice / vllm:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -189,18 +189,15 @@ class SimEngine:
             ids.append(ROLE_IDS["assistant"])
         return ids
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """One choice, or n side by side as n requests in the model (seeds seed, seed + 1,
         ...), their deltas interleaved as they come."""
+        if request.sampling.n == 1:
+            return self._generate_one(request)  # (no layer of its own per token)
+        return self._generate_n(request)
+
+    async def _generate_n(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         n = request.sampling.n
-        if n == 1:
-            one = self._generate_one(request)
-            try:
-                async for delta in one:
-                    yield delta
-            finally:
-                await one.aclose()  # type: ignore[attr-defined]  # aborts it at once
-            return
         seed = request.sampling.seed
         news: asyncio.Queue[TokenDelta | BaseException | None] = asyncio.Queue()
 

@@ -109,7 +109,9 @@ class ServeOptions(BaseModel):
         None,
         description="YAML file of tenants, API keys and scheduler limits: docs/configuration.md",
     )
-    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="the least severe log records written"
+    )
     max_body_bytes: int = Field(1 << 20, gt=0, description="largest request body accepted")
     sse_ping_seconds: float = Field(15.0, gt=0, description="SSE keep-alive interval")
     stream_coalesce: Literal["on", "off"] = Field(

@@ -214,8 +214,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- timing model
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceOutput:
+@dataclass(slots=True)
+class SequenceOutput:  # one per sequence per step: not frozen, which costs on every token
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
@@ -305,7 +305,7 @@ class SimTimingModel:
                 f"prompt of {len(prompt_token_ids)} tokens exceeds "
                 f"max_model_len={cfg.max_model_len}"
             )
-        if any(not 0 <= t < cfg.vocab_size for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= cfg.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
         if max_tokens < 1 or min_tokens < 0:
             raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
@@ -374,20 +374,26 @@ class SimTimingModel:
 
         prefill_tokens = decode_tokens = 0
         outputs: list[SequenceOutput] = []
+        block_size = cfg.block_size if cfg.prefix_caching else 0
         for seq, n in scheduled:
-            prefill = max(0, min(seq.computed + n, seq.prefill_until) - seq.computed)
-            prefill_tokens += prefill
-            decode_tokens += n - prefill
-            seq.computed += n
-            self._cache_blocks(seq)
-            if seq.computed == len(seq.tokens):
-                token = self._sample(seq)
+            computed = seq.computed
+            if computed < seq.prefill_until:
+                prefill = min(computed + n, seq.prefill_until) - computed
+                prefill_tokens += prefill
+                decode_tokens += n - prefill
+            else:
+                decode_tokens += n
+            seq.computed = computed = computed + n
+            if block_size and (seq.cached_blocks + 1) * block_size <= computed:
+                self._cache_blocks(seq)
+            if computed == len(seq.tokens):
+                token, generated = self._sample(seq)
                 outputs.append(
                     SequenceOutput(
                         seq.request_id,
                         [token],
                         seq.finish_reason,
-                        seq.cache_hit if seq.generated == 1 else None,
+                        seq.cache_hit if generated == 1 else None,
                     )
                 )
                 if seq.finish_reason is not None:
@@ -418,9 +424,8 @@ class SimTimingModel:
         return blocks * size
 
     def _cache_blocks(self, seq: _Sequence) -> None:
-        """Enter the full blocks `seq` has computed into the prefix cache."""
-        if not self.config.prefix_caching:
-            return
+        """Enter the full blocks `seq` has computed into the prefix cache (with prefix caching
+        on, and only when it has computed a block more than it entered)."""
         size = self.config.block_size
         cache = self._prefix_cache
         while (seq.cached_blocks + 1) * size <= seq.computed:
@@ -432,20 +437,21 @@ class SimTimingModel:
         while len(cache) > self.config.kv_blocks:
             cache.popitem(last=False)
 
-    def _sample(self, seq: _Sequence) -> int:
+    def _sample(self, seq: _Sequence) -> tuple[int, int]:
+        """Draw `seq`'s next token and judge its finish; returns the token and the tokens
+        generated with it."""
         cfg = self.config
-        token = seq.rng.randrange(len(SPECIAL_TOKENS), cfg.vocab_size)
-        stop_draw = seq.rng.random()  # drawn every token so tokens never depend on eos settings
-        seq.tokens.append(token)
-        if seq.generated >= seq.max_tokens or len(seq.tokens) >= cfg.max_model_len:
+        rng = seq.rng
+        token = rng.randrange(len(SPECIAL_TOKENS), cfg.vocab_size)
+        stop_draw = rng.random()  # drawn every token so tokens never depend on eos settings
+        tokens = seq.tokens
+        tokens.append(token)
+        generated = len(tokens) - seq.prompt_len
+        if generated >= seq.max_tokens or len(tokens) >= cfg.max_model_len:
             seq.finish_reason = "length"
-        elif (
-            not seq.ignore_eos
-            and seq.generated >= seq.min_tokens
-            and stop_draw < cfg.eos_probability
-        ):
+        elif not seq.ignore_eos and generated >= seq.min_tokens and stop_draw < cfg.eos_probability:
             seq.finish_reason = "stop"
-        return token
+        return token, generated
 
     def _allocate(self, seq: _Sequence, new_tokens: int) -> bool:
         needed = -(-(seq.computed + new_tokens) // self.config.block_size) - seq.blocks

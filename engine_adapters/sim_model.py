@@ -321,6 +321,11 @@ class SimTimingModel:
         self._by_id[request_id] = seq
         self._waiting.append(seq)
 
+    def token_ids(self, request_id: str) -> list[int]:
+        """An unfinished request's prompt and the tokens sampled for it so far (a step's
+        tokens are sampled when it starts, before its outputs are read)."""
+        return list(self._by_id[request_id].tokens)
+
     def abort(self, request_id: str) -> bool:
         """Drop an unfinished request and free its blocks now; False if unknown or finished."""
         seq = self._by_id.pop(request_id, None)
@@ -337,15 +342,22 @@ class SimTimingModel:
         """Run one engine step; with no work it returns a zero-length, empty result."""
         cfg = self.config
         budget = cfg.max_batched_tokens
+        block_size = cfg.block_size
+        running = self._running
         scheduled: list[tuple[_Sequence, int]] = []
         preempted: list[str] = []
 
         i = 0
-        while i < len(self._running) and budget > 0:
-            seq = self._running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             n = min(len(seq.tokens) - seq.computed, budget)
+            if -(-(seq.computed + n) // block_size) == seq.blocks:  # its blocks hold the chunk
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
             while not self._allocate(seq, n):
-                victim = self._running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
@@ -355,9 +367,7 @@ class SimTimingModel:
                 budget -= n
                 i += 1
 
-        while (
-            not preempted and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs
-        ):
+        while not preempted and self._waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = self._waiting[0]
             if seq.computed == 0:
                 seq.computed = self._cached_prefix(seq)
@@ -368,13 +378,14 @@ class SimTimingModel:
                 break
             self._waiting.popleft()
             seq.prefill_until = len(seq.tokens)
-            self._running.append(seq)
+            running.append(seq)
             scheduled.append((seq, n))
             budget -= n
 
         prefill_tokens = decode_tokens = 0
         outputs: list[SequenceOutput] = []
-        block_size = cfg.block_size if cfg.prefix_caching else 0
+        cache_block = block_size if cfg.prefix_caching else 0
+        sample = self._sample
         for seq, n in scheduled:
             computed = seq.computed
             if computed < seq.prefill_until:
@@ -384,10 +395,10 @@ class SimTimingModel:
             else:
                 decode_tokens += n
             seq.computed = computed = computed + n
-            if block_size and (seq.cached_blocks + 1) * block_size <= computed:
+            if cache_block and (seq.cached_blocks + 1) * cache_block <= computed:
                 self._cache_blocks(seq)
             if computed == len(seq.tokens):
-                token, generated = self._sample(seq)
+                token, generated = sample(seq)
                 outputs.append(
                     SequenceOutput(
                         seq.request_id,
@@ -442,7 +453,14 @@ class SimTimingModel:
         generated with it."""
         cfg = self.config
         rng = seq.rng
-        token = rng.randrange(len(SPECIAL_TOKENS), cfg.vocab_size)
+        # rng.randrange(len(SPECIAL_TOKENS), vocab_size), drawn as it draws (rejection sampling
+        # on getrandbits of the span's bit length) without its argument checks: the same tokens.
+        span = cfg.vocab_size - len(SPECIAL_TOKENS)
+        bits = span.bit_length()
+        draw = rng.getrandbits(bits)
+        while draw >= span:
+            draw = rng.getrandbits(bits)
+        token = len(SPECIAL_TOKENS) + draw
         stop_draw = rng.random()  # drawn every token so tokens never depend on eos settings
         tokens = seq.tokens
         tokens.append(token)

@@ -65,7 +65,9 @@ class _Live:
     timeline: Timeline
     targets: SloTargets | None  # an interactive request's targets at its arrival
     stream: tuple[int, int] | None  # the bulk stream that sent it, its number in that stream
-    tokens: list[int] | None = None  # its prompt and output, once dispatched
+    # Once dispatched, its prompt: its first, or that and what it generated before a preemption.
+    prompt: list[int] | None = None
+    delivered_before: int = 0  # its output tokens when it was last dispatched
     gaps: list[float] | None = None  # its tokens' gaps so far
     last_token_at: float = 0.0
     engine_id: str | None = None  # its current engine request id, while it runs
@@ -215,12 +217,12 @@ class ContinuousSimulation:
         engine_id = rid if timeline.preemptions == 0 else f"{rid}~{timeline.preemptions}"
         live.engine_id = engine_id
         self._by_engine_id[engine_id] = live
-        tokens = live.tokens
-        if tokens is None:  # its own prompt, so that the engine's prefix cache is honest
-            tokens = live.tokens = self._prompt(rid, ticket.prompt_tokens)
-        # A continuation's prompt is its first prompt and everything it generated since.
-        assert len(tokens) == ticket.prompt_tokens
-        self.model.add(engine_id, tokens, ticket.max_tokens, ignore_eos=True)  # copies them
+        prompt = live.prompt
+        if prompt is None:  # its own prompt, so that the engine's prefix cache is honest
+            prompt = live.prompt = self._prompt(rid, ticket.prompt_tokens)
+        assert len(prompt) == ticket.prompt_tokens
+        live.delivered_before = timeline.output_tokens
+        self.model.add(engine_id, prompt, ticket.max_tokens, ignore_eos=True)  # copies it
         if timeline.dispatched is None:
             timeline.dispatched = now
         timeline.outcome = "running"
@@ -248,6 +250,11 @@ class ContinuousSimulation:
     def _preempt(self, request_id: str) -> None:
         live = self._live[request_id]
         self._stop_deadline(live)
+        # A continuation's prompt is its last prompt and the tokens delivered since: outputs of
+        # a step still running are dropped, though the engine has sampled them.
+        assert live.prompt is not None and live.engine_id is not None
+        delivered = live.timeline.output_tokens - live.delivered_before
+        live.prompt = self.model.token_ids(live.engine_id)[: len(live.prompt) + delivered]
         self._stop_engine_request(live)
         self.core.requeue(request_id, self.loop.now)
         live.timeline.outcome = "queued"
@@ -284,16 +291,14 @@ class ContinuousSimulation:
             core.generated(rid, count, now)
             if timeline.first_token is None:
                 timeline.first_token = now
+            elif live.gaps is None:
+                live.gaps = [(now - live.last_token_at) / count] * count
+            elif count == 1:
+                live.gaps.append(now - live.last_token_at)
             else:
-                gap = (now - live.last_token_at) / count
-                if live.gaps is None:
-                    live.gaps = [gap] * count
-                else:
-                    live.gaps.extend([gap] * count)
+                live.gaps.extend([(now - live.last_token_at) / count] * count)
             live.last_token_at = now
             timeline.output_tokens += count
-            assert live.tokens is not None
-            live.tokens.extend(output.token_ids)
             if output.finish_reason is not None:
                 self._stop_deadline(live)
                 del by_engine_id[output.request_id]

@@ -385,7 +385,13 @@ class SimTimingModel:
         prefill_tokens = decode_tokens = 0
         outputs: list[SequenceOutput] = []
         cache_block = block_size if cfg.prefix_caching else 0
-        sample = self._sample
+        # Each sequence samples its tokens from its own generator: as rng.randrange(first,
+        # vocab_size) draws (rejection sampling on getrandbits of the span's bit length, without
+        # its argument checks), then one rng.random() for the end-of-sequence test.
+        first = len(SPECIAL_TOKENS)
+        span = cfg.vocab_size - first
+        bits = span.bit_length()
+        max_model_len, eos_probability = cfg.max_model_len, cfg.eos_probability
         for seq, n in scheduled:
             computed = seq.computed
             if computed < seq.prefill_until:
@@ -397,18 +403,31 @@ class SimTimingModel:
             seq.computed = computed = computed + n
             if cache_block and (seq.cached_blocks + 1) * cache_block <= computed:
                 self._cache_blocks(seq)
-            if computed == len(seq.tokens):
-                token, generated = sample(seq)
-                outputs.append(
-                    SequenceOutput(
-                        seq.request_id,
-                        [token],
-                        seq.finish_reason,
-                        seq.cache_hit if generated == 1 else None,
-                    )
+            tokens = seq.tokens
+            if computed != len(tokens):
+                continue  # a prefill chunk short of the prompt's end: no token yet
+            rng = seq.rng
+            draw = rng.getrandbits(bits)
+            while draw >= span:
+                draw = rng.getrandbits(bits)
+            token = first + draw
+            stop_draw = rng.random()  # drawn every token so tokens never depend on eos settings
+            tokens.append(token)
+            generated = len(tokens) - seq.prompt_len
+            if generated >= seq.max_tokens or len(tokens) >= max_model_len:
+                seq.finish_reason = "length"
+            elif not seq.ignore_eos and generated >= seq.min_tokens and stop_draw < eos_probability:
+                seq.finish_reason = "stop"
+            outputs.append(
+                SequenceOutput(
+                    seq.request_id,
+                    [token],
+                    seq.finish_reason,
+                    seq.cache_hit if generated == 1 else None,
                 )
-                if seq.finish_reason is not None:
-                    self._finish(seq)
+            )
+            if seq.finish_reason is not None:
+                self._finish(seq)
 
         duration_ms = (
             (cfg.step_base_ms if scheduled else 0.0)
@@ -447,29 +466,6 @@ class SimTimingModel:
             seq.cached_blocks += 1
         while len(cache) > self.config.kv_blocks:
             cache.popitem(last=False)
-
-    def _sample(self, seq: _Sequence) -> tuple[int, int]:
-        """Draw `seq`'s next token and judge its finish; returns the token and the tokens
-        generated with it."""
-        cfg = self.config
-        rng = seq.rng
-        # rng.randrange(len(SPECIAL_TOKENS), vocab_size), drawn as it draws (rejection sampling
-        # on getrandbits of the span's bit length) without its argument checks: the same tokens.
-        span = cfg.vocab_size - len(SPECIAL_TOKENS)
-        bits = span.bit_length()
-        draw = rng.getrandbits(bits)
-        while draw >= span:
-            draw = rng.getrandbits(bits)
-        token = len(SPECIAL_TOKENS) + draw
-        stop_draw = rng.random()  # drawn every token so tokens never depend on eos settings
-        tokens = seq.tokens
-        tokens.append(token)
-        generated = len(tokens) - seq.prompt_len
-        if generated >= seq.max_tokens or len(tokens) >= cfg.max_model_len:
-            seq.finish_reason = "length"
-        elif not seq.ignore_eos and generated >= seq.min_tokens and stop_draw < cfg.eos_probability:
-            seq.finish_reason = "stop"
-        return token, generated
 
     def _allocate(self, seq: _Sequence, new_tokens: int) -> bool:
         needed = -(-(seq.computed + new_tokens) // self.config.block_size) - seq.blocks

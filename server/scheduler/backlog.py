@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from server.scheduler.types import Ticket, TrafficClass
 
+_CLASSES = tuple(TrafficClass)  # iterating the enum itself runs Python code at each call
+
 # Sequence-seconds of engine time for (prompt tokens, output tokens).
 WorkSeconds = Callable[[float, float], float]
 
@@ -64,7 +66,7 @@ class Backlog:
         served.
         """
         total = 0.0
-        for tc in TrafficClass:
+        for tc in _CLASSES:
             if tc is TrafficClass.BULK and traffic_class is TrafficClass.INTERACTIVE:
                 break
             by_tenant = self._by_class[tc]

@@ -213,6 +213,9 @@ class RateEstimates:
     def tokens_generated(self, tokens: int, now: float) -> None:
         """The engine produced `tokens` output tokens (across sequences) by `now`."""
         window = self._window
+        if now == self._changed_at:  # the same instant (a step's outputs): nothing to close
+            window.tokens += tokens
+            return
         if (
             window.busy_s >= STEP_WINDOW_S
             and window.tokens > 0

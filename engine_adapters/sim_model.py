@@ -350,7 +350,9 @@ class SimTimingModel:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(len(seq.tokens) - seq.computed, budget)
+            n = len(seq.tokens) - seq.computed
+            if n > budget:
+                n = budget
             if -(-(seq.computed + n) // block_size) == seq.blocks:  # its blocks hold the chunk
                 scheduled.append((seq, n))
                 budget -= n

@@ -111,6 +111,8 @@ class ContinuousSimulation:
         self._live: dict[str, _Live] = {}  # requests not ended yet
         self._by_engine_id: dict[str, _Live] = {}  # running requests by engine request id
         self._bulk_streams: BulkStreams | None = None
+        self._class_deadline_s = {tc: config.classes[tc].deadline_s for tc in TrafficClass}
+        self._class_name = {tc: tc.value for tc in TrafficClass}
         self._stepping = False
         self._wakeup: EventHandle | None = None
 
@@ -165,7 +167,7 @@ class ContinuousSimulation:
         tc = arrival.traffic_class
         deadline = arrival.deadline_s
         if deadline is None:
-            deadline = now + self.config.classes[tc].deadline_s
+            deadline = now + self._class_deadline_s[tc]
         ticket = Ticket(
             arrival.id,
             arrival.tenant,
@@ -176,7 +178,7 @@ class ContinuousSimulation:
             arrival.prompt_tokens,
             arrival.max_tokens,
         )
-        timeline = Timeline(arrival.id, arrival.tenant, tc.value, now, deadline)
+        timeline = Timeline(arrival.id, arrival.tenant, self._class_name[tc], now, deadline)
         if self._keep_timelines:
             self.timelines[arrival.id] = timeline
         targets = self.core.bulk_cap.targets() if tc is TrafficClass.INTERACTIVE else None

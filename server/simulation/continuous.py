@@ -182,12 +182,13 @@ class ContinuousSimulation:
         if self._keep_timelines:
             self.timelines[arrival.id] = timeline
         targets = self.core.bulk_cap.targets() if tc is TrafficClass.INTERACTIVE else None
-        live = self._live[arrival.id] = _Live(timeline, targets, stream)
+        live = _Live(timeline, targets, stream)
         decision = self.core.submit(ticket, now)
         if isinstance(decision, Rejected):
             timeline.reason = decision.reason
             self._end(live, "rejected", None)
             return
+        self._live[arrival.id] = live
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -235,8 +236,10 @@ class ContinuousSimulation:
     def _prompt(self, request_id: str, length: int) -> list[int]:
         first = len(SPECIAL_TOKENS)
         span = self.model.config.vocab_size - first
-        offset = stable_hash(request_id)
-        return [first + (offset + i) % span for i in range(length)]
+        start = stable_hash(request_id) % span
+        if start + length <= span:  # no wrap: a run of consecutive ids
+            return list(range(first + start, first + start + length))
+        return [first + (start + i) % span for i in range(length)]
 
     def _stop_engine_request(self, live: _Live) -> None:
         assert live.engine_id is not None
@@ -335,7 +338,7 @@ class ContinuousSimulation:
     def _end(self, live: _Live, outcome: str, stage: str | None) -> None:
         now = self.loop.now
         timeline = live.timeline
-        del self._live[timeline.id]
+        self._live.pop(timeline.id, None)  # a refused one never lived
         timeline.outcome, timeline.stage, timeline.finished = outcome, stage, now
         if live.gaps:
             timeline.median_gap = statistics.median(live.gaps)

@@ -415,8 +415,9 @@ class SimTimingModel:
             token = first + draw
             stop_draw = rng.random()  # drawn every token so tokens never depend on eos settings
             tokens.append(token)
-            generated = len(tokens) - seq.prompt_len
-            if generated >= seq.max_tokens or len(tokens) >= max_model_len:
+            length = computed + 1  # len(tokens)
+            generated = length - seq.prompt_len
+            if generated >= seq.max_tokens or length >= max_model_len:
                 seq.finish_reason = "length"
             elif not seq.ignore_eos and generated >= seq.min_tokens and stop_draw < eos_probability:
                 seq.finish_reason = "stop"

@@ -20,7 +20,7 @@ DEFAULT_MODEL = "sluice-demo"
 DEFAULT_TENANT = "default"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Arrival:
     """One request as it reaches the server. Times are seconds on the simulation clock."""
 

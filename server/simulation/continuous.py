@@ -194,20 +194,23 @@ class ContinuousSimulation:
     def _dispatch(self) -> None:
         now = self.loop.now
         core = self.core
+        started = False
         while True:
             step = core.poll(now)
             for ticket in step.started:
                 self._start(ticket, now)
+                started = True
             for ticket in step.expired:
                 self._end(self._live[ticket.request_id], "expired", "queued")
             for ticket in step.preempted:
                 self._preempt(ticket.request_id)  # requeued at once: poll again
             if not step.preempted:
                 break
-        peak = self.peak_budget_in_use
-        for name, value in core.ledger.in_use().items():
-            if value > peak[name]:
-                peak[name] = value
+        if started:  # only a start takes budget: without one, nothing passed its peak
+            peak = self.peak_budget_in_use
+            for name, value in core.ledger.in_use().items():
+                if value > peak[name]:
+                    peak[name] = value
         self._arm_wakeup(step.wake_at)
         if not self._stepping and self.model.has_work:
             self._stepping = True

@@ -214,8 +214,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- timing model
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceOutput:
+@dataclass(slots=True)
+class SequenceOutput:  # one per sequence per step: not frozen, which costs on every token
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
@@ -305,7 +305,7 @@ class SimTimingModel:
                 f"prompt of {len(prompt_token_ids)} tokens exceeds "
                 f"max_model_len={cfg.max_model_len}"
             )
-        if any(not 0 <= t < cfg.vocab_size for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= cfg.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
         if max_tokens < 1 or min_tokens < 0:
             raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
@@ -320,6 +320,11 @@ class SimTimingModel:
         )
         self._by_id[request_id] = seq
         self._waiting.append(seq)
+
+    def token_ids(self, request_id: str) -> list[int]:
+        """An unfinished request's prompt and the tokens sampled for it so far (a step's
+        tokens are sampled when it starts, before its outputs are read)."""
+        return list(self._by_id[request_id].tokens)
 
     def abort(self, request_id: str) -> bool:
         """Drop an unfinished request and free its blocks now; False if unknown or finished."""
@@ -337,15 +342,24 @@ class SimTimingModel:
         """Run one engine step; with no work it returns a zero-length, empty result."""
         cfg = self.config
         budget = cfg.max_batched_tokens
+        block_size = cfg.block_size
+        running = self._running
         scheduled: list[tuple[_Sequence, int]] = []
         preempted: list[str] = []
 
         i = 0
-        while i < len(self._running) and budget > 0:
-            seq = self._running[i]
-            n = min(len(seq.tokens) - seq.computed, budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = len(seq.tokens) - seq.computed
+            if n > budget:
+                n = budget
+            if -(-(seq.computed + n) // block_size) == seq.blocks:  # its blocks hold the chunk
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
             while not self._allocate(seq, n):
-                victim = self._running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
@@ -355,9 +369,7 @@ class SimTimingModel:
                 budget -= n
                 i += 1
 
-        while (
-            not preempted and self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs
-        ):
+        while not preempted and self._waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = self._waiting[0]
             if seq.computed == 0:
                 seq.computed = self._cached_prefix(seq)
@@ -368,30 +380,57 @@ class SimTimingModel:
                 break
             self._waiting.popleft()
             seq.prefill_until = len(seq.tokens)
-            self._running.append(seq)
+            running.append(seq)
             scheduled.append((seq, n))
             budget -= n
 
         prefill_tokens = decode_tokens = 0
         outputs: list[SequenceOutput] = []
+        cache_block = block_size if cfg.prefix_caching else 0
+        # Each sequence samples its tokens from its own generator: as rng.randrange(first,
+        # vocab_size) draws (rejection sampling on getrandbits of the span's bit length, without
+        # its argument checks), then one rng.random() for the end-of-sequence test.
+        first = len(SPECIAL_TOKENS)
+        span = cfg.vocab_size - first
+        bits = span.bit_length()
+        max_model_len, eos_probability = cfg.max_model_len, cfg.eos_probability
         for seq, n in scheduled:
-            prefill = max(0, min(seq.computed + n, seq.prefill_until) - seq.computed)
-            prefill_tokens += prefill
-            decode_tokens += n - prefill
-            seq.computed += n
-            self._cache_blocks(seq)
-            if seq.computed == len(seq.tokens):
-                token = self._sample(seq)
-                outputs.append(
-                    SequenceOutput(
-                        seq.request_id,
-                        [token],
-                        seq.finish_reason,
-                        seq.cache_hit if seq.generated == 1 else None,
-                    )
+            computed = seq.computed
+            if computed < seq.prefill_until:
+                prefill = min(computed + n, seq.prefill_until) - computed
+                prefill_tokens += prefill
+                decode_tokens += n - prefill
+            else:
+                decode_tokens += n
+            seq.computed = computed = computed + n
+            if cache_block and (seq.cached_blocks + 1) * cache_block <= computed:
+                self._cache_blocks(seq)
+            tokens = seq.tokens
+            if computed != len(tokens):
+                continue  # a prefill chunk short of the prompt's end: no token yet
+            rng = seq.rng
+            draw = rng.getrandbits(bits)
+            while draw >= span:
+                draw = rng.getrandbits(bits)
+            token = first + draw
+            stop_draw = rng.random()  # drawn every token so tokens never depend on eos settings
+            tokens.append(token)
+            length = computed + 1  # len(tokens)
+            generated = length - seq.prompt_len
+            if generated >= seq.max_tokens or length >= max_model_len:
+                seq.finish_reason = "length"
+            elif not seq.ignore_eos and generated >= seq.min_tokens and stop_draw < eos_probability:
+                seq.finish_reason = "stop"
+            outputs.append(
+                SequenceOutput(
+                    seq.request_id,
+                    [token],
+                    seq.finish_reason,
+                    seq.cache_hit if generated == 1 else None,
                 )
-                if seq.finish_reason is not None:
-                    self._finish(seq)
+            )
+            if seq.finish_reason is not None:
+                self._finish(seq)
 
         duration_ms = (
             (cfg.step_base_ms if scheduled else 0.0)
@@ -418,9 +457,8 @@ class SimTimingModel:
         return blocks * size
 
     def _cache_blocks(self, seq: _Sequence) -> None:
-        """Enter the full blocks `seq` has computed into the prefix cache."""
-        if not self.config.prefix_caching:
-            return
+        """Enter the full blocks `seq` has computed into the prefix cache (with prefix caching
+        on, and only when it has computed a block more than it entered)."""
         size = self.config.block_size
         cache = self._prefix_cache
         while (seq.cached_blocks + 1) * size <= seq.computed:
@@ -431,21 +469,6 @@ class SimTimingModel:
             seq.cached_blocks += 1
         while len(cache) > self.config.kv_blocks:
             cache.popitem(last=False)
-
-    def _sample(self, seq: _Sequence) -> int:
-        cfg = self.config
-        token = seq.rng.randrange(len(SPECIAL_TOKENS), cfg.vocab_size)
-        stop_draw = seq.rng.random()  # drawn every token so tokens never depend on eos settings
-        seq.tokens.append(token)
-        if seq.generated >= seq.max_tokens or len(seq.tokens) >= cfg.max_model_len:
-            seq.finish_reason = "length"
-        elif (
-            not seq.ignore_eos
-            and seq.generated >= seq.min_tokens
-            and stop_draw < cfg.eos_probability
-        ):
-            seq.finish_reason = "stop"
-        return token
 
     def _allocate(self, seq: _Sequence, new_tokens: int) -> bool:
         needed = -(-(seq.computed + new_tokens) // self.config.block_size) - seq.blocks

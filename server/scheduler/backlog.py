@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from server.scheduler.types import Ticket, TrafficClass
 
+_CLASSES = tuple(TrafficClass)  # iterating the enum itself runs Python code at each call
+
 # Sequence-seconds of engine time for (prompt tokens, output tokens).
 WorkSeconds = Callable[[float, float], float]
 
@@ -64,20 +66,23 @@ class Backlog:
         served.
         """
         total = 0.0
-        for tc in TrafficClass:
+        for tc in _CLASSES:
             if tc is TrafficClass.BULK and traffic_class is TrafficClass.INTERACTIVE:
                 break
             by_tenant = self._by_class[tc]
+            # Sums kept as sum() keeps them (from 0, in order), without a generator's cost.
+            lines: float = 0
             if tc is not traffic_class or tenant is None:
-                total += sum(seconds(w.prompt_tokens, w.output_tokens) for w in by_tenant.values())
+                for w in by_tenant.values():
+                    lines += seconds(w.prompt_tokens, w.output_tokens)
+                total += lines
                 continue
             own = by_tenant.get(tenant)
             own_line = seconds(own.prompt_tokens, own.output_tokens) if own else 0.0
             total += own_line
             share = own_line + own_seconds
-            total += sum(
-                min(share, seconds(w.prompt_tokens, w.output_tokens))
-                for name, w in by_tenant.items()
-                if name != tenant
-            )
+            for name, w in by_tenant.items():
+                if name != tenant:
+                    lines += min(share, seconds(w.prompt_tokens, w.output_tokens))
+            total += lines
         return total

@@ -76,7 +76,8 @@ class BudgetLedger:
     def ever_fits(self, ticket: Ticket) -> bool:
         """Whether the ticket could run at all, with its class's share of an idle engine."""
         cap = self.class_cap(ticket.traffic_class)
-        return all(d <= c for d, c in zip(self.demand(ticket), cap, strict=True))
+        tokens, blocks, sequences = self.demand(ticket)
+        return tokens <= cap[0] and blocks <= cap[1] and sequences <= cap[2]
 
     def fits(self, ticket: Ticket, *, bulk_waiting: bool, freeing: Iterable[Ticket] = ()) -> bool:
         """Whether `ticket` fits now, or once the running bulk tickets `freeing` have left."""
@@ -84,10 +85,10 @@ class BudgetLedger:
         total = self._total
         if ticket.traffic_class is TrafficClass.BULK:
             held = self._by_class[TrafficClass.BULK]
-            return all(
-                total[i] + demand[i] <= self._limit[i] and held[i] + demand[i] <= self._bulk_cap[i]
-                for i in range(3)
-            )
+            for i in range(3):
+                if total[i] + demand[i] > self._limit[i] or held[i] + demand[i] > self._bulk_cap[i]:
+                    return False
+            return True
         bulk_held = self._by_class[TrafficClass.BULK]
         freed = [0, 0, 0]
         for leaving in freeing:
@@ -108,11 +109,13 @@ class BudgetLedger:
         """Whether a bulk ticket fits inside bulk's guaranteed minimum share."""
         demand = self.demand(ticket)
         held = self._by_class[TrafficClass.BULK]
-        return all(
-            held[i] + demand[i] <= self._bulk_floor[i]
-            and self._total[i] + demand[i] <= self._limit[i]
-            for i in range(3)
-        )
+        for i in range(3):
+            if (
+                held[i] + demand[i] > self._bulk_floor[i]
+                or self._total[i] + demand[i] > self._limit[i]
+            ):
+                return False
+        return True
 
     def acquire(self, ticket: Ticket) -> None:
         demand = self.demand(ticket)

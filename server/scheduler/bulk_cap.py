@@ -18,6 +18,7 @@ measured at start-up and refined online. A setting in milliseconds overrides eit
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from server.core.config import SloConfig
 from server.scheduler.estimates import RateEstimates
@@ -30,7 +31,25 @@ TYPICAL_CHAT_PROMPT_TOKENS = 64
 AIM = 0.9
 
 
+@dataclass(frozen=True, slots=True)
+class _Levels:
+    """What the cap derives from the estimates, while they stay as they are."""
+
+    targets: SloTargets
+    idle_ttft: float
+    ttft_headroom: float  # the TTFT target less the idle time to first token
+    within_itl: float  # sequences whose step fits AIM of the gap target
+    knee: int
+    idle: int
+    floor: int
+
+
 class BulkCap:
+    """The cap's levels are pure functions of the estimates they read (the step times, the idle
+    time to first token, the prefill rate) and of the configuration. They are asked for on
+    every poll, so they are derived once for each state of those estimates and kept until one
+    changes."""
+
     def __init__(
         self, config: SloConfig, estimates: RateEstimates, *, limit: int, min_share: float
     ) -> None:
@@ -38,67 +57,89 @@ class BulkCap:
         self._estimates = estimates
         self._limit = limit  # bulk's share of the sequence budget
         self._min_share = min_share
+        self._levels_of: tuple[object, ...] = ()  # the estimates `_levels_now` derives from
+        self._levels_now: _Levels | None = None
 
-    def targets(self) -> SloTargets:
+    def _levels(self) -> _Levels:
+        estimates = self._estimates
+        steps = estimates.steps
+        key = (steps, steps.revision, estimates.idle_ttft_s, estimates.prefill_tokens_per_s)
+        levels = self._levels_now
+        if levels is None or key != self._levels_of:
+            levels = self._levels_now = self._derive()
+            self._levels_of = key
+        return levels
+
+    def _derive(self) -> _Levels:
         config, estimates = self._config, self._estimates
+        steps = estimates.steps
+        idle_ttft = estimates.idle_ttft_s
+        if idle_ttft is None:  # not observed yet: guessed
+            idle_ttft = steps.at(1.0) + TYPICAL_CHAT_PROMPT_TOKENS / estimates.prefill_tokens_per_s
         itl = config.itl_s
         if itl is None:
-            itl = config.itl_factor * estimates.steps.at(1.0)
+            itl = config.itl_factor * steps.at(1.0)
         ttft = config.ttft_s
         if ttft is None:
-            ttft = config.ttft_factor * self.idle_ttft()
-        return SloTargets(ttft_s=ttft, itl_s=itl)
+            ttft = config.ttft_factor * idle_ttft
+        ttft_headroom = ttft - idle_ttft
+        within_itl = steps.within(AIM * itl)
+        knee_at = steps.knee(config.knee_share)
+        knee = self._limit if knee_at is None else self._clamp(knee_at)
+        if config.cap_bulk:
+            idle = max(1, min(knee, self._clamp(steps.within(ttft_headroom))))
+        else:
+            idle = self._limit
+        floor = 0
+        if self._min_share > 0:
+            floor = max(1, math.floor(self._min_share * self._clamp(within_itl)))
+        return _Levels(
+            SloTargets(ttft_s=ttft, itl_s=itl),
+            idle_ttft,
+            ttft_headroom,
+            within_itl,
+            knee,
+            idle,
+            floor,
+        )
+
+    def targets(self) -> SloTargets:
+        return self._levels().targets
 
     def idle_ttft(self) -> float:
         """Time to first token on a nearly idle engine, as observed (or guessed until then)."""
-        estimates = self._estimates
-        if estimates.idle_ttft_s is not None:
-            return estimates.idle_ttft_s
-        return estimates.steps.at(1.0) + TYPICAL_CHAT_PROMPT_TOKENS / estimates.prefill_tokens_per_s
+        return self._levels().idle_ttft
 
     def knee(self) -> int:
         """The fewest sequences past which more add little throughput (the budget's limit
         until the engine has been observed)."""
-        knee = self._estimates.steps.knee(self._config.knee_share)
-        return self._limit if knee is None else self._clamp(knee)
+        return self._levels().knee
 
     def idle(self) -> int:
         """Bulk sequences allowed while no chat is about: the knee, unless one step there would
         outlast what a chat's TTFT target leaves beyond the idle time to first token."""
-        if not self._config.cap_bulk:
-            return self._limit
-        within_ttft = self._clamp(self._estimates.steps.within(self._ttft_headroom()))
-        return max(1, min(self.knee(), within_ttft))
+        return self._levels().idle
 
     def floor(self) -> int:
         """What bulk keeps however many chats run: its minimum share of the sequences the gap
         target allows, and at least one (none if `bulk_min_share` is 0)."""
-        if self._min_share <= 0:
-            return 0
-        share = self._min_share * self._clamp(self._within_itl())
-        return max(1, math.floor(share))
+        return self._levels().floor
 
     def with_chats(self, chats: int) -> int:
         """Bulk sequences allowed while `chats` interactive requests run or wait."""
         if not self._config.cap_bulk:
             return self._limit
-        within_itl = self._within_itl() - chats
-        return max(self.floor(), min(self.idle(), self._clamp(within_itl)))
+        levels = self._levels()
+        return max(levels.floor, min(levels.idle, self._clamp(levels.within_itl - chats)))
 
     def prefill_headroom(self, step_s: float, *, chats_about: bool) -> float:
         """Engine seconds of prefill one step of `step_s` may add: up to the gap target while
-        chats are about; else up to what the TTFT target leaves beyond the idle TTFT."""
+        chats are about; else up to what the TTFT target leaves beyond the idle TTFT (the
+        longest step a chat arriving in its middle can sit out)."""
+        levels = self._levels()
         if chats_about:
-            return self.targets().itl_s - step_s
-        return self._ttft_headroom() - step_s
-
-    def _ttft_headroom(self) -> float:
-        """What the TTFT target leaves beyond the idle time to first token: the longest step
-        a chat arriving in its middle can sit out."""
-        return self.targets().ttft_s - self.idle_ttft()
-
-    def _within_itl(self) -> float:
-        return self._estimates.steps.within(AIM * self.targets().itl_s)
+            return levels.targets.itl_s - step_s
+        return levels.ttft_headroom - step_s
 
     def _clamp(self, sequences: float) -> int:
         if sequences >= self._limit:

@@ -448,7 +448,10 @@ class SchedulerCore:
         )
 
     def _over_cap(self, now: float) -> list[_Running]:
-        excess = self._bulk_running() - self.bulk_allowed(now)
+        running = self._bulk_running()
+        if running <= 0:
+            return []  # nothing over any cap (what bulk is allowed is never below 0)
+        excess = running - self.bulk_allowed(now)
         if excess <= 0 or not self._chats():
             return []
         # The cap aims under the target; between the two, bulk ends by itself sooner than a

@@ -79,6 +79,7 @@ class StepTimes:
         self._weight = weight
         self._bins: dict[int, tuple[float, float]] = {}  # bin -> (concurrency, step seconds)
         self._points: list[tuple[float, float]] = []  # the bins' values, by concurrency
+        self.revision = 0  # counts the observations that changed the estimate
 
     def observe(self, concurrency: float, step_s: float) -> None:
         if concurrency <= 0 or step_s <= 0:
@@ -101,6 +102,7 @@ class StepTimes:
                 # Within a hair of the same rate is the same rate (see `knee`).
                 self._bins[higher] = (c, same_rate_s if s <= same_rate_s * _SAME_RATE else s)
         self._points = sorted(self._bins.values())
+        self.revision += 1
 
     def at(self, concurrency: float) -> float:
         points = self._points
@@ -211,6 +213,9 @@ class RateEstimates:
     def tokens_generated(self, tokens: int, now: float) -> None:
         """The engine produced `tokens` output tokens (across sequences) by `now`."""
         window = self._window
+        if now == self._changed_at:  # the same instant (a step's outputs): nothing to close
+            window.tokens += tokens
+            return
         if (
             window.busy_s >= STEP_WINDOW_S
             and window.tokens > 0

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -45,7 +44,8 @@ from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
 from server.scheduler.refusals import REFUSALS
 from server.scheduler.slo import slo_result
-from server.scheduler.types import RejectReason, SloTargets, Ticket, TrafficClass
+from server.scheduler.types import SloTargets, Ticket, TrafficClass
+from server.simulation.continuous_report import Tally, Timeline
 from server.simulation.continuous_workload import (
     RequestShape,
     WorkloadMix,
@@ -58,25 +58,20 @@ from server.simulation.probe import probe_timing_model
 from server.simulation.workload import DEFAULT_MODEL, Arrival, TraceError, parse_trace
 
 
-@dataclass(slots=True)
-class Timeline:
-    """One request's life in virtual seconds; outcome completed|rejected|expired|cancelled."""
+@dataclass(slots=True, eq=False)
+class _Live:
+    """A request not ended yet: its timeline, and what the shell follows while it lives."""
 
-    id: str
-    tenant: str
-    traffic_class: str
-    arrival: float
-    deadline: float
-    outcome: str = "queued"
-    reason: RejectReason | None = None
-    stage: str | None = None  # where an expiry or cancellation caught it
-    dispatched: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
-    output_tokens: int = 0
-    preemptions: int = 0
-    median_gap: float | None = None  # of its tokens' gaps, once completed
-    slo: str | None = None  # "met", "missed:<reason>", or None when it does not count
+    timeline: Timeline
+    targets: SloTargets | None  # an interactive request's targets at its arrival
+    stream: tuple[int, int] | None  # the bulk stream that sent it, its number in that stream
+    # Once dispatched, its prompt: its first, or that and what it generated before a preemption.
+    prompt: list[int] | None = None
+    delivered_before: int = 0  # its output tokens when it was last dispatched
+    gaps: list[float] | None = None  # its tokens' gaps so far
+    last_token_at: float = 0.0
+    engine_id: str | None = None  # its current engine request id, while it runs
+    deadline: EventHandle | None = None  # its running deadline, while it runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +86,12 @@ class BulkStreams:
 
 
 class ContinuousSimulation:
-    def __init__(self, config: SluiceConfig, sim: SimConfig) -> None:
+    """Every request's timeline is kept in `timelines` unless `keep_timelines` is False (a
+    million requests); the summary's figures are tallied as each request ends either way."""
+
+    def __init__(
+        self, config: SluiceConfig, sim: SimConfig, *, keep_timelines: bool = True
+    ) -> None:
         self.config = config
         self.loop = EventLoop()
         self.model = SimTimingModel(sim)
@@ -105,24 +105,25 @@ class ContinuousSimulation:
                 probe_timing_model(sim, max_sequences=self.core.ledger.limits.sequences),
             )
         self.timelines: dict[str, Timeline] = {}
+        self.tally = Tally()  # of the requests that ended
         self.peak_budget_in_use = dict.fromkeys(self.core.ledger.in_use(), 0)
-        self._targets: dict[str, SloTargets] = {}  # interactive requests' targets at arrival
-        self._gaps: dict[str, list[float]] = {}  # running requests' gaps so far
-        self._last_token_at: dict[str, float] = {}
-        self._tokens: dict[str, list[int]] = {}  # dispatched requests' prompt and output
-        # request id -> (the bulk stream that sent it, its number in that stream)
-        self._streams: dict[str, tuple[int, int]] = {}
+        self._keep_timelines = keep_timelines
+        self._live: dict[str, _Live] = {}  # requests not ended yet
+        self._by_engine_id: dict[str, _Live] = {}  # running requests by engine request id
         self._bulk_streams: BulkStreams | None = None
+        self._class_deadline_s = {tc: config.classes[tc].deadline_s for tc in TrafficClass}
+        self._class_name = {tc: tc.value for tc in TrafficClass}
         self._stepping = False
         self._wakeup: EventHandle | None = None
-        self._running_deadlines: dict[str, EventHandle] = {}
-        self._engine_ids: dict[str, str] = {}  # request id -> its current engine request id
-        self._requests: dict[str, str] = {}  # engine request id -> request id
 
     # --- inputs ------------------------------------------------------------------------
     def add_arrivals(self, arrivals: Iterable[Arrival]) -> None:
-        for arrival in arrivals:
-            self.loop.call_at(arrival.time_s, partial(self._arrive, arrival))
+        """Arrivals in any order from a sequence; an iterator must yield them in time order,
+        and is read only as the simulation reaches each."""
+        if isinstance(arrivals, Sequence):
+            arrivals = sorted(arrivals, key=lambda a: a.time_s)  # stable: ties keep their order
+        arrive = self._arrive
+        self.loop.feed((a.time_s, partial(arrive, a)) for a in arrivals)
 
     def add_bulk_streams(self, streams: BulkStreams) -> None:
         self._bulk_streams = streams
@@ -135,19 +136,18 @@ class ContinuousSimulation:
         now = self.loop.now
         if now >= streams.until_s:
             return
-        request_id = f"bulk{stream}.{sequence}"
-        self._streams[request_id] = (stream, sequence)
         shape = streams.shape
         self._arrive(
             Arrival(
-                request_id,
+                f"bulk{stream}.{sequence}",
                 now,
                 None if shape.deadline_s is None else now + shape.deadline_s,
                 TrafficClass.BULK,
                 streams.tenant,
                 shape.prompt_tokens,
                 shape.max_tokens,
-            )
+            ),
+            (stream, sequence),
         )
 
     def cancel_at(self, request_id: str, time_s: float) -> None:
@@ -156,13 +156,18 @@ class ContinuousSimulation:
     def run(self, until: float | None = None) -> None:
         self.loop.run(until)
 
+    def figures(self) -> Tally:
+        """The tally of every request so far, those not ended yet as they stand."""
+        live = [entry.timeline for entry in self._live.values()]
+        return self.tally.with_added(live) if live else self.tally
+
     # --- events ------------------------------------------------------------------------
-    def _arrive(self, arrival: Arrival) -> None:
+    def _arrive(self, arrival: Arrival, stream: tuple[int, int] | None = None) -> None:
         now = self.loop.now
         tc = arrival.traffic_class
         deadline = arrival.deadline_s
         if deadline is None:
-            deadline = now + self.config.classes[tc].deadline_s
+            deadline = now + self._class_deadline_s[tc]
         ticket = Ticket(
             arrival.id,
             arrival.tenant,
@@ -173,33 +178,39 @@ class ContinuousSimulation:
             arrival.prompt_tokens,
             arrival.max_tokens,
         )
-        timeline = Timeline(arrival.id, arrival.tenant, tc.value, now, deadline)
-        self.timelines[arrival.id] = timeline
-        if tc is TrafficClass.INTERACTIVE:
-            self._targets[arrival.id] = self.core.bulk_cap.targets()
+        timeline = Timeline(arrival.id, arrival.tenant, self._class_name[tc], now, deadline)
+        if self._keep_timelines:
+            self.timelines[arrival.id] = timeline
+        targets = self.core.bulk_cap.targets() if tc is TrafficClass.INTERACTIVE else None
+        live = _Live(timeline, targets, stream)
         decision = self.core.submit(ticket, now)
         if isinstance(decision, Rejected):
             timeline.reason = decision.reason
-            self._end(timeline, "rejected", None)
+            self._end(live, "rejected", None)
             return
+        self._live[arrival.id] = live
         self._dispatch()
 
     def _dispatch(self) -> None:
         now = self.loop.now
         core = self.core
+        started = False
         while True:
             step = core.poll(now)
             for ticket in step.started:
                 self._start(ticket, now)
+                started = True
             for ticket in step.expired:
-                self._end(self.timelines[ticket.request_id], "expired", "queued")
+                self._end(self._live[ticket.request_id], "expired", "queued")
             for ticket in step.preempted:
                 self._preempt(ticket.request_id)  # requeued at once: poll again
             if not step.preempted:
                 break
-        for name, value in core.ledger.in_use().items():
-            if value > self.peak_budget_in_use[name]:
-                self.peak_budget_in_use[name] = value
+        if started:  # only a start takes budget: without one, nothing passed its peak
+            peak = self.peak_budget_in_use
+            for name, value in core.ledger.in_use().items():
+                if value > peak[name]:
+                    peak[name] = value
         self._arm_wakeup(step.wake_at)
         if not self._stepping and self.model.has_work:
             self._stepping = True
@@ -207,40 +218,55 @@ class ContinuousSimulation:
 
     def _start(self, ticket: Ticket, now: float) -> None:
         rid = ticket.request_id
-        timeline = self.timelines[rid]
+        live = self._live[rid]
+        timeline = live.timeline
         engine_id = rid if timeline.preemptions == 0 else f"{rid}~{timeline.preemptions}"
-        self._engine_ids[rid], self._requests[engine_id] = engine_id, rid
-        tokens = self._tokens.get(rid)
-        if tokens is None:  # its own prompt, so that the engine's prefix cache is honest
-            tokens = self._tokens[rid] = self._prompt(rid, ticket.prompt_tokens)
-        # A continuation's prompt is its first prompt and everything it generated since.
-        assert len(tokens) == ticket.prompt_tokens
-        self.model.add(engine_id, list(tokens), ticket.max_tokens, ignore_eos=True)
+        live.engine_id = engine_id
+        self._by_engine_id[engine_id] = live
+        prompt = live.prompt
+        if prompt is None:  # its own prompt, so that the engine's prefix cache is honest
+            prompt = live.prompt = self._prompt(rid, ticket.prompt_tokens)
+        assert len(prompt) == ticket.prompt_tokens
+        live.delivered_before = timeline.output_tokens
+        self.model.add(engine_id, prompt, ticket.max_tokens, ignore_eos=True)  # copies it
         if timeline.dispatched is None:
             timeline.dispatched = now
         timeline.outcome = "running"
-        self._running_deadlines[rid] = self.loop.call_at(
-            max(now, ticket.deadline), partial(self._running_deadline, rid)
+        live.deadline = self.loop.call_at(
+            max(now, ticket.deadline), partial(self._running_deadline, live)
         )
 
     def _prompt(self, request_id: str, length: int) -> list[int]:
         first = len(SPECIAL_TOKENS)
         span = self.model.config.vocab_size - first
-        offset = stable_hash(request_id)
-        return [first + (offset + i) % span for i in range(length)]
+        start = stable_hash(request_id) % span
+        if start + length <= span:  # no wrap: a run of consecutive ids
+            return list(range(first + start, first + start + length))
+        return [first + (start + i) % span for i in range(length)]
 
-    def _stop_engine_request(self, request_id: str) -> None:
-        engine_id = self._engine_ids.pop(request_id)
-        del self._requests[engine_id]
-        self.model.abort(engine_id)
+    def _stop_engine_request(self, live: _Live) -> None:
+        assert live.engine_id is not None
+        del self._by_engine_id[live.engine_id]
+        self.model.abort(live.engine_id)
+        live.engine_id = None
+
+    def _stop_deadline(self, live: _Live) -> None:
+        assert live.deadline is not None
+        live.deadline.cancel()
+        live.deadline = None
 
     def _preempt(self, request_id: str) -> None:
-        self._running_deadlines.pop(request_id).cancel()
-        self._stop_engine_request(request_id)
-        timeline = self.timelines[request_id]
+        live = self._live[request_id]
+        self._stop_deadline(live)
+        # A continuation's prompt is its last prompt and the tokens delivered since: outputs of
+        # a step still running are dropped, though the engine has sampled them.
+        assert live.prompt is not None and live.engine_id is not None
+        delivered = live.timeline.output_tokens - live.delivered_before
+        live.prompt = self.model.token_ids(live.engine_id)[: len(live.prompt) + delivered]
+        self._stop_engine_request(live)
         self.core.requeue(request_id, self.loop.now)
-        timeline.outcome = "queued"
-        timeline.preemptions += 1
+        live.timeline.outcome = "queued"
+        live.timeline.preemptions += 1
 
     def _arm_wakeup(self, wake: float | None) -> None:
         if self._wakeup is not None:
@@ -261,60 +287,64 @@ class ContinuousSimulation:
 
     def _deliver(self, result: StepResult) -> None:
         now = self.loop.now
+        core = self.core
+        by_engine_id = self._by_engine_id
         for output in result.outputs:
-            rid = self._requests.get(output.request_id)
-            if rid is None:
+            live = by_engine_id.get(output.request_id)
+            if live is None:
                 continue  # aborted while the step ran: a late output revives nothing
-            timeline = self.timelines[rid]
+            timeline = live.timeline
+            rid = timeline.id
             count = len(output.token_ids)
-            self.core.generated(rid, count, now)
+            core.generated(rid, count, now)
             if timeline.first_token is None:
                 timeline.first_token = now
+            elif live.gaps is None:
+                live.gaps = [(now - live.last_token_at) / count] * count
+            elif count == 1:
+                live.gaps.append(now - live.last_token_at)
             else:
-                gap = (now - self._last_token_at[rid]) / count
-                self._gaps.setdefault(rid, []).extend([gap] * count)
-            self._last_token_at[rid] = now
+                live.gaps.extend([(now - live.last_token_at) / count] * count)
+            live.last_token_at = now
             timeline.output_tokens += count
-            self._tokens[rid].extend(output.token_ids)
             if output.finish_reason is not None:
-                self._running_deadlines.pop(rid).cancel()
-                del self._requests[self._engine_ids.pop(rid)]
-                self.core.release(rid, now, completed=True)
-                self._end(timeline, "completed", None)
+                self._stop_deadline(live)
+                del by_engine_id[output.request_id]
+                live.engine_id = None
+                core.release(rid, now, completed=True)
+                self._end(live, "completed", None)
         self._stepping = False
         self._dispatch()
 
-    def _running_deadline(self, request_id: str) -> None:
-        self._running_deadlines.pop(request_id, None)
-        self._abort_running(request_id, "expired")
+    def _running_deadline(self, live: _Live) -> None:
+        live.deadline = None
+        self._abort_running(live, "expired")
 
-    def _abort_running(self, request_id: str, outcome: str) -> None:
-        self._stop_engine_request(request_id)
-        timeline = self.timelines[request_id]
-        self.core.release(request_id, self.loop.now)
-        self._end(timeline, outcome, "running")
+    def _abort_running(self, live: _Live, outcome: str) -> None:
+        self._stop_engine_request(live)
+        self.core.release(live.timeline.id, self.loop.now)
+        self._end(live, outcome, "running")
         self._dispatch()
 
     def _cancel(self, request_id: str) -> None:
-        timeline = self.timelines.get(request_id)
-        if timeline is None or timeline.outcome not in ("queued", "running"):
-            return
-        if timeline.outcome == "running":
-            self._running_deadlines.pop(request_id).cancel()
-            self._abort_running(request_id, "cancelled")
+        live = self._live.get(request_id)
+        if live is None:
+            return  # not arrived yet, or ended
+        if live.timeline.outcome == "running":
+            self._stop_deadline(live)
+            self._abort_running(live, "cancelled")
             return
         self.core.release(request_id, self.loop.now)
-        self._end(timeline, "cancelled", "queued")
+        self._end(live, "cancelled", "queued")
         self._dispatch()
 
-    def _end(self, timeline: Timeline, outcome: str, stage: str | None) -> None:
+    def _end(self, live: _Live, outcome: str, stage: str | None) -> None:
         now = self.loop.now
+        timeline = live.timeline
+        self._live.pop(timeline.id, None)  # a refused one never lived
         timeline.outcome, timeline.stage, timeline.finished = outcome, stage, now
-        self._last_token_at.pop(timeline.id, None)
-        self._tokens.pop(timeline.id, None)
-        gaps = self._gaps.pop(timeline.id, None)
-        if gaps:
-            timeline.median_gap = statistics.median(gaps)
+        if live.gaps:
+            timeline.median_gap = statistics.median(live.gaps)
         ttft = None if timeline.first_token is None else timeline.first_token - timeline.arrival
         verdict = slo_result(
             outcome,
@@ -322,71 +352,31 @@ class ContinuousSimulation:
             now - timeline.arrival,
             ttft,
             timeline.median_gap,
-            self._targets.pop(timeline.id, None),
+            live.targets,
         )
         timeline.slo = (
             None if verdict is None else ("met" if verdict[0] == "met" else f"missed:{verdict[1]}")
         )
-        sent_by = self._streams.pop(timeline.id, None)
-        if sent_by is not None:
+        self.tally.add(timeline)
+        if live.stream is not None:
             assert self._bulk_streams is not None
-            stream, sequence = sent_by
+            stream, sequence = live.stream
             delay = self._bulk_streams.retry_s if outcome == "rejected" else 0.0
             self.loop.call_at(now + delay, partial(self._next_in_stream, stream, sequence + 1))
 
 
 # --- reporting ---------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def summarize(simulation: ContinuousSimulation, wall_s: float) -> dict[str, Any]:
-    timelines = list(simulation.timelines.values())
+    """The report: every request's figures (those not ended yet as they stand), the budgets,
+    the SLO targets and the bulk cap at the end."""
+    figures = simulation.figures().summary()
     targets = simulation.core.bulk_cap.targets()
-    end = max((t.finished or t.arrival for t in timelines), default=0.0)
-    by_class: dict[str, Any] = {}
-    for tc in TrafficClass:
-        mine = [t for t in timelines if t.traffic_class == tc.value]
-        done = [t for t in mine if t.outcome == "completed"]
-        outcomes: dict[str, int] = {}
-        slo: dict[str, int] = {}
-        for t in mine:
-            key = t.outcome if t.reason is None else f"rejected:{t.reason}"
-            outcomes[key] = outcomes.get(key, 0) + 1
-            if t.slo is not None:
-                slo[t.slo] = slo.get(t.slo, 0) + 1
-        judged = sum(slo.values())
-        ms = _percentiles_ms
-        by_class[tc.value] = {
-            "requests": len(mine),
-            "outcomes": dict(sorted(outcomes.items())),
-            "queue_wait_ms": ms(
-                [t.dispatched - t.arrival for t in mine if t.dispatched is not None]
-            ),
-            "ttft_ms": ms([t.first_token - t.arrival for t in done if t.first_token is not None]),
-            "latency_ms": ms([t.finished - t.arrival for t in done if t.finished is not None]),
-            "completed_after_deadline": sum(
-                1 for t in done if t.finished is not None and t.finished > t.deadline
-            ),
-            "median_gap_ms": ms([t.median_gap for t in done if t.median_gap is not None]),
-            "tokens_per_s": round(sum(t.output_tokens for t in done) / end, 1) if end else 0.0,
-            "preemptions": sum(t.preemptions for t in mine),
-            "slo": dict(sorted(slo.items())),
-            "slo_met_share": round(slo.get("met", 0) / judged, 4) if judged else None,
-        }
-    tenants: dict[str, int] = {}
-    for t in timelines:
-        if t.outcome == "completed":
-            tenants[t.tenant] = tenants.get(t.tenant, 0) + t.output_tokens
     return {
-        "requests": len(timelines),
-        "virtual_seconds": round(end, 3),
+        "requests": figures["requests"],
+        "virtual_seconds": figures["virtual_seconds"],
         "wall_seconds": round(wall_s, 3),
-        "classes": by_class,
-        "completed_tokens_by_tenant": dict(sorted(tenants.items())),
+        "classes": figures["classes"],
+        "completed_tokens_by_tenant": figures["completed_tokens_by_tenant"],
         "budget_limits": simulation.core.ledger.limits_by_name(),
         "budget_peak_in_use": simulation.peak_budget_in_use,
         "budget_in_use_at_end": simulation.core.ledger.in_use(),
@@ -397,14 +387,6 @@ def summarize(simulation: ContinuousSimulation, wall_s: float) -> dict[str, Any]
         "bulk_knee": simulation.core.bulk_cap.knee(),
         "engine_unfinished_at_end": simulation.model.num_unfinished,
     }
-
-
-def _percentiles_ms(seconds: list[float]) -> dict[str, float | None]:
-    result: dict[str, float | None] = {}
-    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0)):
-        value = percentile(seconds, q)
-        result[name] = None if value is None else round(value * 1000, 3)
-    return result
 
 
 # --- CLI ---------------------------------------------------------------------------------
@@ -441,24 +423,45 @@ def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     add_sim_arguments(simulate_parser)
 
 
-def build_arrivals(args: argparse.Namespace) -> list[Arrival] | Iterable[Arrival]:
+def build_arrivals(args: argparse.Namespace) -> list[Arrival] | Iterator[Arrival]:
+    """A trace's arrivals, or generated ones, lazily."""
     if args.arrivals:
         return parse_trace(args.arrivals)
+    mix = workload_mix(args)
+    if args.workload == "bursts":
+        return burst_mix(args.rate, args.duration, args.burst_size, mix, args.seed)
+    return poisson_mix(args.rate, args.duration, mix, args.seed)
+
+
+def workload_mix(args: argparse.Namespace) -> WorkloadMix:
     workload = args.workload or "poisson"
     share = args.interactive_share
     if share is None:
         share = 0.5 if workload == "mixed" else 1.0
     tenants = args.tenants or ("flood=9,steady=1" if workload == "mixed" else "default")
     relative = None if args.deadline_ms is None else args.deadline_ms / 1000.0
-    mix = WorkloadMix(
+    return WorkloadMix(
         interactive_share=share,
         tenants=parse_tenant_weights(tenants),
         interactive=RequestShape(args.prompt_tokens, args.max_tokens, relative),
         bulk=RequestShape(args.bulk_prompt_tokens, args.bulk_max_tokens, relative),
     )
-    if workload == "bursts":
-        return burst_mix(args.rate, args.duration, args.burst_size, mix, args.seed)
-    return poisson_mix(args.rate, args.duration, mix, args.seed)
+
+
+def arrival_tenants(args: argparse.Namespace) -> set[str]:
+    """The tenants the arrivals name: a light tenant of generated load may draw none in a short
+    run. Generated arrivals are read (again, from the same seed) only until each of the mix's
+    tenants has been seen."""
+    arrivals = build_arrivals(args)
+    if isinstance(arrivals, list):
+        return {a.tenant for a in arrivals}
+    every = len(workload_mix(args).tenants)
+    seen: set[str] = set()
+    for arrival in arrivals:
+        seen.add(arrival.tenant)
+        if len(seen) == every:
+            break
+    return seen
 
 
 def with_tenants(config: SluiceConfig, names: Iterable[str]) -> SluiceConfig:
@@ -473,12 +476,13 @@ def with_tenants(config: SluiceConfig, names: Iterable[str]) -> SluiceConfig:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        arrivals = list(build_arrivals(args))
+        tenants = arrival_tenants(args)
+        arrivals = build_arrivals(args)
     except (TraceError, ValueError) as exc:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2
-    config = with_tenants(load_config(args.config), {a.tenant for a in arrivals} or {"default"})
-    simulation = ContinuousSimulation(config, SimConfig.from_args(args))
+    config = with_tenants(load_config(args.config), tenants or {"default"})
+    simulation = ContinuousSimulation(config, SimConfig.from_args(args), keep_timelines=args.json)
     simulation.add_arrivals(arrivals)
     if args.bulk_streams:
         simulation.add_bulk_streams(

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from server.scheduler.types import TrafficClass
-from server.simulation.workload import DEFAULT_MODEL, Arrival, poisson_arrivals
+from server.simulation.workload import DEFAULT_MODEL, Arrival, poisson_times
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,31 +50,31 @@ def _shaped(times: Iterator[float], mix: WorkloadMix, seed: int) -> Iterator[Arr
     rng = random.Random(seed + 1)
     names = [name for name, _ in mix.tenants]
     weights = [weight for _, weight in mix.tenants]
+    share, model = mix.interactive_share, mix.model
     for n, time_s in enumerate(times):
-        interactive = rng.random() < mix.interactive_share
+        interactive = rng.random() < share
         shape = mix.interactive if interactive else mix.bulk
         tenant = names[0] if len(names) == 1 else rng.choices(names, weights)[0]
         yield Arrival(
-            id=f"r{n}",
-            time_s=time_s,
-            deadline_s=None if shape.deadline_s is None else time_s + shape.deadline_s,
-            traffic_class=TrafficClass.INTERACTIVE if interactive else TrafficClass.BULK,
-            tenant=tenant,
-            prompt_tokens=shape.prompt_tokens,
-            max_tokens=shape.max_tokens,
-            model=mix.model,
+            f"r{n}",
+            time_s,
+            None if shape.deadline_s is None else time_s + shape.deadline_s,
+            TrafficClass.INTERACTIVE if interactive else TrafficClass.BULK,
+            tenant,
+            shape.prompt_tokens,
+            shape.max_tokens,
+            model,
         )
 
 
 def poisson_mix(rate: float, duration_s: float, mix: WorkloadMix, seed: int) -> Iterator[Arrival]:
-    times = (a.time_s for a in poisson_arrivals(rate, duration_s, seed=seed))
-    return _shaped(times, mix, seed)
+    return _shaped(poisson_times(rate, duration_s, seed=seed), mix, seed)
 
 
 def burst_mix(
     rate: float, duration_s: float, burst_size: int, mix: WorkloadMix, seed: int
 ) -> Iterator[Arrival]:
     """Bursts of `burst_size` simultaneous arrivals, bursts themselves Poisson: mean `rate`."""
-    bursts = (a.time_s for a in poisson_arrivals(rate / burst_size, duration_s, seed=seed))
+    bursts = poisson_times(rate / burst_size, duration_s, seed=seed)
     times = (t for burst_time in bursts for t in [burst_time] * burst_size)
     return _shaped(times, mix, seed)

@@ -2,63 +2,91 @@
 
 Shells schedule callbacks at absolute virtual times; `run` pops them in time order (ties in
 scheduling order) and advances `now` to each. Nothing here knows about requests or engines.
+
+`feed` schedules a time-ordered stream of callbacks (a million arrivals, say) as if each had
+been scheduled at once, but holds only the next one: the heap stays as small as what is in
+flight, and nothing is built ahead of its time.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
-
-@dataclass(order=True, slots=True)
-class _Event:
-    time: float
-    seq: int
-    callback: Callable[[], None] = field(compare=False)
-    cancelled: bool = field(default=False, compare=False)
+from collections.abc import Callable, Iterable, Iterator
 
 
 class EventHandle:
-    __slots__ = ("_event",)
+    """A scheduled callback; `cancel` keeps it from running."""
 
-    def __init__(self, event: _Event) -> None:
-        self._event = event
+    __slots__ = ("_feed", "callback", "cancelled", "time")
 
-    @property
-    def time(self) -> float:
-        return self._event.time
+    def __init__(
+        self,
+        time: float,
+        callback: Callable[[], None],
+        feed: Iterator[tuple[float, Callable[[], None]]] | None = None,
+    ) -> None:
+        self.time = time
+        self.callback = callback
+        self.cancelled = False
+        self._feed = feed  # the stream this came from, to take its next item from
 
     def cancel(self) -> None:
-        self._event.cancelled = True
+        self.cancelled = True
+
+
+# Heap entries: (time, seq, index in its feed, handle). A plain event has its own seq and index
+# 0; a feed's items share the seq taken when it was added and count up their index, so they sort
+# exactly where scheduling them all at that moment would have put them. The three keys are
+# unique, so the handle itself is never compared.
+_Entry = tuple[float, int, int, EventHandle]
 
 
 class EventLoop:
     def __init__(self, start: float = 0.0) -> None:
         self.now = start
-        self._heap: list[_Event] = []
+        self._heap: list[_Entry] = []
         self._seq = itertools.count()
 
     def call_at(self, time: float, callback: Callable[[], None]) -> EventHandle:
         if time < self.now:
             raise ValueError(f"cannot schedule in the past: {time} < {self.now}")
-        event = _Event(time, next(self._seq), callback)
-        heapq.heappush(self._heap, event)
-        return EventHandle(event)
+        handle = EventHandle(time, callback)
+        heapq.heappush(self._heap, (time, next(self._seq), 0, handle))
+        return handle
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> EventHandle:
         return self.call_at(self.now + delay, callback)
 
+    def feed(self, items: Iterable[tuple[float, Callable[[], None]]]) -> None:
+        """Schedule (time, callback) pairs, in non-decreasing time order, as `call_at` on each
+        now would; the next pair is taken from `items` only when the previous one runs.
+        ValueError (when it is reached) for a pair earlier than the one before it."""
+        self._push_next(iter(items), next(self._seq), 0, self.now)
+
+    def _push_next(
+        self, items: Iterator[tuple[float, Callable[[], None]]], seq: int, index: int, after: float
+    ) -> None:
+        item = next(items, None)
+        if item is None:
+            return
+        time, callback = item
+        if time < after:
+            raise ValueError(f"fed events out of time order: {time} < {after}")
+        heapq.heappush(self._heap, (time, seq, index, EventHandle(time, callback, items)))
+
     def run(self, until: float | None = None) -> None:
         """Process events in order until none remain (or the next is after `until`)."""
         heap = self._heap
+        heappop = heapq.heappop
         while heap:
-            if until is not None and heap[0].time > until:
+            if until is not None and heap[0][0] > until:
                 self.now = until
                 return
-            event = heapq.heappop(heap)
-            if event.cancelled:
+            time, seq, index, handle = heappop(heap)
+            if handle._feed is not None:
+                self._push_next(handle._feed, seq, index + 1, time)
+            if handle.cancelled:
                 continue
-            self.now = event.time
-            event.callback()
+            self.now = time
+            handle.callback()

@@ -20,7 +20,7 @@ DEFAULT_MODEL = "sluice-demo"
 DEFAULT_TENANT = "default"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Arrival:
     """One request as it reaches the server. Times are seconds on the simulation clock."""
 
@@ -101,14 +101,8 @@ def poisson_arrivals(
     id_prefix: str = "r",
 ) -> Iterator[Arrival]:
     """Arrivals with exponential gaps (mean 1/rate) from 0 until `duration_s`, lazily."""
-    if rate <= 0:
-        raise ValueError("rate must be > 0")
     base = defaults or Arrival(id="", time_s=0.0)
-    rng = random.Random(seed)
-    expovariate = rng.expovariate
-    t = expovariate(rate)
-    n = 0
-    while t < duration_s:
+    for n, t in enumerate(poisson_times(rate, duration_s, seed=seed)):
         deadline = None if relative_deadline_s is None else t + relative_deadline_s
         yield Arrival(
             f"{id_prefix}{n}",
@@ -121,5 +115,15 @@ def poisson_arrivals(
             base.model,
             base.prompt,
         )
-        n += 1
+
+
+def poisson_times(rate: float, duration_s: float, *, seed: int = 0) -> Iterator[float]:
+    """The times of `poisson_arrivals`, alone: exponential gaps (mean 1/rate) from 0 until
+    `duration_s`, lazily."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    expovariate = random.Random(seed).expovariate
+    t = expovariate(rate)
+    while t < duration_s:
+        yield t
         t += expovariate(rate)

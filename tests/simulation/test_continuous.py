@@ -218,6 +218,29 @@ def test_overload_at_ten_times_capacity_keeps_every_promise() -> None:
     assert summary["budget_in_use_at_end"] == {"tokens": 0, "kv_blocks": 0, "sequences": 0}
 
 
+def test_a_simulation_that_keeps_no_timelines_reports_the_same_summary() -> None:
+    mix = WorkloadMix(
+        interactive_share=0.5,
+        tenants=(("a", 3.0), ("b", 1.0)),
+        interactive=RequestShape(32, 16, None),
+        bulk=RequestShape(64, 64, None),
+    )
+    config = parse_config({})
+    config = config.model_copy(
+        update={"tenants": {name: TenantConfig(name=name) for name in ("a", "b")}}
+    )
+    summaries = []
+    for keep in (True, False):
+        sim = ContinuousSimulation(config, SimConfig(max_num_seqs=8), keep_timelines=keep)
+        sim.add_arrivals(poisson_mix(400, 3.0, mix, seed=4))
+        sim.run(until=2.0)  # some still queued or running: counted as they stand
+        summaries.append(summarize(sim, 0.0))
+        assert len(sim.timelines) == (summaries[-1]["requests"] if keep else 0)
+    kept, tallied = summaries
+    assert kept == tallied
+    assert kept["classes"]["interactive"]["outcomes"].get("running", 0) > 0
+
+
 def test_cli_prints_timelines_and_summary_as_json(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
         ["simulate", "--mode", "continuous", "--json", "--arrivals", "A@0,B@7,E@1:deadline=150"]

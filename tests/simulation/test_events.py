@@ -1,0 +1,58 @@
+"""The discrete-event loop: callbacks in time order, ties in scheduling order, fed streams."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from server.simulation.events import EventLoop
+
+
+def test_fed_events_sort_where_scheduling_them_all_at_once_would_have_put_them() -> None:
+    ran: list[str] = []
+    loop = EventLoop()
+
+    def record(name: str) -> Callable[[], None]:
+        return lambda: ran.append(name)
+
+    def schedule_later() -> None:
+        loop.call_at(1.0, record("later"))
+
+    loop.call_at(1.0, record("before"))
+    loop.feed([(0.5, record("a")), (1.0, record("b"))])
+    loop.call_at(1.0, record("after"))
+    loop.call_at(0.5, schedule_later)
+    loop.run()
+    assert ran == ["a", "before", "b", "after", "later"]
+
+
+def test_a_fed_stream_is_read_only_as_the_loop_reaches_it() -> None:
+    read: list[float] = []
+
+    def stream() -> Iterator[tuple[float, Callable[[], None]]]:
+        for t in (1.0, 2.0, 3.0):
+            read.append(t)
+            yield t, lambda: None
+
+    loop = EventLoop()
+    loop.feed(stream())
+    assert read == [1.0]
+    loop.run(until=2.5)
+    assert (read, loop.now) == ([1.0, 2.0, 3.0], 2.5)
+
+
+def test_a_fed_stream_out_of_time_order_is_an_error() -> None:
+    loop = EventLoop()
+    loop.feed([(2.0, lambda: None), (1.0, lambda: None)])
+    with pytest.raises(ValueError, match="out of time order"):
+        loop.run()
+
+
+def test_a_cancelled_event_does_not_run() -> None:
+    ran: list[str] = []
+    loop = EventLoop()
+    handle = loop.call_at(1.0, lambda: ran.append("x"))
+    handle.cancel()
+    loop.run()
+    assert ran == []

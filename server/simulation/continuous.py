@@ -467,7 +467,7 @@ def arrival_tenants(args: argparse.Namespace) -> set[str]:
 def with_tenants(config: SluiceConfig, names: Iterable[str]) -> SluiceConfig:
     """Make every simulated tenant a configured one, so per-tenant rules apply to it."""
     tenants = dict(config.tenants)
-    for name in names:
+    for name in sorted(names):  # (a set's order changes with the hash seed: runs would differ)
         tenants.setdefault(name, TenantConfig(name=name))
     if len(tenants) > 1 and config.is_open and "default" not in names:
         tenants.pop("default", None)

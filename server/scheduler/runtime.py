@@ -223,7 +223,7 @@ class SchedulerRuntime:
             )
         for name, limit in self._core.ledger.limits_by_name().items():
             self.metrics.budget_limit.labels(budget=name).set(limit)
-        self._record_state()
+        self._gauges_read_at_scrape(self._core)
 
     async def stop(self) -> None:
         """Refuse queued requests; running streams end with their engine requests."""
@@ -246,7 +246,6 @@ class SchedulerRuntime:
             raise EngineUnavailable("the server is shutting down")
         decision = self.core.submit(ticket, self.clock())
         if isinstance(decision, Rejected):
-            self._record_state()
             raise refusal_error(decision.reason, decision.message, decision.retry_after)
         waiter: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = waiter
@@ -321,20 +320,31 @@ class SchedulerRuntime:
                 break
         if not self._stopping:
             self._timer.arm(step.wake_at, now)
-        self._record_state()
 
-    def _record_state(self) -> None:
-        core = self.core
-        now = self.clock()
+    def _gauges_read_at_scrape(self, core: SchedulerCore) -> None:
+        """The scheduler's state as gauges that read it when Prometheus scrapes, rather than
+        being written at every change of it (two per request, each a dozen gauges)."""
+        clock = self.clock
         for tc, gauges in self._class_gauges:
-            gauges.queue_depth.set(core.queue_depth(tc))
-            gauges.queue_oldest_age.set(core.oldest_queued_age(tc, now))
-            gauges.running_requests.set(core.running_count(tc))
-            gauges.autoscale_pressure.set(core.pressure(tc, now))
-        for name, in_use in core.ledger.in_use().items():
-            self.metrics.budget_in_use.labels(budget=name).set(in_use)
-        targets = core.bulk_cap.targets()
-        self._slo_ttft.set(targets.ttft_s)
-        self._slo_itl.set(targets.itl_s)
-        self._bulk_cap.set(core.bulk_allowed(now))
-        self._knee.set(core.bulk_cap.knee())
+            gauges.queue_depth.set_function(partial(core.queue_depth, tc))
+            gauges.queue_oldest_age.set_function(partial(_now, core.oldest_queued_age, tc, clock))
+            gauges.running_requests.set_function(partial(core.running_count, tc))
+            gauges.autoscale_pressure.set_function(partial(_now, core.pressure, tc, clock))
+        for name in core.ledger.in_use():
+            self.metrics.budget_in_use.labels(budget=name).set_function(
+                partial(_in_use, core, name)
+            )
+        self._slo_ttft.set_function(lambda: core.bulk_cap.targets().ttft_s)
+        self._slo_itl.set_function(lambda: core.bulk_cap.targets().itl_s)
+        self._bulk_cap.set_function(lambda: core.bulk_allowed(clock()))
+        self._knee.set_function(core.bulk_cap.knee)
+
+
+def _now(
+    read: Callable[[TrafficClass, float], float], tc: TrafficClass, clock: Callable[[], float]
+) -> float:
+    return read(tc, clock())
+
+
+def _in_use(core: SchedulerCore, budget: str) -> float:
+    return core.ledger.in_use()[budget]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,15 +21,16 @@ from conftest import InProcessSluice, parse_sse, uncalibrated_config, wait_until
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 ACME = {"Authorization": "Bearer sk-acme"}
 GLOBEX = {"Authorization": "Bearer sk-globex"}
+# The grace period: long beside the moment between leaving and resuming in these tests, and
+# waited out only by the grace period's own test, on a server of its own.
 GRACE_SECONDS = 1
+SHORT_GRACE_SECONDS = 0.2
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    root = tmp_path_factory.mktemp("resumption")
+def serve(root: Path, grace_seconds: float) -> Iterator[InProcessSluice]:
     # Steps of 10 ms: a 40-token answer streams for ~0.4 s, long enough for a client to leave
     # mid-stream and for a retry to attach while it runs.
-    config = uncalibrated_config(root, f"resume: {{grace_seconds: {GRACE_SECONDS}}}\n")
+    config = uncalibrated_config(root, f"resume: {{grace_seconds: {grace_seconds}}}\n")
     process = InProcessSluice(
         ["--engine", "sim", "--sim-step-base-ms", "10", "--config", str(config)],
         root / "server.log",
@@ -39,6 +41,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
+    yield from serve(tmp_path_factory.mktemp("resumption"), GRACE_SECONDS)
+
+
+@pytest.fixture
+def short_grace_server(tmp_path: Path) -> Iterator[InProcessSluice]:
+    yield from serve(tmp_path, SHORT_GRACE_SECONDS)
 
 
 def chat(max_tokens: int = 40, seed: int = 7, **extra: object) -> dict:
@@ -213,8 +225,9 @@ def test_tenants_with_the_same_key_stay_apart(server: InProcessSluice) -> None:
 
 
 def test_a_resumable_generation_left_unread_ends_after_the_grace_period(
-    server: InProcessSluice,
+    short_grace_server: InProcessSluice,
 ) -> None:
+    server = short_grace_server
     aborts_before = server.metric("sluice_engine_aborts_total")
     _, head = stream(
         server,
@@ -225,7 +238,7 @@ def test_a_resumable_generation_left_unread_ends_after_the_grace_period(
     # It keeps running without a reader, until the grace period has passed.
     wait_until(
         lambda: server.metric("sluice_engine_aborts_total") > aborts_before,
-        GRACE_SECONDS + 10,
+        SHORT_GRACE_SECONDS + 10,
         message="the abandoned generation is aborted",
     )
     status, tail = resume(server, generation_id(head), {**ACME, "Last-Event-ID": "3"})

@@ -34,8 +34,13 @@ test: setup
 	scripts/install-test-deps.sh
 	$(TEST_ENV) $(BIN)/pytest $(PARALLEL) $(PYTEST_ARGS)
 
+# The quick tiers: one worker more than cores. Their service tests spend most of their time
+# waiting on the wall clock (generations paced by the sim engine, deadlines, grace periods,
+# servers stopping), and a core whose worker waits would otherwise sit idle.
+QUICK_PARALLEL ?= -n $$(( $$(nproc) + 1 )) --dist loadgroup
+
 test-quick: setup  # the unit and service tiers (no vLLM, processes, browser, Prometheus), unfuzzed
-	$(TEST_ENV) $(BIN)/pytest $(PARALLEL) -m "not system and not slow" $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/pytest $(QUICK_PARALLEL) -m "not system and not slow" $(PYTEST_ARGS)
 
 lint: setup  # what CI runs before the tests: lint, format, types, import rules
 	$(BIN)/ruff check $(LINTED)

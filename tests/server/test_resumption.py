@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -124,11 +125,14 @@ def test_a_resumable_streams_events_are_numbered_from_one_done_included(
 def test_a_stream_resumed_after_a_disconnect_is_the_uninterrupted_one(
     server: InProcessSluice,
 ) -> None:
-    _, whole = stream(server, chat(), ACME)
-    _, head = stream(server, chat(), {**ACME, "Idempotency-Key": "story-1"}, leave_after=5)
-    public_id = generation_id(head)
+    # The uninterrupted stream is read meanwhile, in a thread (the two share engine steps).
+    with ThreadPoolExecutor(1) as uninterrupted:
+        reading = uninterrupted.submit(stream, server, chat(), ACME)
+        _, head = stream(server, chat(), {**ACME, "Idempotency-Key": "story-1"}, leave_after=5)
+        public_id = generation_id(head)
+        status, tail = resume(server, public_id, {**ACME, "Last-Event-ID": str(head[-1][0])})
+        _, whole = reading.result()
     assert public_id.startswith("chatcmpl-")
-    status, tail = resume(server, public_id, {**ACME, "Last-Event-ID": str(head[-1][0])})
     assert status == 200
     # Each event once, in order: the text that waited for the reader may come merged into
     # one chunk, under the number of the last event it holds.
@@ -252,9 +256,14 @@ async def test_a_websocket_generation_resumes_on_another_connection(
 ) -> None:
     url = server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme"
     request = {k: v for k, v in chat().items() if k != "stream"}
-    async with websockets.connect(url) as ws:
-        await ws.send(json.dumps({"type": "generate", "id": "whole", "request": request}))
-        whole = await _read_until_final(ws, "whole")
+
+    async def uninterrupted() -> list[dict]:
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "whole", "request": request}))
+            return await _read_until_final(ws, "whole")
+
+    # The uninterrupted generation is read meanwhile (the two share engine steps).
+    reading = asyncio.create_task(uninterrupted())
     async with websockets.connect(url) as ws:
         await ws.send(
             json.dumps(
@@ -271,6 +280,7 @@ async def test_a_websocket_generation_resumes_on_another_connection(
         tail = await _read_until_final(ws, "b")
         await ws.send(json.dumps({"type": "resume", "id": "c", "generation": "chatcmpl-nope"}))
         missing = json.loads(await ws.recv())
+    whole = await reading
     seqs = [m["seq"] for m in head + tail]
     assert seqs == sorted(set(seqs))
     assert "".join(m.get("text", "") for m in head + tail) == "".join(

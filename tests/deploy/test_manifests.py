@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
 import yaml
 
@@ -38,6 +37,10 @@ MANIFESTS = [
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_kubernetes_manifests_match_kubernetes_schemas(path: Path) -> None:
+    # Imported here: it loads jsonschema (~0.1 s), which every pytest-xdist worker would pay
+    # at collection, though one of them runs these tests.
+    import kubernetes_validate
+
     for document in _documents(path):
         kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,15 +22,16 @@ from conftest import InProcessSluice, parse_sse, uncalibrated_config, wait_until
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 ACME = {"Authorization": "Bearer sk-acme"}
 GLOBEX = {"Authorization": "Bearer sk-globex"}
+# The grace period: long beside the moment between leaving and resuming in these tests, and
+# waited out only by the grace period's own test, on a server of its own.
 GRACE_SECONDS = 1
+SHORT_GRACE_SECONDS = 0.2
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    root = tmp_path_factory.mktemp("resumption")
+def serve(root: Path, grace_seconds: float) -> Iterator[InProcessSluice]:
     # Steps of 10 ms: a 40-token answer streams for ~0.4 s, long enough for a client to leave
     # mid-stream and for a retry to attach while it runs.
-    config = uncalibrated_config(root, f"resume: {{grace_seconds: {GRACE_SECONDS}}}\n")
+    config = uncalibrated_config(root, f"resume: {{grace_seconds: {grace_seconds}}}\n")
     process = InProcessSluice(
         ["--engine", "sim", "--sim-step-base-ms", "10", "--config", str(config)],
         root / "server.log",
@@ -39,6 +42,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice
         yield process
     finally:
         process.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
+    yield from serve(tmp_path_factory.mktemp("resumption"), GRACE_SECONDS)
+
+
+@pytest.fixture
+def short_grace_server(tmp_path: Path) -> Iterator[InProcessSluice]:
+    yield from serve(tmp_path, SHORT_GRACE_SECONDS)
 
 
 def chat(max_tokens: int = 40, seed: int = 7, **extra: object) -> dict:
@@ -112,11 +125,14 @@ def test_a_resumable_streams_events_are_numbered_from_one_done_included(
 def test_a_stream_resumed_after_a_disconnect_is_the_uninterrupted_one(
     server: InProcessSluice,
 ) -> None:
-    _, whole = stream(server, chat(), ACME)
-    _, head = stream(server, chat(), {**ACME, "Idempotency-Key": "story-1"}, leave_after=5)
-    public_id = generation_id(head)
+    # The uninterrupted stream is read meanwhile, in a thread (the two share engine steps).
+    with ThreadPoolExecutor(1) as uninterrupted:
+        reading = uninterrupted.submit(stream, server, chat(), ACME)
+        _, head = stream(server, chat(), {**ACME, "Idempotency-Key": "story-1"}, leave_after=5)
+        public_id = generation_id(head)
+        status, tail = resume(server, public_id, {**ACME, "Last-Event-ID": str(head[-1][0])})
+        _, whole = reading.result()
     assert public_id.startswith("chatcmpl-")
-    status, tail = resume(server, public_id, {**ACME, "Last-Event-ID": str(head[-1][0])})
     assert status == 200
     # Each event once, in order: the text that waited for the reader may come merged into
     # one chunk, under the number of the last event it holds.
@@ -213,8 +229,9 @@ def test_tenants_with_the_same_key_stay_apart(server: InProcessSluice) -> None:
 
 
 def test_a_resumable_generation_left_unread_ends_after_the_grace_period(
-    server: InProcessSluice,
+    short_grace_server: InProcessSluice,
 ) -> None:
+    server = short_grace_server
     aborts_before = server.metric("sluice_engine_aborts_total")
     _, head = stream(
         server,
@@ -225,7 +242,7 @@ def test_a_resumable_generation_left_unread_ends_after_the_grace_period(
     # It keeps running without a reader, until the grace period has passed.
     wait_until(
         lambda: server.metric("sluice_engine_aborts_total") > aborts_before,
-        GRACE_SECONDS + 10,
+        SHORT_GRACE_SECONDS + 10,
         message="the abandoned generation is aborted",
     )
     status, tail = resume(server, generation_id(head), {**ACME, "Last-Event-ID": "3"})
@@ -239,9 +256,14 @@ async def test_a_websocket_generation_resumes_on_another_connection(
 ) -> None:
     url = server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme"
     request = {k: v for k, v in chat().items() if k != "stream"}
-    async with websockets.connect(url) as ws:
-        await ws.send(json.dumps({"type": "generate", "id": "whole", "request": request}))
-        whole = await _read_until_final(ws, "whole")
+
+    async def uninterrupted() -> list[dict]:
+        async with websockets.connect(url) as ws:
+            await ws.send(json.dumps({"type": "generate", "id": "whole", "request": request}))
+            return await _read_until_final(ws, "whole")
+
+    # The uninterrupted generation is read meanwhile (the two share engine steps).
+    reading = asyncio.create_task(uninterrupted())
     async with websockets.connect(url) as ws:
         await ws.send(
             json.dumps(
@@ -258,6 +280,7 @@ async def test_a_websocket_generation_resumes_on_another_connection(
         tail = await _read_until_final(ws, "b")
         await ws.send(json.dumps({"type": "resume", "id": "c", "generation": "chatcmpl-nope"}))
         missing = json.loads(await ws.recv())
+    whole = await reading
     seqs = [m["seq"] for m in head + tail]
     assert seqs == sorted(set(seqs))
     assert "".join(m.get("text", "") for m in head + tail) == "".join(

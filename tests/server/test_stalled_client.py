@@ -29,7 +29,7 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
             "--config",
             str(uncalibrated_config(tmp_path)),
             "--send-timeout-seconds",
-            "0.5",
+            "0.2",
             "--sim-max-model-len",
             "65536",
             "--sim-step-base-ms",
@@ -71,7 +71,6 @@ def test_a_client_that_stops_reading_is_dropped(impatient_server: InProcessSluic
         wait_until(
             lambda: impatient_server.metric("sluice_cancellations_total", stage="running") == 1,
             30,
-            interval=0.2,
             message="the stalled stream was dropped",
         )
         assert impatient_server.metric("sluice_engine_unfinished_requests") == 0
@@ -115,7 +114,6 @@ async def test_a_websocket_client_that_stops_reading_is_dropped(
         wait_until(
             lambda: impatient_server.metric("sluice_cancellations_total", stage="running") >= 1,
             30,
-            interval=0.2,
             message="the stalled websocket was dropped",
         )
         wait_until(

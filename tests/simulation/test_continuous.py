@@ -100,8 +100,11 @@ def test_chat_during_a_bulk_flood_starts_within_about_one_engine_step() -> None:
         max_model_len=2048,
     )
     config = parse_config({**OPTIMISTIC, "budgets": {"interactive_reserve_share": 0.25}})
+    # 64 bulk requests: 8 run and 56 wait until past the last chat (the first bulk ends at
+    # ~4.6 s). A deeper flood only lengthens the run: with 200, every chat's dispatch and first
+    # token are the same to the microsecond.
     flood = [
-        Arrival(f"bulk{n}", 0.0, None, BULK, prompt_tokens=128, max_tokens=512) for n in range(200)
+        Arrival(f"bulk{n}", 0.0, None, BULK, prompt_tokens=128, max_tokens=512) for n in range(64)
     ]
     chats = [
         Arrival(f"chat{n}", 1.0 + n * 0.5, None, prompt_tokens=32, max_tokens=16) for n in range(4)

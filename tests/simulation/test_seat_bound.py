@@ -78,13 +78,24 @@ def run(bulk: BulkStreams | None, chats: bool = True) -> Run:
     return Run(done, bulk_tokens / SECONDS, simulation.peak_budget_in_use["sequences"], starts)
 
 
+# The module's tests in one pytest-xdist worker, so that each run below is simulated once.
+pytestmark = pytest.mark.xdist_group("seat_bound")
+
+
 @pytest.fixture(scope="module")
 def idle() -> Run:
     return run(None)
 
 
-def test_a_flood_beyond_the_seats_keeps_the_chats_slo_and_bulk_its_rate(idle: Run) -> None:
-    flood, alone = run(FLOOD), run(FLOOD, chats=False)
+@pytest.fixture(scope="module")
+def flood() -> Run:
+    return run(FLOOD)
+
+
+def test_a_flood_beyond_the_seats_keeps_the_chats_slo_and_bulk_its_rate(
+    idle: Run, flood: Run
+) -> None:
+    alone = run(FLOOD, chats=False)
     assert flood.peak_sequences <= SEATS and alone.peak_sequences <= SEATS
     ttft_limit, gap_limit = 3 * idle.ttft_p99(), 3 * idle.median_gap()
     within = [c.ttft_s <= ttft_limit and c.median_gap_s <= gap_limit for c in flood.chats]
@@ -100,11 +111,10 @@ def test_a_batch_turning_the_seats_over_keeps_the_chats_ttft_within_twice_idle(i
     assert batch.ttft_p99() <= 2 * idle.ttft_p99()
 
 
-def test_a_flood_of_one_length_restarts_spread_out_not_as_one_cohort() -> None:
+def test_a_flood_of_one_length_restarts_spread_out_not_as_one_cohort(flood: Run) -> None:
     # 64 streams of 256 tokens: bulk started together would end together and come back as one
     # burst of starts every 256 steps, all in the step a chat may arrive in. Once chats are
     # about, starts go one step apart, and the spread holds.
-    flood = run(FLOOD)
     later = [at for at in flood.bulk_starts if at >= 2.0]
     assert len(later) > 200
     step_s = ENGINE.step_base_ms / 1000

@@ -15,6 +15,7 @@ server process's CPU per token:
 
     python bench/frontend.py                         # SSE and WebSocket, every system
     python bench/frontend.py --transports sse --systems floor,sluice --streams 64
+    python bench/frontend.py --systems floor,sluice --root /tmp/old   # an older checkout
 
 A warm-up round (`--warmup` streams) precedes each measured one. On 2 cores the client and the
 server share the machine: compare systems within one run, not across runs.
@@ -233,7 +234,7 @@ async def load(
 # -- the run -----------------------------------------------------------------------------------
 
 
-def start(system: str, listener: socket.socket, data: str) -> subprocess.Popen[bytes]:
+def start(system: str, listener: socket.socket, data: str, root: Path) -> subprocess.Popen[bytes]:
     extra = SYSTEMS[system]
     fd = str(listener.fileno())
     command = (
@@ -243,7 +244,7 @@ def start(system: str, listener: socket.socket, data: str) -> subprocess.Popen[b
               "--log-level", "warning", *ENGINE, *extra]
     )  # fmt: skip
     return subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.DEVNULL, process_group=0,
+        command, cwd=ROOT if extra is None else root, stdout=subprocess.DEVNULL, process_group=0,
         pass_fds=[listener.fileno()],
     )  # fmt: skip
 
@@ -272,7 +273,7 @@ def measure(args: argparse.Namespace, system: str, transport: str) -> dict[str, 
     listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
     port = int(listener.getsockname()[1])
     with tempfile.TemporaryDirectory() as data, listener:
-        server = start(system, listener, data)
+        server = start(system, listener, data, args.root)
         try:
             ready(port, server, system)
             process = psutil.Process(server.pid)
@@ -305,6 +306,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16, help="streams of the warm-up round")
     parser.add_argument("--transports", default="sse,ws")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--root", type=Path, default=ROOT, help="the checkout whose Sluice is served (an older one)"
+    )
     parser.add_argument("--floor-fd", type=int, help=argparse.SUPPRESS)  # serve the floor
     args = parser.parse_args()
     if args.floor_fd is not None:

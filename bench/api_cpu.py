@@ -8,6 +8,7 @@ engine core is a child process and is not counted. What the API process spends p
 the frontend's cost: HTTP, SSE, detokenizing, and for Sluice its scheduling too.
 
     python bench/api_cpu.py [--rounds 3] [--streams 64] [--tokens 256]
+    python bench/api_cpu.py --old-root /tmp/old   # and an older checkout's Sluice beside them
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from throughput import ENGINE_SETTINGS, MODEL_NAME, RESULTS, ROOT, start, stop, 
 
 
 def commands(
-    model: Path, vllm_port: int, sluice_port: int
-) -> dict[str, tuple[int, list[str], str]]:
+    model: Path, vllm_port: int, sluice_port: int, old: Path | None
+) -> dict[str, tuple[int, list[str], str, Path]]:
+    """Per system: its port, command, readiness path and working directory."""
     vllm = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(vllm_port),
@@ -45,10 +47,15 @@ def commands(
     ]  # fmt: skip
     for key, value in ENGINE_SETTINGS.items():
         sluice += ["--engine-arg", f"{key}={value}"]
-    return {
-        "vllm": (vllm_port, vllm, "/health"),
-        "sluice": (sluice_port, sluice, "/ready"),
+    systems = {
+        "vllm": (vllm_port, vllm, "/health", ROOT),
+        "sluice": (sluice_port, sluice, "/ready", ROOT),
     }
+    if old is not None:
+        port = sluice_port + 1
+        older = [*sluice, "--port", str(port), "--data-dir", tempfile.mkdtemp(prefix="sluice-old-")]
+        systems["sluice-old"] = (port, older, "/ready", old)
+    return systems
 
 
 def round_once(port: int, pid: int, streams: int, tokens: int) -> tuple[float, float]:
@@ -67,21 +74,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument(
+        "--old-root", type=Path, help="also measure this checkout's Sluice (an older one)"
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from engine_adapters.demo_model import build_demo_model
 
     cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
     model = build_demo_model(cache / "demo-model")
-    systems = commands(model, 8303, 8304)
+    systems = commands(model, 8303, 8304, args.old_root)
     RESULTS.mkdir(parents=True, exist_ok=True)
     procs = {
-        name: start(cmd, RESULTS / f"api-cpu-{name}-server.log")
-        for name, (_, cmd, _) in systems.items()
+        name: start(cmd, RESULTS / f"api-cpu-{name}-server.log", cwd)
+        for name, (_, cmd, _, cwd) in systems.items()
     }
     per_token: dict[str, list[float]] = {name: [] for name in systems}
     try:
-        for name, (port, _, ready_path) in systems.items():
+        for name, (port, _, ready_path, _) in systems.items():
             wait_ready(f"http://127.0.0.1:{port}", procs[name], ready_path)
             round_once(port, procs[name].pid, 8, args.tokens)  # warm-up
         for round_no in range(args.rounds):
@@ -94,11 +104,12 @@ def main() -> None:
     finally:
         for proc in procs.values():
             stop(proc)
-    sluice, vllm = (statistics.median(per_token[n]) for n in ("sluice", "vllm"))
-    print(
-        f"median API-process CPU per token: Sluice {sluice:.1f} µs, vLLM {vllm:.1f} µs "
-        f"({sluice / vllm:.2f}x)"
-    )
+    vllm = statistics.median(per_token["vllm"])
+    for name in systems:
+        median = statistics.median(per_token[name])
+        print(
+            f"median API-process CPU per token: {name} {median:.1f} µs ({median / vllm:.2f}x vLLM)"
+        )
 
 
 if __name__ == "__main__":

@@ -35,10 +35,10 @@ MODEL_NAME = "sluice-demo"
 ENGINE_SETTINGS = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "seed": 0}
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start(cmd: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen[bytes]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     return subprocess.Popen(
-        cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, process_group=0
+        cmd, cwd=cwd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, process_group=0
     )  # not a new session: see tests/conftest.py
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -129,6 +130,8 @@ def test_error_messages_name_what_is_wrong(sim_server: InProcessSluice) -> None:
     vocab = _post(sim_server, "/v1/completions", json={"prompt": [5, 2048], "max_tokens": 2})
     assert _assert_error(vocab, 400, "invalid_request")["param"] == "prompt"
     assert "2048" in vocab.json()["error"]["message"]
+    # vLLM's words, which its suite matches (test_prompt_validation::test_out_of_vocab_token_ids)
+    assert re.search("out of vocabulary", vocab.json()["error"]["message"])
     seed = _post(sim_server, "/v1/chat/completions", json={**CHAT, "seed": -(2**63) - 1})
     assert "greater than or equal to -9223372036854775808" in seed.json()["error"]["message"]
     schema = _post(

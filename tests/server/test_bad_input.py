@@ -352,6 +352,46 @@ def test_sim_engine_return_token_ids_streamed_and_whole(sim_server: InProcessSlu
     assert plain.json()["choices"][0]["token_ids"] is None  # present, as vLLM's server has it
 
 
+def test_every_streamed_completion_chunk_has_the_logprobs_and_token_ids_asked_for(
+    sim_server: InProcessSluice,
+) -> None:
+    """As vLLM's test_return_token_ids::test_comparison_with_prompt_logprobs_and_logprobs
+    reads them: each chunk's `logprobs.tokens` and `token_ids`, the finishing chunk's too."""
+    import openai  # here, not at the top: every pytest-xdist worker collects this module
+
+    client = openai.OpenAI(base_url=sim_server.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    ids = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    whole = client.completions.create(
+        model=model,
+        prompt="Hello, world!",
+        max_tokens=6,
+        echo=True,
+        logprobs=1,
+        extra_body={**ids, "prompt_logprobs": 1},
+    ).choices[0]
+    assert whole.prompt_logprobs is not None  # type: ignore[attr-defined]
+    assert whole.logprobs is not None and whole.logprobs.tokens is not None
+    scored = [int(t.removeprefix("token_id:")) for t in whole.logprobs.tokens]
+    assert scored == [*whole.prompt_token_ids, *whole.token_ids]  # type: ignore[attr-defined]
+
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="Hello", max_tokens=6, stream=True, logprobs=1, extra_body=ids
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+    streamed: list[int] = []
+    in_logprobs: list[int] = []
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        assert choice.logprobs is not None and choice.logprobs.tokens is not None
+        in_logprobs += [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+        streamed += choice.token_ids  # type: ignore[attr-defined]
+    assert len(streamed) == 6 and streamed == in_logprobs
+    assert chunks[0].choices[0].prompt_token_ids  # type: ignore[attr-defined]
+
+
 def test_batched_chat_completions_one_choice_per_conversation(sim_server: InProcessSluice) -> None:
     conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
     body = {"messages": conversations, "max_tokens": 4, "seed": 9}

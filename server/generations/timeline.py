@@ -24,6 +24,7 @@ from server.observability.access_log import (
     claim_access_line,
     log_request,
     median,
+    release_access_line,
 )
 from server.observability.metrics import Metrics
 from server.scheduler.slo import slo_result
@@ -62,6 +63,11 @@ class RequestTimeline:
     def __post_init__(self) -> None:
         if self.recorded:  # the request that made it is logged by `finish`, not the middleware
             claim_access_line()
+
+    def unused(self) -> None:
+        """Its request is answered by another request's run (a replay): it records nothing."""
+        if not self.ended:
+            release_access_line()
 
     def _label_values(self) -> tuple[str, str]:
         return (self.model, self.traffic_class)

@@ -126,6 +126,14 @@ def claim_access_line() -> None:
         trace.claimed = True
 
 
+def release_access_line() -> None:
+    """The timeline this task made will not finish (an idempotent replay answers with an
+    earlier request's run): the middleware writes the request's line after all."""
+    trace = _trace.get()
+    if trace is not None and trace.task is current_task():
+        trace.claimed = False
+
+
 def _seconds(value: float | None) -> float | None:
     # Microsecond resolution is finer than any clock Sluice reads; NaN/inf are not JSON.
     if value is None or value != value or value in (float("inf"), float("-inf")):

@@ -17,6 +17,7 @@ from server.observability.access_log import (
     install_handler,
     log_request,
     median,
+    release_access_line,
     trace_request,
 )
 
@@ -147,6 +148,8 @@ async def test_only_the_requests_own_task_claims_its_line() -> None:
         assert not trace.claimed
         claim_access_line()
         assert trace.claimed
+        release_access_line()  # its timeline went unused: the middleware's line after all
+        assert not trace.claimed
     finally:
         end_trace(token)
 

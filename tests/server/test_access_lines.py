@@ -139,3 +139,26 @@ def test_a_generation_request_keeps_its_timelines_line_alone(sim_server: InProce
     assert (line["api"], line["outcome"], line["status"]) == ("chat", "completed", 200)
     [line] = _settled_lines(sim_server, request_id=refused)
     assert (line["api"], line["outcome"], line["status"]) == ("completions", "invalid", 400)
+
+
+def test_an_idempotent_replay_leaves_a_line_of_its_own(sim_server: InProcessSluice) -> None:
+    """The replay's timeline is never finished (the first request's run answers it): the
+    middleware logs it, and the first request keeps its timeline's line."""
+    key, first, replay = (uuid.uuid4().hex for _ in range(3))
+    for request_id in (first, replay):
+        response = httpx.post(
+            sim_server.url + "/v1/chat/completions",
+            json=CHAT,
+            headers={"X-Request-Id": request_id, "Idempotency-Key": key},
+            timeout=10,
+        )
+        assert response.is_success
+    [line] = _settled_lines(sim_server, request_id=first)
+    assert (line["api"], line["outcome"]) == ("chat", "completed")
+    [line] = _settled_lines(sim_server, request_id=replay)
+    assert (line["api"], line["method"], line["path"], line["status"]) == (
+        "http",
+        "POST",
+        "/v1/chat/completions",
+        200,
+    )

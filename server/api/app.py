@@ -19,12 +19,14 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
 from server.api import batch_api_routes
+from server.api.access import AccessLogMiddleware
 from server.api.edge import Edge, context_of
 from server.api.openai_routes import (
     JSONResponse,
@@ -281,6 +283,7 @@ def build_app(
     app = SluiceApp(
         routes=routes(services, metrics_route=metrics_route),
         exception_handlers={HTTPException: http_error, SluiceError: sluice_error},
+        middleware=[Middleware(AccessLogMiddleware, metrics=metrics)],
         lifespan=lifespan,
     )
     app.services = services

@@ -203,6 +203,17 @@ REJECTION_CODES: tuple[str, ...] = tuple(
 )
 
 
+def outcome_of(status: int) -> Outcome:
+    """How a request answered with `status` ended, when all Sluice knows is the status: the
+    outcome its error classes share ("completed" below 400)."""
+    if status < 400:
+        return "completed"
+    outcomes = {cls.outcome for (code_status, _), cls in ERRORS.items() if code_status == status}
+    if len(outcomes) == 1:
+        return outcomes.pop()
+    return "failed" if status >= 500 else "invalid"
+
+
 class StateUnavailable(Exception):
     """The state replicas share (Redis) did not answer in time, or refused the connection.
     Never a client's answer: each feature that shares state says what it does without it."""

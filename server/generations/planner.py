@@ -47,12 +47,13 @@ class RequestContext:
 
 
 def check_in_vocabulary(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
-    """A 400 naming the first token id at or above `vocab_size` (0: the engine did not say)."""
+    """A 400 naming the first token id at or above `vocab_size` (0: the engine did not say),
+    in vLLM's words ("out of vocabulary": clients match on them)."""
     if vocab_size:
         bad = next((t for t in token_ids if t >= vocab_size), None)
         if bad is not None:
             raise InvalidRequest(
-                f"token id {bad} in '{param}' is out of the vocabulary (size {vocab_size})",
+                f"Token id {bad} in '{param}' is out of vocabulary (size {vocab_size})",
                 param=param,
             )
 

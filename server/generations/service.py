@@ -90,9 +90,13 @@ class Generations:
                 stream=stream,
             )
             if answer is not None:
+                if answer[1]:
+                    timeline.unused()
                 return answer
         if found is not None:
-            return _same_body(found, request_print), True
+            replayed = _same_body(found, request_print)
+            timeline.unused()
+            return replayed, True
         run = self._open(parsed, timeline, context, stream=stream, resumable=True)
         self.store.add(tenant, key, request_print, run)
         return run, False

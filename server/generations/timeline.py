@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.core.errors import Outcome, SluiceError
-from server.observability.access_log import AccessRecord, log_request, median
+from server.observability.access_log import (
+    AccessRecord,
+    claim_access_line,
+    log_request,
+    median,
+    release_access_line,
+)
 from server.observability.metrics import Metrics
 from server.scheduler.slo import slo_result
 from server.scheduler.types import Generation, SloTargets
@@ -53,6 +59,15 @@ class RequestTimeline:
     _flushed_tokens: int = 0  # generated tokens counted in the registry
     _flushed_gaps: int = 0  # gaps of `itl` observed in the registry
     _flushed_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.recorded:  # the request that made it is logged by `finish`, not the middleware
+            claim_access_line()
+
+    def unused(self) -> None:
+        """Its request is answered by another request's run (a replay): it records nothing."""
+        if not self.ended:
+            release_access_line()
 
     def _label_values(self) -> tuple[str, str]:
         return (self.model, self.traffic_class)

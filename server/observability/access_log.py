@@ -1,6 +1,9 @@
 """Structured access log: one JSON object per finished request, on the `sluice.access` logger.
 
-The route builds an `AccessRecord` when a request ends, by any path, and calls `log_request`.
+A generation's timeline builds an `AccessRecord` when its request ends, by any path, and calls
+`log_request`. Every other HTTP request (an unknown route, a refused key on /v1/models,
+/tokenize, the Batch API, ...) is written as an `HttpRecord` by the API's access-log middleware,
+which skips the requests that made a timeline: each request leaves exactly one line.
 Field names and units are documented in docs/observability.md ("Access log").
 """
 
@@ -10,7 +13,9 @@ import json
 import logging
 import statistics
 import sys
+from asyncio import Task, current_task
 from collections.abc import Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import IO, Any, Literal
@@ -61,6 +66,74 @@ class AccessRecord:
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+@dataclass(frozen=True, slots=True)
+class HttpRecord:
+    """An HTTP request that made no generation timeline. `path`: the route's template where
+    one matched, else the path as sent (redacted and truncated by the middleware)."""
+
+    request_id: str | None
+    method: str
+    path: str
+    outcome: str
+    status: int
+    duration_s: float
+
+    def to_json(self, now: datetime | None = None) -> str:
+        when = now if now is not None else datetime.now(UTC)
+        fields: dict[str, Any] = {
+            "ts": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "request_id": self.request_id,
+            "api": "http",
+            "method": self.method,
+            "path": self.path,
+            "outcome": self.outcome,
+            "status": self.status,
+            "duration_s": _seconds(self.duration_s),
+        }
+        return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+class RequestTrace:
+    """Whether the HTTP request being served will be logged by a generation timeline: set by
+    the middleware for the request's task, claimed by a timeline made in that task."""
+
+    __slots__ = ("claimed", "task")
+
+    def __init__(self, task: Task[Any] | None) -> None:
+        self.task = task
+        self.claimed = False
+
+
+_trace: ContextVar[RequestTrace | None] = ContextVar("sluice_request_trace", default=None)
+
+
+def trace_request() -> tuple[RequestTrace, Any]:
+    """A trace for the request the current task serves, and the token that ends it
+    (`end_trace`)."""
+    trace = RequestTrace(current_task())
+    return trace, _trace.set(trace)
+
+
+def end_trace(token: Any) -> None:
+    _trace.reset(token)
+
+
+def claim_access_line() -> None:
+    """A timeline was made for the request this task serves: its `finish` writes the line.
+    (Tasks the request started, e.g. a Batch API run, inherit the trace but claim nothing.)"""
+    trace = _trace.get()
+    if trace is not None and trace.task is current_task():
+        trace.claimed = True
+
+
+def release_access_line() -> None:
+    """The timeline this task made will not finish (an idempotent replay answers with an
+    earlier request's run): the middleware writes the request's line after all."""
+    trace = _trace.get()
+    if trace is not None and trace.task is current_task():
+        trace.claimed = False
+
+
 def _seconds(value: float | None) -> float | None:
     # Microsecond resolution is finer than any clock Sluice reads; NaN/inf are not JSON.
     if value is None or value != value or value in (float("inf"), float("-inf")):
@@ -77,6 +150,12 @@ def median(values: Iterable[float]) -> float | None:
 
 
 def log_request(record: AccessRecord) -> None:
+    """Write `record` as one JSON line at INFO on the `sluice.access` logger."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(record.to_json())
+
+
+def log_http(record: HttpRecord) -> None:
     """Write `record` as one JSON line at INFO on the `sluice.access` logger."""
     if logger.isEnabledFor(logging.INFO):
         logger.info(record.to_json())

@@ -63,6 +63,9 @@ SLO_RESULTS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 BATCH_LINE_OUTCOMES = ("completed", "failed", "expired")
+# sluice_unmatched_requests_total{method, status}: a method outside HTTP_METHODS is "other".
+HTTP_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "other")
+UNMATCHED_STATUSES = ("404", "405")
 
 _STATE_BUCKETS = _by_decade(
     (0.0001, 0.00025, 0.0005, 0.00075),
@@ -120,6 +123,11 @@ class Metrics:
         )
         self.requests = counter(
             "sluice_requests", "Requests that ended, by outcome.", [*_BY_CLASS, "outcome"]
+        )
+        self.unmatched_requests = counter(
+            "sluice_unmatched_requests",
+            "HTTP requests no route serves: an unknown path (404) or method (405).",
+            ["method", "status"],
         )
         self.generated_tokens = counter(
             "sluice_generated_tokens", "Tokens the engine generated and Sluice received.", _BY_CLASS
@@ -274,6 +282,9 @@ class Metrics:
         series that appears only with its first event leaves gaps in rates and alerts)."""
         for outcome in BATCH_LINE_OUTCOMES:
             self.batch_lines.labels(outcome)
+        for method in HTTP_METHODS:
+            for status in UNMATCHED_STATUSES:
+                self.unmatched_requests.labels(method, status)
         for tc in TRAFFIC_CLASSES:
             for outcome in OUTCOMES:
                 self.requests.labels(model, tc, outcome)

@@ -131,6 +131,7 @@ class ChunkEncoder:
         self.plain = not (continuous_usage or self._ids)  # text alone changes per chunk
         # Characters of text sent so far, per choice (completions' text_offset).
         self._text_offset: dict[int, int] = {}
+        self._completion_logprobs = False  # a completion chunk has carried logprobs
         self._head = (
             b"data: "
             + orjson.dumps(
@@ -202,6 +203,8 @@ class ChunkEncoder:
         # With logprobs every chunk takes this path, so the offset counts all the text.
         offset = self._text_offset.get(index, 0)
         self._text_offset[index] = offset + len(text)
+        if logprobs is not None:
+            self._completion_logprobs = True
         choice = {
             "index": index + self.first_index,
             "text": text,
@@ -248,7 +251,9 @@ class ChunkEncoder:
         index: int = 0,
     ) -> bytes:
         """The chunk carrying a choice's finish_reason; `last` adds usage/timings when it ends
-        the stream."""
+        the stream. As vLLM's chunks do, a completion's carries (empty) logprobs when its
+        chunks carry them, and each carries (no) `token_ids` with return_token_ids: clients
+        read them from every chunk."""
         index += self.first_index
         if self.kind == "chat":
             choice: dict[str, Any] = {
@@ -258,8 +263,16 @@ class ChunkEncoder:
                 "finish_reason": finish_reason,
             }
         else:
-            choice = {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
+            logprobs = completion_logprobs((), 0) if self._completion_logprobs else None
+            choice = {
+                "index": index,
+                "text": "",
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         choice["stop_reason"] = stop_reason
+        if self._ids:
+            choice["token_ids"] = []
         payload = {**self._base(), "choices": [choice]}
         if self.include_usage:
             payload["usage"] = self._usage(completion_tokens)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -10,9 +11,14 @@ import pytest
 from server.observability.access_log import (
     ACCESS_LOGGER_NAME,
     AccessRecord,
+    HttpRecord,
+    claim_access_line,
+    end_trace,
     install_handler,
     log_request,
     median,
+    release_access_line,
+    trace_request,
 )
 
 
@@ -117,3 +123,36 @@ def test_nothing_is_written_when_the_access_logger_is_silenced() -> None:
 )
 def test_median(values: list[float], expected: float | None) -> None:
     assert median(values) == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_an_http_record_names_method_path_status_and_duration() -> None:
+    record = HttpRecord(None, "POST", "/v1/responses", "invalid", 404, 0.0012345678)
+    body = json.loads(record.to_json(datetime(2025, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)))
+    assert body == {
+        "ts": "2025-01-02T03:04:05.678Z",
+        "request_id": None,
+        "api": "http",
+        "method": "POST",
+        "path": "/v1/responses",
+        "outcome": "invalid",
+        "status": 404,
+        "duration_s": 0.001235,
+    }
+
+
+async def test_only_the_requests_own_task_claims_its_line() -> None:
+    claim_access_line()  # outside any request: nothing to claim, no error
+    trace, token = trace_request()
+    try:
+        await asyncio.create_task(_claim())  # a task the request started (a Batch API run)
+        assert not trace.claimed
+        claim_access_line()
+        assert trace.claimed
+        release_access_line()  # its timeline went unused: the middleware's line after all
+        assert not trace.claimed
+    finally:
+        end_trace(token)
+
+
+async def _claim() -> None:
+    claim_access_line()

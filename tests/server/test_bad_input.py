@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -129,6 +130,8 @@ def test_error_messages_name_what_is_wrong(sim_server: InProcessSluice) -> None:
     vocab = _post(sim_server, "/v1/completions", json={"prompt": [5, 2048], "max_tokens": 2})
     assert _assert_error(vocab, 400, "invalid_request")["param"] == "prompt"
     assert "2048" in vocab.json()["error"]["message"]
+    # vLLM's words, which its suite matches (test_prompt_validation::test_out_of_vocab_token_ids)
+    assert re.search("out of vocabulary", vocab.json()["error"]["message"])
     seed = _post(sim_server, "/v1/chat/completions", json={**CHAT, "seed": -(2**63) - 1})
     assert "greater than or equal to -9223372036854775808" in seed.json()["error"]["message"]
     schema = _post(
@@ -347,6 +350,46 @@ def test_sim_engine_return_token_ids_streamed_and_whole(sim_server: InProcessSlu
     assert streamed == chat["choices"][0]["token_ids"]  # seeded: the same tokens
     plain = _post(sim_server, "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert plain.json()["choices"][0]["token_ids"] is None  # present, as vLLM's server has it
+
+
+def test_every_streamed_completion_chunk_has_the_logprobs_and_token_ids_asked_for(
+    sim_server: InProcessSluice,
+) -> None:
+    """As vLLM's test_return_token_ids::test_comparison_with_prompt_logprobs_and_logprobs
+    reads them: each chunk's `logprobs.tokens` and `token_ids`, the finishing chunk's too."""
+    import openai  # here, not at the top: every pytest-xdist worker collects this module
+
+    client = openai.OpenAI(base_url=sim_server.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    ids = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    whole = client.completions.create(
+        model=model,
+        prompt="Hello, world!",
+        max_tokens=6,
+        echo=True,
+        logprobs=1,
+        extra_body={**ids, "prompt_logprobs": 1},
+    ).choices[0]
+    assert whole.prompt_logprobs is not None  # type: ignore[attr-defined]
+    assert whole.logprobs is not None and whole.logprobs.tokens is not None
+    scored = [int(t.removeprefix("token_id:")) for t in whole.logprobs.tokens]
+    assert scored == [*whole.prompt_token_ids, *whole.token_ids]  # type: ignore[attr-defined]
+
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="Hello", max_tokens=6, stream=True, logprobs=1, extra_body=ids
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+    streamed: list[int] = []
+    in_logprobs: list[int] = []
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        assert choice.logprobs is not None and choice.logprobs.tokens is not None
+        in_logprobs += [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+        streamed += choice.token_ids  # type: ignore[attr-defined]
+    assert len(streamed) == 6 and streamed == in_logprobs
+    assert chunks[0].choices[0].prompt_token_ids  # type: ignore[attr-defined]
 
 
 def test_batched_chat_completions_one_choice_per_conversation(sim_server: InProcessSluice) -> None:

@@ -24,7 +24,7 @@ from server.generations.run import GenerationRun
 from server.generations.timeline import RequestTimeline
 from server.openai.responses_api import CreateResponse, ResponseBuilder, sse
 from server.openai.wire import validated
-from server.responses_api.service import Responses, replay
+from server.responses_api.service import Responses, feed, replay
 from server.responses_api.store import ResponseRecord
 
 
@@ -108,6 +108,7 @@ class WholeResponse:
     def __init__(self, services: Services, record: ResponseRecord) -> None:
         self.services = services
         self.record = record
+        self.error: SluiceError | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         record, run = self.record, self.record.run
@@ -117,17 +118,20 @@ class WholeResponse:
             if not await _unless_gone(self._read(run), receive):
                 return
         _responses(self.services).ended(record)
-        failure = run.failure or (run.log[-1].error if run.ended and run.log else None)
-        if failure is not None:
-            await error_response(failure, request_id)(scope, receive, send)
+        if self.error is not None:
+            await error_response(self.error, request_id)(scope, receive, send)
             return
         headers = {"X-Request-Id": request_id}
         await JSONResponse(record.builder.snapshot(), headers=headers)(scope, receive, send)
 
     async def _read(self, run: GenerationRun) -> None:
-        async for _ in replay(run, self.record.builder):
-            pass
-        await run.until_ended()
+        """The run, to its end, into the response (and the error that ended it, if one did)."""
+        builder = self.record.builder
+        builder.start()
+        async for _, event in run.events(0):
+            feed(builder, event)
+            if event.error is not None and not event.local:
+                self.error = event.error
 
 
 class ResponseStream:
@@ -171,7 +175,7 @@ class ResponseStream:
 
     async def _events(self) -> AsyncIterator[bytes]:
         async for event in replay(self.run, self.builder):
+            if self.owner and self.builder.ended:  # stored before its client sees the end
+                _responses(self.services).ended(self.record)
             if event["sequence_number"] > self.after:
                 yield sse(event)
-        if self.owner:
-            _responses(self.services).ended(self.record)

@@ -15,7 +15,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import InProcessSluice, uncalibrated_config
+from conftest import InProcessSluice, uncalibrated_config, wait_until
 
 from server.openai.responses_api import CreateResponse, ResponseBuilder
 
@@ -111,6 +111,22 @@ def test_a_streamed_response(stopping_server: InProcessSluice) -> None:
     assert deltas and deltas == final.response.output_text
     assert final.response.usage is not None and final.response.usage.output_tokens > 0
     assert final.response.instructions == "be brief"
+
+
+def test_a_client_leaving_a_stream_cancels_its_generation(
+    server: InProcessSluice, client: openai.OpenAI
+) -> None:
+    def cancelled() -> float:
+        return server.metric("sluice_requests_total", outcome="cancelled")
+
+    before = cancelled()
+    with client.responses.create(
+        model="sim", input="tell me a story", max_output_tokens=4000, stream=True
+    ) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+    wait_until(lambda: cancelled() > before, DEADLINE_S, message="the generation ran on")
 
 
 def test_a_stored_response_is_retrieved_by_its_tenant_alone(

@@ -113,6 +113,15 @@ def test_a_streamed_response(stopping_server: InProcessSluice) -> None:
     assert final.response.instructions == "be brief"
 
 
+def test_the_sdks_stream_helper_assembles_the_response(stopping_server: InProcessSluice) -> None:
+    with client_of(stopping_server).responses.stream(
+        model="sim", input="a story", max_output_tokens=400
+    ) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == deltas != ""
+
+
 def test_a_client_leaving_a_stream_cancels_its_generation(
     server: InProcessSluice, client: openai.OpenAI
 ) -> None:

@@ -130,7 +130,7 @@ def test_a_client_leaving_a_stream_cancels_its_generation(
 
     before = cancelled()
     with client.responses.create(
-        model="sim", input="tell me a story", max_output_tokens=4000, stream=True
+        model="sim", input="tell me a story", max_output_tokens=600, stream=True
     ) as stream:
         for event in stream:
             if event.type == "response.output_text.delta":
@@ -206,7 +206,7 @@ def test_a_background_response_runs_to_its_end(client: openai.OpenAI) -> None:
 
 def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
     made = client.responses.create(
-        model="sim", input="tell me a story", max_output_tokens=4000, background=True
+        model="sim", input="tell me a story", max_output_tokens=600, background=True
     )
     cancelled = client.responses.cancel(made.id)
     assert cancelled.status == "cancelled"

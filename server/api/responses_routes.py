@@ -19,7 +19,7 @@ from server.api.openai_routes import (
     read_json,
 )
 from server.api.services import Services
-from server.core.errors import InvalidRequest, SluiceError
+from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
 from server.generations.timeline import RequestTimeline
 from server.openai.responses_api import CreateResponse, ResponseBuilder, sse
@@ -41,6 +41,12 @@ async def create_response(services: Services, request: Request) -> ASGIApp:
         metrics=services.metrics,
     )
     try:
+        if "idempotency-key" in request.headers:
+            raise UnsupportedParameter(
+                "responses are not idempotent here: make one with 'background': true and read "
+                "it again with GET /v1/responses/{id}",
+                param="Idempotency-Key",
+            )
         body = validated(CreateResponse, await read_json(request, services.edge.max_body_bytes))
         record = await _responses(services).create(body, timeline, context_of(request))
     except SluiceError as error:

@@ -190,6 +190,12 @@ def test_bad_input_is_a_400_in_openais_shape(
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+def test_an_idempotency_key_is_refused_not_ignored(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="sim", input="hi", extra_headers={"Idempotency-Key": "k"})
+    assert refused.value.body["param"] == "Idempotency-Key"  # type: ignore[index]
+
+
 def test_a_background_response_runs_to_its_end(client: openai.OpenAI) -> None:
     made = client.responses.create(
         model="sim", input="tell me a story", max_output_tokens=40, background=True

@@ -18,6 +18,7 @@ import pytest
 from conftest import InProcessSluice, uncalibrated_config, wait_until
 
 from server.openai.responses_api import CreateResponse, ResponseBuilder
+from server.responses_api.store import ResponseRecord, ResponseStore
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 DEADLINE_S = 30.0
@@ -301,3 +302,26 @@ def test_tool_calls_become_function_call_items() -> None:
     ]
     assert builder.status == "completed"
     assert builder.conversation()[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+
+
+def test_the_store_keeps_responses_for_their_retention_within_its_bytes() -> None:
+    now = [0.0]
+    store = ResponseStore(retention_seconds=10, max_bytes=2_000, clock=lambda: now[0])
+
+    def ended(response_id: str, text: str = "") -> ResponseRecord:
+        builder = ResponseBuilder(response_id, "m", 0, {})
+        builder.start()
+        builder.text(text or "x")
+        record = ResponseRecord("acme", builder, [])
+        store.add(record)
+        store.ended(record)
+        return record
+
+    ended("resp_a")
+    assert store.get("acme", "resp_a") is not None
+    assert store.get("globex", "resp_a") is None  # another tenant's
+    now[0] = 11.0
+    assert store.get("acme", "resp_a") is None  # past its retention
+    ended("resp_b", "y" * 900)
+    ended("resp_c", "z" * 900)  # over the bound together: the oldest goes
+    assert store.get("acme", "resp_b") is None and store.get("acme", "resp_c") is not None

@@ -25,7 +25,7 @@ from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
-from server.api import batch_api_routes
+from server.api import batch_api_routes, responses_routes
 from server.api.access import AccessLogMiddleware
 from server.api.edge import Edge, context_of
 from server.api.openai_routes import (
@@ -57,6 +57,8 @@ from server.generations.planner import Planner
 from server.generations.registry import RunStore
 from server.generations.service import Generations
 from server.observability.metrics import Metrics
+from server.responses_api.service import Responses
+from server.responses_api.store import ResponseStore
 from server.scheduler.types import Dispatcher
 from server.state.backend import RedisState
 from server.state.runs import RedisRuns
@@ -173,6 +175,15 @@ def routes(services: Services, *, metrics_route: bool = True) -> list[BaseRoute]
         post("/v1/chat/completions/batch", chat_completions_batch),
         get("/v1/chat/completions/{id}/stream", resume_chat_completion),
         get("/v1/completions/{id}/stream", resume_completion),
+        *(
+            []
+            if services.responses is None
+            else [
+                post("/v1/responses", responses_routes.create_response),
+                get("/v1/responses/{id}", responses_routes.get_response),
+                post("/v1/responses/{id}/cancel", responses_routes.cancel_response),
+            ]
+        ),
         WebSocketRoute("/v1/ws", partial(websocket_endpoint, services)),
         *(
             []
@@ -244,6 +255,12 @@ def build_app(
         if batch_store is None
         else BatchServices(
             batch_store, BatchRunner(generations, batch_store, metrics), max_file_bytes
+        ),
+        responses=Responses(
+            generations,
+            ResponseStore(
+                config.idempotency.retention_seconds, config.idempotency.max_bytes, clock
+            ),
         ),
     )
 

@@ -21,6 +21,7 @@ from server.openai.batch import CreateBatch, FileUpload
 from server.openai.chat import NOT_IN_BATCH, ChatCompletionRequest
 from server.openai.completion import CompletionRequest
 from server.openai.error_body import ErrorBody
+from server.openai.responses_api import CreateResponse
 from server.openai.tokenizer import Detokenize, TokenizeChat, TokenizeText
 
 _MODELS: tuple[type[BaseModel], ...] = (
@@ -32,6 +33,7 @@ _MODELS: tuple[type[BaseModel], ...] = (
     CreateBatch,
     FileUpload,
     ErrorBody,
+    CreateResponse,
 )
 _OBJ = {"type": "object"}
 _STR = {"type": "string"}
@@ -196,6 +198,34 @@ def _batch_api() -> dict[str, Any]:
     }
 
 
+def _responses_api() -> dict[str, Any]:
+    retrieve = _get("a stored response, or with `stream` a background response's events")
+    retrieve["get"]["parameters"] = [
+        _param("stream", "query", {"type": "boolean"}, "a background response's events"),
+        _param(
+            "starting_after",
+            "query",
+            {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+            "with `stream`: the events after this sequence number",
+        ),
+    ]
+    cancel = {
+        "post": {
+            "summary": "cancel a background response",
+            "responses": {"200": {"description": "the response", "content": _json(_OBJ)}},
+        }
+    }
+    return {
+        "/v1/responses": _generation(
+            "OpenAI's Responses API: a response (whole, streamed, or in the background)",
+            _ref(CreateResponse),
+            idempotent=False,
+        ),
+        "/v1/responses/{id}": _with_id(retrieve, "a response id"),
+        "/v1/responses/{id}/cancel": _with_id(cancel, "a response id"),
+    }
+
+
 @functools.cache
 def document(version: str) -> dict[str, Any]:
     """The OpenAPI document (built once per process)."""
@@ -232,6 +262,7 @@ def document(version: str) -> dict[str, Any]:
             "/ready": _get("200 when the engine is ready, else 503"),
             "/openapi.json": _get("this document"),
             **_batch_api(),
+            **_responses_api(),
         },
         "components": {"schemas": _components()},
     }

@@ -12,6 +12,7 @@ from server.batch_api.store import BatchStore
 from server.generations.planner import Planner
 from server.generations.service import Generations
 from server.observability.metrics import Metrics
+from server.responses_api.service import Responses
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,7 @@ class Services:
     metrics: Metrics
     started: int  # when the app was built (the models list's `created`)
     batches: BatchServices | None = None
+    responses: Responses | None = None  # OpenAI's Responses API
     ready: bool = False  # the engine and the scheduler are up, and the engine is healthy
 
     @property

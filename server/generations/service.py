@@ -188,6 +188,13 @@ class Generations:
             first_index=first_index,
         )
 
+    def generate_kept(
+        self, parsed: ParsedRequest, timeline: RequestTimeline, context: RequestContext
+    ) -> GenerationRun:
+        """A streamed run whose log is kept whole (resumable) without an idempotency key: its
+        owner (a background response) reads it to its end and finds it again itself."""
+        return self._open(parsed, timeline, context, stream=True, resumable=True)
+
     async def find(self, context: RequestContext, public_id: str) -> GenerationRun | None:
         """The caller's tenant's resumable run with this id, on this replica or (with shared
         state) another (None: unknown, expired, or another tenant's)."""

@@ -91,6 +91,9 @@ OPERATIONS = [
     ("GET", "/v1/batches"),
     ("GET", "/v1/batches/{id}"),
     ("POST", "/v1/batches/{id}/cancel"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{id}"),
+    ("POST", "/v1/responses/{id}/cancel"),
 ]
 
 # schemathesis's generation modes, by value (its enum, at collection, would import it).

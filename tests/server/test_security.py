@@ -192,6 +192,16 @@ def _batch(server: InProcessSluice, path: str) -> str:
     return str(made.json()["id"])
 
 
+def _response(server: InProcessSluice, path: str) -> str:
+    """A background response of acme's (ended or not: a cancel answers it either way)."""
+    made = httpx.post(
+        server.url + "/v1/responses",
+        json={"input": "hi", "max_output_tokens": 4, "background": True},
+        headers=bearer(ACME_KEY),
+    )
+    return str(made.json()["id"])
+
+
 # How to make acme's resource behind each route with an id; a new such route must join here.
 MAKERS = {
     "/v1/chat/completions/{id}/stream": _generation,
@@ -200,6 +210,8 @@ MAKERS = {
     "/v1/files/{id}/content": _file,
     "/v1/batches/{id}": _batch,
     "/v1/batches/{id}/cancel": _batch,
+    "/v1/responses/{id}": _response,
+    "/v1/responses/{id}/cancel": _response,
 }
 
 

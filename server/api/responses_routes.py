@@ -1,0 +1,187 @@
+"""Thin routes for OpenAI's Responses API: `POST /v1/responses` (whole, streamed or in the
+background), `GET /v1/responses/{id}` (the object, or a background response's events after
+`starting_after`) and `POST /v1/responses/{id}/cancel`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.api.edge import context_of, request_id_from
+from server.api.openai_routes import (
+    GuardedEventSourceResponse,
+    JSONResponse,
+    _unless_gone,
+    error_response,
+    read_json,
+)
+from server.api.services import Services
+from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
+from server.generations.run import GenerationRun
+from server.generations.timeline import RequestTimeline
+from server.openai.responses_api import CreateResponse, ResponseBuilder, sse
+from server.openai.wire import validated
+from server.responses_api.service import Responses, feed, replay
+from server.responses_api.store import ResponseRecord
+
+
+def _responses(services: Services) -> Responses:
+    assert services.responses is not None
+    return services.responses
+
+
+async def create_response(services: Services, request: Request) -> ASGIApp:
+    timeline = RequestTimeline(
+        request_id=request_id_from(request.headers.get("x-request-id")),
+        model=services.served_model,
+        api="responses",
+        metrics=services.metrics,
+    )
+    try:
+        if "idempotency-key" in request.headers:
+            raise UnsupportedParameter(
+                "responses are not idempotent here: make one with 'background': true and read "
+                "it again with GET /v1/responses/{id}",
+                param="Idempotency-Key",
+            )
+        body = validated(CreateResponse, await read_json(request, services.edge.max_body_bytes))
+        record = await _responses(services).create(body, timeline, context_of(request))
+    except SluiceError as error:
+        timeline.finish(error.outcome, status=error.status, error=error)
+        return error_response(error, timeline.request_id)
+    headers = {"X-Request-Id": timeline.request_id}
+    if record.background:
+        if body.stream:
+            return ResponseStream(services, record, record.builder.fresh(), after=-1)
+        return JSONResponse(record.builder.snapshot(), headers=headers)
+    if body.stream:
+        return ResponseStream(services, record, record.builder, after=-1, owner=True)
+    return WholeResponse(services, record)
+
+
+async def get_response(services: Services, request: Request) -> Response | ASGIApp:
+    try:
+        responses = _responses(services)
+        tenant = responses.tenant(context_of(request))
+        record = responses.find(tenant, request.path_params["id"])
+        stream = _flag(request, "stream")
+        after = _starting_after(request)
+        if not stream:
+            return JSONResponse(record.builder.snapshot())
+        if record.run is None:
+            raise InvalidRequest("only a background response can be streamed again", param="stream")
+    except SluiceError as error:
+        return error_response(error)
+    return ResponseStream(services, record, record.builder.fresh(), after=after)
+
+
+async def cancel_response(services: Services, request: Request) -> Response:
+    try:
+        responses = _responses(services)
+        tenant = responses.tenant(context_of(request))
+        return JSONResponse(await responses.cancel(tenant, request.path_params["id"]))
+    except SluiceError as error:
+        return error_response(error)
+
+
+def _flag(request: Request, name: str) -> bool:
+    value = request.query_params.get(name, "false").strip().lower()
+    if value not in ("true", "false"):
+        raise InvalidRequest(f"'{name}' must be true or false", param=name)
+    return value == "true"
+
+
+def _starting_after(request: Request) -> int:
+    value = request.query_params.get("starting_after")
+    if value is None:
+        return -1
+    value = value.strip()
+    if not value.isdigit() or len(value) > 18:
+        raise InvalidRequest(
+            "'starting_after' must be an event's sequence number (an integer >= 0)",
+            param="starting_after",
+        )
+    return int(value)
+
+
+class WholeResponse:
+    """ASGI response: the response object once its generation ended (an error response if it
+    was refused or failed); nothing if the client left first (the generation is cancelled)."""
+
+    def __init__(self, services: Services, record: ResponseRecord) -> None:
+        self.services = services
+        self.record = record
+        self.error: SluiceError | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        record, run = self.record, self.record.run
+        assert run is not None
+        request_id = run.timeline.request_id
+        with run.reading():
+            if not await _unless_gone(self._read(run), receive):
+                return
+        _responses(self.services).ended(record)
+        if self.error is not None:
+            await error_response(self.error, request_id)(scope, receive, send)
+            return
+        headers = {"X-Request-Id": request_id}
+        await JSONResponse(record.builder.snapshot(), headers=headers)(scope, receive, send)
+
+    async def _read(self, run: GenerationRun) -> None:
+        """The run, to its end, into the response (and the error that ended it, if one did)."""
+        builder = self.record.builder
+        builder.start()
+        async for _, event in run.events(0):
+            feed(builder, event)
+            if event.error is not None and not event.local:
+                self.error = event.error
+
+
+class ResponseStream:
+    """ASGI response: a response's events after sequence number `after`, as `builder` makes
+    them from its run's log. `owner`: the stream is the response's one reader, answering a
+    refusal with its HTTP status and storing the response at its end; else it replays a
+    background response's kept log (which its keeper reads to the end)."""
+
+    def __init__(
+        self,
+        services: Services,
+        record: ResponseRecord,
+        builder: ResponseBuilder,
+        *,
+        after: int,
+        owner: bool = False,
+    ) -> None:
+        assert record.run is not None
+        self.services = services
+        self.record = record
+        self.run = record.run
+        self.builder = builder
+        self.after = after
+        self.owner = owner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        run = self.run
+        request_id = run.timeline.request_id
+        with run.reading():
+            if self.owner:
+                if not await _unless_gone(run.started(), receive):
+                    return
+                if run.failure is not None:
+                    await error_response(run.failure, request_id)(scope, receive, send)
+                    return
+            await GuardedEventSourceResponse(
+                self._events(),
+                headers={"X-Request-Id": request_id},
+                ping=self.services.edge.ping_seconds,
+            )(scope, receive, self.services.edge.send_guard.wrap(send))
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        async for event in replay(self.run, self.builder):
+            if self.owner and self.builder.ended:  # stored before its client sees the end
+                _responses(self.services).ended(self.record)
+            if event["sequence_number"] > self.after:
+                yield sse(event)

@@ -1,0 +1,429 @@
+"""OpenAI's Responses API on the wire: `POST /v1/responses`'s body, translated to the chat
+request Sluice runs, and the response object and its stream events, built from a chat's
+output as it comes (`ResponseBuilder`).
+
+Not `server.openai.responses`, which encodes chat and completion chunks."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import Discriminator, Field, Tag
+
+from server.openai.generation_body import Number
+from server.openai.wire import OnlyDefault, WireModel
+
+Role = Literal["user", "assistant", "system", "developer"]
+_CHAT_ROLE = {"developer": "system"}  # as chat templates know it
+
+
+class TextPart(WireModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an earlier output's, sent back
+
+
+class MessageItem(WireModel):
+    type: Literal["message"] = "message"
+    role: Role
+    content: str | list[TextPart]
+    id: str | None = None  # an earlier output's, sent back
+    status: str | None = None
+
+
+class FunctionCallItem(WireModel):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(WireModel):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+def _item_type(value: Any) -> str | None:
+    return value.get("type", "message") if isinstance(value, dict) else None
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+class FunctionTool(WireModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(WireModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class JsonSchemaFormat(WireModel):
+    type: Literal["json_schema"]
+    name: str = Field(min_length=1)
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class PlainFormat(WireModel):
+    type: Literal["text", "json_object"]
+
+
+class TextConfig(WireModel):
+    format: Annotated[JsonSchemaFormat | PlainFormat, Field(discriminator="type")] | None = None
+    verbosity: Annotated[Any, OnlyDefault("medium")] = None
+
+
+class CreateResponse(WireModel):
+    """`POST /v1/responses`'s body (the fields Sluice serves; any other is a 400)."""
+
+    model: str | None = None
+    input: list[InputItem] | str
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    store: bool | None = None
+    background: bool | None = None
+    stream: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    user: str | None = None
+    truncation: Annotated[Any, OnlyDefault("disabled")] = None
+    include: Annotated[Any, OnlyDefault([])] = None
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages (function calls and their outputs as the assistant's
+        tool calls and tool messages), without the instructions."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        messages: list[dict[str, Any]] = []
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                content = item.content
+                if not isinstance(content, str):
+                    content = "".join(part.text for part in content)
+                messages.append({"role": _CHAT_ROLE.get(item.role, item.role), "content": content})
+            elif isinstance(item, FunctionCallItem):
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+                )
+        return messages
+
+    def chat_body(self, earlier: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat completion request that answers this one, streamed (`earlier`: the
+        conversation of the previous response, if any, before this input)."""
+        system = (
+            [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        )
+        body: dict[str, Any] = {
+            "messages": [*system, *earlier, *self.messages()],
+            "stream": True,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        for key, value in (
+            ("max_completion_tokens", self.max_output_tokens),
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("parallel_tool_calls", self.parallel_tool_calls),
+            ("service_tier", self.service_tier),
+        ):
+            if value is not None:
+                body[key] = value
+        if self.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": tool.model_dump(exclude={"type"}, exclude_none=True),
+                }
+                for tool in self.tools
+            ]
+        if isinstance(self.tool_choice, NamedFunction):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        form = self.text.format if self.text is not None else None
+        if isinstance(form, JsonSchemaFormat):
+            schema: dict[str, Any] = {"name": form.name, "schema": form.schema_}
+            if form.description is not None:
+                schema["description"] = form.description
+            if form.strict is not None:
+                schema["strict"] = form.strict
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
+        elif form is not None and form.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        return body
+
+    def echoed(self) -> dict[str, Any]:
+        """The request's fields the response object repeats."""
+        form = self.text.format if self.text is not None else None
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata or {},
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "previous_response_id": self.previous_response_id,
+            "service_tier": self.service_tier or "default",
+            "store": self.store is not False,
+            "background": bool(self.background),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "text": {
+                "format": {"type": "text"}
+                if form is None
+                else form.model_dump(by_alias=True, exclude_none=True)
+            },
+            "tool_choice": self.tool_choice.model_dump()
+            if isinstance(self.tool_choice, NamedFunction)
+            else self.tool_choice or "auto",
+            "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or ()],
+            "truncation": "disabled",
+            "user": self.user,
+        }
+
+
+Event = dict[str, Any]
+
+
+def sse(event: Event) -> bytes:
+    """An event as the SDK reads it: its type under `event:`, itself under `data:`."""
+    return b"event: %s\ndata: %s\n\n" % (event["type"].encode(), orjson.dumps(event))
+
+
+class ResponseBuilder:
+    """A response object built from a chat's output as it comes, and its stream events, each
+    numbered (`sequence_number` 0, 1, 2, …). Deterministic: the same output fed again gives
+    the same events, so a stream can be replayed from any number."""
+
+    def __init__(
+        self, response_id: str, model: str, created_at: int, echoed: dict[str, Any]
+    ) -> None:
+        self.response_id = response_id
+        self.created_at = created_at
+        self.model = model
+        self.echoed = echoed
+        self.status = "queued" if echoed.get("background") else "in_progress"
+        self.output: list[dict[str, Any]] = []  # items, the last maybe still open
+        self.usage: dict[str, Any] | None = None
+        self.incomplete_details: dict[str, str] | None = None
+        self.error: dict[str, str] | None = None
+        self._sequence = 0
+        self._open: dict[str, Any] | None = None  # the item being written
+        self._calls: dict[int, dict[str, Any]] = {}  # chat tool call index → its item
+
+    def fresh(self) -> ResponseBuilder:
+        """A builder of the same response from its beginning (to replay its events)."""
+        return ResponseBuilder(self.response_id, self.model, self.created_at, self.echoed)
+
+    @property
+    def suffix(self) -> str:
+        return self.response_id.removeprefix("resp_")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The response object as it stands."""
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "model": self.model,
+            "output": [_copy(item) for item in self.output],
+            "error": self.error,
+            "incomplete_details": self.incomplete_details,
+            "usage": self.usage,
+            **self.echoed,
+        }
+
+    @property
+    def ended(self) -> bool:
+        return self.status not in ("queued", "in_progress")
+
+    def _event(self, type_: str, **fields: Any) -> Event:
+        event = {"type": type_, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def start(self) -> list[Event]:
+        created = self._event("response.created", response=self.snapshot())
+        self.status = "in_progress"
+        return [created, self._event("response.in_progress", response=self.snapshot())]
+
+    def text(self, delta: str) -> list[Event]:
+        events = []
+        item = self._open
+        if item is None or item["type"] != "message":
+            events += self._close()
+            item = self._open = {
+                "type": "message",
+                "id": f"msg_{self.suffix}_{len(self.output)}",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
+            }
+            self.output.append(item)
+            events.append(self._added(item))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            events.append(self._part("response.content_part.added", item, part))
+        part = item["content"][0]
+        part["text"] += delta
+        events.append(self._at(item, "response.output_text.delta", delta=delta, logprobs=[]))
+        return events
+
+    def tool_calls(self, calls: list[dict[str, Any]]) -> list[Event]:
+        """Chat tool call deltas (`{index, id, function: {name, arguments}}`)."""
+        events = []
+        for call in calls:
+            function = call.get("function") or {}
+            item = self._calls.get(call.get("index", 0))
+            if item is None:
+                events += self._close()
+                item = self._open = self._calls[call.get("index", 0)] = {
+                    "type": "function_call",
+                    "id": f"fc_{self.suffix}_{len(self.output)}",
+                    "call_id": call.get("id") or f"call_{self.suffix}_{len(self.output)}",
+                    "name": function.get("name") or "",
+                    "arguments": "",
+                    "status": "in_progress",
+                }
+                self.output.append(item)
+                events.append(self._added(item))
+            arguments = function.get("arguments") or ""
+            if arguments:
+                item["arguments"] += arguments
+                events.append(
+                    self._at(item, "response.function_call_arguments.delta", delta=arguments)
+                )
+        return events
+
+    def finish(self, finish_reason: str, usage: dict[str, int]) -> list[Event]:
+        """The chat's end: its finish reason and usage (prompt, completion tokens)."""
+        events = self._close()
+        self.usage = {
+            "input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"],
+        }
+        if finish_reason == "length":
+            self.status = "incomplete"
+            self.incomplete_details = {"reason": "max_output_tokens"}
+            return [*events, self._event("response.incomplete", response=self.snapshot())]
+        self.status = "completed"
+        return [*events, self._event("response.completed", response=self.snapshot())]
+
+    def fail(self, error: dict[str, Any], *, cancelled: bool) -> list[Event]:
+        """The run ended without finishing: cancelled, or failed with `error` (OpenAI's error
+        object)."""
+        for item in self.output:
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+        self._open = None
+        if cancelled:
+            self.status = "cancelled"
+            return [self._event("response.cancelled", response=self.snapshot())]
+        self.status = "failed"
+        self.error = {"code": error.get("code") or "server_error", "message": error["message"]}
+        return [self._event("response.failed", response=self.snapshot())]
+
+    def _close(self) -> list[Event]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        item["status"] = "completed"
+        if item["type"] == "function_call":
+            done = self._at(
+                item,
+                "response.function_call_arguments.done",
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+            return [done, self._done(item)]
+        part = item["content"][0]
+        return [
+            self._at(item, "response.output_text.done", text=part["text"], logprobs=[]),
+            self._part("response.content_part.done", item, part),
+            self._done(item),
+        ]
+
+    def _added(self, item: dict[str, Any]) -> Event:
+        return self._event(
+            "response.output_item.added",
+            output_index=self.output.index(item),
+            item={**item, "content": []} if item["type"] == "message" else dict(item),
+        )
+
+    def _done(self, item: dict[str, Any]) -> Event:
+        return self._event(
+            "response.output_item.done", output_index=self.output.index(item), item=_copy(item)
+        )
+
+    def _part(self, type_: str, item: dict[str, Any], part: dict[str, Any]) -> Event:
+        return self._at(item, type_, part=dict(part))
+
+    def _at(self, item: dict[str, Any], type_: str, **fields: Any) -> Event:
+        where: dict[str, Any] = {"item_id": item["id"], "output_index": self.output.index(item)}
+        if item["type"] == "message":
+            where["content_index"] = 0
+        return self._event(type_, **where, **fields)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The output as chat messages, for a next request's `previous_response_id`."""
+        messages: list[dict[str, Any]] = []
+        for item in self.output:
+            if item["type"] == "message":
+                text = "".join(part["text"] for part in item["content"])
+                messages.append({"role": "assistant", "content": text})
+            else:
+                call = {
+                    "id": item["call_id"],
+                    "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]},
+                }
+                if messages and "tool_calls" in messages[-1]:
+                    messages[-1]["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        return messages
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    copied = dict(item)
+    if "content" in copied:
+        copied["content"] = [dict(part) for part in copied["content"]]
+    return copied

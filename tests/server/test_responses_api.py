@@ -1,0 +1,327 @@
+"""OpenAI's Responses API (`/v1/responses`), called with the official `openai` SDK as a user
+would: answered whole and streamed, stored per tenant and retrieved, continued with
+`previous_response_id`, run in the background (polled, cancelled, its events streamed again
+from a sequence number), and bad input refused with OpenAI's error shape.
+
+A real Sluice server on loopback, in this process, on the sim engine (steps of ~10 ms, so that
+a background response runs long enough to be cancelled or left mid-stream)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from conftest import InProcessSluice, uncalibrated_config, wait_until
+
+from server.openai.responses_api import CreateResponse, ResponseBuilder
+from server.responses_api.store import ResponseRecord, ResponseStore
+
+KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
+DEADLINE_S = 30.0
+
+
+def serve(root: Path, *more: str) -> Iterator[InProcessSluice]:
+    process = InProcessSluice(
+        [
+            "--engine",
+            "sim",
+            "--sim-step-base-ms",
+            "10",
+            "--config",
+            str(uncalibrated_config(root)),
+            *more,
+        ],
+        root / "server.log",
+        env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
+    )
+    try:
+        process.wait_ready(60)
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
+    """Its answers run to their max_output_tokens (the sim's model never stops by itself)."""
+    yield from serve(tmp_path_factory.mktemp("responses"))
+
+
+@pytest.fixture(scope="module")
+def stopping_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
+    """Its model stops by itself (a chance of 1 in 20 each token): answers complete."""
+    yield from serve(tmp_path_factory.mktemp("stopping"), "--sim-eos-probability", "0.05")
+
+
+def client_of(server: InProcessSluice, key: str = "sk-acme") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture
+def client(server: InProcessSluice) -> openai.OpenAI:
+    return client_of(server)
+
+
+def test_a_whole_response(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model="sim", input="tell me a story", max_output_tokens=24, temperature=0.5
+    )
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status in ("completed", "incomplete")
+    assert response.output_text
+    message = response.output[0]
+    assert message.type == "message" and message.role == "assistant"
+    usage = response.usage
+    assert usage is not None and 0 < usage.output_tokens <= 24
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens > 0
+    if response.status == "incomplete":
+        assert response.incomplete_details is not None
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert usage.output_tokens == 24
+
+
+def test_a_streamed_response(stopping_server: InProcessSluice) -> None:
+    stream = client_of(stopping_server).responses.create(
+        model="sim",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "a story"}]}],
+        instructions="be brief",
+        max_output_tokens=400,
+        stream=True,
+    )
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    final = events[-1]
+    assert final.type == "response.completed", final.type
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas and deltas == final.response.output_text
+    assert final.response.usage is not None and final.response.usage.output_tokens > 0
+    assert final.response.instructions == "be brief"
+
+
+def test_the_sdks_stream_helper_assembles_the_response(stopping_server: InProcessSluice) -> None:
+    with client_of(stopping_server).responses.stream(
+        model="sim", input="a story", max_output_tokens=400
+    ) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == deltas != ""
+
+
+def test_a_client_leaving_a_stream_cancels_its_generation(
+    server: InProcessSluice, client: openai.OpenAI
+) -> None:
+    def cancelled() -> float:
+        return server.metric("sluice_requests_total", outcome="cancelled")
+
+    before = cancelled()
+    with client.responses.create(
+        model="sim", input="tell me a story", max_output_tokens=600, stream=True
+    ) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                break
+    wait_until(lambda: cancelled() > before, DEADLINE_S, message="the generation ran on")
+
+
+def test_a_stored_response_is_retrieved_by_its_tenant_alone(
+    server: InProcessSluice, client: openai.OpenAI
+) -> None:
+    made = client.responses.create(model="sim", input="hello", max_output_tokens=8)
+    found = client.responses.retrieve(made.id)
+    assert found.model_dump() == made.model_dump()
+    with pytest.raises(openai.NotFoundError) as refused:
+        client_of(server, "sk-globex").responses.retrieve(made.id)
+    assert refused.value.body["code"] == "not_found"  # type: ignore[index]
+    unstored = client.responses.create(model="sim", input="hi", max_output_tokens=8, store=False)
+    assert unstored.store is False and unstored.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_previous_response_id_continues_the_conversation(
+    server: InProcessSluice, client: openai.OpenAI
+) -> None:
+    first = client.responses.create(model="sim", input="tell me a story", max_output_tokens=16)
+    second = client.responses.create(
+        model="sim", input="and then?", previous_response_id=first.id, max_output_tokens=16
+    )
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.input_tokens >= first.usage.input_tokens + first.usage.output_tokens
+    assert second.previous_response_id == first.id
+    with pytest.raises(openai.NotFoundError):  # another tenant's response is none of its own
+        client_of(server, "sk-globex").responses.create(
+            model="sim", input="and then?", previous_response_id=first.id
+        )
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"max_output_tokens": -1}, "invalid_request", "max_output_tokens"),
+        ({"bogus": 1}, "unsupported_parameter", "bogus"),
+        ({"temperature": 3}, "invalid_request", "temperature"),
+        ({"input": [{"type": "image", "url": "x"}]}, "invalid_request", "input[0]"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),
+    ],
+)
+def test_bad_input_is_a_400_in_openais_shape(
+    client: openai.OpenAI, body: dict[str, Any], code: str, param: str
+) -> None:
+    fields = {"input": "hi", **body}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="sim", extra_body=fields)  # type: ignore[call-overload]
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == code, error
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_an_idempotency_key_is_refused_not_ignored(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="sim", input="hi", extra_headers={"Idempotency-Key": "k"})
+    assert refused.value.body["param"] == "Idempotency-Key"  # type: ignore[index]
+
+
+def test_a_background_response_runs_to_its_end(client: openai.OpenAI) -> None:
+    made = client.responses.create(
+        model="sim", input="tell me a story", max_output_tokens=40, background=True
+    )
+    assert made.status in ("queued", "in_progress") and made.background is True
+    found = made
+    deadline = time.monotonic() + DEADLINE_S
+    while found.status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response did not end"
+        found = client.responses.retrieve(made.id)
+    assert found.status in ("completed", "incomplete") and found.output_text
+    assert found.usage is not None and 0 < found.usage.output_tokens <= 40
+
+
+def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
+    made = client.responses.create(
+        model="sim", input="tell me a story", max_output_tokens=600, background=True
+    )
+    cancelled = client.responses.cancel(made.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(made.id).status == "cancelled"
+
+
+def test_a_background_stream_resumes_after_a_sequence_number(client: openai.OpenAI) -> None:
+    made = client.responses.create(
+        model="sim", input="tell me a story", max_output_tokens=300, background=True
+    )
+    seen = []
+    with client.responses.retrieve(made.id, stream=True) as first:
+        for event in first:
+            seen.append(event)
+            if event.type == "response.output_text.delta" and len(seen) >= 8:
+                break  # the client leaves mid-generation
+    assert client.responses.retrieve(made.id).status == "in_progress"  # it runs on
+    after = seen[-1].sequence_number
+    rest = list(client.responses.retrieve(made.id, stream=True, starting_after=after))
+    numbers = [e.sequence_number for e in seen + rest]
+    assert numbers == list(range(len(numbers)))  # every event once, in order
+    final = rest[-1]
+    assert final.type in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+    assert deltas == final.response.output_text == client.responses.retrieve(made.id).output_text
+
+
+def test_the_request_becomes_a_chat_request() -> None:
+    """Tools, a JSON schema, function calls and their outputs, as the chat request has them
+    (the sim engine serves plain text only: vLLM's tools and schemas are the chat's)."""
+    request = CreateResponse.model_validate(
+        {
+            "instructions": "use tools",
+            "input": [
+                {"role": "developer", "content": "be exact"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "42"},
+            ],
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "f"},
+            "text": {"format": {"type": "json_schema", "name": "n", "schema": {}, "strict": True}},
+        }
+    )
+    chat = request.chat_body([{"role": "user", "content": "before"}])
+    assert chat["messages"] == [
+        {"role": "system", "content": "use tools"},
+        {"role": "user", "content": "before"},
+        {"role": "system", "content": "be exact"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert chat["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "schema": {}, "strict": True},
+    }
+
+
+def test_tool_calls_become_function_call_items() -> None:
+    builder = ResponseBuilder("resp_x", "m", 0, {})
+    events = builder.start()
+    events += builder.tool_calls([{"index": 0, "id": "c1", "function": {"name": "f"}}])
+    events += builder.tool_calls([{"index": 0, "function": {"arguments": '{"a":'}}])
+    events += builder.tool_calls([{"index": 0, "function": {"arguments": " 1}"}}])
+    usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    events += builder.finish("tool_calls", usage)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert builder.snapshot()["output"] == [
+        {
+            "type": "function_call",
+            "id": "fc_x_0",
+            "call_id": "c1",
+            "name": "f",
+            "arguments": '{"a": 1}',
+            "status": "completed",
+        }
+    ]
+    assert builder.status == "completed"
+    assert builder.conversation()[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+
+
+def test_the_store_keeps_responses_for_their_retention_within_its_bytes() -> None:
+    now = [0.0]
+    store = ResponseStore(retention_seconds=10, max_bytes=2_000, clock=lambda: now[0])
+
+    def ended(response_id: str, text: str = "") -> ResponseRecord:
+        builder = ResponseBuilder(response_id, "m", 0, {})
+        builder.start()
+        builder.text(text or "x")
+        record = ResponseRecord("acme", builder, [])
+        store.add(record)
+        store.ended(record)
+        return record
+
+    ended("resp_a")
+    assert store.get("acme", "resp_a") is not None
+    assert store.get("globex", "resp_a") is None  # another tenant's
+    now[0] = 11.0
+    assert store.get("acme", "resp_a") is None  # past its retention
+    ended("resp_b", "y" * 900)
+    ended("resp_c", "z" * 900)  # over the bound together: the oldest goes
+    assert store.get("acme", "resp_b") is None and store.get("acme", "resp_c") is not None

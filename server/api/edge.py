@@ -4,9 +4,11 @@ limit). Past the edge nothing reads headers."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import HTTPConnection
 from starlette.types import Receive
@@ -101,3 +103,15 @@ def receive_disconnect(receive: Receive) -> Callable[[], Awaitable[None]]:
                 return
 
     return wait
+
+
+async def unless_gone(waiting: Awaitable[Any], receive: Receive) -> bool:
+    """Await `waiting` unless the client disconnects first; whether it finished."""
+    waited = asyncio.ensure_future(waiting)
+    leaving = asyncio.ensure_future(receive_disconnect(receive)())
+    try:
+        done, _ = await asyncio.wait({waited, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waited.cancel()
+        leaving.cancel()
+    return waited in done

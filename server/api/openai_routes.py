@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.edge import context_of, receive_disconnect, request_id_from
+from server.api.edge import context_of, request_id_from, unless_gone
 from server.api.services import Services
 from server.core.errors import (
     GenerationCancelled,
@@ -269,18 +269,6 @@ async def _batch(
     return BatchResponse(request_id, kind, runs)
 
 
-async def _unless_gone(waiting: Awaitable[Any], receive: Receive) -> bool:
-    """Await `waiting` unless the client disconnects first; whether it finished."""
-    waited = asyncio.ensure_future(waiting)
-    leaving = asyncio.ensure_future(receive_disconnect(receive)())
-    try:
-        done, _ = await asyncio.wait({waited, leaving}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waited.cancel()
-        leaving.cancel()
-    return waited in done
-
-
 async def _each(
     runs: list[GenerationRun],
     wait: Callable[[GenerationRun], Awaitable[Any]],
@@ -330,7 +318,7 @@ class StreamedBatchResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         with _reading(self.runs):
             started = _each(self.runs, GenerationRun.started, lambda run: run.failure is not None)
-            if not await _unless_gone(started, receive):
+            if not await unless_gone(started, receive):
                 return
             failure = next((run.failure for run in self.runs if run.failure), None)
             if failure is not None:
@@ -387,7 +375,7 @@ class BatchResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         with _reading(self.runs):
-            if not await _unless_gone(_settled(self.runs), receive):
+            if not await unless_gone(_settled(self.runs), receive):
                 return  # the client left: each part is cancelled as its reader leaves
         failed = next(
             (run.log[-1].error for run in self.runs if run.log and run.log[-1].kind is Kind.FAILED),
@@ -441,7 +429,7 @@ class RunResponse:
         run = self.run
         with run.reading():
             stream = run.shape.stream
-            if not await _unless_gone(run.started() if stream else run.until_ended(), receive):
+            if not await unless_gone(run.started() if stream else run.until_ended(), receive):
                 return  # the client left (the run is cancelled if it was the last reader)
             failure = run.failure
             if failure is not None:

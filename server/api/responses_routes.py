@@ -10,11 +10,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.edge import context_of, request_id_from
+from server.api.edge import context_of, request_id_from, unless_gone
 from server.api.openai_routes import (
     GuardedEventSourceResponse,
     JSONResponse,
-    _unless_gone,
     error_response,
     read_json,
 )
@@ -121,7 +120,7 @@ class WholeResponse:
         assert run is not None
         request_id = run.timeline.request_id
         with run.reading():
-            if not await _unless_gone(self._read(run), receive):
+            if not await unless_gone(self._read(run), receive):
                 return
         _responses(self.services).ended(record)
         if self.error is not None:
@@ -168,7 +167,7 @@ class ResponseStream:
         request_id = run.timeline.request_id
         with run.reading():
             if self.owner:
-                if not await _unless_gone(run.started(), receive):
+                if not await unless_gone(run.started(), receive):
                     return
                 if run.failure is not None:
                     await error_response(run.failure, request_id)(scope, receive, send)

@@ -19,7 +19,7 @@ ACCESS_LOGGER_NAME = "sluice.access"
 
 logger = logging.getLogger(ACCESS_LOGGER_NAME)
 
-Api = Literal["chat", "completions", "ws"]
+Api = Literal["chat", "completions", "ws", "messages"]
 
 
 @dataclass(frozen=True, slots=True)

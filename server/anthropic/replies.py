@@ -8,9 +8,10 @@ call, each opened, filled with deltas and closed in order.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import orjson
+from pydantic import BaseModel
 
 from server.core.errors import SluiceError
 
@@ -36,8 +37,21 @@ def error_type(error: SluiceError) -> str:
     )
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Anthropic's error object, as every error of its routes renders."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
 def error_body(error: SluiceError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(error), "message": error.message}}
+    detail = AnthropicErrorDetail(type=error_type(error), message=error.message)
+    return AnthropicErrorBody(error=detail).model_dump()
 
 
 def stop_reason(finish_reason: str | None, stopped_by: Any) -> tuple[str, str | None]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import anthropic
 import httpx
 import orjson
 import pytest
-from conftest import InProcessSluice, parse_sse
+from conftest import InProcessSluice, parse_sse, wait_until
 
 from server.anthropic.messages import parse_count_tokens, parse_messages
 from server.anthropic.replies import ERROR_TYPES, MessageStream, error_type, message_reply
@@ -23,6 +23,11 @@ from server.core.errors import (
     TenantQuotaExceeded,
     UnsupportedParameter,
 )
+
+# `anthropic` (~2 s to import) in the tests that call it: every pytest-xdist worker collects
+# this module, and most never run them.
+if TYPE_CHECKING:
+    import anthropic
 
 KEY = "sk-anthropic-5e1c0d"
 HELLO = [{"role": "user", "content": "Tell me about the sea."}]
@@ -50,6 +55,8 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]
 
 @pytest.fixture(scope="module")
 def client(keyed: InProcessSluice) -> anthropic.Anthropic:
+    import anthropic
+
     return anthropic.Anthropic(base_url=keyed.url, api_key=KEY, max_retries=0)
 
 
@@ -61,6 +68,8 @@ def model(keyed: InProcessSluice) -> str:
 def test_create_answers_a_message_cut_at_max_tokens(
     client: anthropic.Anthropic, model: str, keyed: InProcessSluice
 ) -> None:
+    import anthropic
+
     before = keyed.metric("sluice_requests_total", outcome="completed")
     message = client.messages.create(
         model=model,
@@ -139,6 +148,8 @@ def test_count_tokens_is_the_prompt_a_create_is_charged_for(
 
 
 def test_a_missing_max_tokens_is_a_bad_request(client: anthropic.Anthropic, model: str) -> None:
+    import anthropic
+
     with pytest.raises(anthropic.BadRequestError) as refused:
         # (with a timeout of its own: the SDK's default is computed from max_tokens)
         client.messages.create(
@@ -155,6 +166,8 @@ def test_a_missing_max_tokens_is_a_bad_request(client: anthropic.Anthropic, mode
 
 
 def test_an_unknown_model_is_not_found(client: anthropic.Anthropic) -> None:
+    import anthropic
+
     with pytest.raises(anthropic.NotFoundError) as refused:
         client.messages.create(model="claude-nonesuch", max_tokens=4, messages=HELLO)
     assert refused.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
@@ -163,6 +176,8 @@ def test_an_unknown_model_is_not_found(client: anthropic.Anthropic) -> None:
 def test_a_wrong_x_api_key_is_refused_and_the_right_one_accepted(
     keyed: InProcessSluice, model: str
 ) -> None:
+    import anthropic
+
     wrong = anthropic.Anthropic(base_url=keyed.url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as refused:
         wrong.messages.create(model=model, max_tokens=4, messages=HELLO)
@@ -181,6 +196,8 @@ def test_a_wrong_x_api_key_is_refused_and_the_right_one_accepted(
 def test_tools_the_engine_cannot_call_are_refused_as_chat_refuses_them(
     client: anthropic.Anthropic, model: str, keyed: InProcessSluice
 ) -> None:
+    import anthropic
+
     tools = [{"name": "weather", "input_schema": {"type": "object"}}]
     chat_tools = [
         {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
@@ -215,12 +232,90 @@ def test_tools_the_engine_cannot_call_are_refused_as_chat_refuses_them(
 
 
 def test_an_image_block_is_refused_naming_it(client: anthropic.Anthropic, model: str) -> None:
+    import anthropic
+
     image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
     with pytest.raises(anthropic.BadRequestError) as refused:
         client.messages.create(
             model=model, max_tokens=4, messages=[{"role": "user", "content": [image]}]
         )
     assert "'image' content blocks are not supported" in refused.value.message
+
+
+def test_a_refusal_before_the_stream_keeps_its_status_and_retry_after(
+    client: anthropic.Anthropic, model: str
+) -> None:
+    import anthropic
+
+    with pytest.raises(anthropic.APIStatusError) as refused:
+        with client.messages.stream(
+            model=model,
+            max_tokens=3000,
+            messages=HELLO,
+            extra_body={"ignore_eos": True},
+            extra_headers={"X-Request-Timeout-Ms": "300"},  # far too soon for 3,000 tokens
+        ) as stream:
+            stream.get_final_message()
+    assert refused.value.status_code == 503
+    assert refused.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+
+
+def test_an_idempotency_key_answers_with_the_same_message(
+    client: anthropic.Anthropic, model: str
+) -> None:
+    import anthropic
+
+    key = {"Idempotency-Key": "anthropic-once"}
+    first = client.messages.with_raw_response.create(
+        model=model, max_tokens=6, messages=HELLO, extra_headers=key
+    )
+    again = client.messages.with_raw_response.create(
+        model=model, max_tokens=6, messages=HELLO, extra_headers=key
+    )
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.parse().model_dump() == first.parse().model_dump()
+    with pytest.raises(anthropic.UnprocessableEntityError):
+        client.messages.create(model=model, max_tokens=7, messages=HELLO, extra_headers=key)
+
+
+def test_nothing_leaks_after_bad_input_or_a_client_that_leaves(
+    keyed: InProcessSluice, client: anthropic.Anthropic, model: str
+) -> None:
+    for body in (
+        {"model": model, "max_tokens": 0, "messages": HELLO},
+        {
+            "model": model,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "word " * 5000}],
+        },
+        {
+            "model": model,
+            "max_tokens": 4,
+            "messages": HELLO,
+            "tools": [{"name": "f", "input_schema": {}}],
+        },
+    ):
+        response = httpx.post(keyed.url + "/v1/messages", json=body, headers={"x-api-key": KEY})
+        assert response.status_code == 400 and response.json()["type"] == "error"
+    with client.messages.stream(
+        model=model, max_tokens=3000, messages=HELLO, extra_body={"ignore_eos": True}
+    ) as stream:
+        next(iter(stream.text_stream))  # the first piece, then the client leaves
+
+    def released() -> bool:
+        return all(
+            keyed.metric(name) == 0
+            for name in (
+                "sluice_running_requests",
+                "sluice_queue_depth",
+                "sluice_budget_in_use",
+                "sluice_engine_unfinished_requests",
+            )
+        )
+
+    wait_until(released, 10, message="the run that lost its client is released")
+    assert keyed.metric("sluice_requests_total", outcome="cancelled") >= 1
 
 
 # -- the translation and the rendering, without a server ----------------------------------

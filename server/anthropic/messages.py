@@ -199,11 +199,10 @@ def _chat_messages(message: Message, where: str) -> list[dict[str, Any]]:
                 }
             )
     if role == "assistant":
-        assistant: dict[str, Any] = {"role": role, "content": _parts(texts) if texts else None}
+        # ("" rather than null without text: templates that iterate the content take it)
+        assistant: dict[str, Any] = {"role": role, "content": _parts(texts) if texts else ""}
         if calls:
             assistant["tool_calls"] = calls
-        elif not texts:
-            assistant["content"] = ""
         out.append(assistant)
     elif texts or not out:
         out.append({"role": role, "content": _parts(texts)})

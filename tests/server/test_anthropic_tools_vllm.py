@@ -39,14 +39,16 @@ def client(vllm_server: SluiceProcess) -> anthropic.Anthropic:
 
 
 def test_a_named_tool_is_a_tool_use_block_whole_and_streamed(client: anthropic.Anthropic) -> None:
-    ask = {"model": MODEL, "max_tokens": 64, "temperature": 0, "messages": ASK, "tools": [TOOL]}
-    whole = client.messages.create(**ask, tool_choice=NAMED)
+    # (greedy: this SDK has no `temperature` argument, the body still takes it)
+    ask = {"model": MODEL, "max_tokens": 64, "messages": ASK, "tools": [TOOL]}
+    greedy = {"temperature": 0}
+    whole = client.messages.create(**ask, tool_choice=NAMED, extra_body=greedy)
     assert whole.stop_reason == "tool_use"
     (call,) = [block for block in whole.content if block.type == "tool_use"]
     assert call.name == "get_weather" and call.id
     jsonschema.validate(call.input, WEATHER)
 
-    with client.messages.stream(**ask, tool_choice=NAMED) as stream:
+    with client.messages.stream(**ask, tool_choice=NAMED, extra_body=greedy) as stream:
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use"
     (streamed_call,) = [block for block in streamed.content if block.type == "tool_use"]

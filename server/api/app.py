@@ -25,7 +25,7 @@ from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
-from server.api import batch_api_routes, responses_routes
+from server.api import anthropic_routes, batch_api_routes, responses_routes
 from server.api.access import AccessLogMiddleware
 from server.api.edge import Edge, context_of
 from server.api.openai_routes import (
@@ -173,6 +173,8 @@ def routes(services: Services, *, metrics_route: bool = True) -> list[BaseRoute]
         post("/v1/completions", completions),
         post("/invocations", invocations),
         post("/v1/chat/completions/batch", chat_completions_batch),
+        post("/v1/messages", anthropic_routes.messages),
+        post("/v1/messages/count_tokens", anthropic_routes.count_tokens),
         get("/v1/chat/completions/{id}/stream", resume_chat_completion),
         get("/v1/completions/{id}/stream", resume_completion),
         *(

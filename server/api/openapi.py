@@ -15,6 +15,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import Response
 
+from server.anthropic.messages import CountTokensRequest, MessagesRequest
+from server.anthropic.replies import AnthropicErrorBody
 from server.api.openai_routes import JSONResponse
 from server.api.tokenizer_routes import VERSION
 from server.openai.batch import CreateBatch, FileUpload
@@ -34,6 +36,9 @@ _MODELS: tuple[type[BaseModel], ...] = (
     FileUpload,
     ErrorBody,
     CreateResponse,
+    MessagesRequest,
+    CountTokensRequest,
+    AnthropicErrorBody,
 )
 _OBJ = {"type": "object"}
 _STR = {"type": "string"}
@@ -111,6 +116,26 @@ def _generation(summary: str, body: dict[str, Any], *, idempotent: bool = True) 
                 },
                 **_ERRORS,
             },
+        }
+    }
+
+
+def _anthropic(
+    summary: str, body: type[BaseModel], answer: str, *, generates: bool = False
+) -> dict[str, Any]:
+    """An Anthropic route: its errors in Anthropic's shape, with Sluice's statuses. One that
+    `generates` streams with `stream`, and takes an idempotency key."""
+    errors = {
+        status: {**spec, "content": _json(_ref(AnthropicErrorBody))}
+        for status, spec in _ERRORS.items()
+    }
+    content = {**_json(_OBJ), **({"text/event-stream": {"schema": _STR}} if generates else {})}
+    return {
+        "post": {
+            "summary": summary,
+            "parameters": [_IDEMPOTENCY_KEY] if generates else [],
+            "requestBody": {"required": True, "content": _json(_ref(body))},
+            "responses": {"200": {"description": answer, "content": content}, **errors},
         }
     }
 
@@ -248,6 +273,17 @@ def document(version: str) -> dict[str, Any]:
                 "vLLM's: one chat completion per conversation (no stream, tools or n)",
                 {"$ref": "#/components/schemas/BatchedChatCompletionRequest"},
                 idempotent=False,
+            ),
+            "/v1/messages": _anthropic(
+                "Anthropic's Messages API: a chat completion in Anthropic's shape",
+                MessagesRequest,
+                "a message, or with `stream` Anthropic's SSE events",
+                generates=True,
+            ),
+            "/v1/messages/count_tokens": _anthropic(
+                "Anthropic's: the prompt's tokens after the chat template",
+                CountTokensRequest,
+                "{input_tokens}",
             ),
             "/v1/chat/completions/{id}/stream": _resume("chat completion"),
             "/v1/completions/{id}/stream": _resume("completion"),

@@ -377,7 +377,11 @@ class GenerationRun:
             "timings": timeline.timings(),
         }
         ended = [(c.index, Choices.finish_reason(c)) for c in choices.in_order()]
-        final: dict[str, Any] = {"finish_reason": ended[0][1]}
+        # (vLLM's stop_reason too: the stop string that ended choice 0, read by /v1/messages)
+        final: dict[str, Any] = {
+            "finish_reason": ended[0][1],
+            "stop_reason": choices.in_order()[0].stop_reason,
+        }
         if choices.n > 1:
             final["choices"] = [{"index": i, "finish_reason": r} for i, r in ended]
         final.update(summary)

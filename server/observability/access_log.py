@@ -24,7 +24,7 @@ ACCESS_LOGGER_NAME = "sluice.access"
 
 logger = logging.getLogger(ACCESS_LOGGER_NAME)
 
-Api = Literal["chat", "completions", "ws", "responses"]
+Api = Literal["chat", "completions", "ws", "responses", "messages"]
 
 
 @dataclass(frozen=True, slots=True)

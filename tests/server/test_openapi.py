@@ -74,6 +74,8 @@ OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/invocations"),
     ("POST", "/v1/chat/completions/batch"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("GET", "/v1/models"),

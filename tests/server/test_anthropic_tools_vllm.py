@@ -1,0 +1,72 @@
+"""Anthropic's tool use on the real vLLM engine, with the official `anthropic` SDK: a named
+tool choice (a schema the engine enforces) answered as a `tool_use` block, whole and streamed,
+and a conversation with `tool_use` and `tool_result` blocks through the model's own chat
+template."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jsonschema
+import pytest
+from conftest import SluiceProcess
+
+# `anthropic` (~2 s to import) in the tests that call it: every pytest-xdist worker collects
+# this module, and most never run them.
+if TYPE_CHECKING:
+    import anthropic
+
+MODEL = "sluice-demo"
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "sunny": {"type": "boolean"},
+    },
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+TOOL = {"name": "get_weather", "description": "Weather now", "input_schema": WEATHER}
+NAMED = {"type": "tool", "name": "get_weather"}
+
+
+@pytest.fixture
+def client(vllm_server: SluiceProcess) -> anthropic.Anthropic:
+    import anthropic
+
+    return anthropic.Anthropic(base_url=vllm_server.url, api_key="unused", max_retries=0)
+
+
+def test_a_named_tool_is_a_tool_use_block_whole_and_streamed(client: anthropic.Anthropic) -> None:
+    # (greedy: this SDK has no `temperature` argument, the body still takes it)
+    ask = {"model": MODEL, "max_tokens": 64, "messages": ASK, "tools": [TOOL]}
+    greedy = {"temperature": 0}
+    whole = client.messages.create(**ask, tool_choice=NAMED, extra_body=greedy)
+    assert whole.stop_reason == "tool_use"
+    (call,) = [block for block in whole.content if block.type == "tool_use"]
+    assert call.name == "get_weather" and call.id
+    jsonschema.validate(call.input, WEATHER)
+
+    with client.messages.stream(**ask, tool_choice=NAMED, extra_body=greedy) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    (streamed_call,) = [block for block in streamed.content if block.type == "tool_use"]
+    # Greedy both times: the input_json_delta pieces make the same input as the whole reply.
+    assert (streamed_call.name, streamed_call.input) == (call.name, call.input)
+    assert streamed.usage.output_tokens == whole.usage.output_tokens
+
+    # The call and its result, sent back as blocks, go through the model's chat template.
+    conversation = [
+        *ASK,
+        {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny."}],
+        },
+    ]
+    counted = client.messages.count_tokens(model=MODEL, messages=conversation, tools=[TOOL])
+    answer = client.messages.create(
+        model=MODEL, max_tokens=4, messages=conversation, tools=[TOOL], tool_choice={"type": "none"}
+    )
+    assert answer.usage.input_tokens == counted.input_tokens > whole.usage.input_tokens

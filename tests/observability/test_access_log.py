@@ -4,6 +4,7 @@ import asyncio
 import io
 import json
 import logging
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -20,6 +21,20 @@ from server.observability.access_log import (
     release_access_line,
     trace_request,
 )
+
+
+@pytest.fixture(autouse=True)
+def _access_logger_restored() -> Iterator[None]:
+    """Each test leaves the access logger as it found it: `install_handler` stops it
+    propagating, and in-process servers' tests in this worker read its lines through the root
+    logger."""
+    access_logger = logging.getLogger(ACCESS_LOGGER_NAME)
+    handlers, level = list(access_logger.handlers), access_logger.level
+    propagate = access_logger.propagate
+    yield
+    access_logger.handlers[:] = handlers
+    access_logger.setLevel(level)
+    access_logger.propagate = propagate
 
 
 def _record(**overrides: object) -> AccessRecord:

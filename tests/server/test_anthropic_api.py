@@ -29,6 +29,8 @@ from server.core.errors import (
 if TYPE_CHECKING:
     import anthropic
 
+# One worker runs the module: one server, one import of `anthropic`.
+pytestmark = pytest.mark.xdist_group("anthropic")
 KEY = "sk-anthropic-5e1c0d"
 HELLO = [{"role": "user", "content": "Tell me about the sea."}]
 

@@ -11,15 +11,21 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import openai
 import pytest
 from conftest import InProcessSluice, uncalibrated_config, wait_until
 
 from server.openai.responses_api import CreateResponse, ResponseBuilder
 from server.responses_api.store import ResponseRecord, ResponseStore
 
+# `openai` (~1 s to import) in the tests that call it: every pytest-xdist worker collects
+# this module, and most never run them.
+if TYPE_CHECKING:
+    import openai
+
+# One worker runs the module: its two servers start once.
+pytestmark = pytest.mark.xdist_group("responses")
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 DEADLINE_S = 30.0
 
@@ -58,6 +64,8 @@ def stopping_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProc
 
 
 def client_of(server: InProcessSluice, key: str = "sk-acme") -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
@@ -142,6 +150,8 @@ def test_a_client_leaving_a_stream_cancels_its_generation(
 def test_a_stored_response_is_retrieved_by_its_tenant_alone(
     server: InProcessSluice, client: openai.OpenAI
 ) -> None:
+    import openai
+
     made = client.responses.create(model="sim", input="hello", max_output_tokens=8)
     found = client.responses.retrieve(made.id)
     assert found.model_dump() == made.model_dump()
@@ -157,6 +167,8 @@ def test_a_stored_response_is_retrieved_by_its_tenant_alone(
 def test_previous_response_id_continues_the_conversation(
     server: InProcessSluice, client: openai.OpenAI
 ) -> None:
+    import openai
+
     first = client.responses.create(model="sim", input="tell me a story", max_output_tokens=16)
     second = client.responses.create(
         model="sim", input="and then?", previous_response_id=first.id, max_output_tokens=16
@@ -183,6 +195,8 @@ def test_previous_response_id_continues_the_conversation(
 def test_bad_input_is_a_400_in_openais_shape(
     client: openai.OpenAI, body: dict[str, Any], code: str, param: str
 ) -> None:
+    import openai
+
     fields = {"input": "hi", **body}
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="sim", extra_body=fields)  # type: ignore[call-overload]
@@ -192,6 +206,8 @@ def test_bad_input_is_a_400_in_openais_shape(
 
 
 def test_an_idempotency_key_is_refused_not_ignored(client: openai.OpenAI) -> None:
+    import openai
+
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model="sim", input="hi", extra_headers={"Idempotency-Key": "k"})
     assert refused.value.body["param"] == "Idempotency-Key"  # type: ignore[index]
@@ -222,8 +238,8 @@ def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
 
 def test_a_background_stream_resumes_after_a_sequence_number(client: openai.OpenAI) -> None:
     made = client.responses.create(
-        model="sim", input="tell me a story", max_output_tokens=300, background=True
-    )
+        model="sim", input="tell me a story", max_output_tokens=120, background=True
+    )  # (1.2 s at 10 ms a step: it runs on well after the client leaves at its 8th event)
     seen = []
     with client.responses.retrieve(made.id, stream=True) as first:
         for event in first:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
@@ -27,6 +27,47 @@ def fingerprint(kind: str, body: Any) -> str:
     return hashlib.sha256(orjson.dumps([kind, body], option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
+class Kept(Protocol):
+    """A record kept while it runs and for a retention after it ended."""
+
+    @property
+    def ended_at(self) -> float | None: ...
+
+    @property
+    def size(self) -> int: ...
+
+
+K = TypeVar("K", bound=Kept)
+
+
+def past_retention(record: Kept, now: float, retention_seconds: float) -> bool:
+    return record.ended_at is not None and now - record.ended_at > retention_seconds
+
+
+def sweep(
+    records: Iterable[K],
+    now: float,
+    retention_seconds: float,
+    max_bytes: int,
+    drop: Callable[[K], None],
+) -> None:
+    """Drop the records past their retention, then the oldest ended ones (`records` come
+    oldest first) while all of them together hold more than `max_bytes`."""
+    kept, total = [], 0
+    for record in list(records):
+        if past_retention(record, now, retention_seconds):
+            drop(record)
+        else:
+            kept.append(record)
+            total += record.size
+    for record in kept:
+        if total <= max_bytes:
+            return
+        if record.ended_at is not None:
+            drop(record)
+            total -= record.size
+
+
 @dataclass(slots=True)
 class _Record:
     tenant: str
@@ -34,6 +75,10 @@ class _Record:
     fingerprint: str
     run: GenerationRun
     ended_at: float | None = None
+
+    @property
+    def size(self) -> int:
+        return self.run.size
 
 
 class RunStore:
@@ -78,28 +123,11 @@ class RunStore:
         self.sweep()
 
     def sweep(self) -> None:
-        """Drop what is past its retention, then the oldest ended records while over the
-        memory bound."""
         now = self._clock()
-        total = 0
-        for record in list(self._records.values()):
-            if record.ended_at is not None and now - record.ended_at > self.retention_seconds:
-                self._drop(record)
-            else:
-                total += record.run.size
-        if total <= self.max_bytes:
-            return
-        for record in list(self._records.values()):
-            if record.ended_at is not None:
-                self._drop(record)
-                total -= record.run.size
-                if total <= self.max_bytes:
-                    return
+        sweep(self._records.values(), now, self.retention_seconds, self.max_bytes, self._drop)
 
     def _live(self, record: _Record | None) -> _Record | None:
-        if record is None or record.ended_at is None:
-            return record
-        if self._clock() - record.ended_at > self.retention_seconds:
+        if record is not None and past_retention(record, self._clock(), self.retention_seconds):
             self._drop(record)
             return None
         return record

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from server.generations.registry import past_retention, sweep
 from server.generations.run import GenerationRun
 from server.openai.responses_api import ResponseBuilder
 
@@ -66,9 +67,7 @@ class ResponseStore:
 
     def get(self, tenant: str, response_id: str) -> ResponseRecord | None:
         record = self._records.get((tenant, response_id))
-        if record is None or record.ended_at is None:
-            return record
-        if self._clock() - record.ended_at > self.retention_seconds:
+        if record is not None and past_retention(record, self._clock(), self.retention_seconds):
             self._drop(record)
             return None
         return record
@@ -79,21 +78,8 @@ class ResponseStore:
         self.sweep()
 
     def sweep(self) -> None:
-        """Drop what is past its retention, then the oldest ended records while over the
-        memory bound."""
         now = self._clock()
-        total = 0
-        for record in list(self._records.values()):
-            if record.ended_at is not None and now - record.ended_at > self.retention_seconds:
-                self._drop(record)
-            else:
-                total += record.size
-        for record in list(self._records.values()):
-            if total <= self.max_bytes:
-                return
-            if record.ended_at is not None:
-                self._drop(record)
-                total -= record.size
+        sweep(self._records.values(), now, self.retention_seconds, self.max_bytes, self._drop)
 
     def _drop(self, record: ResponseRecord) -> None:
         self._records.pop((record.tenant, record.response_id), None)

@@ -10,16 +10,17 @@ errors in Anthropic's error shape with Sluice's statuses.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from server.anthropic.messages import parse_count_tokens, parse_messages
 from server.anthropic.replies import MessageStream, error_body, message_reply
-from server.api.edge import context_of, request_id_from, unless_gone
-from server.api.openai_routes import GuardedEventSourceResponse, JSONResponse, read_json
+from server.api.edge import context_of, request_id_from
+from server.api.openai_routes import JSONResponse, RunResponse, read_json
 from server.api.services import Services
 from server.core.errors import SluiceError
 from server.generations.log import Kind
@@ -79,47 +80,22 @@ def _ping() -> ServerSentEvent:
     return ServerSentEvent(event="ping", data='{"type": "ping"}')
 
 
-class MessageResponse:
-    """ASGI response: one reader of a chat run, answering in Anthropic's shape. As
-    `RunResponse`: it waits (watching for the client leaving) for the run's dispatch (a
-    stream) or end (a whole message); refusals before dispatch are HTTP statuses, a failure
-    after the stream began ends it with an `error` event."""
+class MessageResponse(RunResponse):
+    """ASGI response: one reader of a chat run, answering in Anthropic's shape (its
+    lifecycle is `RunResponse`'s: refusals before dispatch are HTTP statuses, a failure after
+    the stream began ends it with an `error` event)."""
+
+    ping = staticmethod(_ping)
 
     def __init__(self, services: Services, run: GenerationRun, *, replayed: bool) -> None:
-        self.services = services
-        self.run = run
+        super().__init__(services, run, replayed=replayed)
         self.message_id = "msg_" + run.shape.response_id
-        self.headers = {"X-Request-Id": run.timeline.request_id}
-        if replayed:
-            self.headers["Idempotent-Replayed"] = "true"
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        run, edge = self.run, self.services.edge
-        with run.reading():
-            stream = run.shape.stream
-            if not await unless_gone(run.started() if stream else run.until_ended(), receive):
-                return  # the client left (the run is cancelled if it was the last reader)
-            failure = run.failure
-            if failure is not None:
-                await anthropic_error(failure, run.timeline.request_id)(scope, receive, send)
-                return
-            if stream:
-                await GuardedEventSourceResponse(
-                    self._events(),
-                    headers=self.headers,
-                    ping=edge.ping_seconds,
-                    ping_message_factory=_ping,
-                )(scope, receive, edge.send_guard.wrap(send))
-                return
-            last = run.log[-1]
-            response = (
-                anthropic_error(last.error, run.timeline.request_id)
-                if last.error is not None
-                else JSONResponse(
-                    message_reply(last.body or {}, self.message_id), headers=self.headers
-                )
-            )
-            await response(scope, receive, send)
+    def error(self, error: SluiceError) -> Response:
+        return anthropic_error(error, self.run.timeline.request_id)
+
+    def whole(self, body: dict[str, Any]) -> Response:
+        return JSONResponse(message_reply(body, self.message_id), headers=self.headers)
 
     async def _events(self) -> AsyncIterator[bytes]:
         """Every event of the run as Anthropic's, all that are ready in one write."""

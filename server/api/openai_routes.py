@@ -413,7 +413,12 @@ class RunResponse:
 
     Refusals before dispatch are real HTTP statuses (401/429/503/504 with Retry-After);
     failures after the stream started end it with an error event and `[DONE]`.
+
+    Another API's reply to a run (Anthropic's) overrides the wire: `error`, `whole`,
+    `_events` and `ping`; the reader's lifecycle stays this one.
     """
+
+    ping: Callable[[], Any] | None = None  # sse-starlette's keep-alive event (None: its own)
 
     def __init__(
         self, services: Services, run: GenerationRun, *, after: int = 0, replayed: bool = False
@@ -433,22 +438,27 @@ class RunResponse:
                 return  # the client left (the run is cancelled if it was the last reader)
             failure = run.failure
             if failure is not None:
-                await error_response(failure, run.timeline.request_id)(scope, receive, send)
+                await self.error(failure)(scope, receive, send)
                 return
             if stream:
+                edge = self.services.edge
                 await GuardedEventSourceResponse(
                     self._events(),
                     headers=self.headers,
-                    ping=self.services.edge.ping_seconds,
-                )(scope, receive, self.services.edge.send_guard.wrap(send))
+                    ping=edge.ping_seconds,
+                    ping_message_factory=self.ping,
+                )(scope, receive, edge.send_guard.wrap(send))
                 return
             last = run.log[-1]
-            response = (
-                error_response(last.error, run.timeline.request_id)
-                if last.error is not None
-                else JSONResponse(last.body, headers=self.headers)
-            )
+            error = last.error
+            response = self.error(error) if error is not None else self.whole(last.body or {})
             await response(scope, receive, send)
+
+    def error(self, error: SluiceError) -> Response:
+        return error_response(error, self.run.timeline.request_id)
+
+    def whole(self, body: dict[str, Any]) -> Response:
+        return JSONResponse(body, headers=self.headers)
 
     async def _events(self) -> AsyncIterator[bytes]:
         """The events after `after`: all that are ready when the reader wakes, in one write

@@ -8,7 +8,8 @@ Server → client: `{"type": "delta", "id", "seq", "text", "tokens"}` (with "log
 asked, "tool_calls" / "reasoning" as in a chat chunk's delta when the output is parsed, the
 choice's "index" when n > 1, "token_ids" with vLLM's return_token_ids, and "generation", the id
 to resume it by, when it is resumable), exactly one `{"type": "final", "id", "seq",
-"finish_reason", "usage", "timings"}` (and "choices": [{"index", "finish_reason"}] when n > 1)
+"finish_reason", "stop_reason", "usage", "timings"}` (and "choices": [{"index", "finish_reason"}]
+when n > 1)
 or `{"type": "error", "id", "error": {...}}` per generate or resume that passed validation
 (finish_reason "cancelled" after a cancel), and errors with id null for a message that could
 not be attributed. `seq` numbers the generation's events as the `id:` of its SSE events does.

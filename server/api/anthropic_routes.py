@@ -20,29 +20,20 @@ from starlette.types import ASGIApp
 from server.anthropic.messages import parse_count_tokens, parse_messages
 from server.anthropic.replies import MessageStream, error_body, message_reply
 from server.api.edge import context_of, request_id_from
-from server.api.openai_routes import JSONResponse, RunResponse, read_json
+from server.api.openai_routes import JSONResponse, RunResponse, error_response, read_json
 from server.api.services import Services
 from server.core.errors import SluiceError
 from server.generations.log import Kind
 from server.generations.run import GenerationRun
-from server.generations.timeline import RequestTimeline
 
 
 def anthropic_error(error: SluiceError, request_id: str | None = None) -> JSONResponse:
     """`error` in Anthropic's shape, with its status (and Retry-After where it has one)."""
-    headers = error.headers()
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    return JSONResponse(error_body(error), status_code=error.status, headers=headers)
+    return error_response(error, request_id, error_body(error))
 
 
 async def messages(services: Services, request: Request) -> ASGIApp:
-    timeline = RequestTimeline(
-        request_id=request_id_from(request.headers.get("x-request-id")),
-        model=services.served_model,
-        api="messages",
-        metrics=services.metrics,
-    )
+    timeline = services.timeline(request_id_from(request.headers.get("x-request-id")), "messages")
     try:
         body = await read_json(request, services.edge.max_body_bytes)
         _, chat, parsed = parse_messages(body)

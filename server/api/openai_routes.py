@@ -53,11 +53,16 @@ class JSONResponse(Response):
         return orjson.dumps(content)
 
 
-def error_response(error: SluiceError, request_id: str | None = None) -> JSONResponse:
+def error_response(
+    error: SluiceError, request_id: str | None = None, body: dict[str, Any] | None = None
+) -> JSONResponse:
+    """`error` with its status and headers (Retry-After where it has one); its body OpenAI's
+    unless another API's is given."""
     headers = error.headers()
     if request_id:
         headers["X-Request-Id"] = request_id
-    return JSONResponse(error.to_body(), status_code=error.status, headers=headers)
+    content = error.to_body() if body is None else body
+    return JSONResponse(content, status_code=error.status, headers=headers)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -95,11 +100,9 @@ async def invocations(services: Services, request: Request) -> ASGIApp:
 async def _generate(services: Services, request: Request, kind: str | None) -> ASGIApp:
     """An error response at once, or a RunResponse that waits, then streams/replies.
     `kind` None: "chat" or "completion" by what the body holds."""
-    timeline = RequestTimeline(
-        request_id=request_id_from(request.headers.get("x-request-id")),
-        model=services.served_model,
-        api="chat" if kind == "chat" else "completions",
-        metrics=services.metrics,
+    timeline = services.timeline(
+        request_id_from(request.headers.get("x-request-id")),
+        "chat" if kind == "chat" else "completions",
     )
     key = request.headers.get("idempotency-key")
     try:
@@ -181,9 +184,7 @@ async def chat_completions_batch(services: Services, request: Request) -> ASGIAp
     Each conversation is a generation of its own in the scheduler; like vLLM's, no streaming,
     no tools and n = 1."""
     request_id = request_id_from(request.headers.get("x-request-id"))
-    timeline = RequestTimeline(
-        request_id=request_id, model=services.served_model, api="chat", metrics=services.metrics
-    )
+    timeline = services.timeline(request_id, "chat")
     try:
         body = await read_json(request, services.edge.max_body_bytes)
         conversations = body.get("messages") if isinstance(body, dict) else None
@@ -237,12 +238,7 @@ async def _batch(
         first_index = 0
         for i, body in enumerate(bodies):
             parsed = parse_request(body, kind)
-            one = RequestTimeline(
-                request_id=f"{request_id}-{i}",
-                model=services.served_model,
-                api=timeline.api,
-                metrics=services.metrics,
-            )
+            one = services.timeline(f"{request_id}-{i}", timeline.api)
             try:
                 runs.append(
                     services.generations.generate_part(

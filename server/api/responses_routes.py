@@ -20,7 +20,6 @@ from server.api.openai_routes import (
 from server.api.services import Services
 from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
-from server.generations.timeline import RequestTimeline
 from server.openai.responses_api import CreateResponse, ResponseBuilder, sse
 from server.openai.wire import validated
 from server.responses_api.service import Responses, feed, replay
@@ -33,12 +32,7 @@ def _responses(services: Services) -> Responses:
 
 
 async def create_response(services: Services, request: Request) -> ASGIApp:
-    timeline = RequestTimeline(
-        request_id=request_id_from(request.headers.get("x-request-id")),
-        model=services.served_model,
-        api="responses",
-        metrics=services.metrics,
-    )
+    timeline = services.timeline(request_id_from(request.headers.get("x-request-id")), "responses")
     try:
         if "idempotency-key" in request.headers:
             raise UnsupportedParameter(

@@ -11,6 +11,8 @@ from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore
 from server.generations.planner import Planner
 from server.generations.service import Generations
+from server.generations.timeline import RequestTimeline
+from server.observability.access_log import Api
 from server.observability.metrics import Metrics
 from server.responses_api.service import Responses
 
@@ -39,3 +41,9 @@ class Services:
     @property
     def served_model(self) -> str:
         return self.planner.served_model
+
+    def timeline(self, request_id: str, api: Api) -> RequestTimeline:
+        """A request's stopwatch, from now, recording into the app's metrics."""
+        return RequestTimeline(
+            request_id=request_id, model=self.served_model, api=api, metrics=self.metrics
+        )

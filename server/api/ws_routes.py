@@ -38,7 +38,6 @@ from server.core.errors import (
 )
 from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
-from server.generations.timeline import RequestTimeline
 from server.openai.requests import parse_request
 from server.openai.responses import chat_logprobs, usage
 
@@ -279,12 +278,7 @@ class Connection:
 
     async def _generate(self, gen_id: str, message: dict[str, Any]) -> tuple[GenerationRun, int]:
         services = self.services
-        timeline = RequestTimeline(
-            request_id=f"ws-{id(self):x}-{gen_id}"[:128],
-            model=services.served_model,
-            api="ws",
-            metrics=services.metrics,
-        )
+        timeline = services.timeline(f"ws-{id(self):x}-{gen_id}"[:128], "ws")
         try:
             request_body = message.get("request")
             if isinstance(request_body, dict) and request_body.get("stream") is False:

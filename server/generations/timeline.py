@@ -21,6 +21,7 @@ from typing import Any
 from server.core.errors import Outcome, SluiceError
 from server.observability.access_log import (
     AccessRecord,
+    Api,
     claim_access_line,
     log_request,
     median,
@@ -37,7 +38,7 @@ FLUSH_SECONDS = 1.0  # a running request's per-token metrics reach the registry 
 class RequestTimeline:
     request_id: str
     model: str
-    api: str
+    api: Api
     metrics: Metrics  # the app's (the one registry its /metrics serves)
     arrival: float = field(default_factory=time.monotonic)
     tenant: str = "-"
@@ -181,7 +182,7 @@ class RequestTimeline:
                 duration_s=now - self.arrival,
                 prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens,
-                api=self.api,  # type: ignore[arg-type]
+                api=self.api,
                 preemptions=self.generation.preemptions if self.generation is not None else 0,
             )
         )

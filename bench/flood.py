@@ -19,6 +19,12 @@ client's stopwatch measures the server, not a load generator busy with 96 stream
 starts in the measurement window (after `--warmup` seconds, for `--duration` seconds) counts.
 Gaps are between streamed content chunks (one token each for these servers).
 
+`--chat-apis chat,responses,messages` runs Sluice's flood once per API the chats speak (the
+bulk flood always uses Chat Completions): `/v1/chat/completions`, OpenAI's `/v1/responses` or
+Anthropic's `/v1/messages`, each streamed, so the rows show whether the API a person's client
+speaks changes what the scheduler gives them. The idle SLO is set by chats over Chat
+Completions.
+
 `--variant 'LABEL=YAML'` (repeatable) adds a Sluice run with that scheduler configuration, and
 `--tradeoff` adds a ladder of interactive gap targets: bulk tokens/s against chat end-to-end
 time as the target varies. Usage:
@@ -26,6 +32,7 @@ time as the target varies. Usage:
     python bench/flood.py                                  # idle, vLLM FCFS, vLLM priority, Sluice
     python bench/flood.py --tradeoff                       # ... and the trade-off curve
     python bench/flood.py --systems idle,sluice --duration 5 --bulk-streams 4
+    python bench/flood.py --systems idle,vllm-fcfs,sluice --chat-apis chat,responses,messages
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ class System:
     name: str  # the row's label
     kind: str  # idle | vllm-fcfs | vllm-priority | sluice
     sluice_config: dict[str, Any] | None = None
+    chat_api: str = "chat"  # the API the chats speak (CHAT_APIS)
 
     @property
     def bulk(self) -> bool:
@@ -170,6 +178,38 @@ def request_body(kind: str, max_tokens: int, bulk: bool, text: str) -> tuple[dic
     return body, headers
 
 
+# What a chat is sent, by the API it speaks: (path, body). Sluice's Responses API has no
+# `ignore_eos` (OpenAI's has none), so those chats may end before `--chat-tokens`.
+CHAT_APIS = ("chat", "responses", "messages")
+
+
+def chat_request(api: str, kind: str, max_tokens: int, text: str) -> tuple[str, dict, dict]:
+    body, headers = request_body(kind, max_tokens, False, text)
+    if api == "responses":
+        body = {
+            "model": SERVED_NAME,
+            "stream": True,
+            "max_output_tokens": max_tokens,
+            "input": text,
+        }
+        return "/v1/responses", body, headers
+    if api == "messages":  # Anthropic's body has these fields too (`ignore_eos`: vLLM's)
+        return "/v1/messages", body, headers
+    return "/v1/chat/completions", body, headers
+
+
+def content_event(api: str, event: dict) -> bool:
+    """Whether a streamed event carries generated text (raises on an error event)."""
+    kind = event.get("type")
+    if "error" in event or kind in ("error", "response.failed"):
+        raise RuntimeError(str(event.get("error") or event))
+    if api == "responses":
+        return kind == "response.output_text.delta" and bool(event.get("delta"))
+    if api == "messages":
+        return kind == "content_block_delta" and bool(event["delta"].get("text"))
+    return any((c.get("delta") or {}).get("content") for c in event.get("choices", ()))
+
+
 async def bulk_stream(client, kind, args, window: tuple[float, float], counts: dict) -> None:
     """One closed-loop bulk stream. Tokens are counted from raw lines (no JSON parsing) so the
     load generator stays cheap; times are wall-clock (the window is shared across processes)."""
@@ -212,22 +252,21 @@ def bulk_load_process(kind, args, port, window, results) -> None:
     results.put(counts)
 
 
-async def one_chat(client, kind, args, m: Measurements) -> None:
-    body, headers = request_body(kind, args.chat_tokens, False, "hello, how are you today?")
+async def one_chat(client, system: System, args, m: Measurements) -> None:
+    path, body, headers = chat_request(
+        system.chat_api, system.kind, args.chat_tokens, "hello, how are you today?"
+    )
     started = time.monotonic()
     stamps: list[float] = []
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        async with client.stream("POST", path, json=body, headers=headers) as r:
             if r.status_code != 200:
                 await r.aread()
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(str(chunk["error"]))
-                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", ())):
+                if content_event(system.chat_api, json.loads(line[6:])):
                     stamps.append(time.monotonic())
         if not stamps:
             raise RuntimeError("no content")
@@ -240,14 +279,14 @@ async def one_chat(client, kind, args, m: Measurements) -> None:
         m.chats.append(Chat(started, stamps[0] - started, gaps, stamps[-1] - started))
 
 
-async def chat_arrivals(client, kind, args, m: Measurements, stop: asyncio.Event) -> None:
+async def chat_arrivals(client, system: System, args, m: Measurements, stop: asyncio.Event) -> None:
     rng = random.Random(args.seed)
     chats: set[asyncio.Task] = set()
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), rng.expovariate(args.chat_rate))
         if not stop.is_set():
-            task = asyncio.create_task(one_chat(client, kind, args, m))
+            task = asyncio.create_task(one_chat(client, system, args, m))
             chats.add(task)
             task.add_done_callback(chats.discard)
     if chats:  # let the chats that started in the window finish
@@ -311,7 +350,7 @@ async def measure(
                 )
                 bulk.start()
             stop = asyncio.Event()
-            chats = asyncio.create_task(chat_arrivals(client, system.kind, args, m, stop))
+            chats = asyncio.create_task(chat_arrivals(client, system, args, m, stop))
             sampler = (
                 asyncio.create_task(sample_gauges(client, m, stop))
                 if system.kind == "sluice"
@@ -461,6 +500,11 @@ def plan(args: argparse.Namespace) -> list[System]:
     if unknown:
         raise SystemExit(f"unknown systems: {sorted(unknown)}")
     systems += args.variant
+    apis = [api.strip() for api in args.chat_apis.split(",") if api.strip()]
+    if set(apis) - set(CHAT_APIS):
+        raise SystemExit(f"unknown chat APIs: {sorted(set(apis) - set(CHAT_APIS))}")
+    if any(s.kind == "sluice" for s in systems):
+        systems += [System(f"sluice[{api}]", "sluice", None, api) for api in apis if api != "chat"]
     if args.tradeoff:
         systems += [
             System(f"sluice[itl x{f:g}]", "sluice", {"slo": {"itl_factor": f}})
@@ -501,6 +545,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bulk-tokens", type=int, default=512)
     p.add_argument("--chat-rate", type=float, default=4.0, help="chats per second (Poisson)")
     p.add_argument("--chat-tokens", type=int, default=32)
+    p.add_argument(
+        "--chat-apis",
+        default="chat",
+        help=f"Sluice rows per API the chats speak, a subset of {CHAT_APIS} (chat: the plain "
+        "'sluice' row)",
+    )
     p.add_argument(
         "--slo-factor",
         type=float,

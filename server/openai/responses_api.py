@@ -127,16 +127,7 @@ class CreateResponse(WireModel):
                     content = "".join(part.text for part in content)
                 messages.append({"role": _CHAT_ROLE.get(item.role, item.role), "content": content})
             elif isinstance(item, FunctionCallItem):
-                call = {
-                    "id": item.call_id,
-                    "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
-                }
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                _add_call(messages, item.call_id, item.name, item.arguments)
             else:
                 messages.append(
                     {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
@@ -410,16 +401,21 @@ class ResponseBuilder:
                 text = "".join(part["text"] for part in item["content"])
                 messages.append({"role": "assistant", "content": text})
             else:
-                call = {
-                    "id": item["call_id"],
-                    "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]},
-                }
-                if messages and "tool_calls" in messages[-1]:
-                    messages[-1]["tool_calls"].append(call)
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                _add_call(messages, item["call_id"], item["name"], item["arguments"])
         return messages
+
+
+def _add_call(messages: list[dict[str, Any]], call_id: str, name: str, arguments: str) -> None:
+    """A function call as chat messages have it: one of the assistant's `tool_calls`, in the
+    assistant message just before when there is one (calls made together stay together)."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+        last["tool_calls"].append(call)
+    else:
+        # ("" rather than null: templates that iterate the content take it, as for
+        # Anthropic's tool uses in `server.anthropic.messages`)
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:

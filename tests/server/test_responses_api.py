@@ -280,7 +280,7 @@ def test_the_request_becomes_a_chat_request() -> None:
         {"role": "system", "content": "be exact"},
         {
             "role": "assistant",
-            "content": None,
+            "content": "",
             "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
             ],

@@ -1,5 +1,8 @@
 """Every HTTP request leaves one access-log line: this middleware writes it for the requests
-that made no generation timeline (a timeline writes its own when it finishes).
+that made no generation timeline (a timeline writes its own when it finishes). A WebSocket
+connection leaves one line too, when it ends: `GET` with status 101 if it was accepted (each
+generation it carried writes its own line as well), else the status its handshake was refused
+with (403 when the server closed it before accepting).
 
 An unknown path or method is logged with the path as sent, redacted and truncated, and
 counted in `sluice_unmatched_requests_total{method, status}`; a request a route matched is
@@ -29,6 +32,9 @@ class AccessLogMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -50,9 +56,29 @@ class AccessLogMiddleware:
             if not trace.claimed:
                 self._log(scope, status, time.monotonic() - arrival)
 
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrival = time.monotonic()
+        status = 500  # an exception before the handshake was answered: the server's 500
+
+        def noting_status(message: Message) -> Awaitable[None]:
+            nonlocal status
+            kind = message["type"]
+            if kind == "websocket.accept":
+                status = 101
+            elif kind == "websocket.http.response.start":  # a refusal with a body
+                status = message["status"]
+            elif kind == "websocket.close" and status == 500:  # closed before it was accepted
+                status = 403
+            return send(message)
+
+        try:
+            await self.app(scope, receive, noting_status)
+        finally:
+            self._log(scope, status, time.monotonic() - arrival)
+
     def _log(self, scope: Scope, status: int, duration: float) -> None:
         route: Any = scope.get("route")
-        method = str(scope["method"])
+        method = str(scope.get("method", "GET"))  # (a WebSocket's handshake is a GET)
         if route is None or status == 405:
             if str(status) in UNMATCHED_STATUSES:
                 label = method if method in HTTP_METHODS else "other"

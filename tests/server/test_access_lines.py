@@ -193,3 +193,26 @@ def test_an_idempotent_replay_leaves_a_line_of_its_own(
         "/v1/chat/completions",
         200,
     )
+
+
+def test_a_websocket_connection_leaves_a_line_accepted_or_refused(
+    sim_server: InProcessSluice, access_lines: AccessLines
+) -> None:
+    """An accepted connection's line (101) is written when it closes; a handshake to a path no
+    route serves is refused (403) and logged with the path as sent."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    base = sim_server.url.replace("http://", "ws://")
+    accepted = uuid.uuid4().hex
+    with connect(base + "/v1/ws", additional_headers={"X-Request-Id": accepted}) as ws:
+        ws.ping().wait(10)
+    [line] = _settled_lines(sim_server, access_lines, request_id=accepted)
+    assert (line["method"], line["path"], line["status"]) == ("GET", "/v1/ws", 101)
+
+    path, refused = f"/v1/nope-{uuid.uuid4().hex}", uuid.uuid4().hex
+    with pytest.raises(InvalidStatus) as handshake:
+        connect(base + path, additional_headers={"X-Request-Id": refused})
+    assert handshake.value.response.status_code == 403
+    [line] = _settled_lines(sim_server, access_lines, request_id=refused)
+    assert (line["method"], line["path"], line["status"]) == ("GET", path, 403)

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -40,7 +41,7 @@ from uvicorn.config import LOGGING_CONFIG
 
 from engine_adapters.protocol import EngineClient
 from server.api.app import SluiceApp, build_app, metrics_app
-from server.batch_api.store import BatchStore, DataDirInUse
+from server.batch_api.sqlite_store import SqliteBatchStore
 from server.core.config import ConfigError, SluiceConfig
 from server.core.settings import config_flags, load_config
 from server.generations.service import Generations
@@ -72,8 +73,8 @@ class Assembled:
 
 def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Assembled:
     """The app `sluice serve` runs with `args` (parsed by `server.cli`'s parser), its API keys
-    read from `environ`. StartRefused: the configuration is invalid or the data directory is
-    another process's."""
+    read from `environ`. StartRefused: the configuration is invalid or the data directory
+    cannot be used."""
     try:
         config = load_config(args.config, environ, config_flags(args))
     except ConfigError as exc:
@@ -92,9 +93,9 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         state = RedisState(config.state, metrics)
         dispatcher = SharedQuotaDispatcher(dispatcher, SharedQuotas(state, config.tenants))
     try:
-        batch_store = BatchStore(args.data_dir)
-    except DataDirInUse as exc:
-        raise StartRefused(str(exc)) from None
+        batch_store = SqliteBatchStore(args.data_dir)
+    except (OSError, sqlite3.Error) as exc:
+        raise StartRefused(f"the data directory {args.data_dir} cannot be used: {exc}") from None
     engine_died = asyncio.Event()
     app = build_app(
         engine,

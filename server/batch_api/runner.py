@@ -218,6 +218,10 @@ class BatchRunner:
                     if task.result() == "retry":
                         retry_at = self.clock() + self.retry_seconds
             await self._finalize(claimed)
+        except Exception:  # the store failed: let the batch go, for this or another to claim
+            logger.exception("batch %s: stopped; it is claimed again at a next beat", batch_id)
+            with contextlib.suppress(Exception):
+                await self.store.release(batch_id, self.owner)
         finally:
             for run in runs.values():  # stopped, or the claim lost: not left in the engine
                 run.cancel(GenerationCancelled("the batch's runner stopped"))

@@ -5,7 +5,8 @@ Keys (none expires: a file is kept until deleted and a batch for good, as in SQL
 
 - `sluice:bfile:{TENANT}:ID`: a file's hash (its object's fields, and `content`), listed in
   `sluice:bfiles:{TENANT}` (a sorted set, by `created_at`).
-- `sluice:batch:ID`: the batch's JSON (`Batch.to_row`); the tenant's batches in
+- `sluice:batch:ID`: a hash of the batch's JSON (`body`, `Batch.to_row`) and its lines'
+  counts (`completed`, `failed`, which stand for the JSON's); the tenant's batches in
   `sluice:batches:{TENANT}` (by a sequence, `sluice:batches:seq`); every batch's status in the
   hash `sluice:batches:status`; the active ones in the set `sluice:batches:active`.
 - `sluice:batch:ID:lines` (index -> `[custom_id, body]`), `…:pending` (a sorted set of the
@@ -13,10 +14,11 @@ Keys (none expires: a file is kept until deleted and a batch for good, as in SQL
 - `sluice:batch:ID:claim`: the replica that runs it, for `state.lease_seconds`; the runner
   renews it (`BatchRunner`), and once it lapses another replica claims the batch.
 
-A change to a batch's JSON is computed here, by the same code as SQLite's, and applied by a
-script only if the JSON is still what was read (else it is read again): each change is
-atomic, and a line's result is written once (its index leaves `…:pending` as it is written).
-Each call is bounded by `state.timeout_ms` (a file's content by `FILE_TIMEOUT_S`); Redis
+A line's result is written by one script with its count, once: its index leaves `…:pending`
+as it is written. A change to a batch's JSON (a cancel, its end) is computed here, by the same
+code as SQLite's, and applied by a script only if the JSON is still what was read (else it is
+read again): each change is atomic.
+Each call is bounded by `CALL_TIMEOUT_S` (a file's content by `FILE_TIMEOUT_S`); Redis
 unavailable, the Batch API answers 503 `store_unavailable` and runners try again at their next
 beat. Batches outlive a restart of Redis only if it persists (AOF or RDB).
 """
@@ -44,18 +46,22 @@ from server.state.backend import RedisState
 from server.state.runs import LET_GO
 
 OPERATION = "batches"  # every call's label in the state backend's metrics
+# No call is on a token's path: each is allowed more than `state.timeout_ms` (which quotas
+# keep), through the state's client without a socket timeout of its own.
+CALL_TIMEOUT_S = 5.0
 FILE_TIMEOUT_S = 30.0  # a file's content: up to --max-file-bytes, or a batch's whole output
 ATTEMPTS = 8  # compare-and-set rounds before a change gives up (another writes as often)
 STATUSES_KEY = "sluice:batches:status"
 ACTIVE_KEY = "sluice:batches:active"
 SEQUENCE_KEY = "sluice:batches:seq"
 FILE_FIELDS = ("id", "bytes", "created_at", "filename", "purpose")
+BATCH_FIELDS = ("body", "completed", "failed")
 
 # KEYS: batch, statuses, active, claim. ARGV: the JSON read, the new JSON, id, status, "1":
 # the batch has ended (no longer active; its claim dropped). -> 1; 0: the JSON had changed.
 SAVE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2])
+if redis.call('HGET', KEYS[1], 'body') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'body', ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
 if ARGV[5] == '1' then
   redis.call('SREM', KEYS[3], ARGV[3])
@@ -64,24 +70,24 @@ end
 return 1
 """
 
-# KEYS: batch, pending, the results of the line's state. ARGV: the JSON read, the new JSON,
-# index, result. -> 1; 0: the JSON had changed; 2: the line was no longer pending.
+# KEYS: batch, pending, the results of the line's state. ARGV: index, result, the count it
+# adds to ("completed" or "failed"). A line no longer pending is left as it is. -> the batch.
 FINISH = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then return 2 end
-redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
-redis.call('SET', KEYS[1], ARGV[2])
-return 1
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
+  redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+  redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+end
+return redis.call('HMGET', KEYS[1], 'body', 'completed', 'failed')
 """
 
-# KEYS: claim, active, batch. ARGV: owner, lease ms, id. -> the batch's JSON, now held by
-# `owner`; nil: it has ended, or another owner's lease is live.
+# KEYS: claim, active, batch. ARGV: owner, lease ms, id. -> the batch, now held by `owner`;
+# nil: it has ended, or another owner's lease is live.
 CLAIM = """
 if redis.call('SISMEMBER', KEYS[2], ARGV[3]) == 0 then return false end
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return false end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return redis.call('GET', KEYS[3])
+return redis.call('HMGET', KEYS[3], 'body', 'completed', 'failed')
 """
 
 # KEYS: statuses, then each batch's claim. ARGV: owner, lease ms, then each batch's id.
@@ -126,7 +132,7 @@ class RedisBatchStore:
     async def close(self) -> None:
         """Nothing of its own: `state`'s connections close with it."""
 
-    async def _call(self, call: Any, limit_s: float | None = None) -> Any:
+    async def _call(self, call: Any, limit_s: float = CALL_TIMEOUT_S) -> Any:
         try:
             return await self.state.call(OPERATION, call, limit_s)
         except StateUnavailable as exc:
@@ -135,12 +141,12 @@ class RedisBatchStore:
     async def _script(self, source: str, keys: list[str], args: list[Any]) -> Any:
         script = self._scripts.get(source)
         if script is None:
-            script = self._scripts[source] = self.state.script(source)
+            script = self._scripts[source] = self._client.register_script(source)
         return await self._call(script(keys=keys, args=args))
 
     @property
     def _client(self) -> Any:
-        return self.state.client
+        return self.state.reader or self.state.client
 
     # -- files ------------------------------------------------------------------------------
 
@@ -202,7 +208,11 @@ class RedisBatchStore:
             pipe.zadd(
                 _batch_key(batch.id, ":pending"), {str(line.index): line.index for line in lines}
             )
-        pipe.set(_batch_key(batch.id), batch.to_row())
+        counts = batch.request_counts
+        pipe.hset(
+            _batch_key(batch.id),
+            mapping={"body": batch.to_row(), **{n: counts[n] for n in BATCH_FIELDS[1:]}},
+        )
         pipe.hset(STATUSES_KEY, batch.id, batch.status)
         if batch.status in ACTIVE:
             pipe.sadd(ACTIVE_KEY, batch.id)
@@ -210,7 +220,11 @@ class RedisBatchStore:
         await self._call(pipe.execute(), FILE_TIMEOUT_S)
 
     async def batch(self, tenant: str | None, batch_id: str) -> Batch | None:
-        return _batch(await self._call(self._client.get(_batch_key(batch_id))), tenant)
+        return _batch(await self._read(batch_id), tenant)
+
+    async def _read(self, batch_id: str) -> list[str | None]:
+        """The batch's hash: its JSON, and its counts."""
+        return list(await self._call(self._client.hmget(_batch_key(batch_id), BATCH_FIELDS)))
 
     async def batches(self, tenant: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         key, top = _batches_key(tenant), "+inf"
@@ -220,7 +234,10 @@ class RedisBatchStore:
         ids = await self._call(
             self._client.zrevrangebyscore(key, top, "-inf", start=0, num=limit + 1)
         )
-        rows = await self._call(self._client.mget([_batch_key(i) for i in ids])) if ids else []
+        pipe = self._client.pipeline(transaction=False)
+        for batch_id in ids:
+            pipe.hmget(_batch_key(batch_id), BATCH_FIELDS)
+        rows = await self._call(pipe.execute()) if ids else []
         found = [batch for batch in (_batch(row, tenant) for row in rows) if batch is not None]
         return found[:limit], len(ids) > limit
 
@@ -229,16 +246,16 @@ class RedisBatchStore:
 
     async def cancel(self, tenant: str, batch_id: str, now: int) -> Batch | None:
         for _ in range(ATTEMPTS):
-            row = await self._call(self._client.get(_batch_key(batch_id)))
+            row = await self._read(batch_id)
             batch = _batch(row, tenant)
             if batch is None or batch.status not in CANCELLABLE:
                 return batch
             batch.status, batch.times["cancelling"] = "cancelling", now
-            if await self._save(row, batch, ended=False):
+            if await self._save(row[0], batch, ended=False):
                 return batch
         raise StoreUnavailable(f"batch {batch_id} changed too often to be cancelled")
 
-    async def _save(self, row: str, batch: Batch, *, ended: bool) -> bool:
+    async def _save(self, row: str | None, batch: Batch, *, ended: bool) -> bool:
         keys = [_batch_key(batch.id), STATUSES_KEY, ACTIVE_KEY, _batch_key(batch.id, ":claim")]
         args = [row, batch.to_row(), batch.id, batch.status, "1" if ended else ""]
         return bool(await self._script(SAVE, keys, args))
@@ -295,19 +312,10 @@ class RedisBatchStore:
             _batch_key(batch_id, ":pending"),
             _batch_key(batch_id, f":{state}"),
         ]
-        encoded = json.dumps(result)
-        for _ in range(ATTEMPTS):
-            row = await self._call(self._client.get(keys[0]))
-            batch = _batch(row, None)
-            assert batch is not None
-            before = batch.to_row()
-            batch.request_counts["completed" if state == "done" else "failed"] += 1
-            written = await self._script(FINISH, keys, [row, batch.to_row(), index, encoded])
-            if written == 1:
-                return batch
-            if written == 2:
-                return Batch.from_row(before)
-        raise StoreUnavailable(f"batch {batch_id} changed too often for a line to be written")
+        count = "completed" if state == "done" else "failed"
+        batch = _batch(await self._script(FINISH, keys, [index, json.dumps(result), count]), None)
+        assert batch is not None
+        return batch
 
     async def results(self, batch_id: str, state: str) -> list[str]:
         found = await self._call(
@@ -319,7 +327,7 @@ class RedisBatchStore:
         self, batch_id: str, status: str, output: bytes, errors: bytes, now: int
     ) -> Batch:
         for _ in range(ATTEMPTS):
-            row = await self._call(self._client.get(_batch_key(batch_id)))
+            row = await self._read(batch_id)
             batch = _batch(row, None)
             assert batch is not None
             if batch.status not in ACTIVE:
@@ -346,7 +354,7 @@ class RedisBatchStore:
             for file, content in files:
                 _add_file(pipe, batch.tenant, file, content)
             await self._call(pipe.execute(), FILE_TIMEOUT_S)
-            if await self._save(row, batch, ended=True):
+            if await self._save(row[0], batch, ended=True):
                 return batch
             for file, _ in files:
                 await self.delete_file(batch.tenant, file["id"])
@@ -365,8 +373,11 @@ def _file(values: list[str | None]) -> dict[str, Any] | None:
     return file_object(file_id, int(size or 0), int(created_at or 0), filename or "", purpose or "")
 
 
-def _batch(row: str | None, tenant: str | None) -> Batch | None:
-    if row is None:
+def _batch(row: list[str | None] | None, tenant: str | None) -> Batch | None:
+    """The batch its hash holds (`BATCH_FIELDS`), if it is `tenant`'s (any, None)."""
+    if row is None or row[0] is None:
         return None
-    batch = Batch.from_row(row)
+    batch = Batch.from_row(row[0])
+    for name, count in zip(BATCH_FIELDS[1:], row[1:], strict=True):
+        batch.request_counts[name] = int(count or 0)
     return batch if tenant is None or batch.tenant == tenant else None

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from conftest import InProcessSluice, SluiceProcess, uncalibrated_config, wait_until
+from conftest import (
+    InProcessSluice,
+    RedisProcess,
+    SluiceProcess,
+    uncalibrated_config,
+    wait_until,
+)
 
 # `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -354,6 +360,38 @@ def test_a_batch_whose_server_is_killed_completes_on_the_other(
     assert batch.request_counts.completed == 150
     # The lines done before the kill (20 or more) were not run again.
     assert 0 < second.metric("sluice_batch_lines_total", outcome="completed") <= 130
+
+
+def test_replicas_on_one_redis_share_batches_and_take_over_a_dead_ones(
+    session_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """With `state.url`, files and batches are in Redis: two replicas with data directories
+    of their own serve the same ones, and one runs on what the other, killed, left."""
+    args = [*slow_engine(tmp_path), "--state-url", session_redis.url]
+    doomed = SluiceProcess(args, tmp_path / "doomed.log")
+    other = InProcessSluice(args, tmp_path / "other.log")
+    try:
+        doomed.wait_ready(60)
+        other.wait_ready(60)
+        one, two = client_for(doomed), client_for(other)
+        # A file uploaded to one replica is the input of a batch made on the other.
+        file = two.files.create(file=("input.jsonl", jsonl(chat_lines(120, 40))), purpose="batch")
+        batch = one.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.status == "in_progress"
+        assert batch.id in {listed.id for listed in two.batches.list()}
+        wait_until(lambda: two.batches.retrieve(batch.id).request_counts.completed >= 15, 60)
+        assert other.metric("sluice_batch_lines_total", outcome="completed") == 0
+        os.killpg(doomed.proc.pid, signal.SIGKILL)
+        doomed.proc.wait(timeout=10)
+        done = wait_for(two, batch.id, {"completed"}, 120)
+        ids = [line["custom_id"] for line in output_of(two, done.output_file_id)]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(120))  # each exactly once
+        assert 0 < other.metric("sluice_batch_lines_total", outcome="completed") <= 105
+    finally:
+        doomed.stop()
+        other.stop()
 
 
 @pytest.mark.vllm

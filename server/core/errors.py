@@ -198,6 +198,7 @@ class StoreUnavailable(SluiceError):
     status = 503
     error_type = "server_error"
     code = "store_unavailable"
+    outcome = "rejected"
     retryable = True
 
 

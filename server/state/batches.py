@@ -42,7 +42,7 @@ from server.batch_api.store import (
     finished,
 )
 from server.core.errors import StateUnavailable, StoreUnavailable
-from server.state.backend import RedisState
+from server.state.backend import PROBE_SECONDS, RedisState
 from server.state.runs import LET_GO
 
 OPERATION = "batches"  # every call's label in the state backend's metrics
@@ -136,7 +136,9 @@ class RedisBatchStore:
         try:
             return await self.state.call(OPERATION, call, limit_s)
         except StateUnavailable as exc:
-            raise StoreUnavailable(f"the batch store (Redis) did not answer: {exc}") from None
+            raise StoreUnavailable(
+                f"the batch store (Redis) did not answer: {exc!r}", retry_after=PROBE_SECONDS
+            ) from None
 
     async def _script(self, source: str, keys: list[str], args: list[Any]) -> Any:
         script = self._scripts.get(source)

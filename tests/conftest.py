@@ -176,7 +176,9 @@ class SluiceProcess:
     """`sluice serve` in a subprocess on a free loopback port, its output in a log file.
 
     It serves on a listening socket bound here and inherited (`--fd`): `listener` when given
-    (a test that needs the socket's options set), else one of `loopback_listener()`."""
+    (a test that needs the socket's options set), else one of `loopback_listener()`. Its data
+    directory is one of its own, unless the test names one (`--data-dir`) or asks for the
+    default (`default_data_dir`: `$XDG_DATA_HOME/sluice`, the test's `env` setting it)."""
 
     def __init__(
         self,
@@ -184,14 +186,15 @@ class SluiceProcess:
         log_path: Path,
         env: dict[str, str] | None = None,
         listener: socket.socket | None = None,
+        *,
+        default_data_dir: bool = False,
     ) -> None:
         listener = listener or loopback_listener()
         self.port = int(listener.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
-        # Each server its own data directory (one process owns one), unless the test names one.
         data_dir = (
             []
-            if "--data-dir" in args
+            if "--data-dir" in args or default_data_dir
             else ["--data-dir", str(log_path.parent / f"data-{self.port}")]
         )
         self.log_path = log_path

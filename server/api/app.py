@@ -256,7 +256,15 @@ def build_app(
         batches=None
         if batch_store is None
         else BatchServices(
-            batch_store, BatchRunner(generations, batch_store, metrics), max_file_bytes
+            batch_store,
+            BatchRunner(
+                generations,
+                batch_store,
+                metrics,
+                lease_s=config.state.lease_s,
+                owner=None if state is None else state.replica,
+            ),
+            max_file_bytes,
         ),
         responses=Responses(
             generations,
@@ -275,7 +283,7 @@ def build_app(
             await shared.start()
         await dispatcher.start()
         if services.batches is not None:
-            services.batches.runner.start()
+            await services.batches.runner.start()
         services.ready = True
         metrics.engine_healthy.labels(served_model).set(1)
         watchdog = asyncio.create_task(_watch_engine(services, on_engine_death))
@@ -291,7 +299,7 @@ def build_app(
                     await task
             if services.batches is not None:
                 await services.batches.runner.stop()
-                services.batches.store.close()
+                await services.batches.store.close()
             if shared is not None:
                 await shared.stop()
             await dispatcher.stop()

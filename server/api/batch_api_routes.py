@@ -68,33 +68,33 @@ async def create_file(services: Services, request: Request) -> Response:
     if len(content) > limit:
         raise PayloadTooLarge(f"the file exceeds {limit} bytes")
     return JSONResponse(
-        api.store.add_file(tenant, "batch", upload.filename or "input.jsonl", content)
+        await api.store.add_file(tenant, "batch", upload.filename or "input.jsonl", content)
     )
 
 
 async def list_files(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
-    files = api.store.files(tenant, request.query_params.get("purpose"))
+    files = await api.store.files(tenant, request.query_params.get("purpose"))
     return JSONResponse({"object": "list", "data": files, "has_more": False})
 
 
 async def get_file(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
     file_id = request.path_params["id"]
-    return JSONResponse(_found(api.store.file(tenant, file_id), "file", file_id))
+    return JSONResponse(_found(await api.store.file(tenant, file_id), "file", file_id))
 
 
 async def file_content(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
     file_id = request.path_params["id"]
-    content = _found(api.store.file_content(tenant, file_id), "file", file_id)
+    content = _found(await api.store.file_content(tenant, file_id), "file", file_id)
     return Response(content, media_type="application/jsonl")
 
 
 async def delete_file(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
     file_id = request.path_params["id"]
-    _found(api.store.delete_file(tenant, file_id) or None, "file", file_id)
+    _found(await api.store.delete_file(tenant, file_id) or None, "file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -103,7 +103,7 @@ async def create_batch(services: Services, request: Request) -> Response:
     store, runner = api.store, api.runner
     body = validated(CreateBatch, await read_json(request, services.edge.max_body_bytes))
     endpoint, window, file_id = body.endpoint, body.completion_window, body.input_file_id
-    content = _found(store.file_content(tenant, file_id), "file", file_id)
+    content = _found(await store.file_content(tenant, file_id), "file", file_id)
     now = int(time.time())
     batch = Batch(
         id="batch_" + uuid.uuid4().hex,
@@ -132,12 +132,12 @@ async def create_batch(services: Services, request: Request) -> Response:
                 }
             ],
         }
-        store.add_batch(batch, [])
+        await store.add_batch(batch, [])
     else:
         batch.status, batch.times["in_progress"] = "in_progress", now
-        store.add_batch(batch, lines)
-        runner.submit(batch)
-    runner.count_batches()
+        await store.add_batch(batch, lines)
+        await runner.submit(batch)
+    await runner.count_batches()
     return JSONResponse(batch.to_api())
 
 
@@ -198,7 +198,9 @@ async def list_batches(services: Services, request: Request) -> Response:
     raw_limit = request.query_params.get("limit", "20")
     if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("'limit' must be between 1 and 100", param="limit")
-    batches, more = api.store.batches(tenant, request.query_params.get("after"), int(raw_limit))
+    batches, more = await api.store.batches(
+        tenant, request.query_params.get("after"), int(raw_limit)
+    )
     data = [batch.to_api() for batch in batches]
     return JSONResponse(
         {
@@ -214,16 +216,13 @@ async def list_batches(services: Services, request: Request) -> Response:
 async def get_batch(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
     batch_id = request.path_params["id"]
-    return JSONResponse(_found(api.store.batch(tenant, batch_id), "batch", batch_id).to_api())
+    return JSONResponse(_found(await api.store.batch(tenant, batch_id), "batch", batch_id).to_api())
 
 
 async def cancel_batch(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
-    store, runner = api.store, api.runner
     batch_id = request.path_params["id"]
-    batch = runner.live(_found(store.batch(tenant, batch_id), "batch", batch_id))
-    if batch.status in ("validating", "in_progress"):
-        runner.cancel(batch)
-    elif batch.status not in ("cancelling", "cancelled"):
+    batch = _found(await api.runner.cancel(tenant, batch_id), "batch", batch_id)
+    if batch.status not in ("cancelling", "cancelled"):
         raise InvalidRequest(f"a batch that is {batch.status} cannot be cancelled")
     return JSONResponse(batch.to_api())

@@ -1,11 +1,12 @@
 """`sluice serve`: the app its arguments assemble, the servers that serve it, and the process.
 
-`assemble` builds what the arguments ask for (engine, dispatcher, configuration, batch store,
-and one `Metrics` that all of them record into); `Serving` runs the result under uvicorn, with
-/metrics on a port of its own when asked, until it is told to stop or the engine dies; `serve`
-is the process around them: logging, the event loop, the collector frozen once start-up is done,
-and uvicorn's signal handlers. The first two do nothing process-wide, so tests run them in a
-thread of their own process (`tests/conftest.py`).
+`assemble` builds what the arguments ask for (engine, dispatcher, configuration, batch store:
+Redis's with `state.url`, else SQLite's under `--data-dir`; and one `Metrics` that all of them
+record into); `Serving` runs the result under uvicorn, with /metrics on a port of its own when
+asked, until it is told to stop or the engine dies; `serve` is the process around them:
+logging, the event loop, the collector frozen once start-up is done, and uvicorn's signal
+handlers. The first two do nothing process-wide, so tests run them in a thread of their own
+process (`tests/conftest.py`).
 
 If the engine dies, /ready and new requests get 503 for `--engine-death-exit-seconds`, then the
 process exits 3 so an orchestrator restarts it. On SIGTERM or SIGINT (Ctrl-C) it drains: /ready
@@ -27,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -40,7 +42,8 @@ from uvicorn.config import LOGGING_CONFIG
 
 from engine_adapters.protocol import EngineClient
 from server.api.app import SluiceApp, build_app, metrics_app
-from server.batch_api.store import BatchStore, DataDirInUse
+from server.batch_api.sqlite_store import SqliteBatchStore
+from server.batch_api.store import BatchStore
 from server.core.config import ConfigError, SluiceConfig
 from server.core.settings import config_flags, load_config
 from server.generations.service import Generations
@@ -49,6 +52,7 @@ from server.observability.access_log import install_handler
 from server.observability.metrics import Metrics
 from server.scheduler.types import Dispatcher
 from server.state.backend import RedisState
+from server.state.batches import RedisBatchStore
 from server.state.quotas import SharedQuotaDispatcher, SharedQuotas
 
 logger = logging.getLogger("sluice.server")
@@ -72,8 +76,8 @@ class Assembled:
 
 def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Assembled:
     """The app `sluice serve` runs with `args` (parsed by `server.cli`'s parser), its API keys
-    read from `environ`. StartRefused: the configuration is invalid or the data directory is
-    another process's."""
+    read from `environ`. StartRefused: the configuration is invalid or the data directory
+    cannot be used."""
     try:
         config = load_config(args.config, environ, config_flags(args))
     except ConfigError as exc:
@@ -91,10 +95,16 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
     if config.state.url is not None:
         state = RedisState(config.state, metrics)
         dispatcher = SharedQuotaDispatcher(dispatcher, SharedQuotas(state, config.tenants))
-    try:
-        batch_store = BatchStore(args.data_dir)
-    except DataDirInUse as exc:
-        raise StartRefused(str(exc)) from None
+    batch_store: BatchStore
+    if state is not None:
+        batch_store = RedisBatchStore(state)
+    else:
+        try:
+            batch_store = SqliteBatchStore(args.data_dir)
+        except (OSError, sqlite3.Error) as exc:
+            raise StartRefused(
+                f"the data directory {args.data_dir} cannot be used: {exc}"
+            ) from None
     engine_died = asyncio.Event()
     app = build_app(
         engine,

@@ -4,13 +4,19 @@ A window of lines per batch is in the scheduler at once (queued or running); a l
 scheduler refuses for now (queue full, quota used, shutting down) goes back to wait and is
 offered again, so a 100,000-line batch never floods the queue and interactive traffic keeps its
 place ahead of it. Each line's result is written as the line ends; the batch finalizes when no
-line is left, or expires at its window's end, or is cancelled. A restart picks up every active
-batch where its store left it.
+line is left, or expires at its window's end, or is cancelled.
+
+Several runners (processes on one data directory, or replicas on one Redis) share a store, and
+each batch is run by the one that claims it (`BatchStore.claim`). Every third of `lease_s` a
+runner renews its claims, reads what changed elsewhere (a cancel), and claims each active batch
+that nobody holds: one just made elsewhere, or one whose runner died and whose lease has passed,
+which goes on where its store left it. A runner that stops lets its batches go at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -35,6 +41,10 @@ from server.scheduler.types import TrafficClass
 logger = logging.getLogger("sluice.batches")
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+EXPIRED = {
+    "code": "batch_expired",
+    "message": "This request could not be executed before the completion window expired.",
+}
 
 
 def line_result(
@@ -56,11 +66,16 @@ def line_result(
 
 
 class BatchRunner:
+    """See the module's docstring. `owner`: this runner's name in the store's claims (a
+    replica's id; a fresh one by default)."""
+
     def __init__(
         self,
         generations: Generations,
         store: BatchStore,
         metrics: Metrics,
+        lease_s: float = 10.0,
+        owner: str | None = None,
         window: int = 64,
         retry_seconds: float = 0.5,
         clock: Callable[[], float] = time.time,
@@ -68,90 +83,133 @@ class BatchRunner:
         self.generations = generations
         self.store = store
         self.metrics = metrics
+        self.lease_s = lease_s
+        self.owner = owner or uuid.uuid4().hex
         self.window = window
         self.retry_seconds = retry_seconds
         self.clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
-        self._batches: dict[str, Batch] = {}  # the one instance of each batch being run
+        self._batches: dict[str, Batch] = {}  # each batch run here, as last read or written
+        self._keeper: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        """Take up every active batch (after a restart: where the store left it)."""
-        for batch in self.store.active():
-            self.submit(batch)
-        self.count_batches()
+    async def start(self) -> None:
+        """Claim every active batch that nobody holds (after a restart: where the store left
+        it), and keep claiming and renewing."""
+        await self._beat()
+        self._keeper = asyncio.create_task(self._keep())
 
     async def stop(self) -> None:
-        for task in self._tasks.values():
+        held = list(self._tasks)
+        tasks = [*self._tasks.values(), *([self._keeper] if self._keeper else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for batch_id in held:  # for another runner at once, not after the lease
+            with contextlib.suppress(Exception):
+                await self.store.release(batch_id, self.owner)
 
-    def live(self, batch: Batch) -> Batch:
-        """The instance being run of `batch` (which changes there), or `batch` itself."""
-        return self._batches.get(batch.id, batch)
+    async def _keep(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            await self._beat()
 
-    def submit(self, batch: Batch) -> None:
-        if batch.id not in self._tasks:
-            self._batches[batch.id] = batch
-            self._wake[batch.id] = asyncio.Event()
-            task = asyncio.get_running_loop().create_task(self._run(batch))
-            self._tasks[batch.id] = task
-            task.add_done_callback(functools.partial(self._forget, batch.id))
+    async def _beat(self) -> None:
+        """Renew this runner's claims and learn their batches' statuses; give up a batch
+        another runner has claimed; claim those nobody holds."""
+        try:
+            held = await self.store.renew(self.owner, list(self._tasks), self.lease_s)
+            for batch_id, task in list(self._tasks.items()):
+                status = held.get(batch_id)
+                if status is None:
+                    logger.warning("batch %s: its claim was lost; another runner has it", batch_id)
+                    task.cancel()
+                elif status == "cancelling" and self._batches[batch_id].status != "cancelling":
+                    self._batches[batch_id].status = status
+                    self._wake[batch_id].set()
+            for batch_id in await self.store.claimable(self.owner):
+                await self._claim(batch_id)
+            await self.count_batches()
+        except Exception:  # the store unavailable: the next beat tries again
+            logger.exception("batch claims could not be renewed")
+
+    async def submit(self, batch: Batch) -> None:
+        """Run a batch just made (if this runner can claim it)."""
+        await self._claim(batch.id)
+
+    async def _claim(self, batch_id: str) -> None:
+        if batch_id in self._tasks:
+            return
+        batch = await self.store.claim(batch_id, self.owner, self.lease_s)
+        if batch is None or batch_id in self._tasks:
+            return
+        self._batches[batch_id] = batch
+        self._wake[batch_id] = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._tasks[batch_id] = task
+        task.add_done_callback(functools.partial(self._forget, batch_id))
 
     def _forget(self, batch_id: str, _task: asyncio.Task[None]) -> None:
         self._tasks.pop(batch_id, None)
         self._wake.pop(batch_id, None)
         self._batches.pop(batch_id, None)
 
-    def cancel(self, batch: Batch) -> None:
-        """Stop dispatching, abort the running lines, finalize with what is done."""
-        batch.status = "cancelling"
-        batch.times["cancelling"] = int(self.clock())
-        self.store.save(batch)
-        self.count_batches()
-        if batch.id in self._wake:
-            self._wake[batch.id].set()
-        else:
-            self.submit(batch)
+    async def cancel(self, tenant: str, batch_id: str) -> Batch | None:
+        """Mark the batch cancelling (see `BatchStore.cancel`): its runner stops dispatching,
+        aborts the running lines and finalizes with what is done. The runner is this one when
+        it holds the batch or can claim it now; else the one that holds it, at its next beat."""
+        batch = await self.store.cancel(tenant, batch_id, int(self.clock()))
+        if batch is not None and batch.status == "cancelling":
+            if batch_id in self._wake:
+                self._batches[batch_id].status = "cancelling"
+                self._wake[batch_id].set()
+            else:
+                await self._claim(batch_id)
+            await self.count_batches()
+        return batch
 
-    def count_batches(self) -> None:
+    async def count_batches(self) -> None:
         counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
-        for status in self.store.statuses():
+        for status in await self.store.statuses():
             counts[status] = counts.get(status, 0) + 1
         for status, count in counts.items():
             self.metrics.batches.labels(status).set(count)
 
-    async def _run(self, batch: Batch) -> None:
+    async def _run(self, claimed: Batch) -> None:
+        """Run the claimed batch's lines until none is pending, or it is cancelled or past its
+        window; then finalize it."""
+        batch_id, expires_at = claimed.id, claimed.expires_at
         running: dict[asyncio.Task[str], int] = {}  # each line's task, and its index
         runs: dict[int, GenerationRun] = {}
-        wake = self._wake[batch.id]
+        wake = self._wake[batch_id]
         retry_at = 0.0  # after a refusal, no line is offered before this
         try:
             while True:
                 now = self.clock()
-                stopping = batch.status == "cancelling" or now >= batch.expires_at
+                cancelled = self._batches[batch_id].status == "cancelling"
+                stopping = cancelled or now >= expires_at
                 if stopping:
                     for run in runs.values():
                         run.cancel(
                             GenerationCancelled(
                                 "the batch was cancelled"
-                                if batch.status == "cancelling"
+                                if cancelled
                                 else "the batch's window ended"
                             )
                         )
                 elif now >= retry_at and len(running) < self.window:
-                    for line in self.store.pending(
-                        batch.id, self.window - len(running), skip=running.values()
+                    for line in await self.store.pending(
+                        batch_id, self.window - len(running), skip=running.values()
                     ):
-                        running[asyncio.ensure_future(self._line(batch, line, runs))] = line.index
-                if not running and (stopping or not self.store.pending(batch.id, 1)):
+                        running[asyncio.ensure_future(self._line(claimed, line, runs))] = line.index
+                if not running and (stopping or not await self.store.pending(batch_id, 1)):
                     break
-                until = retry_at if now < retry_at else batch.expires_at
+                until = retry_at if now < retry_at else expires_at
                 waker = asyncio.ensure_future(wake.wait())
                 done, _ = await asyncio.wait(
                     {*running, waker},
                     return_when=asyncio.FIRST_COMPLETED,
-                    timeout=max(0.0, min(until, batch.expires_at) - now),
+                    timeout=max(0.0, min(until, expires_at) - now),
                 )
                 waker.cancel()
                 wake.clear()
@@ -159,8 +217,14 @@ class BatchRunner:
                     del running[task]  # type: ignore[arg-type]
                     if task.result() == "retry":
                         retry_at = self.clock() + self.retry_seconds
-            self._finalize(batch)
+            await self._finalize(claimed)
+        except Exception:  # the store failed: let the batch go, for this or another to claim
+            logger.exception("batch %s: stopped; it is claimed again at a next beat", batch_id)
+            with contextlib.suppress(Exception):
+                await self.store.release(batch_id, self.owner)
         finally:
+            for run in runs.values():  # stopped, or the claim lost: not left in the engine
+                run.cancel(GenerationCancelled("the batch's runner stopped"))
             for task in running:
                 task.cancel()
 
@@ -186,7 +250,7 @@ class BatchRunner:
             timeline.finish(error.outcome, status=error.status, error=error)
             if error.retryable:
                 return "retry"
-            self._write(batch, line, "failed", error.status, error.to_body())
+            await self._write(batch, line, "failed", error.status, error.to_body())
             return "failed"
         runs[line.index] = run
         try:
@@ -195,7 +259,7 @@ class BatchRunner:
         finally:
             runs.pop(line.index, None)
         if last.kind is Kind.WHOLE:
-            self._write(batch, line, "done", 200, last.body)
+            await self._write(batch, line, "done", 200, last.body)
             return "done"
         failure = last.error
         assert failure is not None
@@ -203,49 +267,37 @@ class BatchRunner:
             return "retry"
         if isinstance(failure, GenerationCancelled):
             return "cancelled"  # stays pending: cancelled or expired with the batch
-        self._write(batch, line, "failed", failure.status, failure.to_body())
+        await self._write(batch, line, "failed", failure.status, failure.to_body())
         return "failed"
 
-    def _write(
-        self, batch: Batch, line: Line, state: str, status: int, body: dict[str, Any] | None
+    async def _write(
+        self, batch: Batch, line: Line, state: str, status: int | None, body: dict[str, Any] | None
     ) -> None:
-        self.store.finish_line(batch, line.index, state, line_result(batch, line, status, body))
-        self.metrics.batch_lines.labels("completed" if state == "done" else "failed").inc()
+        """The line's result, and the batch as the store now has it (a cancel made elsewhere
+        included)."""
+        error = EXPIRED if state == "expired" else None
+        result = line_result(batch, line, status, body, error)
+        fresh = await self.store.finish_line(batch.id, line.index, state, result)
+        if batch.id in self._batches:
+            self._batches[batch.id] = fresh
+        outcome = {"done": "completed"}.get(state, state)
+        self.metrics.batch_lines.labels(outcome).inc()
 
-    def _finalize(self, batch: Batch) -> None:
+    async def _finalize(self, batch: Batch) -> None:
         now = int(self.clock())
-        if batch.status == "cancelling":
+        if self._batches[batch.id].status == "cancelling":
             status = "cancelled"
-        elif now >= batch.expires_at and self.store.pending(batch.id, 1):
+        elif now >= batch.expires_at and await self.store.pending(batch.id, 1):
             status = "expired"
-            for line in self.store.pending(batch.id, 1 << 62):
-                self.store.finish_line(
-                    batch,
-                    line.index,
-                    "expired",
-                    line_result(
-                        batch,
-                        line,
-                        None,
-                        None,
-                        {
-                            "code": "batch_expired",
-                            "message": "This "
-                            "request could not be executed before the "
-                            "completion window expired.",
-                        },
-                    ),
-                )
-                self.metrics.batch_lines.labels("expired").inc()
+            for line in await self.store.pending(batch.id, 1 << 62):
+                await self._write(batch, line, "expired", None, None)
         else:
             status = "completed"
-        if status == "completed":
-            batch.status, batch.times["finalizing"] = "finalizing", now
-            self.store.save(batch)
-        output = "".join(r + "\n" for r in self.store.results(batch.id, "done")).encode()
-        errors = "".join(
-            r + "\n" for state in ("failed", "expired") for r in self.store.results(batch.id, state)
-        ).encode()
-        self.store.finalize(batch, status, output, errors, now)
-        self.count_batches()
-        logger.info("batch %s %s: %s", batch.id, status, json.dumps(batch.request_counts))
+        done = await self.store.results(batch.id, "done")
+        failed = [*await self.store.results(batch.id, "failed")]
+        failed += await self.store.results(batch.id, "expired")
+        output = "".join(r + "\n" for r in done).encode()
+        errors = "".join(r + "\n" for r in failed).encode()
+        ended = await self.store.finalize(batch.id, status, output, errors, now)
+        await self.count_batches()
+        logger.info("batch %s %s: %s", batch.id, ended.status, json.dumps(ended.request_counts))

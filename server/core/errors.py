@@ -191,6 +191,17 @@ class EngineUnavailable(SluiceError):
     capacity = True
 
 
+class StoreUnavailable(SluiceError):
+    """The store of the Batch API's files and batches did not answer (Redis, with
+    `state.url`): nothing was changed, and the same call may be made again."""
+
+    status = 503
+    error_type = "server_error"
+    code = "store_unavailable"
+    outcome = "rejected"
+    retryable = True
+
+
 class GenerationFailed(SluiceError):
     status = 500
     error_type = "server_error"

@@ -1,7 +1,8 @@
 """The Batch API with the official `openai` client: create, poll, download; cancel; validation;
-SIGKILL and restart mid-batch with no line lost or repeated; expiry. Real Sluice servers on
-the sim engine (slowed where a batch must still be running when the test acts), in this
-process but for the one killed; one end-to-end batch on the real vLLM engine.
+SIGKILL and restart mid-batch with no line lost or repeated; expiry; two servers on one data
+directory, and one of them killed mid-batch. Real Sluice servers on the sim engine (slowed
+where a batch must still be running when the test acts), in this process but for those killed
+or started as an operator would; one end-to-end batch on the real vLLM engine.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from conftest import InProcessSluice, SluiceProcess, uncalibrated_config, wait_until
+from conftest import (
+    InProcessSluice,
+    RedisProcess,
+    SluiceProcess,
+    uncalibrated_config,
+    wait_until,
+)
 
 # `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
     import openai
 
 pytestmark = pytest.mark.system
+LEASE_SECONDS = 1.5  # a batch's claim: a killed server's batches are taken over this long after
 
 
 def jsonl(lines: list[dict]) -> bytes:
@@ -47,7 +55,7 @@ def chat_lines(count: int, max_tokens: int = 8, model: str = "sim") -> list[dict
     ]
 
 
-def client_for(server: InProcessSluice) -> openai.OpenAI:
+def client_for(server: InProcessSluice | SluiceProcess) -> openai.OpenAI:
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -179,12 +187,17 @@ def test_files_list_read_and_delete(server: InProcessSluice) -> None:
         client.files.retrieve(file.id)
 
 
+def slow_engine(tmp_path: Path) -> list[str]:
+    """A sim server at ~20 ms a step (a 200-line batch takes seconds), whose batch claims
+    last `LEASE_SECONDS`. Uncalibrated: batches do not depend on the engine's measured
+    speed."""
+    config = uncalibrated_config(tmp_path, f"state: {{lease_seconds: {LEASE_SECONDS}}}\n")
+    return ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config)]
+
+
 def slow_args(tmp_path: Path) -> list[str]:
-    """A sim server at ~20 ms a step (a 200-line batch takes seconds) on its data directory.
-    Uncalibrated: batches do not depend on the engine's measured speed."""
-    config = uncalibrated_config(tmp_path)
-    args = ["--engine", "sim", "--sim-step-base-ms", "20", "--config", str(config)]
-    return [*args, "--data-dir", str(tmp_path / "data")]
+    """A slow server (`slow_engine`) on its data directory."""
+    return [*slow_engine(tmp_path), "--data-dir", str(tmp_path / "data")]
 
 
 @pytest.fixture
@@ -279,6 +292,106 @@ def test_a_batch_past_its_window_expires_with_what_is_done(
         assert len(output_of(restarted, batch.output_file_id)) == done
     finally:
         again.stop()
+
+
+@pytest.fixture
+def two_servers(tmp_path: Path) -> Iterator[list[SluiceProcess]]:
+    """Two `sluice serve` processes on one host, as an operator would start them: the same
+    arguments but for the port, on the default data directory (`$XDG_DATA_HOME/sluice`)."""
+    env = {"XDG_DATA_HOME": str(tmp_path / "xdg")}
+    servers = [
+        SluiceProcess(
+            slow_engine(tmp_path), tmp_path / f"server-{i}.log", env, default_data_dir=True
+        )
+        for i in range(2)
+    ]
+    try:
+        for server in servers:
+            server.wait_ready(60)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_two_servers_on_one_data_directory_serve_the_same_batches(
+    two_servers: list[SluiceProcess],
+) -> None:
+    first, second = two_servers
+    one, two = client_for(first), client_for(second)
+    # Made on the first (which runs it), found, listed and cancelled through the second.
+    batch_id = start_batch(one, chat_lines(200, max_tokens=60))
+    assert two.batches.retrieve(batch_id).status == "in_progress"
+    assert batch_id in {batch.id for batch in two.batches.list()}
+    wait_until(lambda: two.batches.retrieve(batch_id).request_counts.completed >= 3, 60)
+    assert two.batches.cancel(batch_id).status == "cancelling"
+    batch = wait_for(one, batch_id, {"cancelled"}, 30)
+    done = batch.request_counts.completed
+    assert 3 <= done < 200 and batch.cancelled_at
+    assert len(output_of(two, batch.output_file_id)) == done
+    wait_until(lambda: first.metric("sluice_running_requests") == 0, 10)
+    # Each line was run by the server that claimed the batch, and by it alone.
+    ran_on_first = first.metric("sluice_batch_lines_total", outcome="completed")
+    assert ran_on_first == done
+    assert second.metric("sluice_batch_lines_total", outcome="completed") == 0
+    # Made on the second, completed and downloaded through the first: each line once.
+    batch_id = start_batch(two, chat_lines(30, max_tokens=4))
+    batch = wait_for(one, batch_id, {"completed"}, 60)
+    ids = [line["custom_id"] for line in output_of(one, batch.output_file_id)]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(30))
+    assert second.metric("sluice_batch_lines_total", outcome="completed") == 30
+    assert first.metric("sluice_batch_lines_total", outcome="completed") == ran_on_first
+
+
+def test_a_batch_whose_server_is_killed_completes_on_the_other(
+    two_servers: list[SluiceProcess],
+) -> None:
+    first, second = two_servers
+    one, two = client_for(first), client_for(second)
+    batch_id = start_batch(one, chat_lines(150, max_tokens=40))
+    wait_until(lambda: two.batches.retrieve(batch_id).request_counts.completed >= 20, 60)
+    assert second.metric("sluice_batch_lines_total", outcome="completed") == 0
+    os.killpg(first.proc.pid, signal.SIGKILL)
+    first.proc.wait(timeout=10)
+    # Its claim passes unrenewed; the second takes the batch over where the store left it.
+    batch = wait_for(two, batch_id, {"completed"}, 120)
+    ids = [line["custom_id"] for line in output_of(two, batch.output_file_id)]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(150))  # each exactly once
+    assert batch.request_counts.completed == 150
+    # The lines done before the kill (20 or more) were not run again.
+    assert 0 < second.metric("sluice_batch_lines_total", outcome="completed") <= 130
+
+
+def test_replicas_on_one_redis_share_batches_and_take_over_a_dead_ones(
+    session_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """With `state.url`, files and batches are in Redis: two replicas with data directories
+    of their own serve the same ones, and one runs on what the other, killed, left."""
+    args = [*slow_engine(tmp_path), "--state-url", session_redis.url]
+    doomed = SluiceProcess(args, tmp_path / "doomed.log")
+    other = InProcessSluice(args, tmp_path / "other.log")
+    try:
+        doomed.wait_ready(60)
+        other.wait_ready(60)
+        one, two = client_for(doomed), client_for(other)
+        # A file uploaded to one replica is the input of a batch made on the other.
+        file = two.files.create(file=("input.jsonl", jsonl(chat_lines(120, 40))), purpose="batch")
+        batch = one.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.status == "in_progress"
+        assert batch.id in {listed.id for listed in two.batches.list()}
+        wait_until(lambda: two.batches.retrieve(batch.id).request_counts.completed >= 15, 60)
+        assert other.metric("sluice_batch_lines_total", outcome="completed") == 0
+        os.killpg(doomed.proc.pid, signal.SIGKILL)
+        doomed.proc.wait(timeout=10)
+        done = wait_for(two, batch.id, {"completed"}, 120)
+        ids = [line["custom_id"] for line in output_of(two, done.output_file_id)]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(120))  # each exactly once
+        assert 0 < other.metric("sluice_batch_lines_total", outcome="completed") <= 105
+    finally:
+        doomed.stop()
+        other.stop()
 
 
 @pytest.mark.vllm

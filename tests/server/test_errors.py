@@ -103,6 +103,7 @@ def test_the_outcome_labels_dashboards_count_are_kept() -> None:
         "deadline_unmeetable",
         "engine_unavailable",
         "shutting_down",
+        "store_unavailable",
     }
     assert {c for c, o in outcome.items() if o == "failed"} == {
         "generation_failed",

@@ -23,7 +23,7 @@ from conftest import ROOT, InProcessSluice, SluiceProcess, loopback_listener, un
 
 from engine_adapters.sim import SimEngine
 from server.api.app import build_app
-from server.batch_api.store import BatchStore
+from server.batch_api.sqlite_store import SqliteBatchStore
 from server.core.config import SluiceConfig, key_digest
 from server.observability.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
@@ -132,7 +132,7 @@ def test_metrics_live_on_their_own_port(server: InProcessSluice) -> None:
 def _routes_with_resources(tmp_path: Path) -> list[tuple[str, str]]:
     """(method, path) of every route of the app that names a tenant's resource (`{id}`)."""
     engine, metrics = SimEngine(), Metrics()
-    store = BatchStore(tmp_path / "walk-data")
+    store = SqliteBatchStore(tmp_path / "walk-data")
     app = build_app(
         engine,
         SchedulerRuntime(SluiceConfig(), engine, "sim", metrics),
@@ -141,7 +141,7 @@ def _routes_with_resources(tmp_path: Path) -> list[tuple[str, str]]:
         metrics=metrics,
         batch_store=store,
     )
-    store.close()
+    asyncio.run(store.close())
     return [
         (method, route.path)
         for route in app.routes

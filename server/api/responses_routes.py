@@ -20,10 +20,10 @@ from server.api.openai_routes import (
 from server.api.services import Services
 from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
-from server.openai.responses_api import CreateResponse, ResponseBuilder, sse
+from server.openai.responses_api import CreateResponse, Event, ResponseBuilder, sse
 from server.openai.wire import validated
 from server.responses_api.service import Responses, feed, replay
-from server.responses_api.store import ResponseRecord
+from server.responses_api.store import EndedResponse, ResponseRecord
 
 
 def _responses(services: Services) -> Responses:
@@ -59,16 +59,19 @@ async def get_response(services: Services, request: Request) -> Response | ASGIA
     try:
         responses = _responses(services)
         tenant = responses.tenant(context_of(request))
-        record = responses.find(tenant, request.path_params["id"])
+        found = await responses.find(tenant, request.path_params["id"])
         stream = _flag(request, "stream")
         after = _starting_after(request)
         if not stream:
-            return JSONResponse(record.builder.snapshot())
-        if record.run is None:
+            return JSONResponse(found.snapshot())
+        if not found.background:
             raise InvalidRequest("only a background response can be streamed again", param="stream")
     except SluiceError as error:
         return error_response(error)
-    return ResponseStream(services, record, record.builder.fresh(), after=after)
+    if isinstance(found, EndedResponse):
+        assert found.events is not None
+        return StoredStream(services, found.events, after=after)
+    return ResponseStream(services, found, found.builder.fresh(), after=after)
 
 
 async def cancel_response(services: Services, request: Request) -> Response:
@@ -116,7 +119,7 @@ class WholeResponse:
         with run.reading():
             if not await unless_gone(self._read(run), receive):
                 return
-        _responses(self.services).ended(record)
+        await _responses(self.services).ended(record)
         if self.error is not None:
             await error_response(self.error, request_id)(scope, receive, send)
             return
@@ -175,6 +178,25 @@ class ResponseStream:
     async def _events(self) -> AsyncIterator[bytes]:
         async for event in replay(self.run, self.builder):
             if self.owner and self.builder.ended:  # stored before its client sees the end
-                _responses(self.services).ended(self.record)
+                await _responses(self.services).ended(self.record)
             if event["sequence_number"] > self.after:
                 yield sse(event)
+
+
+class StoredStream:
+    """ASGI response: an ended background response's events after sequence number `after`,
+    as they were stored with it."""
+
+    def __init__(self, services: Services, events: list[Event], *, after: int) -> None:
+        self.services = services
+        self.events = events
+        self.after = after
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await GuardedEventSourceResponse(
+            self._events(), ping=self.services.edge.ping_seconds
+        )(scope, receive, self.services.edge.send_guard.wrap(send))
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        for event in self.events[self.after + 1 :]:
+            yield sse(event)

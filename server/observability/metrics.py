@@ -73,7 +73,17 @@ _STATE_BUCKETS = _by_decade(
     (0.01, 0.025, 0.05),
     (0.1, 0.25, 0.5),
 )
-STATE_OPERATIONS = ("acquire", "release", "renew", "open", "find", "append", "claim", "read")
+STATE_OPERATIONS = (
+    "acquire",
+    "release",
+    "renew",
+    "open",
+    "find",
+    "append",
+    "claim",
+    "read",
+    "keep",
+)
 
 
 _BY_CLASS = ("model", "traffic_class")

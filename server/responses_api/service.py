@@ -9,9 +9,10 @@ a client), and its log is kept, so that a stream of it can start from any event.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,18 +21,22 @@ from server.core.errors import (
     InvalidRequest,
     ResourceNotFound,
     SluiceError,
+    StateUnavailable,
 )
 from server.generations.log import Event, Kind
 from server.generations.planner import RequestContext
+from server.generations.ports import ResponseStore
 from server.generations.run import GenerationRun
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.openai.requests import parse_request
 from server.openai.responses_api import CreateResponse, ResponseBuilder
 from server.openai.responses_api import Event as ResponseEvent
-from server.responses_api.store import ResponseRecord, ResponseStore
+from server.responses_api.store import EndedResponse, ResponseRecord
 
+logger = logging.getLogger("sluice.responses")
 CANCEL_WAIT_SECONDS = 10.0  # for a cancelled background generation to end
+STOP_WAIT_SECONDS = 2.0  # at shutdown, for background responses' ends to be stored
 
 
 def feed(builder: ResponseBuilder, event: Event) -> list[ResponseEvent]:
@@ -64,10 +69,16 @@ async def replay(run: GenerationRun, builder: ResponseBuilder) -> AsyncIterator[
 
 @dataclass(slots=True)
 class Responses:
-    """Every stored response, and how to make, find and cancel one."""
+    """Every stored response, and how to make, find and cancel one. A running background
+    response is in `running` (its run is this process's); an ended one is in `store` (Redis
+    with `state.url`, else SQLite on the host), or in `local` (SQLite) when `store` is Redis
+    and Redis did not answer."""
 
     generations: Generations
     store: ResponseStore
+    local: ResponseStore | None = None
+    clock: Callable[[], float] = time.time  # when a response ended, for its retention
+    running: dict[tuple[str, str], ResponseRecord] = field(default_factory=dict)
     _keepers: set[asyncio.Task[None]] = field(default_factory=set)
 
     def tenant(self, context: RequestContext) -> str:
@@ -78,13 +89,13 @@ class Responses:
         self, request: CreateResponse, timeline: RequestTimeline, context: RequestContext
     ) -> ResponseRecord:
         """The response's record, its generation admitted and started (a background one
-        stored, and kept running). Raises a SluiceError for anything refused; nothing is held
-        when it does."""
+        kept running). Raises a SluiceError for anything refused; nothing is held when it
+        does."""
         tenant = self.tenant(context)
         earlier: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
-            previous = self.find(tenant, request.previous_response_id, "previous_response_id")
-            if not previous.builder.ended:
+            previous = await self.find(tenant, request.previous_response_id, "previous_response_id")
+            if not isinstance(previous, EndedResponse):
                 raise InvalidRequest(
                     f"response '{request.previous_response_id}' has not ended yet",
                     param="previous_response_id",
@@ -108,53 +119,91 @@ class Responses:
             tenant, builder, [*earlier, *request.messages()], run, background=background
         )
         if background:
-            self.store.add(record)
+            self.running[(tenant, record.response_id)] = record
             run.attach()  # the keeper's: it runs on with no client
             task = asyncio.get_running_loop().create_task(self._keep(record, run))
             self._keepers.add(task)
             task.add_done_callback(self._keepers.discard)
         return record
 
+    async def stop(self) -> None:
+        """At shutdown, once their runs are ended: let background responses' keepers store
+        them, for `STOP_WAIT_SECONDS` at most."""
+        if self._keepers:
+            await asyncio.wait(list(self._keepers), timeout=STOP_WAIT_SECONDS)
+
     async def _keep(self, record: ResponseRecord, run: GenerationRun) -> None:
         try:
-            async for _ in replay(run, record.builder):
-                pass
+            async for event in replay(run, record.builder):
+                record.events.append(event)
         finally:
             run.detach()
-            self.ended(record)
+            await self.ended(record)
 
-    def ended(self, record: ResponseRecord) -> None:
-        """A response's generation ended, read to its end by `record.builder`: kept, if it is
-        to be (its conversation then ends with its output)."""
+    async def ended(self, record: ResponseRecord) -> None:
+        """A response's generation ended, read to its end by `record.builder`: stored, if it
+        is to be (its conversation then ends with its output)."""
         if record.settled.is_set():
             return
         record.settled.set()
         record.conversation = [*record.conversation, *record.builder.conversation()]
         if record.background:
-            self.store.ended(record)
-        else:
-            record.run = None  # (its log is its one reader's)
-            if record.builder.echoed["store"] and record.builder.status in (
-                "completed",
-                "incomplete",
-            ):
-                self.store.add(record)
-                self.store.ended(record)
+            try:
+                await self._put(record)
+            finally:
+                self.running.pop((record.tenant, record.response_id), None)
+                record.run = None
+            return
+        record.run = None  # (its log is its one reader's)
+        if record.builder.echoed["store"] and record.builder.status in ("completed", "incomplete"):
+            await self._put(record)
 
-    def find(self, tenant: str, response_id: str, param: str = "id") -> ResponseRecord:
-        record = self.store.get(tenant, response_id)
-        if record is None:
+    async def _put(self, record: ResponseRecord) -> None:
+        stored = record.ended().stored(record.tenant, self.clock())
+        if self.local is not None:
+            try:
+                await self.store.put(stored)
+                return
+            except StateUnavailable:
+                logger.warning(
+                    "the state backend is unavailable: response %s is kept on this replica "
+                    "alone (its other replicas answer 404 for it)",
+                    record.response_id,
+                )
+            await self.local.put(stored)
+            return
+        await self.store.put(stored)
+
+    async def find(
+        self, tenant: str, response_id: str, param: str = "id"
+    ) -> ResponseRecord | EndedResponse:
+        """The tenant's response: running here, or ended (404: unknown, expired, dropped, or
+        another tenant's)."""
+        record = self.running.get((tenant, response_id))
+        if record is not None:
+            return record
+        stored = None
+        try:
+            stored = await self.store.get(tenant, response_id)
+        except StateUnavailable:  # (its one warning is the state backend's)
+            pass
+        if stored is None and self.local is not None:
+            stored = await self.local.get(tenant, response_id)
+        if stored is None:
             raise ResourceNotFound(f"no response '{response_id}'", param=param)
-        return record
+        return EndedResponse.read(stored)
 
     async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:
         """Cancel a background response; the response object once it has ended."""
-        record = self.find(tenant, response_id)
-        if not record.background or record.run is None:
+        found = await self.find(tenant, response_id)
+        if not found.background:
             raise InvalidRequest("only a background response can be cancelled", param="response_id")
-        record.run.cancel(GenerationCancelled("the response was cancelled"))
+        if isinstance(found, EndedResponse):
+            return found.snapshot()
+        if found.run is not None:
+            found.run.cancel(GenerationCancelled("the response was cancelled"))
         try:
-            await asyncio.wait_for(record.settled.wait(), CANCEL_WAIT_SECONDS)
+            await asyncio.wait_for(found.settled.wait(), CANCEL_WAIT_SECONDS)
         except TimeoutError:
             raise SluiceError("the response did not stop in time; retry") from None
-        return record.builder.snapshot()
+        return found.snapshot()

@@ -17,7 +17,8 @@ import pytest
 from conftest import InProcessSluice, uncalibrated_config, wait_until
 
 from server.openai.responses_api import CreateResponse, ResponseBuilder
-from server.responses_api.store import ResponseRecord, ResponseStore
+from server.generations.ports import ResponseStore, StoredResponse
+from server.responses_api.store import SqliteResponses
 
 # `openai` (~1 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -320,24 +321,42 @@ def test_tool_calls_become_function_call_items() -> None:
     assert builder.conversation()[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
 
 
-def test_the_store_keeps_responses_for_their_retention_within_its_bytes() -> None:
-    now = [0.0]
-    store = ResponseStore(retention_seconds=10, max_bytes=2_000, clock=lambda: now[0])
+async def test_the_store_keeps_responses_for_their_retention_within_each_tenants_bytes(
+    tmp_path: Path,
+) -> None:
+    now = [1_000.0]
+    store = SqliteResponses(tmp_path, retention_seconds=10, max_bytes=2_000, clock=lambda: now[0])
+    try:
+        await check_bounds(store, now)
+    finally:
+        store.close()
 
-    def ended(response_id: str, text: str = "") -> ResponseRecord:
-        builder = ResponseBuilder(response_id, "m", 0, {})
-        builder.start()
-        builder.text(text or "x")
-        record = ResponseRecord("acme", builder, [])
-        store.add(record)
-        store.ended(record)
-        return record
 
-    ended("resp_a")
-    assert store.get("acme", "resp_a") is not None
-    assert store.get("globex", "resp_a") is None  # another tenant's
-    now[0] = 11.0
-    assert store.get("acme", "resp_a") is None  # past its retention
-    ended("resp_b", "y" * 900)
-    ended("resp_c", "z" * 900)  # over the bound together: the oldest goes
-    assert store.get("acme", "resp_b") is None and store.get("acme", "resp_c") is not None
+async def check_bounds(store: ResponseStore, now: list[float]) -> None:
+    """A store that keeps each response for 10 s from its end, within 2,000 bytes for each
+    tenant's (`now`: its clock, moved here)."""
+
+    async def put(tenant: str, response_id: str, size: int) -> None:
+        await store.put(StoredResponse(tenant, response_id, b"x" * size, now[0]))
+
+    await put("acme", "resp_a", 100)
+    found = await store.get("acme", "resp_a")
+    assert found is not None and found.body == b"x" * 100 and found.ended_at == now[0]
+    assert await store.get("globex", "resp_a") is None  # another tenant's
+    now[0] += 11
+    assert await store.get("acme", "resp_a") is None  # past its retention
+    await put("acme", "resp_b", 900)
+    await put("globex", "resp_g", 1_500)  # another tenant's bytes are its own
+    now[0] += 1
+    await put("acme", "resp_c", 900)
+    await put("acme", "resp_b", 900)  # written again (it ended again): now the newest
+    assert await store.get("acme", "resp_b") is not None
+    now[0] += 1
+    await put("acme", "resp_d", 900)  # over 2,000 together: the oldest to end goes
+    assert await store.get("acme", "resp_c") is None
+    assert await store.get("acme", "resp_b") is not None
+    assert await store.get("acme", "resp_d") is not None
+    assert await store.get("globex", "resp_g") is not None
+    await put("acme", "resp_e", 2_500)  # larger than the bound: nothing else stays
+    assert await store.get("acme", "resp_b") is None and await store.get("acme", "resp_d") is None
+    assert await store.get("acme", "resp_e") is None

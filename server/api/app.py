@@ -227,10 +227,11 @@ def build_app(
     clock: Callable[[], float] = time.monotonic,
 ) -> SluiceApp:
     """`metrics`: the app's registry, which the dispatcher and `state` record into too.
-    `state`: Redis, for quotas (the dispatcher's) and resumable generations shared by
-    replicas, and stored responses. `responses_dir`: where ended responses are kept (SQLite;
-    None: in memory), or kept while Redis does not answer. `clock`: what the tenant directory and the run store read (in-process tests in
-    virtual time pass the loop's, as they do to the dispatcher)."""
+    `state`: Redis, for quotas (the dispatcher's), and resumable generations and stored
+    responses shared by replicas. `responses_dir`: where ended responses are kept (SQLite;
+    None: in memory), or, with `state`, kept while Redis does not answer. `clock`: what the
+    tenant directory and the run store read (in-process tests in virtual time pass the
+    loop's, as they do to the dispatcher)."""
     shared = (
         None
         if state is None

@@ -193,9 +193,9 @@ class StoredStream:
         self.after = after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await GuardedEventSourceResponse(
-            self._events(), ping=self.services.edge.ping_seconds
-        )(scope, receive, self.services.edge.send_guard.wrap(send))
+        await GuardedEventSourceResponse(self._events(), ping=self.services.edge.ping_seconds)(
+            scope, receive, self.services.edge.send_guard.wrap(send)
+        )
 
     async def _events(self) -> AsyncIterator[bytes]:
         for event in self.events[self.after + 1 :]:

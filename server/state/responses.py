@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from server.generations.ports import StoredResponse
-from server.generations.registry import evictions
+from server.generations.registry import evictions, past_retention
 from server.state.backend import RedisState
 
 PAGE = 128  # index entries read at a time by eviction
@@ -121,7 +121,10 @@ class RedisResponses:
         )
         if body is None or ended_at is None:
             return None
-        return StoredResponse(tenant, response_id, body.encode(), float(ended_at))
+        stored = StoredResponse(tenant, response_id, body.encode(), float(ended_at))
+        if past_retention(stored, self._clock(), self.retention_seconds):
+            return None  # (its key expires by itself, on Redis' clock)
+        return stored
 
     async def _sweep(self, tenant: str, total: int) -> None:
         """Drop the tenant's responses past their retention (their keys expired by
@@ -129,9 +132,7 @@ class RedisResponses:
         index, sizes, _ = keys = index_keys(tenant)
         client = self.state.client
         while True:
-            page = await self.state.call(
-                "find", client.zrange(index, 0, PAGE - 1, withscores=True)
-            )
+            page = await self.state.call("find", client.zrange(index, 0, PAGE - 1, withscores=True))
             if not page:
                 return
             ids = [response_id for response_id, _ in page]

@@ -8,6 +8,8 @@ a background response runs long enough to be cancelled or left mid-stream)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from conftest import InProcessSluice, uncalibrated_config, wait_until
 
-from server.openai.responses_api import CreateResponse, ResponseBuilder
 from server.generations.ports import ResponseStore, StoredResponse
+from server.openai.responses_api import CreateResponse, ResponseBuilder
 from server.responses_api.store import SqliteResponses
 
 # `openai` (~1 s to import) in the tests that call it: every pytest-xdist worker collects
@@ -50,6 +52,9 @@ def serve(root: Path, *more: str) -> Iterator[InProcessSluice]:
         yield process
     finally:
         process.stop()
+
+
+served = contextlib.contextmanager(serve)
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +263,38 @@ def test_a_background_stream_resumes_after_a_sequence_number(client: openai.Open
     assert deltas == final.response.output_text == client.responses.retrieve(made.id).output_text
 
 
+def test_a_stored_response_outlives_its_server(tmp_path: Path) -> None:
+    """Two lifetimes of a server on one data directory: what the first stored, the second
+    finds (retrieved, continued, a background one's events streamed again)."""
+    import openai
+
+    data = ["--data-dir", str(tmp_path / "data")]
+    for lifetime in ("first", "second"):
+        (tmp_path / lifetime).mkdir()
+    with served(tmp_path / "first", *data) as first:
+        client = client_of(first)
+        made = client.responses.create(model="sim", input="tell me a story", max_output_tokens=16)
+        background = client.responses.create(
+            model="sim", input="a story", max_output_tokens=24, background=True
+        )
+        with client.responses.retrieve(background.id, stream=True) as stream:
+            events = list(stream)
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert client.responses.retrieve(background.id).status == events[-1].response.status
+    with served(tmp_path / "second", *data) as second:
+        client = client_of(second)
+        assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
+        after = client.responses.create(
+            model="sim", input="and then?", previous_response_id=made.id, max_output_tokens=16
+        )
+        assert made.usage is not None and after.usage is not None
+        assert after.usage.input_tokens >= made.usage.input_tokens + made.usage.output_tokens
+        rest = list(client.responses.retrieve(background.id, stream=True, starting_after=3))
+        assert [e.model_dump() for e in rest] == [e.model_dump() for e in events[4:]]
+        with pytest.raises(openai.NotFoundError):
+            client_of(second, "sk-globex").responses.retrieve(made.id)
+
+
 def test_the_request_becomes_a_chat_request() -> None:
     """Tools, a JSON schema, function calls and their outputs, as the chat request has them
     (the sim engine serves plain text only: vLLM's tools and schemas are the chat's)."""
@@ -349,6 +386,7 @@ async def check_bounds(store: ResponseStore, now: list[float]) -> None:
     await put("globex", "resp_g", 1_500)  # another tenant's bytes are its own
     now[0] += 1
     await put("acme", "resp_c", 900)
+    now[0] += 1
     await put("acme", "resp_b", 900)  # written again (it ended again): now the newest
     assert await store.get("acme", "resp_b") is not None
     now[0] += 1
@@ -360,3 +398,23 @@ async def check_bounds(store: ResponseStore, now: list[float]) -> None:
     await put("acme", "resp_e", 2_500)  # larger than the bound: nothing else stays
     assert await store.get("acme", "resp_b") is None and await store.get("acme", "resp_d") is None
     assert await store.get("acme", "resp_e") is None
+
+
+async def test_processes_sharing_a_data_directory_share_its_responses(tmp_path: Path) -> None:
+    """Two stores on one directory (two connections, as two processes have), writing at the
+    same time: each waits its turn, and each finds what the other wrote."""
+    stores = [SqliteResponses(tmp_path, 60, 1 << 20) for _ in range(2)]
+    try:
+        await asyncio.gather(
+            *(
+                store.put(StoredResponse("acme", f"resp_{i}_{n}", b"{}", time.time()))
+                for i, store in enumerate(stores)
+                for n in range(20)
+            )
+        )
+        for store in stores:
+            for i in range(2):
+                assert await store.get("acme", f"resp_{i}_19") is not None
+    finally:
+        for store in stores:
+            store.close()

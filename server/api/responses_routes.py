@@ -23,7 +23,7 @@ from server.generations.run import GenerationRun
 from server.openai.responses_api import CreateResponse, Event, ResponseBuilder, sse
 from server.openai.wire import validated
 from server.responses_api.service import Responses, feed, replay
-from server.responses_api.store import EndedResponse, ResponseRecord
+from server.responses_api.store import KeptResponse, ResponseRecord
 
 
 def _responses(services: Services) -> Responses:
@@ -66,9 +66,12 @@ async def get_response(services: Services, request: Request) -> Response | ASGIA
             return JSONResponse(found.snapshot())
         if not found.background:
             raise InvalidRequest("only a background response can be streamed again", param="stream")
+        if isinstance(found, KeptResponse) and not found.ended:
+            followed = await responses.follow(context_of(request), found)
+            return ResponseStream(services, followed, followed.builder, after=after, keeper=True)
     except SluiceError as error:
         return error_response(error)
-    if isinstance(found, EndedResponse):
+    if isinstance(found, KeptResponse):
         assert found.events is not None
         return StoredStream(services, found.events, after=after)
     return ResponseStream(services, found, found.builder.fresh(), after=after)
@@ -140,7 +143,9 @@ class ResponseStream:
     """ASGI response: a response's events after sequence number `after`, as `builder` makes
     them from its run's log. `owner`: the stream is the response's one reader, answering a
     refusal with its HTTP status and storing the response at its end; else it replays a
-    background response's kept log (which its keeper reads to the end)."""
+    background response's kept log (which its keeper reads to the end). `keeper`: it follows
+    a background response another replica runs, and stores its end too (that replica may
+    have died, its generation continued here)."""
 
     def __init__(
         self,
@@ -150,6 +155,7 @@ class ResponseStream:
         *,
         after: int,
         owner: bool = False,
+        keeper: bool = False,
     ) -> None:
         assert record.run is not None
         self.services = services
@@ -158,6 +164,7 @@ class ResponseStream:
         self.builder = builder
         self.after = after
         self.owner = owner
+        self.keeper = keeper
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         run = self.run
@@ -176,8 +183,11 @@ class ResponseStream:
             )(scope, receive, self.services.edge.send_guard.wrap(send))
 
     async def _events(self) -> AsyncIterator[bytes]:
+        stores = self.owner or self.keeper
         async for event in replay(self.run, self.builder):
-            if self.owner and self.builder.ended:  # stored before its client sees the end
+            if self.keeper:
+                self.record.events.append(event)
+            if stores and self.builder.ended:  # stored before its client sees the end
                 await _responses(self.services).ended(self.record)
             if event["sequence_number"] > self.after:
                 yield sse(event)

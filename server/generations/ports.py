@@ -81,8 +81,14 @@ class SharedRuns(Protocol):
         id, the fingerprint) of the generation already made under the key."""
         ...
 
+    async def record(self, record: RunRecord) -> None:
+        """Record a new generation made without a key (a background response's), run by this
+        replica."""
+        ...
+
     async def forget(self, record: RunRecord) -> None:
-        """Drop a generation recorded by `open` that was refused before it began."""
+        """Drop a generation recorded by `open` or `record` that was refused before it
+        began."""
         ...
 
     async def find(self, tenant: str, public_id: str) -> RunRecord | None: ...

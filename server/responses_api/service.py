@@ -32,7 +32,7 @@ from server.generations.timeline import RequestTimeline
 from server.openai.requests import parse_request
 from server.openai.responses_api import CreateResponse, ResponseBuilder
 from server.openai.responses_api import Event as ResponseEvent
-from server.responses_api.store import EndedResponse, ResponseRecord
+from server.responses_api.store import KeptResponse, ResponseRecord
 
 logger = logging.getLogger("sluice.responses")
 CANCEL_WAIT_SECONDS = 10.0  # for a cancelled background generation to end
@@ -95,7 +95,7 @@ class Responses:
         earlier: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
             previous = await self.find(tenant, request.previous_response_id, "previous_response_id")
-            if not isinstance(previous, EndedResponse):
+            if not isinstance(previous, KeptResponse) or not previous.ended:
                 raise InvalidRequest(
                     f"response '{request.previous_response_id}' has not ended yet",
                     param="previous_response_id",
@@ -107,7 +107,7 @@ class Responses:
         chat = request.chat_body(earlier)
         parsed = parse_request(chat, "chat")
         if background:
-            run = self.generations.generate_kept(parsed, timeline, context)
+            run = await self.generations.generate_kept(parsed, chat, timeline, context)
         else:
             run, _ = await self.generations.generate(
                 parsed, chat, timeline, context, None, stream=True
@@ -121,9 +121,15 @@ class Responses:
         if background:
             self.running[(tenant, record.response_id)] = record
             run.attach()  # the keeper's: it runs on with no client
-            task = asyncio.get_running_loop().create_task(self._keep(record, run))
-            self._keepers.add(task)
-            task.add_done_callback(self._keepers.discard)
+            try:
+                if run.shared:  # found on any replica from now, until its end replaces it
+                    await self.store.put(record.kept().stored(tenant, self.clock()))
+            except StateUnavailable:  # (found here alone until it ends)
+                pass
+            finally:
+                task = asyncio.get_running_loop().create_task(self._keep(record, run))
+                self._keepers.add(task)
+                task.add_done_callback(self._keepers.discard)
         return record
 
     async def stop(self) -> None:
@@ -159,7 +165,7 @@ class Responses:
             await self._put(record)
 
     async def _put(self, record: ResponseRecord) -> None:
-        stored = record.ended().stored(record.tenant, self.clock())
+        stored = record.kept().stored(record.tenant, self.clock())
         if self.local is not None:
             try:
                 await self.store.put(stored)
@@ -176,9 +182,9 @@ class Responses:
 
     async def find(
         self, tenant: str, response_id: str, param: str = "id"
-    ) -> ResponseRecord | EndedResponse:
-        """The tenant's response: running here, or ended (404: unknown, expired, dropped, or
-        another tenant's)."""
+    ) -> ResponseRecord | KeptResponse:
+        """The tenant's response: running here, or stored (ended, or running on another
+        replica); 404: unknown, expired, dropped, or another tenant's."""
         record = self.running.get((tenant, response_id))
         if record is not None:
             return record
@@ -191,14 +197,30 @@ class Responses:
             stored = await self.local.get(tenant, response_id)
         if stored is None:
             raise ResourceNotFound(f"no response '{response_id}'", param=param)
-        return EndedResponse.read(stored)
+        return KeptResponse.read(stored)
+
+    async def follow(self, context: RequestContext, kept: KeptResponse) -> ResponseRecord:
+        """A response running on another replica, read here from its shared run's log."""
+        assert kept.run_id is not None
+        run = await self.generations.find(context, kept.run_id)
+        if run is None:
+            raise ResourceNotFound(
+                f"response '{kept.response['id']}' no longer runs on any replica", param="id"
+            )
+        builder = ResponseBuilder.resumed(kept.response)
+        return ResponseRecord(self.tenant(context), builder, kept.conversation, run, True)
 
     async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:
         """Cancel a background response; the response object once it has ended."""
         found = await self.find(tenant, response_id)
         if not found.background:
             raise InvalidRequest("only a background response can be cancelled", param="response_id")
-        if isinstance(found, EndedResponse):
+        if isinstance(found, KeptResponse):
+            if not found.ended:
+                raise InvalidRequest(
+                    "the response runs on another replica, which alone can cancel it",
+                    param="response_id",
+                )
             return found.snapshot()
         if found.run is not None:
             found.run.cancel(GenerationCancelled("the response was cancelled"))

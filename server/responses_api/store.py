@@ -2,10 +2,12 @@
 `previous_response_id`), another tenant's never.
 
 A running background response is this process's (`ResponseRecord`: its run lives here). An
-ended one is an `EndedResponse`, kept in a `ResponseStore` (`server.generations.ports`) for
+ended one is a `KeptResponse`, kept in a `ResponseStore` (`server.generations.ports`) for
 `responses.retention_seconds` after its end, within `responses.max_bytes` for each tenant's
 together (the oldest go first): in Redis with `state.url`, so that any replica finds it, or
 here, in SQLite under the data directory (`SqliteResponses`), so that it outlives the process.
+With Redis, a running background response is kept there too, as it began, with the id of its
+run (which any replica follows, `server.generations.ports`), and replaced once it ended.
 """
 
 from __future__ import annotations
@@ -59,38 +61,56 @@ class ResponseRecord:
     def snapshot(self) -> dict[str, Any]:
         return self.builder.snapshot()
 
-    def ended(self) -> EndedResponse:
-        return EndedResponse(
-            self.builder.snapshot(), self.conversation, self.events if self.background else None
+    def kept(self) -> KeptResponse:
+        """The response to store: ended, or (its run shared by replicas) as it began."""
+        if self.settled.is_set():
+            events = self.events if self.background else None
+            return KeptResponse(self.builder.snapshot(), self.conversation, events)
+        assert self.run is not None
+        return KeptResponse(
+            self.builder.snapshot(), self.conversation, run_id=self.run.shape.public_id
         )
 
 
 @dataclass(frozen=True, slots=True)
-class EndedResponse:
-    """An ended response as it is stored: its object, the conversation a next response
-    continues, and (a background one's) its events."""
+class KeptResponse:
+    """A response as a store keeps it: its object, the conversation a next response
+    continues, a background one's events once it ended and, while it runs (with Redis: on
+    any replica), its run's public id instead (its object is then as it began)."""
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
     events: list[Event] | None = None
+    run_id: str | None = None
 
     @property
     def background(self) -> bool:
-        return self.events is not None
+        return bool(self.response["background"])
+
+    @property
+    def ended(self) -> bool:
+        return self.run_id is None
 
     def snapshot(self) -> dict[str, Any]:
         return self.response
 
     def stored(self, tenant: str, ended_at: float) -> StoredResponse:
         body = orjson.dumps(
-            {"response": self.response, "conversation": self.conversation, "events": self.events}
+            {
+                "response": self.response,
+                "conversation": self.conversation,
+                "events": self.events,
+                "run_id": self.run_id,
+            }
         )
         return StoredResponse(tenant, self.response["id"], body, ended_at)
 
     @staticmethod
-    def read(stored: StoredResponse) -> EndedResponse:
+    def read(stored: StoredResponse) -> KeptResponse:
         fields = orjson.loads(stored.body)
-        return EndedResponse(fields["response"], fields["conversation"], fields["events"])
+        return KeptResponse(
+            fields["response"], fields["conversation"], fields["events"], fields["run_id"]
+        )
 
 
 class _Entry(NamedTuple):

@@ -102,6 +102,35 @@ def test_an_ended_background_response_streams_again_on_another_replica(
     assert [e.model_dump() for e in rest] == [e.model_dump() for e in events[4:]]
 
 
+def test_a_running_background_response_streams_on_another_replica(
+    replicas: list[InProcessSluice],
+) -> None:
+    """Made on A, its events streamed on B from A's shared log while A runs it: B leaves
+    mid-generation and resumes after the last event it had, every event once, in order."""
+    a, b = (client_of(server) for server in replicas)
+    made = a.responses.create(
+        model="sim", input="tell me a story", max_output_tokens=120, background=True
+    )  # (1.2 s at 10 ms a step: it runs on well after B's client leaves at its 8th event)
+    seen = []
+    with b.responses.retrieve(made.id, stream=True) as first:
+        for event in first:
+            seen.append(event)
+            if event.type == "response.output_text.delta" and len(seen) >= 8:
+                break
+    rest = list(b.responses.retrieve(made.id, stream=True, starting_after=seen[-1].sequence_number))
+    numbers = [e.sequence_number for e in seen + rest]
+    assert numbers == list(range(len(numbers)))
+    final = rest[-1]
+    assert final.type in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+    assert deltas == final.response.output_text == a.responses.retrieve(made.id).output_text
+    wait_until(
+        lambda: b.responses.retrieve(made.id).status == final.response.status,
+        DEADLINE_S,
+        message="the ended response reached the other replica",
+    )
+
+
 async def test_the_redis_store_keeps_responses_for_their_retention_within_each_tenants_bytes(
     tmp_path: Path,
 ) -> None:

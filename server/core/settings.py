@@ -141,7 +141,8 @@ class ServeOptions(BaseModel):
     )
     data_dir: Path = Field(
         default_factory=default_data_dir,
-        description="where the Batch API keeps its files and batches (one process per directory)",
+        description="where the Batch API keeps its files and batches (one process per "
+        "directory), and the Responses API its stored responses",
     )
     max_file_bytes: int = Field(100 << 20, gt=0, description="largest file /v1/files accepts")
     state_url: str | None = Field(

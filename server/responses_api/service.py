@@ -4,7 +4,9 @@ response object and its events by a `ResponseBuilder`.
 
 A response answered whole or streamed has one reader, its client, and ends with it; a
 background response has one more, its keeper, which reads it to its end (it runs on without
-a client), and its log is kept, so that a stream of it can start from any event."""
+a client) and stores it with its events, so that a stream of it can start from any event, on
+any replica with Redis (`server.responses_api.store`). While it runs, its log replays its
+events here, and (its run shared) on another replica from the shared log."""
 
 from __future__ import annotations
 
@@ -155,7 +157,10 @@ class Responses:
         record.conversation = [*record.conversation, *record.builder.conversation()]
         if record.background:
             try:
-                await self._put(record)
+                # Not ended: handed over (this replica stops), its generation another's to
+                # continue, and what is stored of it stays as it began.
+                if record.builder.ended:
+                    await self._put(record)
             finally:
                 self.running.pop((record.tenant, record.response_id), None)
                 record.run = None

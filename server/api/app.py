@@ -58,9 +58,10 @@ from server.generations.registry import RunStore
 from server.generations.service import Generations
 from server.observability.metrics import Metrics
 from server.responses_api.service import Responses
-from server.responses_api.store import ResponseStore
+from server.responses_api.store import SqliteResponses
 from server.scheduler.types import Dispatcher
 from server.state.backend import RedisState
+from server.state.responses import RedisResponses
 from server.state.runs import RedisRuns
 from server.tenancy.tenants import TenantDirectory
 
@@ -222,18 +223,26 @@ def build_app(
     batch_store: BatchStore | None = None,
     max_file_bytes: int = 100 << 20,
     state: RedisState | None = None,
+    responses_dir: Path | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> SluiceApp:
     """`metrics`: the app's registry, which the dispatcher and `state` record into too.
-    `state`: Redis, for quotas (the dispatcher's) and resumable generations shared by
-    replicas. `clock`: what the tenant directory and the run store read (in-process tests in
-    virtual time pass the loop's, as they do to the dispatcher)."""
+    `state`: Redis, for quotas (the dispatcher's), and resumable generations and stored
+    responses shared by replicas. `responses_dir`: where ended responses are kept (SQLite;
+    None: in memory), or, with `state`, kept while Redis does not answer. `clock`: what the
+    tenant directory and the run store read (in-process tests in virtual time pass the
+    loop's, as they do to the dispatcher)."""
     shared = (
         None
         if state is None
         else RedisRuns(
             state, config.idempotency.retention_seconds, config.resume.grace_seconds, metrics
         )
+    )
+    kept = config.responses
+    local_responses = SqliteResponses(responses_dir, kept.retention_seconds, kept.max_bytes)
+    shared_responses = (
+        None if state is None else RedisResponses(state, kept.retention_seconds, kept.max_bytes)
     )
     planner = Planner(
         engine, TenantDirectory(config, clock), dispatcher, served_model, stream_interval
@@ -268,9 +277,8 @@ def build_app(
         ),
         responses=Responses(
             generations,
-            ResponseStore(
-                config.idempotency.retention_seconds, config.idempotency.max_bytes, clock
-            ),
+            local_responses if shared_responses is None else shared_responses,
+            None if shared_responses is None else local_responses,
         ),
     )
 
@@ -281,6 +289,8 @@ def build_app(
         await engine.start()
         if shared is not None:
             await shared.start()
+        if shared_responses is not None:
+            await shared_responses.start()
         await dispatcher.start()
         if services.batches is not None:
             await services.batches.runner.start()
@@ -303,8 +313,11 @@ def build_app(
             if shared is not None:
                 await shared.stop()
             await dispatcher.stop()
+            if services.responses is not None:
+                await services.responses.stop()
             if state is not None:
                 await state.stop()
+            local_responses.close()
             await engine.stop()
 
     app = SluiceApp(

@@ -20,10 +20,10 @@ from server.api.openai_routes import (
 from server.api.services import Services
 from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
-from server.openai.responses_api import CreateResponse, ResponseBuilder, sse
+from server.openai.responses_api import CreateResponse, Event, ResponseBuilder, sse
 from server.openai.wire import validated
 from server.responses_api.service import Responses, feed, replay
-from server.responses_api.store import ResponseRecord
+from server.responses_api.store import KeptResponse, ResponseRecord
 
 
 def _responses(services: Services) -> Responses:
@@ -59,16 +59,22 @@ async def get_response(services: Services, request: Request) -> Response | ASGIA
     try:
         responses = _responses(services)
         tenant = responses.tenant(context_of(request))
-        record = responses.find(tenant, request.path_params["id"])
+        found = await responses.find(tenant, request.path_params["id"])
         stream = _flag(request, "stream")
         after = _starting_after(request)
         if not stream:
-            return JSONResponse(record.builder.snapshot())
-        if record.run is None:
+            return JSONResponse(found.snapshot())
+        if not found.background:
             raise InvalidRequest("only a background response can be streamed again", param="stream")
+        if isinstance(found, KeptResponse) and not found.ended:
+            followed = await responses.follow(context_of(request), found)
+            return ResponseStream(services, followed, followed.builder, after=after, keeper=True)
     except SluiceError as error:
         return error_response(error)
-    return ResponseStream(services, record, record.builder.fresh(), after=after)
+    if isinstance(found, KeptResponse):
+        assert found.events is not None
+        return StoredStream(services, found.events, after=after)
+    return ResponseStream(services, found, found.builder.fresh(), after=after)
 
 
 async def cancel_response(services: Services, request: Request) -> Response:
@@ -116,7 +122,7 @@ class WholeResponse:
         with run.reading():
             if not await unless_gone(self._read(run), receive):
                 return
-        _responses(self.services).ended(record)
+        await _responses(self.services).ended(record)
         if self.error is not None:
             await error_response(self.error, request_id)(scope, receive, send)
             return
@@ -137,7 +143,9 @@ class ResponseStream:
     """ASGI response: a response's events after sequence number `after`, as `builder` makes
     them from its run's log. `owner`: the stream is the response's one reader, answering a
     refusal with its HTTP status and storing the response at its end; else it replays a
-    background response's kept log (which its keeper reads to the end)."""
+    background response's kept log (which its keeper reads to the end). `keeper`: it follows
+    a background response another replica runs, and stores its end too (that replica may
+    have died, its generation continued here)."""
 
     def __init__(
         self,
@@ -147,6 +155,7 @@ class ResponseStream:
         *,
         after: int,
         owner: bool = False,
+        keeper: bool = False,
     ) -> None:
         assert record.run is not None
         self.services = services
@@ -155,6 +164,7 @@ class ResponseStream:
         self.builder = builder
         self.after = after
         self.owner = owner
+        self.keeper = keeper
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         run = self.run
@@ -173,8 +183,30 @@ class ResponseStream:
             )(scope, receive, self.services.edge.send_guard.wrap(send))
 
     async def _events(self) -> AsyncIterator[bytes]:
+        stores = self.owner or self.keeper
         async for event in replay(self.run, self.builder):
-            if self.owner and self.builder.ended:  # stored before its client sees the end
-                _responses(self.services).ended(self.record)
+            if self.keeper:
+                self.record.events.append(event)
+            if stores and self.builder.ended:  # stored before its client sees the end
+                await _responses(self.services).ended(self.record)
             if event["sequence_number"] > self.after:
                 yield sse(event)
+
+
+class StoredStream:
+    """ASGI response: an ended background response's events after sequence number `after`,
+    as they were stored with it."""
+
+    def __init__(self, services: Services, events: list[Event], *, after: int) -> None:
+        self.services = services
+        self.events = events
+        self.after = after
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await GuardedEventSourceResponse(self._events(), ping=self.services.edge.ping_seconds)(
+            scope, receive, self.services.edge.send_guard.wrap(send)
+        )
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        for event in self.events[self.after + 1 :]:
+            yield sse(event)

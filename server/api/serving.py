@@ -122,6 +122,7 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         batch_store=batch_store,
         max_file_bytes=args.max_file_bytes,
         state=state,
+        responses_dir=args.data_dir,
     )
     scrape_app = None if args.metrics_port is None else metrics_app(app.services)
     return Assembled(args, app, scrape_app, engine_died)

@@ -279,6 +279,18 @@ class IdempotencyConfig(_Section):
     )
 
 
+class ResponsesConfig(_Section):
+    """The Responses API's stored responses: in Redis with `state.url` (any replica finds
+    them), else in SQLite under the data directory (they outlive the process)."""
+
+    retention_seconds: Positive = Field(
+        2_592_000.0, description="how long an ended response is kept (30 days)"
+    )
+    max_bytes: PositiveWhole = Field(
+        256 << 20, description="each tenant's stored responses together; the oldest go first"
+    )
+
+
 class StateConfig(_Section):
     """Where state shared by replicas lives. `url` null: in this process only, as with one
     replica. With a Redis URL, tenant quotas hold across every replica using it, and
@@ -349,6 +361,7 @@ class SluiceConfig(_Section):
     slo: SloConfig = SloConfig()
     resume: ResumeConfig = ResumeConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     state: StateConfig = StateConfig()
 
     @field_validator("*", mode="before")

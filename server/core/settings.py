@@ -141,8 +141,8 @@ class ServeOptions(BaseModel):
     )
     data_dir: Path = Field(
         default_factory=default_data_dir,
-        description="where the Batch API keeps its files and batches (without state.url); "
-        "several processes of a host may share it",
+        description="where the Batch API keeps its files and batches (without state.url), "
+        "and the Responses API its stored responses; several processes of a host may share it",
     )
     max_file_bytes: int = Field(100 << 20, gt=0, description="largest file /v1/files accepts")
     state_url: str | None = Field(

@@ -1,12 +1,15 @@
-"""What resumable generations need of the state replicas share, declared here and implemented
-elsewhere (`server.state.runs`, on Redis): the composition root hands an implementation in,
-and nothing in `server.generations` knows which.
+"""What resumable generations and stored responses need of the state replicas share, declared
+here and implemented elsewhere (`server.state.runs`, `server.state.responses`, on Redis): the
+composition root hands an implementation in, and nothing in `server.generations` knows which.
 
 A generation made with an idempotency key is recorded (`SharedRuns.open`) so that any replica
 finds it (`find`). The replica that runs it writes its log there ahead of its readers (a
 `LogMirror`); any other replica reads that log into a local run (a `LogFollower`) and, if
 the running replica dies, claims the generation and continues it. Every call may raise
 `StateUnavailable`: each caller says what it does without the shared state.
+
+An ended response of the Responses API is kept in a `ResponseStore`: Redis's, which any
+replica reads, or SQLite's on the host.
 """
 
 from __future__ import annotations
@@ -78,8 +81,14 @@ class SharedRuns(Protocol):
         id, the fingerprint) of the generation already made under the key."""
         ...
 
+    async def record(self, record: RunRecord) -> None:
+        """Record a new generation made without a key (a background response's), run by this
+        replica."""
+        ...
+
     async def forget(self, record: RunRecord) -> None:
-        """Drop a generation recorded by `open` that was refused before it began."""
+        """Drop a generation recorded by `open` or `record` that was refused before it
+        began."""
         ...
 
     async def find(self, tenant: str, public_id: str) -> RunRecord | None: ...
@@ -89,3 +98,35 @@ class SharedRuns(Protocol):
         ...
 
     def follow(self, record: RunRecord) -> LogFollower: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """An ended response of the Responses API, kept for its tenant: `body` is its JSON (which
+    only `server.responses_api` reads), `ended_at` wall-clock seconds (it outlives a
+    process, and is compared across replicas)."""
+
+    tenant: str
+    response_id: str
+    body: bytes
+    ended_at: float
+
+    @property
+    def size(self) -> int:
+        return len(self.body)
+
+
+class ResponseStore(Protocol):
+    """Ended responses, each kept for its tenant from its end for a retention, within a bound
+    in bytes for each tenant's together (past it, the oldest go first): what
+    `server.generations.registry.evictions` drops. Implemented in SQLite, on the host
+    (`server.responses_api.store`), and in Redis, shared by replicas (`server.state.responses`);
+    Redis's calls may raise `StateUnavailable`."""
+
+    async def put(self, response: StoredResponse) -> None:
+        """Keep `response` (replacing one with its id), and drop what is past the bounds."""
+        ...
+
+    async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """The tenant's response with this id (None: unknown, dropped, or another tenant's)."""
+        ...

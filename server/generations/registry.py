@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -44,6 +44,22 @@ def past_retention(record: Kept, now: float, retention_seconds: float) -> bool:
     return record.ended_at is not None and now - record.ended_at > retention_seconds
 
 
+def evictions(
+    oldest_first: Iterable[K], total: int, now: float, retention_seconds: float, max_bytes: int
+) -> Iterator[K]:
+    """Which of `oldest_first` to drop (`total`: their bytes together): those past their
+    retention, and the oldest ended ones while the rest hold more than `max_bytes`. It reads
+    no further than it must, so a store whose records come in the order they ended reads
+    only those it drops, and one more."""
+    for record in oldest_first:
+        expired = past_retention(record, now, retention_seconds)
+        if not expired and total <= max_bytes:
+            return
+        if expired or record.ended_at is not None:
+            yield record
+            total -= record.size
+
+
 def sweep(
     records: Iterable[K],
     now: float,
@@ -51,8 +67,8 @@ def sweep(
     max_bytes: int,
     drop: Callable[[K], None],
 ) -> None:
-    """Drop the records past their retention, then the oldest ended ones (`records` come
-    oldest first) while all of them together hold more than `max_bytes`."""
+    """Drop what `evictions` says of `records` (oldest first, in the order they were made:
+    those past their retention may come anywhere, so all are read)."""
     kept, total = [], 0
     for record in list(records):
         if past_retention(record, now, retention_seconds):
@@ -60,12 +76,8 @@ def sweep(
         else:
             kept.append(record)
             total += record.size
-    for record in kept:
-        if total <= max_bytes:
-            return
-        if record.ended_at is not None:
-            drop(record)
-            total -= record.size
+    for record in list(evictions(kept, total, now, retention_seconds, max_bytes)):
+        drop(record)
 
 
 @dataclass(slots=True)

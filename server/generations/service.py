@@ -188,12 +188,46 @@ class Generations:
             first_index=first_index,
         )
 
-    def generate_kept(
-        self, parsed: ParsedRequest, timeline: RequestTimeline, context: RequestContext
+    async def generate_kept(
+        self, parsed: ParsedRequest, body: Any, timeline: RequestTimeline, context: RequestContext
     ) -> GenerationRun:
         """A streamed run whose log is kept whole (resumable) without an idempotency key: its
-        owner (a background response) reads it to its end and finds it again itself."""
-        return self._open(parsed, timeline, context, stream=True, resumable=True)
+        owner (a background response) reads it to its end and finds it again itself. With
+        shared state, it is recorded there too, and its log written there, so that any
+        replica follows it (`find` by its public id); if the shared state does not answer,
+        it is this replica's alone."""
+        if self.shared is None or not self.shared.up:
+            return self._open(parsed, timeline, context, stream=True, resumable=True)
+        response_id = uuid.uuid4().hex
+        record = RunRecord(
+            self.planner.tenant_of(context).name,
+            "chatcmpl-" + response_id,
+            parsed.kind,
+            body,
+            True,
+            timeline.request_id,
+            int(time.time()),
+            None if context.traffic_class is None else str(context.traffic_class),
+            context.timeout_s,
+        )
+        try:
+            await self.shared.record(record)
+        except StateUnavailable:
+            return self._open(parsed, timeline, context, stream=True, resumable=True)
+        try:
+            return self._open(
+                parsed,
+                timeline,
+                context,
+                stream=True,
+                resumable=True,
+                response_id=response_id,
+                created=record.created,
+                mirror=self.shared.mirror(record),
+            )
+        except SluiceError:
+            await self.shared.forget(record)
+            raise
 
     async def find(self, context: RequestContext, public_id: str) -> GenerationRun | None:
         """The caller's tenant's resumable run with this id, on this replica or (with shared

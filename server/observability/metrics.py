@@ -83,6 +83,7 @@ STATE_OPERATIONS = (
     "claim",
     "read",
     "batches",
+    "keep",
 )
 
 

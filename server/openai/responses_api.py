@@ -208,6 +208,11 @@ class CreateResponse(WireModel):
 
 
 Event = dict[str, Any]
+# The response object's fields a builder makes (the rest are the request's, echoed).
+_BUILT = frozenset(
+    {"id", "object", "created_at", "status", "model", "output", "error", "incomplete_details"}
+    | {"usage"}
+)
 
 
 def sse(event: Event) -> bytes:
@@ -235,6 +240,13 @@ class ResponseBuilder:
         self._sequence = 0
         self._open: dict[str, Any] | None = None  # the item being written
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool call index → its item
+
+    @staticmethod
+    def resumed(response: dict[str, Any]) -> ResponseBuilder:
+        """A builder of the response whose object, as it began, is `response` (to replay its
+        events from another replica's log)."""
+        echoed = {key: value for key, value in response.items() if key not in _BUILT}
+        return ResponseBuilder(response["id"], response["model"], response["created_at"], echoed)
 
     def fresh(self) -> ResponseBuilder:
         """A builder of the same response from its beginning (to replay its events)."""

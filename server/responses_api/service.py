@@ -4,14 +4,17 @@ response object and its events by a `ResponseBuilder`.
 
 A response answered whole or streamed has one reader, its client, and ends with it; a
 background response has one more, its keeper, which reads it to its end (it runs on without
-a client), and its log is kept, so that a stream of it can start from any event."""
+a client) and stores it with its events, so that a stream of it can start from any event, on
+any replica with Redis (`server.responses_api.store`). While it runs, its log replays its
+events here, and (its run shared) on another replica from the shared log."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,18 +23,22 @@ from server.core.errors import (
     InvalidRequest,
     ResourceNotFound,
     SluiceError,
+    StateUnavailable,
 )
 from server.generations.log import Event, Kind
 from server.generations.planner import RequestContext
+from server.generations.ports import ResponseStore
 from server.generations.run import GenerationRun
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.openai.requests import parse_request
 from server.openai.responses_api import CreateResponse, ResponseBuilder
 from server.openai.responses_api import Event as ResponseEvent
-from server.responses_api.store import ResponseRecord, ResponseStore
+from server.responses_api.store import KeptResponse, ResponseRecord
 
+logger = logging.getLogger("sluice.responses")
 CANCEL_WAIT_SECONDS = 10.0  # for a cancelled background generation to end
+STOP_WAIT_SECONDS = 2.0  # at shutdown, for background responses' ends to be stored
 
 
 def feed(builder: ResponseBuilder, event: Event) -> list[ResponseEvent]:
@@ -64,10 +71,16 @@ async def replay(run: GenerationRun, builder: ResponseBuilder) -> AsyncIterator[
 
 @dataclass(slots=True)
 class Responses:
-    """Every stored response, and how to make, find and cancel one."""
+    """Every stored response, and how to make, find and cancel one. A running background
+    response is in `running` (its run is this process's); an ended one is in `store` (Redis
+    with `state.url`, else SQLite on the host), or in `local` (SQLite) when `store` is Redis
+    and Redis did not answer."""
 
     generations: Generations
     store: ResponseStore
+    local: ResponseStore | None = None
+    clock: Callable[[], float] = time.time  # when a response ended, for its retention
+    running: dict[tuple[str, str], ResponseRecord] = field(default_factory=dict)
     _keepers: set[asyncio.Task[None]] = field(default_factory=set)
 
     def tenant(self, context: RequestContext) -> str:
@@ -78,13 +91,13 @@ class Responses:
         self, request: CreateResponse, timeline: RequestTimeline, context: RequestContext
     ) -> ResponseRecord:
         """The response's record, its generation admitted and started (a background one
-        stored, and kept running). Raises a SluiceError for anything refused; nothing is held
-        when it does."""
+        kept running). Raises a SluiceError for anything refused; nothing is held when it
+        does."""
         tenant = self.tenant(context)
         earlier: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
-            previous = self.find(tenant, request.previous_response_id, "previous_response_id")
-            if not previous.builder.ended:
+            previous = await self.find(tenant, request.previous_response_id, "previous_response_id")
+            if not isinstance(previous, KeptResponse) or not previous.ended:
                 raise InvalidRequest(
                     f"response '{request.previous_response_id}' has not ended yet",
                     param="previous_response_id",
@@ -96,7 +109,7 @@ class Responses:
         chat = request.chat_body(earlier)
         parsed = parse_request(chat, "chat")
         if background:
-            run = self.generations.generate_kept(parsed, timeline, context)
+            run = await self.generations.generate_kept(parsed, chat, timeline, context)
         else:
             run, _ = await self.generations.generate(
                 parsed, chat, timeline, context, None, stream=True
@@ -108,53 +121,116 @@ class Responses:
             tenant, builder, [*earlier, *request.messages()], run, background=background
         )
         if background:
-            self.store.add(record)
+            self.running[(tenant, record.response_id)] = record
             run.attach()  # the keeper's: it runs on with no client
-            task = asyncio.get_running_loop().create_task(self._keep(record, run))
-            self._keepers.add(task)
-            task.add_done_callback(self._keepers.discard)
+            try:
+                if run.shared:  # found on any replica from now, until its end replaces it
+                    await self.store.put(record.kept().stored(tenant, self.clock()))
+            except StateUnavailable:  # (found here alone until it ends)
+                pass
+            finally:
+                task = asyncio.get_running_loop().create_task(self._keep(record, run))
+                self._keepers.add(task)
+                task.add_done_callback(self._keepers.discard)
         return record
+
+    async def stop(self) -> None:
+        """At shutdown, once their runs are ended: let background responses' keepers store
+        them, for `STOP_WAIT_SECONDS` at most."""
+        if self._keepers:
+            await asyncio.wait(list(self._keepers), timeout=STOP_WAIT_SECONDS)
 
     async def _keep(self, record: ResponseRecord, run: GenerationRun) -> None:
         try:
-            async for _ in replay(run, record.builder):
-                pass
+            async for event in replay(run, record.builder):
+                record.events.append(event)
         finally:
             run.detach()
-            self.ended(record)
+            await self.ended(record)
 
-    def ended(self, record: ResponseRecord) -> None:
-        """A response's generation ended, read to its end by `record.builder`: kept, if it is
-        to be (its conversation then ends with its output)."""
+    async def ended(self, record: ResponseRecord) -> None:
+        """A response's generation ended, read to its end by `record.builder`: stored, if it
+        is to be (its conversation then ends with its output)."""
         if record.settled.is_set():
             return
         record.settled.set()
         record.conversation = [*record.conversation, *record.builder.conversation()]
         if record.background:
-            self.store.ended(record)
-        else:
-            record.run = None  # (its log is its one reader's)
-            if record.builder.echoed["store"] and record.builder.status in (
-                "completed",
-                "incomplete",
-            ):
-                self.store.add(record)
-                self.store.ended(record)
+            try:
+                # Not ended: handed over (this replica stops), its generation another's to
+                # continue, and what is stored of it stays as it began.
+                if record.builder.ended:
+                    await self._put(record)
+            finally:
+                self.running.pop((record.tenant, record.response_id), None)
+                record.run = None
+            return
+        record.run = None  # (its log is its one reader's)
+        if record.builder.echoed["store"] and record.builder.status in ("completed", "incomplete"):
+            await self._put(record)
 
-    def find(self, tenant: str, response_id: str, param: str = "id") -> ResponseRecord:
-        record = self.store.get(tenant, response_id)
-        if record is None:
+    async def _put(self, record: ResponseRecord) -> None:
+        stored = record.kept().stored(record.tenant, self.clock())
+        if self.local is not None:
+            try:
+                await self.store.put(stored)
+                return
+            except StateUnavailable:
+                logger.warning(
+                    "the state backend is unavailable: response %s is kept on this replica "
+                    "alone (its other replicas answer 404 for it)",
+                    record.response_id,
+                )
+            await self.local.put(stored)
+            return
+        await self.store.put(stored)
+
+    async def find(
+        self, tenant: str, response_id: str, param: str = "id"
+    ) -> ResponseRecord | KeptResponse:
+        """The tenant's response: running here, or stored (ended, or running on another
+        replica); 404: unknown, expired, dropped, or another tenant's."""
+        record = self.running.get((tenant, response_id))
+        if record is not None:
+            return record
+        stored = None
+        try:
+            stored = await self.store.get(tenant, response_id)
+        except StateUnavailable:  # (its one warning is the state backend's)
+            pass
+        if stored is None and self.local is not None:
+            stored = await self.local.get(tenant, response_id)
+        if stored is None:
             raise ResourceNotFound(f"no response '{response_id}'", param=param)
-        return record
+        return KeptResponse.read(stored)
+
+    async def follow(self, context: RequestContext, kept: KeptResponse) -> ResponseRecord:
+        """A response running on another replica, read here from its shared run's log."""
+        assert kept.run_id is not None
+        run = await self.generations.find(context, kept.run_id)
+        if run is None:
+            raise ResourceNotFound(
+                f"response '{kept.response['id']}' no longer runs on any replica", param="id"
+            )
+        builder = ResponseBuilder.resumed(kept.response)
+        return ResponseRecord(self.tenant(context), builder, kept.conversation, run, True)
 
     async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:
         """Cancel a background response; the response object once it has ended."""
-        record = self.find(tenant, response_id)
-        if not record.background or record.run is None:
+        found = await self.find(tenant, response_id)
+        if not found.background:
             raise InvalidRequest("only a background response can be cancelled", param="response_id")
-        record.run.cancel(GenerationCancelled("the response was cancelled"))
+        if isinstance(found, KeptResponse):
+            if not found.ended:
+                raise InvalidRequest(
+                    "the response runs on another replica, which alone can cancel it",
+                    param="response_id",
+                )
+            return found.snapshot()
+        if found.run is not None:
+            found.run.cancel(GenerationCancelled("the response was cancelled"))
         try:
-            await asyncio.wait_for(record.settled.wait(), CANCEL_WAIT_SECONDS)
+            await asyncio.wait_for(found.settled.wait(), CANCEL_WAIT_SECONDS)
         except TimeoutError:
             raise SluiceError("the response did not stop in time; retry") from None
-        return record.builder.snapshot()
+        return found.snapshot()

@@ -1,85 +1,226 @@
 """Responses kept for their tenant: found by id (`GET /v1/responses/{id}`, a next request's
 `previous_response_id`), another tenant's never.
 
-A record lives while its generation runs and for `retention_seconds` after it ends, within
-`max_bytes` for all of them together; past the bound, the oldest ended records go first (as
-the idempotency store's, `server.generations.registry`)."""
+A running background response is this process's (`ResponseRecord`: its run lives here). An
+ended one is a `KeptResponse`, kept in a `ResponseStore` (`server.generations.ports`) for
+`responses.retention_seconds` after its end, within `responses.max_bytes` for each tenant's
+together (the oldest go first): in Redis with `state.url`, so that any replica finds it, or
+here, in SQLite under the data directory (`SqliteResponses`), so that it outlives the process.
+With Redis, a running background response is kept there too, as it began, with the id of its
+run (which any replica follows, `server.generations.ports`), and replaced once it ended.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import orjson
 
-from server.generations.registry import past_retention, sweep
+from server.generations.ports import StoredResponse
+from server.generations.registry import evictions, past_retention
 from server.generations.run import GenerationRun
-from server.openai.responses_api import ResponseBuilder
+from server.openai.responses_api import Event, ResponseBuilder
+
+BUSY_TIMEOUT_S = 5.0  # for another process's write to the same database to end
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    tenant TEXT NOT NULL, id TEXT NOT NULL, ended_at REAL NOT NULL, size INTEGER NOT NULL,
+    body BLOB NOT NULL, PRIMARY KEY (tenant, id));
+CREATE INDEX IF NOT EXISTS responses_by_tenant_end ON responses (tenant, ended_at);
+CREATE INDEX IF NOT EXISTS responses_by_end ON responses (ended_at);
+"""
 
 
 @dataclass(slots=True)
 class ResponseRecord:
-    """One response: its object as it stands (`builder`), the conversation it continues (chat
-    messages: the earlier ones and its input, then its output once it ended) and, while a
-    background response runs and after, its run (whose log replays its events)."""
+    """One response while it runs: its object as it stands (`builder`), the conversation it
+    continues (chat messages: the earlier ones and its input, then its output once it ended),
+    its run (whose log replays its events) and, for a background one, its events as its
+    keeper read them (kept with it once it ends, to be streamed again)."""
 
     tenant: str
     builder: ResponseBuilder
     conversation: list[dict[str, Any]]
     run: GenerationRun | None = None
     background: bool = False
-    ended_at: float | None = None
+    events: list[Event] = field(default_factory=list)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # its builder saw the end
-    _size: int = 0
 
     @property
     def response_id(self) -> str:
         return self.builder.response_id
 
+    def snapshot(self) -> dict[str, Any]:
+        return self.builder.snapshot()
+
+    def kept(self) -> KeptResponse:
+        """The response to store: ended, or (its run shared by replicas) as it began."""
+        if self.settled.is_set():
+            events = self.events if self.background else None
+            return KeptResponse(self.builder.snapshot(), self.conversation, events)
+        assert self.run is not None
+        return KeptResponse(
+            self.builder.snapshot(), self.conversation, run_id=self.run.shape.public_id
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KeptResponse:
+    """A response as a store keeps it: its object, the conversation a next response
+    continues, a background one's events once it ended and, while it runs (with Redis: on
+    any replica), its run's public id instead (its object is then as it began)."""
+
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    events: list[Event] | None = None
+    run_id: str | None = None
+
     @property
-    def size(self) -> int:
-        """Bytes it holds, roughly."""
-        return self._size + (self.run.size if self.run is not None else 0)
+    def background(self) -> bool:
+        return bool(self.response["background"])
 
-    def end(self, now: float) -> None:
-        self.ended_at = now
-        self._size = len(orjson.dumps([self.builder.snapshot(), self.conversation]))
+    @property
+    def ended(self) -> bool:
+        return self.run_id is None
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.response
+
+    def stored(self, tenant: str, ended_at: float) -> StoredResponse:
+        body = orjson.dumps(
+            {
+                "response": self.response,
+                "conversation": self.conversation,
+                "events": self.events,
+                "run_id": self.run_id,
+            }
+        )
+        return StoredResponse(tenant, self.response["id"], body, ended_at)
+
+    @staticmethod
+    def read(stored: StoredResponse) -> KeptResponse:
+        fields = orjson.loads(stored.body)
+        return KeptResponse(
+            fields["response"], fields["conversation"], fields["events"], fields["run_id"]
+        )
 
 
-class ResponseStore:
+class _Entry(NamedTuple):
+    """A stored response as eviction reads it."""
+
+    tenant: str
+    response_id: str
+    ended_at: float
+    size: int
+
+
+class SqliteResponses:
+    """Ended responses in `directory/responses.sqlite3` (in memory with no directory): the
+    `ResponseStore` of one host. WAL mode, each write one transaction that waits its turn, so
+    processes sharing the directory share the responses, and none locks the others out."""
+
     def __init__(
-        self, retention_seconds: float, max_bytes: int, clock: Callable[[], float] = time.monotonic
+        self,
+        directory: Path | None,
+        retention_seconds: float,
+        max_bytes: int,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.retention_seconds = retention_seconds
         self.max_bytes = max_bytes
         self._clock = clock
-        self._records: dict[tuple[str, str], ResponseRecord] = {}  # oldest first
+        path = ":memory:"
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            path = str(directory / "responses.sqlite3")
+        self._db = sqlite3.connect(
+            path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
+        )
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()  # one connection: one statement at a time
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
 
     def __len__(self) -> int:
-        return len(self._records)
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
 
-    def add(self, record: ResponseRecord) -> None:
-        self._records[(record.tenant, record.response_id)] = record
-        self.sweep()
+    async def put(self, response: StoredResponse) -> None:
+        await asyncio.to_thread(self._put, response)
 
-    def get(self, tenant: str, response_id: str) -> ResponseRecord | None:
-        record = self._records.get((tenant, response_id))
-        if record is not None and past_retention(record, self._clock(), self.retention_seconds):
-            self._drop(record)
+    async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        return await asyncio.to_thread(self._get, tenant, response_id)
+
+    def _put(self, response: StoredResponse) -> None:
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(
+                    "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+                    (
+                        response.tenant,
+                        response.response_id,
+                        response.ended_at,
+                        response.size,
+                        response.body,
+                    ),
+                )
+                self._sweep(response.tenant)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    def _sweep(self, tenant: str) -> None:
+        """Drop every tenant's responses past their retention, then this tenant's oldest
+        while its responses hold more than the bound."""
+        self._evict("", (), 0)
+        (total,) = self._db.execute(
+            "SELECT COALESCE(SUM(size), 0) FROM responses WHERE tenant = ?", (tenant,)
+        ).fetchone()
+        self._evict("WHERE tenant = ?", (tenant,), total)
+
+    def _evict(self, where: str, args: tuple[str, ...], total: int) -> None:
+        """Drop what `evictions` says of the responses `where` picks (`total`: their bytes),
+        read oldest first, and only as far as it drops."""
+        rows = self._db.execute(
+            f"SELECT tenant, id, ended_at, size FROM responses {where} ORDER BY ended_at", args
+        )
+        dropped = [
+            (entry.tenant, entry.response_id)
+            for entry in evictions(
+                (_Entry(*row) for row in rows),
+                total,
+                self._clock(),
+                self.retention_seconds,
+                self.max_bytes,
+            )
+        ]
+        rows.close()
+        self._db.executemany("DELETE FROM responses WHERE tenant = ? AND id = ?", dropped)
+
+    def _get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT body, ended_at FROM responses WHERE tenant = ? AND id = ?",
+                (tenant, response_id),
+            ).fetchone()
+        if row is None:
             return None
-        return record
-
-    def ended(self, record: ResponseRecord) -> None:
-        """A record's response ended: kept from now for the retention."""
-        record.end(self._clock())
-        self.sweep()
-
-    def sweep(self) -> None:
-        now = self._clock()
-        sweep(self._records.values(), now, self.retention_seconds, self.max_bytes, self._drop)
-
-    def _drop(self, record: ResponseRecord) -> None:
-        self._records.pop((record.tenant, record.response_id), None)
+        stored = StoredResponse(tenant, response_id, bytes(row[0]), row[1])
+        if past_retention(stored, self._clock(), self.retention_seconds):
+            return None  # (dropped by the next write)
+        return stored

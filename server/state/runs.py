@@ -288,12 +288,32 @@ class RedisRuns:
         public_id, _, earlier = str(answer[1]).partition(" ")
         return public_id, earlier
 
+    async def record(self, record: RunRecord) -> None:
+        """Record a new generation made without a key, this replica holding its lease.
+        StateUnavailable: nothing is recorded (or what is expires unused)."""
+        run, lease, _ = run_keys(record)
+        state, fields = self.state, record_fields(record)
+        await state.call(
+            "open",
+            state.client.pipeline(transaction=True)
+            .hset(run, mapping=dict(zip(fields[::2], fields[1::2], strict=True)))
+            .pexpire(run, self.retention_ms)
+            .set(lease, state.replica, px=state.lease_ms)
+            .execute(),
+        )
+        state.run_leases.add(lease)
+
     async def forget(self, record: RunRecord) -> None:
-        """Drop a generation recorded by `open` that was refused before it began: its key is
-        free for a retry."""
-        assert record.key is not None
+        """Drop a generation recorded by `open` or `record` that was refused before it began:
+        its key is free for a retry."""
         keys = run_keys(record)
         self.state.run_leases.discard(keys[1])
+        if record.key is None:
+            try:
+                await self.state.call("release", self.state.client.delete(*keys))
+            except StateUnavailable:  # its lease lapses, and the record expires, unused
+                pass
+            return
         try:
             await self.state.call(
                 "release",

@@ -8,6 +8,8 @@ a background response runs long enough to be cancelled or left mid-stream)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from conftest import InProcessSluice, uncalibrated_config, wait_until
 
+from server.generations.ports import ResponseStore, StoredResponse
 from server.openai.responses_api import CreateResponse, ResponseBuilder
-from server.responses_api.store import ResponseRecord, ResponseStore
+from server.responses_api.store import SqliteResponses
 
 # `openai` (~1 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -49,6 +52,9 @@ def serve(root: Path, *more: str) -> Iterator[InProcessSluice]:
         yield process
     finally:
         process.stop()
+
+
+served = contextlib.contextmanager(serve)
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +263,38 @@ def test_a_background_stream_resumes_after_a_sequence_number(client: openai.Open
     assert deltas == final.response.output_text == client.responses.retrieve(made.id).output_text
 
 
+def test_a_stored_response_outlives_its_server(tmp_path: Path) -> None:
+    """Two lifetimes of a server on one data directory: what the first stored, the second
+    finds (retrieved, continued, a background one's events streamed again)."""
+    import openai
+
+    data = ["--data-dir", str(tmp_path / "data")]
+    for lifetime in ("first", "second"):
+        (tmp_path / lifetime).mkdir()
+    with served(tmp_path / "first", *data) as first:
+        client = client_of(first)
+        made = client.responses.create(model="sim", input="tell me a story", max_output_tokens=16)
+        background = client.responses.create(
+            model="sim", input="a story", max_output_tokens=24, background=True
+        )
+        with client.responses.retrieve(background.id, stream=True) as stream:
+            events = list(stream)
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert client.responses.retrieve(background.id).status == events[-1].response.status
+    with served(tmp_path / "second", *data) as second:
+        client = client_of(second)
+        assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
+        after = client.responses.create(
+            model="sim", input="and then?", previous_response_id=made.id, max_output_tokens=16
+        )
+        assert made.usage is not None and after.usage is not None
+        assert after.usage.input_tokens >= made.usage.input_tokens + made.usage.output_tokens
+        rest = list(client.responses.retrieve(background.id, stream=True, starting_after=3))
+        assert [e.model_dump() for e in rest] == [e.model_dump() for e in events[4:]]
+        with pytest.raises(openai.NotFoundError):
+            client_of(second, "sk-globex").responses.retrieve(made.id)
+
+
 def test_the_request_becomes_a_chat_request() -> None:
     """Tools, a JSON schema, function calls and their outputs, as the chat request has them
     (the sim engine serves plain text only: vLLM's tools and schemas are the chat's)."""
@@ -320,24 +358,63 @@ def test_tool_calls_become_function_call_items() -> None:
     assert builder.conversation()[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
 
 
-def test_the_store_keeps_responses_for_their_retention_within_its_bytes() -> None:
-    now = [0.0]
-    store = ResponseStore(retention_seconds=10, max_bytes=2_000, clock=lambda: now[0])
+async def test_the_store_keeps_responses_for_their_retention_within_each_tenants_bytes(
+    tmp_path: Path,
+) -> None:
+    now = [1_000.0]
+    store = SqliteResponses(tmp_path, retention_seconds=10, max_bytes=2_000, clock=lambda: now[0])
+    try:
+        await check_bounds(store, now)
+    finally:
+        store.close()
 
-    def ended(response_id: str, text: str = "") -> ResponseRecord:
-        builder = ResponseBuilder(response_id, "m", 0, {})
-        builder.start()
-        builder.text(text or "x")
-        record = ResponseRecord("acme", builder, [])
-        store.add(record)
-        store.ended(record)
-        return record
 
-    ended("resp_a")
-    assert store.get("acme", "resp_a") is not None
-    assert store.get("globex", "resp_a") is None  # another tenant's
-    now[0] = 11.0
-    assert store.get("acme", "resp_a") is None  # past its retention
-    ended("resp_b", "y" * 900)
-    ended("resp_c", "z" * 900)  # over the bound together: the oldest goes
-    assert store.get("acme", "resp_b") is None and store.get("acme", "resp_c") is not None
+async def check_bounds(store: ResponseStore, now: list[float]) -> None:
+    """A store that keeps each response for 10 s from its end, within 2,000 bytes for each
+    tenant's (`now`: its clock, moved here)."""
+
+    async def put(tenant: str, response_id: str, size: int) -> None:
+        await store.put(StoredResponse(tenant, response_id, b"x" * size, now[0]))
+
+    await put("acme", "resp_a", 100)
+    found = await store.get("acme", "resp_a")
+    assert found is not None and found.body == b"x" * 100 and found.ended_at == now[0]
+    assert await store.get("globex", "resp_a") is None  # another tenant's
+    now[0] += 11
+    assert await store.get("acme", "resp_a") is None  # past its retention
+    await put("acme", "resp_b", 900)
+    await put("globex", "resp_g", 1_500)  # another tenant's bytes are its own
+    now[0] += 1
+    await put("acme", "resp_c", 900)
+    now[0] += 1
+    await put("acme", "resp_b", 900)  # written again (it ended again): now the newest
+    assert await store.get("acme", "resp_b") is not None
+    now[0] += 1
+    await put("acme", "resp_d", 900)  # over 2,000 together: the oldest to end goes
+    assert await store.get("acme", "resp_c") is None
+    assert await store.get("acme", "resp_b") is not None
+    assert await store.get("acme", "resp_d") is not None
+    assert await store.get("globex", "resp_g") is not None
+    await put("acme", "resp_e", 2_500)  # larger than the bound: nothing else stays
+    assert await store.get("acme", "resp_b") is None and await store.get("acme", "resp_d") is None
+    assert await store.get("acme", "resp_e") is None
+
+
+async def test_processes_sharing_a_data_directory_share_its_responses(tmp_path: Path) -> None:
+    """Two stores on one directory (two connections, as two processes have), writing at the
+    same time: each waits its turn, and each finds what the other wrote."""
+    stores = [SqliteResponses(tmp_path, 60, 1 << 20) for _ in range(2)]
+    try:
+        await asyncio.gather(
+            *(
+                store.put(StoredResponse("acme", f"resp_{i}_{n}", b"{}", time.time()))
+                for i, store in enumerate(stores)
+                for n in range(20)
+            )
+        )
+        for store in stores:
+            for i in range(2):
+                assert await store.get("acme", f"resp_{i}_19") is not None
+    finally:
+        for store in stores:
+            store.close()

@@ -1,0 +1,166 @@
+"""The Responses API's stored responses shared by replicas through a real `redis-server`: two
+real Sluice servers (sim engine, in this process) on one Redis, called with the official
+`openai` SDK: a response made on one is retrieved and continued (`previous_response_id`) on
+the other, and is none of another tenant's there; the Redis store's bounds; and a response
+kept on its replica while Redis does not answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from conftest import InProcessSluice, RedisProcess, uncalibrated_config, wait_until
+from test_responses_api import DEADLINE_S, KEYS, check_bounds
+
+from server.core.config import StateConfig
+from server.observability.metrics import Metrics
+from server.state.backend import RedisState
+from server.state.responses import RedisResponses
+
+if TYPE_CHECKING:
+    import openai
+
+pytestmark = [pytest.mark.system, pytest.mark.xdist_group("responses")]
+
+
+def replica(root: Path, redis: RedisProcess, name: str) -> InProcessSluice:
+    return InProcessSluice(
+        [
+            "--engine",
+            "sim",
+            "--sim-step-base-ms",
+            "10",
+            "--config",
+            str(uncalibrated_config(root)),
+            "--state-url",
+            redis.url,
+        ],
+        root / f"{name}.log",
+        env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
+    )
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[InProcessSluice]]:
+    root = tmp_path_factory.mktemp("response-replicas")
+    servers = [replica(root, session_redis, name) for name in ("a", "b")]
+    try:
+        for server in servers:
+            server.wait_ready(60)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def client_of(server: InProcessSluice, key: str = "sk-acme") -> openai.OpenAI:
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def test_a_response_made_on_one_replica_is_found_and_continued_on_another(
+    replicas: list[InProcessSluice],
+) -> None:
+    import openai
+
+    a, b = (client_of(server) for server in replicas)
+    made = a.responses.create(model="sim", input="tell me a story", max_output_tokens=16)
+    assert b.responses.retrieve(made.id).model_dump() == made.model_dump()
+    after = b.responses.create(
+        model="sim", input="and then?", previous_response_id=made.id, max_output_tokens=16
+    )
+    assert made.usage is not None and after.usage is not None
+    assert after.usage.input_tokens >= made.usage.input_tokens + made.usage.output_tokens
+    assert a.responses.retrieve(after.id).output_text == after.output_text  # and back
+    globex = client_of(replicas[1], "sk-globex")
+    with pytest.raises(openai.NotFoundError) as refused:
+        globex.responses.retrieve(made.id)
+    assert refused.value.body["code"] == "not_found"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.create(model="sim", input="and then?", previous_response_id=made.id)
+
+
+def test_an_ended_background_response_streams_again_on_another_replica(
+    replicas: list[InProcessSluice],
+) -> None:
+    a, b = (client_of(server) for server in replicas)
+    made = a.responses.create(model="sim", input="a story", max_output_tokens=24, background=True)
+    with a.responses.retrieve(made.id, stream=True) as stream:
+        events = list(stream)
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    wait_until(
+        lambda: b.responses.retrieve(made.id).status == events[-1].response.status,
+        DEADLINE_S,
+        message="the ended response reached the other replica",
+    )
+    rest = list(b.responses.retrieve(made.id, stream=True, starting_after=3))
+    assert [e.model_dump() for e in rest] == [e.model_dump() for e in events[4:]]
+
+
+def test_a_running_background_response_streams_on_another_replica(
+    replicas: list[InProcessSluice],
+) -> None:
+    """Made on A, its events streamed on B from A's shared log while A runs it: B leaves
+    mid-generation and resumes after the last event it had, every event once, in order."""
+    a, b = (client_of(server) for server in replicas)
+    made = a.responses.create(
+        model="sim", input="tell me a story", max_output_tokens=120, background=True
+    )  # (1.2 s at 10 ms a step: it runs on well after B's client leaves at its 8th event)
+    seen = []
+    with b.responses.retrieve(made.id, stream=True) as first:
+        for event in first:
+            seen.append(event)
+            if event.type == "response.output_text.delta" and len(seen) >= 8:
+                break
+    rest = list(b.responses.retrieve(made.id, stream=True, starting_after=seen[-1].sequence_number))
+    numbers = [e.sequence_number for e in seen + rest]
+    assert numbers == list(range(len(numbers)))
+    final = rest[-1]
+    assert final.type in ("response.completed", "response.incomplete")
+    deltas = "".join(e.delta for e in seen + rest if e.type == "response.output_text.delta")
+    assert deltas == final.response.output_text == a.responses.retrieve(made.id).output_text
+    wait_until(
+        lambda: b.responses.retrieve(made.id).status == final.response.status,
+        DEADLINE_S,
+        message="the ended response reached the other replica",
+    )
+
+
+async def test_the_redis_store_keeps_responses_for_their_retention_within_each_tenants_bytes(
+    tmp_path: Path,
+) -> None:
+    now = [1_000.0]
+    with RedisProcess(tmp_path) as redis:  # (its own: the bound counts every response there)
+        state = RedisState(StateConfig(url=redis.url), Metrics())
+        store = RedisResponses(state, retention_seconds=10, max_bytes=2_000, clock=lambda: now[0])
+        await store.start()
+        try:
+            await check_bounds(store, now)
+        finally:
+            await state.stop()
+
+
+def test_a_response_is_kept_on_its_replica_while_redis_is_down(tmp_path: Path) -> None:
+    with RedisProcess(tmp_path) as redis:
+        server = replica(tmp_path, redis, "alone")
+        try:
+            server.wait_ready(60)
+            client = client_of(server)
+            redis.stop()
+            made = client.responses.create(model="sim", input="hello", max_output_tokens=8)
+            assert "is kept on this replica alone" in server.log()
+            assert client.responses.retrieve(made.id).output_text == made.output_text
+            redis.start()
+            wait_until(
+                lambda: server.metric("sluice_state_backend_up") == 1,
+                DEADLINE_S,
+                message="Redis answers again",
+            )
+            assert client.responses.retrieve(made.id).output_text == made.output_text
+        finally:
+            server.stop()

@@ -75,15 +75,28 @@ class Responses:
         return self.generations.planner.tenant_of(context).name
 
     async def create(
-        self, request: CreateResponse, timeline: RequestTimeline, context: RequestContext
+        self,
+        request: CreateResponse,
+        timeline: RequestTimeline,
+        context: RequestContext,
+        *,
+        held: ResponseRecord | None = None,
     ) -> ResponseRecord:
         """The response's record, its generation admitted and started (a background one
-        stored, and kept running). Raises a SluiceError for anything refused; nothing is held
-        when it does."""
+        stored, and kept running). `held`: a response of the caller's tenant that the caller
+        holds, stored or not (a WebSocket's last), found first as `previous_response_id`.
+        Raises a SluiceError for anything refused; nothing is held when it does."""
         tenant = self.tenant(context)
         earlier: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
-            previous = self.find(tenant, request.previous_response_id, "previous_response_id")
+            if (
+                held is not None
+                and held.tenant == tenant
+                and held.response_id == request.previous_response_id
+            ):
+                previous = held
+            else:
+                previous = self.find(tenant, request.previous_response_id, "previous_response_id")
             if not previous.builder.ended:
                 raise InvalidRequest(
                     f"response '{request.previous_response_id}' has not ended yet",

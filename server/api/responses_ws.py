@@ -43,6 +43,8 @@ _TYPES = "'response.create', 'response.retrieve' or 'response.cancel'"
 
 
 class ResponsesSession(WebSocketSession):
+    """One connection's responses: each lane's in order, the lanes at once."""
+
     def __init__(self, websocket: WebSocket, services: Services, responses: Responses) -> None:
         super().__init__(websocket, services)
         self.responses = responses

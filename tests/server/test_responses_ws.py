@@ -379,3 +379,25 @@ async def test_the_key_is_checked_once_and_another_tenants_responses_are_not_fou
         for kind in ("response.retrieve", "response.cancel"):
             await ws.send(json.dumps({"type": kind, "response_id": response_id}))
             assert (await receive(ws))["status"] == 404
+
+
+def test_an_error_event_carries_the_status_and_retry_after_as_openais() -> None:
+    from openai.types.responses.responses_server_event import ResponseWsError
+
+    from server.core.errors import TenantQuotaExceeded
+    from server.openai.responses_ws import error_event
+
+    event = error_event(TenantQuotaExceeded("over the quota", retry_after=2.4), "lane")
+    assert event == {
+        "type": "error",
+        "status": 429,
+        "error": {
+            "message": "over the quota",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "tenant_quota_exceeded",
+            "headers": {"Retry-After": "2"},
+        },
+        "stream_id": "lane",
+    }
+    assert ResponseWsError.model_validate(event).error.headers == {"Retry-After": "2"}

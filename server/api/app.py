@@ -39,6 +39,7 @@ from server.api.openai_routes import (
     resume_completion,
 )
 from server.api.openapi import openapi_json
+from server.api.responses_ws import responses_websocket
 from server.api.send_guard import SendGuard
 from server.api.services import BatchServices, Services
 from server.api.tokenizer_routes import detokenize, tokenize, version
@@ -185,6 +186,7 @@ def routes(services: Services, *, metrics_route: bool = True) -> list[BaseRoute]
                 post("/v1/responses", responses_routes.create_response),
                 get("/v1/responses/{id}", responses_routes.get_response),
                 post("/v1/responses/{id}/cancel", responses_routes.cancel_response),
+                WebSocketRoute("/v1/responses", partial(responses_websocket, services)),
             ]
         ),
         WebSocketRoute("/v1/ws", partial(websocket_endpoint, services)),

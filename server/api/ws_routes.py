@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from collections.abc import Sequence
-from contextlib import suppress
 from typing import Any
 
 import orjson
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
-from server.api.edge import api_key_from, client_address, timeout_from, traffic_class_from
+from server.api.edge import api_key_from, timeout_from, traffic_class_from
 from server.api.services import Services
+from server.api.websocket_session import WebSocketSession
 from server.core.errors import (
     GenerationCancelled,
     InvalidRequest,
@@ -41,10 +40,7 @@ from server.generations.run import Event, GenerationRun, Kind
 from server.openai.requests import parse_request
 from server.openai.responses import chat_logprobs, usage
 
-logger = logging.getLogger("sluice.ws")
-
 MAX_GENERATIONS_PER_CONNECTION = 256
-OUTBOX_SIZE = 1024
 _NOT_FINGERPRINTED = ("type", "id", "idempotency_key")
 
 
@@ -117,91 +113,21 @@ def _message(local_id: str, seq: int, event: Event, run: GenerationRun) -> dict[
     return message
 
 
-BEARER_PROTOCOL = "sluice.bearer."  # a subprotocol that carries the key: for browsers
+class Connection(WebSocketSession):
+    """`/v1/ws`: generations, each under the client's id."""
 
-
-class Connection:
     def __init__(self, websocket: WebSocket, services: Services) -> None:
-        self.ws = websocket
-        self.services = services
-        self.client = client_address(websocket)
-        self.headers = {k.lower(): v for k, v in websocket.headers.items()}
-        # A browser cannot set headers on a WebSocket: its key comes as a subprotocol
-        # (`new WebSocket(url, ["sluice.bearer." + key])`), echoed when accepted, or as
-        # `?api_key=` (kept working; logs redact it).
-        self.subprotocol = next(
-            (p for p in websocket.scope.get("subprotocols", ()) if p.startswith(BEARER_PROTOCOL)),
-            None,
-        )
-        if "authorization" not in self.headers:
-            key = (
-                self.subprotocol[len(BEARER_PROTOCOL) :]
-                if self.subprotocol
-                else websocket.query_params.get("api_key")
-            )
-            if key:
-                self.headers["authorization"] = "Bearer " + key
-        self.outbox: asyncio.Queue[bytes] = asyncio.Queue(OUTBOX_SIZE)
+        super().__init__(websocket, services)
         self.readers: dict[str, asyncio.Task[None]] = {}  # by the client's id
         self.runs: dict[str, GenerationRun] = {}
-        self.closing = False  # the connection is ending; the writer's cancellation is ours
-        self.stalled = False  # the writer gave up on the client
-        self._serving: asyncio.Task[Any] | None = None
 
-    async def serve(self) -> None:
-        await self.ws.accept(subprotocol=self.subprotocol)
-        serving = asyncio.current_task()
-        assert serving is not None
-        self._serving = serving
-        writer = asyncio.create_task(self._write())
-        try:
-            while True:
-                try:
-                    raw = await self.ws.receive_text()
-                except (WebSocketDisconnect, KeyError, RuntimeError):
-                    return
-                except asyncio.CancelledError:
-                    # The writer gave up on a stalled client: end the connection's work now,
-                    # without waiting for a client that no longer reads.
-                    if self.stalled and serving.uncancel() == 0:
-                        return
-                    raise
-                await self._handle(raw)
-        finally:
-            self.closing = True
-            for task in self.readers.values():
-                task.cancel()
-            if self.readers:
-                await asyncio.gather(*self.readers.values(), return_exceptions=True)
-            writer.cancel()
-            with suppress(asyncio.CancelledError):
-                await writer
-
-    async def _write(self) -> None:
-        """The connection's one writer. Its sends are bounded by the server's SendGuard (one
-        watchdog, no timer per message); a stalled client gets the connection closed."""
-        send = self.services.edge.send_guard.wrap(self.ws.send)
-        try:
-            while True:
-                message = await self.outbox.get()
-                await send({"type": "websocket.send", "text": message.decode()})
-        except asyncio.CancelledError:
-            if self.closing:
-                raise
-            logger.info("websocket client stopped reading; dropping it")  # SendGuard's cancel
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            logger.info("websocket client gone; dropping it")
-        self.stalled = True
-        if self._serving is not None and not self.closing:
-            self._serving.cancel()
-
-    async def _send(self, message: dict[str, Any]) -> None:
-        await self.outbox.put(orjson.dumps(message))
+    def refusal(self, error: SluiceError) -> dict[str, Any]:
+        return {"type": "error", "id": None, **error.to_body()}
 
     async def _error(self, gen_id: Any, error: SluiceError) -> None:
-        await self._send({"type": "error", "id": gen_id, **error.to_body()})
+        await self.send({"type": "error", "id": gen_id, **error.to_body()})
 
-    async def _handle(self, raw: str) -> None:
+    async def handle(self, raw: str) -> None:
         if len(raw) > self.services.edge.max_body_bytes:
             await self._error(None, InvalidRequest("message too large"))
             return
@@ -252,7 +178,7 @@ class Connection:
         # lets the run go (the task's end detaches it, however it ends).
         run.attach()
         self.runs[gen_id] = run
-        task = asyncio.create_task(self._read(gen_id, run, after))
+        task = self.spawn(self._read(gen_id, run, after))
         self.readers[gen_id] = task
         task.add_done_callback(functools.partial(self._forget, gen_id))
 
@@ -317,9 +243,7 @@ class Connection:
             raise InvalidRequest("'generation' must be the id of a generation", param="generation")
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidRequest("'after' must be an event number (an integer >= 0)", param="after")
-        run = await self.services.generations.find(
-            RequestContext(api_key_from(self.headers), client=self.client), public_id
-        )
+        run = await self.services.generations.find(self.context, public_id)
         if run is None or not run.shape.stream:
             raise ResourceNotFound(f"no generation '{public_id}' to resume", param="generation")
         return run, after
@@ -336,17 +260,4 @@ class Connection:
 
 
 async def websocket_endpoint(services: Services, websocket: WebSocket) -> None:
-    connection = Connection(websocket, services)
-    try:
-        # Authenticate once per connection, so a bad key is refused before any work.
-        services.planner.tenant_of(
-            RequestContext(api_key_from(connection.headers), client=connection.client)
-        )
-    except SluiceError as error:
-        await websocket.accept(subprotocol=connection.subprotocol)
-        await websocket.send_text(
-            orjson.dumps({"type": "error", "id": None, **error.to_body()}).decode()
-        )
-        await websocket.close(code=1008)
-        return
-    await connection.serve()
+    await Connection(websocket, services).run()

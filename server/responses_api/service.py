@@ -88,16 +88,38 @@ class Responses:
         return self.generations.planner.tenant_of(context).name
 
     async def create(
-        self, request: CreateResponse, timeline: RequestTimeline, context: RequestContext
+        self,
+        request: CreateResponse,
+        timeline: RequestTimeline,
+        context: RequestContext,
+        *,
+        held: ResponseRecord | None = None,
     ) -> ResponseRecord:
         """The response's record, its generation admitted and started (a background one
-        kept running). Raises a SluiceError for anything refused; nothing is held when it
-        does."""
+        kept running). `held`: a response of the caller's tenant that the caller holds,
+        stored or not (a WebSocket's last), found first as `previous_response_id`. Raises a
+        SluiceError for anything refused; nothing is held when it does."""
         tenant = self.tenant(context)
         earlier: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
-            previous = await self.find(tenant, request.previous_response_id, "previous_response_id")
-            if not isinstance(previous, KeptResponse) or not previous.ended:
+            previous: ResponseRecord | KeptResponse
+            if (
+                held is not None
+                and held.tenant == tenant
+                and held.response_id == request.previous_response_id
+            ):
+                previous = held
+            else:
+                previous = await self.find(
+                    tenant, request.previous_response_id, "previous_response_id"
+                )
+            # (a record here is running, but a held one once its conversation has its output)
+            ended = (
+                previous.ended
+                if isinstance(previous, KeptResponse)
+                else previous.settled.is_set() and previous.builder.ended
+            )
+            if not ended:
                 raise InvalidRequest(
                     f"response '{request.previous_response_id}' has not ended yet",
                     param="previous_response_id",

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from conftest import InProcessSluice, RedisProcess, uncalibrated_config, wait_until
 from test_responses_api import DEADLINE_S, KEYS, check_bounds
+from test_responses_ws import TERMINAL
 
 from server.core.config import StateConfig
 from server.observability.metrics import Metrics
@@ -164,3 +165,55 @@ def test_a_response_is_kept_on_its_replica_while_redis_is_down(tmp_path: Path) -
             assert client.responses.retrieve(made.id).output_text == made.output_text
         finally:
             server.stop()
+
+
+def test_the_websocket_streams_responses_another_replica_made(
+    replicas: list[InProcessSluice],
+) -> None:
+    """Over B's `/v1/responses` WebSocket, `response.retrieve` of background responses A made:
+    one that ended (its events as stored, after a sequence number) and one A still runs
+    (followed from A's shared log, every event once, to its end)."""
+    import asyncio
+    import json
+
+    import websockets
+
+    a = client_of(replicas[0])
+    ended = a.responses.create(model="sim", input="a story", max_output_tokens=24, background=True)
+    with a.responses.retrieve(ended.id, stream=True) as stream:
+        stored = list(stream)
+    wait_until(
+        lambda: (
+            client_of(replicas[1]).responses.retrieve(ended.id).status == stored[-1].response.status
+        ),
+        DEADLINE_S,
+        message="the ended response reached the other replica",
+    )
+    running = a.responses.create(
+        model="sim", input="tell me a story", max_output_tokens=120, background=True
+    )
+
+    async def retrieve(ws: Any, response_id: str, **fields: Any) -> list[dict[str, Any]]:
+        await ws.send(
+            json.dumps({"type": "response.retrieve", "response_id": response_id, **fields})
+        )
+        events = []
+        while not events or events[-1]["type"] not in TERMINAL:
+            events.append(json.loads(await asyncio.wait_for(ws.recv(), DEADLINE_S)))
+            assert events[-1]["type"] != "error", events[-1]
+        return events
+
+    async def over_b() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        url = replicas[1].url.replace("http://", "ws://") + "/v1/responses"
+        headers = {"Authorization": "Bearer sk-acme"}
+        async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
+            return await retrieve(ws, ended.id, starting_after=3), await retrieve(ws, running.id)
+
+    rest, followed = asyncio.run(over_b())
+    assert [(e["sequence_number"], e["type"]) for e in rest] == [
+        (e.sequence_number, e.type) for e in stored[4:]
+    ]
+    assert {e["response_id"] for e in rest + followed} == {ended.id, running.id}
+    assert [e["sequence_number"] for e in followed] == list(range(len(followed)))
+    deltas = "".join(e["delta"] for e in followed if e["type"] == "response.output_text.delta")
+    assert deltas == followed[-1]["response"]["output"][0]["content"][0]["text"] != ""

@@ -44,6 +44,7 @@ from engine_adapters.sim_model import (
 __all__ = ["SimConfig", "SimEngine", "SimTimingModel", "add_sim_arguments"]
 
 _log = logging.getLogger(__name__)
+MAX_LAG_S = 0.05  # lateness behind the engine's clock kept, at most
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +64,14 @@ class SimEngine:
     One background task runs steps: the model decides the step at once, the step's duration
     passes in `asyncio.sleep` (the engine's compute), then its tokens reach the streams. Deltas
     coalesce when a consumer falls behind. `kill()` simulates the engine process dying.
+
+    With `catch_up_steps` (N), the steps keep the engine's own clock, as an engine in a
+    process of its own (vLLM's) does while the API's loop is busy: a step whose time passed
+    before the loop let this task run is not slept for, and the next one runs at once. Up to
+    N run back to back before the loop runs others, their tokens reaching each stream as one
+    delta, and lateness beyond `MAX_LAG_S` is forgotten (the model's own CPU is on this loop:
+    catching up without end would starve it). With the loop on time, nothing changes: one step
+    a wake. Without (0), every step waits for the loop.
 
     Of `SamplingOptions` only max_tokens, min_tokens, ignore_eos and seed change the output.
     Chat template: `<|bos|>`, then per message `<|role|>` (system/user/assistant; other roles as
@@ -307,15 +316,25 @@ class SimEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         try:
+            catch_up = self.config.catch_up_steps
+            due = loop.time()  # when the engine's next step begins, on its own clock
+            in_a_row = 0  # steps run since this task last let the loop run others
             while True:
                 if not self._model.has_work:
                     self._wakeup.clear()
                     await self._wakeup.wait()
+                    due = loop.time()
                     continue
-                started = loop.time()
+                due = max(due, loop.time() - MAX_LAG_S)
                 result = self._model.step()
                 self._finishing.update(o.request_id for o in result.outputs if o.finish_reason)
-                await asyncio.sleep(max(0.0, started + result.duration_s - loop.time()))
+                due += result.duration_s
+                wait = due - loop.time()
+                if wait > 0 or in_a_row >= catch_up or result.duration_s <= 0:
+                    await asyncio.sleep(max(0.0, wait))
+                    in_a_row = 0
+                else:  # its time passed while the loop ran others: the engine ran on
+                    in_a_row += 1
                 self._deliver(result)
         except Exception as exc:  # a bug in the model: the engine is dead, as a crash would be
             _log.exception("sim engine step failed")

@@ -139,6 +139,9 @@ class SimConfig:
     vocab_size: int = 2048
     eos_probability: float = 0.0
     prefix_caching: bool = True
+    # On the wall clock (`SimEngine`) only: steps run back to back, at most, when the server's
+    # loop fell behind the engine's clock. 0: the engine waits for the loop.
+    catch_up_steps: int = 0
 
     def __post_init__(self) -> None:
         if min(self.step_base_ms, self.decode_ms_per_token, self.prefill_ms_per_token) < 0:
@@ -156,6 +159,8 @@ class SimConfig:
             raise ValueError(f"vocab_size must be > {len(SPECIAL_TOKENS)}")
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ValueError("eos_probability must be in [0, 1]")
+        if self.catch_up_steps < 0:
+            raise ValueError("catch_up_steps must be >= 0")
 
     def model_info(self, name: str) -> ModelInfo:
         """The `sim` engine's model info: the server's engine and the discrete-event simulator
@@ -194,6 +199,9 @@ _ARG_HELP = {
     "block_size": "tokens per KV cache block",
     "max_model_len": "longest sequence, prompt plus output, in tokens",
     "eos_probability": "chance per generated token of finishing with 'stop'",
+    "catch_up_steps": "when the server's loop falls behind the engine's clock, run up to N "
+    "steps back to back, their tokens reaching each stream as one delta, as an engine in a "
+    "process of its own runs on (0: the engine waits for the loop)",
 }
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import httpx
 import pytest
@@ -404,6 +404,23 @@ def wait_until(condition, timeout: float, interval: float = 0.05, message: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met in {timeout}s: {message}")
         time.sleep(interval)
+
+
+def require_tool(name: str) -> str:
+    """The path of executable `name` (a tool scripts/install-test-deps.sh installs); skip the
+    test without it, fail under CI."""
+    path = shutil.which(name)
+    if path is None:
+        missing(f"{name!r} is not installed (run scripts/install-test-deps.sh)")
+    return path
+
+
+def missing(message: str) -> NoReturn:
+    """Something a test needs is not installed: skip the test, or fail it under CI (which
+    installs everything)."""
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 class RedisProcess:

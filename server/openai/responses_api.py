@@ -6,15 +6,22 @@ Not `server.openai.responses`, which encodes chat and completion chunks."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
 from pydantic import Discriminator, Field, Tag
 
-from server.openai.generation_body import Number
+from server.openai.generation_body import Logprobs, Number
+from server.openai.responses import chat_logprobs
 from server.openai.wire import OnlyDefault, WireModel
 
+if TYPE_CHECKING:
+    from engine_adapters.protocol import TokenLogprob
+
 Role = Literal["user", "assistant", "system", "developer"]
+# What `include` may ask for: the output text's logprobs (with `top_logprobs` alternatives).
+TEXT_LOGPROBS = "message.output_text.logprobs"
 _CHAT_ROLE = {"developer": "system"}  # as chat templates know it
 
 
@@ -112,7 +119,13 @@ class CreateResponse(WireModel):
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     user: str | None = None
     truncation: Annotated[Any, OnlyDefault("disabled")] = None
-    include: Annotated[Any, OnlyDefault([])] = None
+    include: list[Annotated[str, OnlyDefault(TEXT_LOGPROBS)]] | None = None
+    top_logprobs: Logprobs | None = None
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text comes with its tokens' logprobs."""
+        return TEXT_LOGPROBS in (self.include or ())
 
     def messages(self) -> list[dict[str, Any]]:
         """The input as chat messages (function calls and their outputs as the assistant's
@@ -155,6 +168,9 @@ class CreateResponse(WireModel):
         ):
             if value is not None:
                 body[key] = value
+        if self.logprobs:
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs or 0
         if self.tools:
             body["tools"] = [
                 {
@@ -193,6 +209,7 @@ class CreateResponse(WireModel):
             "background": bool(self.background),
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_logprobs": self.top_logprobs,
             "text": {
                 "format": {"type": "text"}
                 if form is None
@@ -285,7 +302,8 @@ class ResponseBuilder:
         self.status = "in_progress"
         return [created, self._event("response.in_progress", response=self.snapshot())]
 
-    def text(self, delta: str) -> list[Event]:
+    def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> list[Event]:
+        """Output text, and its tokens' logprobs when the request includes them."""
         events = []
         item = self._open
         if item is None or item["type"] != "message":
@@ -304,7 +322,9 @@ class ResponseBuilder:
             events.append(self._part("response.content_part.added", item, part))
         part = item["content"][0]
         part["text"] += delta
-        events.append(self._at(item, "response.output_text.delta", delta=delta, logprobs=[]))
+        shaped = [] if logprobs is None else chat_logprobs(logprobs)
+        part["logprobs"] += shaped
+        events.append(self._at(item, "response.output_text.delta", delta=delta, logprobs=shaped))
         return events
 
     def tool_calls(self, calls: list[dict[str, Any]]) -> list[Event]:
@@ -379,7 +399,12 @@ class ResponseBuilder:
             return [done, self._done(item)]
         part = item["content"][0]
         return [
-            self._at(item, "response.output_text.done", text=part["text"], logprobs=[]),
+            self._at(
+                item,
+                "response.output_text.done",
+                text=part["text"],
+                logprobs=list(part["logprobs"]),
+            ),
             self._part("response.content_part.done", item, part),
             self._done(item),
         ]
@@ -397,7 +422,7 @@ class ResponseBuilder:
         )
 
     def _part(self, type_: str, item: dict[str, Any], part: dict[str, Any]) -> Event:
-        return self._at(item, type_, part=dict(part))
+        return self._at(item, type_, part=_copy_part(part))
 
     def _at(self, item: dict[str, Any], type_: str, **fields: Any) -> Event:
         where: dict[str, Any] = {"item_id": item["id"], "output_index": self.output.index(item)}
@@ -433,5 +458,10 @@ def _add_call(messages: list[dict[str, Any]], call_id: str, name: str, arguments
 def _copy(item: dict[str, Any]) -> dict[str, Any]:
     copied = dict(item)
     if "content" in copied:
-        copied["content"] = [dict(part) for part in copied["content"]]
+        copied["content"] = [_copy_part(part) for part in copied["content"]]
     return copied
+
+
+def _copy_part(part: dict[str, Any]) -> dict[str, Any]:
+    """An output text part as it stands (its logprobs grow in place, its text is replaced)."""
+    return {**part, "logprobs": list(part["logprobs"])}

@@ -46,8 +46,8 @@ def feed(builder: ResponseBuilder, event: Event) -> list[ResponseEvent]:
     if event.kind is Kind.PIECE:
         fields = event.fields
         if fields is None:
-            return builder.text(event.text) if event.text else []
-        made = builder.text(fields["content"]) if fields.get("content") else []
+            return builder.text(event.text, event.logprobs) if event.text or event.logprobs else []
+        made = builder.text(fields["content"], event.logprobs) if fields.get("content") else []
         if fields.get("tool_calls"):
             made += builder.tool_calls(fields["tool_calls"])
         return made

@@ -10,8 +10,6 @@ where scripts/install-test-deps.sh installs them.
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import time
@@ -21,25 +19,14 @@ from pathlib import Path
 from typing import TypeVar
 
 import httpx
-import pytest
 from conftest import InProcessSluice
+from conftest import require_tool as require_tool  # (the observability tests' own import)
 
 T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVER_READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
-
-
-def require_tool(name: str) -> str:
-    """The path of executable `name`; skip the test without it, fail under CI."""
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name!r} is not installed (run scripts/install-test-deps.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
 
 
 def wait_until(

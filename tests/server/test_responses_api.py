@@ -196,6 +196,8 @@ def test_previous_response_id_continues_the_conversation(
         ({"temperature": 3}, "invalid_request", "temperature"),
         ({"input": [{"type": "image", "url": "x"}]}, "invalid_request", "input[0]"),
         ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),
+        ({"include": ["reasoning.encrypted_content"]}, "unsupported_parameter", "include"),
+        ({"top_logprobs": 21}, "invalid_request", "top_logprobs"),
     ],
 )
 def test_bad_input_is_a_400_in_openais_shape(
@@ -209,6 +211,56 @@ def test_bad_input_is_a_400_in_openais_shape(
     error = refused.value.body
     assert isinstance(error, dict) and error["code"] == code, error
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_included_logprobs_come_with_the_text(client: openai.OpenAI) -> None:
+    """`include: ["message.output_text.logprobs"]` (what the Vercel AI SDK sends for its
+    `logprobs` option): each output token's, with `top_logprobs` alternatives, in the response
+    and in its stream's deltas; none without it."""
+    ask: dict[str, Any] = dict(model="sim", input="tell me a story", max_output_tokens=6)
+    made = client.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=2)
+    part = made.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    assert made.usage is not None and len(part.logprobs) == made.usage.output_tokens
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    for entry in part.logprobs:
+        assert [top.token for top in entry.top_logprobs][:1] == [entry.token]  # the sim's best
+        assert len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+    assert made.top_logprobs == 2
+    events = list(
+        client.responses.create(
+            **ask, include=["message.output_text.logprobs"], top_logprobs=1, stream=True
+        )
+    )
+    streamed = [
+        entry.token
+        for event in events
+        if event.type == "response.output_text.delta"
+        for entry in event.logprobs
+    ]
+    final = events[-1].response  # type: ignore[union-attr]
+    whole = final.output[0].content[0].logprobs
+    assert streamed == [entry.token for entry in whole] and streamed
+    plain = client.responses.create(**ask)
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+
+
+def test_the_logprobs_an_event_carries_are_those_when_it_was_made() -> None:
+    """The output text part grows in place: each event holds its own copy of it."""
+    from engine_adapters.protocol import TokenLogprob
+
+    builder = ResponseBuilder("resp_x", "m", 0, {})
+    builder.start()
+    first = builder.text("a", [TokenLogprob("a", -0.5, (("a", -0.5),))])
+    later = builder.text("b", [TokenLogprob("b", -1.0)])
+    added = next(e for e in first if e["type"] == "response.content_part.added")
+    assert added["part"]["logprobs"] == [] and first[-1]["logprobs"][0]["token"] == "a"
+    assert later[-1]["logprobs"] == [
+        {"token": "b", "logprob": -1.0, "bytes": [98], "top_logprobs": []}
+    ]
+    done = builder.finish("stop", {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3})
+    text_done = next(e for e in done if e["type"] == "response.output_text.done")
+    assert [entry["token"] for entry in text_done["logprobs"]] == ["a", "b"]
 
 
 def test_an_idempotency_key_is_refused_not_ignored(client: openai.OpenAI) -> None:

@@ -10,12 +10,18 @@ server process's CPU per token:
 * floor: a bare uvicorn ASGI app (same loop and HTTP parser as Sluice) that writes the same
   OpenAI chunks, one per token, yielding to the loop between tokens, and nothing else;
 * sluice: `sluice serve` on the `sim` engine at near-zero step cost (0.2 ms a step, 512 seats),
-  so what is measured is the frontend: scheduler, run, log, encoder, transport;
-* sluice-1: the same with `--stream-coalesce off`: one token per event, whatever the backlog.
+  so what is measured is the frontend: scheduler, run, log, encoder, transport. The engine
+  keeps its own clock (`--sim-catch-up-steps`, `--catch-up-steps` here: 16), as an engine in
+  its own process does: when the server is busy, tokens wait for it, and its readers send
+  them merged (coalescing under backlog). An engine inside the server's loop would otherwise
+  wait for the loop, and no stream could ever fall behind it;
+* sluice-1: one token per event forced: the engine waits for the loop (no catch-up) and
+  `--stream-coalesce off`, so every token is an event of its own whatever the backlog.
 
     python bench/frontend.py                         # SSE and WebSocket, every system
     python bench/frontend.py --transports sse --systems floor,sluice --streams 64
     python bench/frontend.py --systems floor,sluice --root /tmp/old   # an older checkout
+    python bench/frontend.py --root /tmp/old --catch-up-steps 0   # one without the flag
 
 A warm-up round (`--warmup` streams) precedes each measured one. On 2 cores the client and the
 server share the machine: compare systems within one run, not across runs.
@@ -234,8 +240,12 @@ async def load(
 # -- the run -----------------------------------------------------------------------------------
 
 
-def start(system: str, listener: socket.socket, data: str, root: Path) -> subprocess.Popen[bytes]:
+def start(
+    system: str, listener: socket.socket, data: str, root: Path, catch_up: int
+) -> subprocess.Popen[bytes]:
     extra = SYSTEMS[system]
+    if system == "sluice" and catch_up:
+        extra = [*extra, "--sim-catch-up-steps", str(catch_up)]
     fd = str(listener.fileno())
     command = (
         [sys.executable, __file__, "--floor-fd", fd]
@@ -273,7 +283,7 @@ def measure(args: argparse.Namespace, system: str, transport: str) -> dict[str, 
     listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
     port = int(listener.getsockname()[1])
     with tempfile.TemporaryDirectory() as data, listener:
-        server = start(system, listener, data, args.root)
+        server = start(system, listener, data, args.root, args.catch_up_steps)
         try:
             ready(port, server, system)
             process = psutil.Process(server.pid)
@@ -308,6 +318,12 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument(
         "--root", type=Path, default=ROOT, help="the checkout whose Sluice is served (an older one)"
+    )
+    parser.add_argument(
+        "--catch-up-steps",
+        type=int,
+        default=16,
+        help="the 'sluice' row's --sim-catch-up-steps (0: not passed, for older checkouts)",
     )
     parser.add_argument("--floor-fd", type=int, help=argparse.SUPPRESS)  # serve the floor
     args = parser.parse_args()

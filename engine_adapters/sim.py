@@ -325,7 +325,8 @@ class SimEngine:
                     await self._wakeup.wait()
                     due = loop.time()
                     continue
-                due = max(due, loop.time() - MAX_LAG_S)
+                now = loop.time()
+                due = max(due, now - MAX_LAG_S) if catch_up else now
                 result = self._model.step()
                 self._finishing.update(o.request_id for o in result.outputs if o.finish_reason)
                 due += result.duration_s

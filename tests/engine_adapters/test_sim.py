@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -340,6 +341,29 @@ async def test_step_durations_pass_on_the_loop_clock() -> None:
         started = loop.time()
         await asyncio.wait_for(collect(sim, request("a", max_tokens=5)), 5)
         assert loop.time() - started == pytest.approx(sum(step.duration_s for step in steps))
+    finally:
+        await sim.stop()
+
+
+@pytest.mark.looptime(False)  # a loop that falls behind: on the wall clock
+@pytest.mark.parametrize("catch_up", [0, 8])
+async def test_with_catch_up_a_busy_loop_gets_the_steps_it_missed_as_one_delta(
+    catch_up: int,
+) -> None:
+    """The loop blocked for 15 steps' time: an engine keeping its own clock ran up to
+    `catch_up_steps` of them meanwhile, and the stream's next delta carries their tokens (one
+    step's more, the one that ended the wait); an engine that waits for the loop ran one."""
+    sim = SimEngine(SimConfig(step_base_ms=2.0, decode_ms_per_token=0.0, catch_up_steps=catch_up))
+    await sim.start()
+    try:
+        stream = sim.generate(request("a", max_tokens=200, ignore_eos=True))
+        first = await asyncio.wait_for(anext(stream), 5)  # prefilled, its first token taken
+        time.sleep(0.03)  # the server's loop busy with other work, 15 steps long
+        delta = await asyncio.wait_for(anext(stream), 5)
+        assert len(delta.token_ids) == (1 if catch_up == 0 else catch_up + 1)
+        rest = await asyncio.wait_for(collect_rest(stream), 10)
+        taken = [first, delta, *rest]
+        assert sum(len(d.token_ids) for d in taken) == 200
     finally:
         await sim.stop()
 

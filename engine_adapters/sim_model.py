@@ -54,7 +54,7 @@ import random
 import re
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from engine_adapters.protocol import EngineLimits, KVCacheInfo, ModelInfo
 
@@ -215,7 +215,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass(slots=True)
-class SequenceOutput:  # one per sequence per step: not frozen, which costs on every token
+class SequenceOutput:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
@@ -224,11 +224,29 @@ class SequenceOutput:  # one per sequence per step: not frozen, which costs on e
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
+    """One step: how long it took, and its outputs as columns. Each sequence that sampled
+    samples exactly one token per step, so output i is `request_ids[i]`'s `token_ids[i]`,
+    ending it if `finish_reasons[i]` is set (building an object per token cost about as much
+    as sampling it; `outputs` builds them, for readers that want them)."""
+
     duration_s: float
-    outputs: list[SequenceOutput]
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)  # at first outputs
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preempted: tuple[str, ...] = ()
+
+    @property
+    def outputs(self) -> list[SequenceOutput]:
+        cached = self.num_cached_tokens
+        return [
+            SequenceOutput(rid, [token], reason, cached.get(rid))
+            for rid, token, reason in zip(
+                self.request_ids, self.token_ids, self.finish_reasons, strict=True
+            )
+        ]
 
 
 @dataclass(slots=True, eq=False)
@@ -385,7 +403,10 @@ class SimTimingModel:
             budget -= n
 
         prefill_tokens = decode_tokens = 0
-        outputs: list[SequenceOutput] = []
+        request_ids: list[str] = []
+        token_ids: list[int] = []
+        finish_reasons: list[str | None] = []
+        num_cached_tokens: dict[str, int] = {}
         cache_block = block_size if cfg.prefix_caching else 0
         # Each sequence samples its tokens from its own generator: as rng.randrange(first,
         # vocab_size) draws (rejection sampling on getrandbits of the span's bit length, without
@@ -421,14 +442,11 @@ class SimTimingModel:
                 seq.finish_reason = "length"
             elif not seq.ignore_eos and generated >= seq.min_tokens and stop_draw < eos_probability:
                 seq.finish_reason = "stop"
-            outputs.append(
-                SequenceOutput(
-                    seq.request_id,
-                    [token],
-                    seq.finish_reason,
-                    seq.cache_hit if generated == 1 else None,
-                )
-            )
+            request_ids.append(seq.request_id)
+            token_ids.append(token)
+            finish_reasons.append(seq.finish_reason)
+            if generated == 1:
+                num_cached_tokens[seq.request_id] = seq.cache_hit
             if seq.finish_reason is not None:
                 self._finish(seq)
 
@@ -438,7 +456,14 @@ class SimTimingModel:
             + cfg.prefill_ms_per_token * prefill_tokens
         )
         return StepResult(
-            duration_ms / 1000.0, outputs, prefill_tokens, decode_tokens, tuple(preempted)
+            duration_ms / 1000.0,
+            request_ids,
+            token_ids,
+            finish_reasons,
+            num_cached_tokens,
+            prefill_tokens,
+            decode_tokens,
+            tuple(preempted),
         )
 
     def _cached_prefix(self, seq: _Sequence) -> int:

@@ -287,32 +287,34 @@ class ContinuousSimulation:
 
     def _deliver(self, result: StepResult) -> None:
         now = self.loop.now
-        core = self.core
         by_engine_id = self._by_engine_id
-        for output in result.outputs:
-            live = by_engine_id.get(output.request_id)
+        outputs: list[tuple[str, int, bool]] = []  # for the core, in one call
+        completed: list[_Live] = []
+        for engine_id, reason in zip(result.request_ids, result.finish_reasons, strict=True):
+            live = by_engine_id.get(engine_id)
             if live is None:
                 continue  # aborted while the step ran: a late output revives nothing
             timeline = live.timeline
-            rid = timeline.id
-            count = len(output.token_ids)
-            core.generated(rid, count, now)
+            # One token per output: its gap is the time since the last.
             if timeline.first_token is None:
                 timeline.first_token = now
             elif live.gaps is None:
-                live.gaps = [(now - live.last_token_at) / count] * count
-            elif count == 1:
-                live.gaps.append(now - live.last_token_at)
+                live.gaps = [now - live.last_token_at]
             else:
-                live.gaps.extend([(now - live.last_token_at) / count] * count)
+                live.gaps.append(now - live.last_token_at)
             live.last_token_at = now
-            timeline.output_tokens += count
-            if output.finish_reason is not None:
-                self._stop_deadline(live)
-                del by_engine_id[output.request_id]
-                live.engine_id = None
-                core.release(rid, now, completed=True)
-                self._end(live, "completed", None)
+            timeline.output_tokens += 1
+            if reason is None:
+                outputs.append((timeline.id, 1, False))
+                continue
+            outputs.append((timeline.id, 1, True))
+            self._stop_deadline(live)
+            del by_engine_id[engine_id]
+            live.engine_id = None
+            completed.append(live)
+        self.core.generated_many(outputs, now)
+        for live in completed:
+            self._end(live, "completed", None)
         self._stepping = False
         self._dispatch()
 

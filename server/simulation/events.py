@@ -5,7 +5,9 @@ scheduling order) and advances `now` to each. Nothing here knows about requests 
 
 `feed` schedules a time-ordered stream of callbacks (a million arrivals, say) as if each had
 been scheduled at once, but holds only the next one: the heap stays as small as what is in
-flight, and nothing is built ahead of its time.
+flight, and nothing is built ahead of its time. Cancelled callbacks leave the heap when they
+outnumber the live ones (a simulator cancels most of its deadlines: thousands of them would
+otherwise sit in the heap until their time, and every push and pop would climb past them).
 """
 
 from __future__ import annotations
@@ -18,21 +20,26 @@ from collections.abc import Callable, Iterable, Iterator
 class EventHandle:
     """A scheduled callback; `cancel` keeps it from running."""
 
-    __slots__ = ("_feed", "callback", "cancelled", "time")
+    __slots__ = ("_feed", "_loop", "callback", "cancelled", "time")
 
     def __init__(
         self,
         time: float,
         callback: Callable[[], None],
         feed: Iterator[tuple[float, Callable[[], None]]] | None = None,
+        loop: EventLoop | None = None,
     ) -> None:
         self.time = time
         self.callback = callback
         self.cancelled = False
         self._feed = feed  # the stream this came from, to take its next item from
+        self._loop = loop  # the loop whose heap holds it, told of its cancellation
 
     def cancel(self) -> None:
-        self.cancelled = True
+        if not self.cancelled:
+            self.cancelled = True
+            if self._loop is not None:
+                self._loop._cancelled_one()
 
 
 # Heap entries: (time, seq, index in its feed, handle). A plain event has its own seq and index
@@ -47,16 +54,28 @@ class EventLoop:
         self.now = start
         self._heap: list[_Entry] = []
         self._seq = itertools.count()
+        self._cancelled = 0  # entries in the heap whose handle was cancelled (at most)
 
     def call_at(self, time: float, callback: Callable[[], None]) -> EventHandle:
         if time < self.now:
             raise ValueError(f"cannot schedule in the past: {time} < {self.now}")
-        handle = EventHandle(time, callback)
+        handle = EventHandle(time, callback, None, self)
         heapq.heappush(self._heap, (time, next(self._seq), 0, handle))
         return handle
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> EventHandle:
         return self.call_at(self.now + delay, callback)
+
+    def _cancelled_one(self) -> None:
+        """Drop the cancelled entries once they are most of the heap (and more than a few):
+        a rebuild over n entries, at most once per n/2 cancellations. Their keys are unique,
+        so what is left pops in the same order."""
+        self._cancelled += 1
+        heap = self._heap
+        if self._cancelled > 64 and 2 * self._cancelled > len(heap):
+            heap[:] = [entry for entry in heap if not entry[3].cancelled]  # in place: `run`
+            heapq.heapify(heap)  # holds the list
+            self._cancelled = 0
 
     def feed(self, items: Iterable[tuple[float, Callable[[], None]]]) -> None:
         """Schedule (time, callback) pairs, in non-decreasing time order, as `call_at` on each

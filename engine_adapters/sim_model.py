@@ -258,6 +258,7 @@ class _Sequence:
     min_tokens: int
     ignore_eos: bool
     rng: random.Random
+    stop_length: int  # it finishes with "length" at this many tokens (max_tokens, or the model's)
     computed: int = 0
     prefill_until: int = 0  # tokens below this index are prefill; set on each admission
     blocks: int = 0
@@ -335,6 +336,7 @@ class SimTimingModel:
             min_tokens=min_tokens,
             ignore_eos=ignore_eos,
             rng=random.Random(stable_hash(request_id) if seed is None else seed),
+            stop_length=min(len(prompt_token_ids) + max_tokens, cfg.max_model_len),
         )
         self._by_id[request_id] = seq
         self._waiting.append(seq)
@@ -414,7 +416,9 @@ class SimTimingModel:
         first = len(SPECIAL_TOKENS)
         span = cfg.vocab_size - first
         bits = span.bit_length()
-        max_model_len, eos_probability = cfg.max_model_len, cfg.eos_probability
+        eos_probability = cfg.eos_probability
+        # Bound once: a step of 128 sequences calls each 128 times.
+        add_id, add_token, add_reason = request_ids.append, token_ids.append, finish_reasons.append
         for seq, n in scheduled:
             computed = seq.computed
             if computed < seq.prefill_until:
@@ -437,17 +441,22 @@ class SimTimingModel:
             stop_draw = rng.random()  # drawn every token so tokens never depend on eos settings
             tokens.append(token)
             length = computed + 1  # len(tokens)
-            generated = length - seq.prompt_len
-            if generated >= seq.max_tokens or length >= max_model_len:
-                seq.finish_reason = "length"
-            elif not seq.ignore_eos and generated >= seq.min_tokens and stop_draw < eos_probability:
-                seq.finish_reason = "stop"
-            request_ids.append(seq.request_id)
-            token_ids.append(token)
-            finish_reasons.append(seq.finish_reason)
-            if generated == 1:
+            reason = None
+            if length >= seq.stop_length:
+                reason = "length"
+            elif (
+                not seq.ignore_eos
+                and stop_draw < eos_probability
+                and length - seq.prompt_len >= seq.min_tokens
+            ):
+                reason = "stop"
+            add_id(seq.request_id)
+            add_token(token)
+            add_reason(reason)
+            if length == seq.prompt_len + 1:  # its first token
                 num_cached_tokens[seq.request_id] = seq.cache_hit
-            if seq.finish_reason is not None:
+            if reason is not None:
+                seq.finish_reason = reason
                 self._finish(seq)
 
         duration_ms = (

@@ -150,7 +150,7 @@ class SchedulerCore:
             return Rejected(
                 ticket,
                 RejectReason.OVERLOADED,
-                f"the {tc} queue is full; retry later",
+                f"the {tc.value} queue is full; retry later",  # (formatting the enum costs)
                 retry_after=max(1.0, drain),
             )
         wait = self.predicted_wait(ticket, now)

@@ -224,11 +224,15 @@ class ContinuousSimulation:
         live.engine_id = engine_id
         self._by_engine_id[engine_id] = live
         prompt = live.prompt
+        seed = None  # a continuation's tokens are seeded by its engine id
         if prompt is None:  # its own prompt, so that the engine's prefix cache is honest
-            prompt = live.prompt = self._prompt(rid, ticket.prompt_tokens)
+            # Its first dispatch runs under its own id: the hash that places its prompt is the
+            # seed the engine would take from that id (hashed once, not twice).
+            seed = stable_hash(rid)
+            prompt = live.prompt = self._prompt(seed, ticket.prompt_tokens)
         assert len(prompt) == ticket.prompt_tokens
         live.delivered_before = timeline.output_tokens
-        self.model.add(engine_id, prompt, ticket.max_tokens, ignore_eos=True)  # copies it
+        self.model.add(engine_id, prompt, ticket.max_tokens, ignore_eos=True, seed=seed)  # copies
         if timeline.dispatched is None:
             timeline.dispatched = now
         timeline.outcome = "running"
@@ -236,10 +240,11 @@ class ContinuousSimulation:
             max(now, ticket.deadline), partial(self._running_deadline, live)
         )
 
-    def _prompt(self, request_id: str, length: int) -> list[int]:
+    def _prompt(self, request_hash: int, length: int) -> list[int]:
+        """A request's prompt: consecutive ids from where its id's hash places it."""
         first = len(SPECIAL_TOKENS)
         span = self.model.config.vocab_size - first
-        start = stable_hash(request_id) % span
+        start = request_hash % span
         if start + length <= span:  # no wrap: a run of consecutive ids
             return list(range(first + start, first + start + length))
         return [first + (start + i) % span for i in range(length)]

@@ -52,6 +52,7 @@ import hashlib
 import logging
 import random
 import re
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -264,6 +265,9 @@ class _Sequence:
     blocks: int = 0
     finish_reason: str | None = None
     cached_blocks: int = 0  # of its full blocks, those entered in the prefix cache
+    # Computed tokens at which its next block is full, to enter (never, with prefix caching
+    # off): one comparison per token where a product was two.
+    next_cached: int = sys.maxsize
     block_hash: int = 0  # the hash chain up to them
     cache_hit: int = 0  # prompt tokens found in the prefix cache when first admitted
 
@@ -337,6 +341,7 @@ class SimTimingModel:
             ignore_eos=ignore_eos,
             rng=random.Random(stable_hash(request_id) if seed is None else seed),
             stop_length=min(len(prompt_token_ids) + max_tokens, cfg.max_model_len),
+            next_cached=cfg.block_size if cfg.prefix_caching else sys.maxsize,
         )
         self._by_id[request_id] = seq
         self._waiting.append(seq)
@@ -409,7 +414,6 @@ class SimTimingModel:
         token_ids: list[int] = []
         finish_reasons: list[str | None] = []
         num_cached_tokens: dict[str, int] = {}
-        cache_block = block_size if cfg.prefix_caching else 0
         # Each sequence samples its tokens from its own generator: as rng.randrange(first,
         # vocab_size) draws (rejection sampling on getrandbits of the span's bit length, without
         # its argument checks), then one rng.random() for the end-of-sequence test.
@@ -428,7 +432,7 @@ class SimTimingModel:
             else:
                 decode_tokens += n
             seq.computed = computed = computed + n
-            if cache_block and (seq.cached_blocks + 1) * cache_block <= computed:
+            if seq.next_cached <= computed:
                 self._cache_blocks(seq)
             tokens = seq.tokens
             if computed != len(tokens):
@@ -501,6 +505,7 @@ class SimTimingModel:
             cache[seq.block_hash] = None
             cache.move_to_end(seq.block_hash)
             seq.cached_blocks += 1
+        seq.next_cached = (seq.cached_blocks + 1) * size
         while len(cache) > self.config.kv_blocks:
             cache.popitem(last=False)
 

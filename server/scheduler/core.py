@@ -414,8 +414,10 @@ class SchedulerCore:
         return min(times, default=None)
 
     def _preempt_time(self) -> float | None:
+        if self._running_per_class[TrafficClass.BULK] == 0:
+            return None  # (asked first: the usual answer, and the setting is a property)
         after = self.config.budgets.preempt_bulk_after_s
-        if after is None or self._running_per_class[TrafficClass.BULK] == 0:
+        if after is None:
             return None
         head = self._queues[TrafficClass.INTERACTIVE].peek()
         if head is None or head.request_id == self._preempt_considered:
@@ -428,6 +430,8 @@ class SchedulerCore:
         that waited its threshold without room needs. Each ticket is named once; it keeps its
         budgets until the shell calls `requeue` (or `release`, if it ended meanwhile)."""
         chosen: list[Ticket] = []
+        if self._running_per_class[TrafficClass.BULK] == 0:
+            return chosen  # no bulk runs: neither pick has anything to name
         for pick in (self._over_cap, self._for_waiting_chat):
             for entry in pick(now):  # named before the next pick, so named once
                 entry.preempting = True

@@ -181,13 +181,14 @@ class ContinuousSimulation:
         timeline = Timeline(arrival.id, arrival.tenant, self._class_name[tc], now, deadline)
         if self._keep_timelines:
             self.timelines[arrival.id] = timeline
-        targets = self.core.bulk_cap.targets() if tc is TrafficClass.INTERACTIVE else None
-        live = _Live(timeline, targets, stream)
+        live = _Live(timeline, None, stream)
         decision = self.core.submit(ticket, now)
-        if isinstance(decision, Rejected):
+        if isinstance(decision, Rejected):  # (a refusal's verdict reads no targets)
             timeline.reason = decision.reason
             self._end(live, "rejected", None)
             return
+        if tc is TrafficClass.INTERACTIVE:  # the targets at its arrival: admitting one is no
+            live.targets = self.core.bulk_cap.targets()  # observation, and moves none
         self._live[arrival.id] = live
         self._dispatch()
 

@@ -146,20 +146,18 @@ class SchedulerCore:
             len(queue) >= class_config.max_queued
             or queue.queued_tokens + ticket.reserved_tokens > class_config.max_queued_tokens
         ):
-            drain = self.predicted_wait(ticket, now)
+            drain, _ = self._wait(ticket, fair=True)
             return Rejected(
                 ticket,
                 RejectReason.OVERLOADED,
                 f"the {tc.value} queue is full; retry later",  # (formatting the enum costs)
                 retry_after=max(1.0, drain),
             )
-        wait = self.predicted_wait(ticket, now)
-        # It runs among as many sequences as run now, or, if it must queue, as many as fit.
-        concurrency = (
-            self._sequences() + ticket.n if wait == 0.0 else self._concurrency(ticket.traffic_class)
-        )
+        wait, service = self._wait(ticket, fair=True)
+        if wait == 0.0:  # it runs among as many sequences as run now (else as many as fit)
+            service = self.estimates.service_seconds(ticket, self._sequences() + ticket.n)
         predicted_start = now + wait
-        predicted_end = predicted_start + self.estimates.service_seconds(ticket, concurrency)
+        predicted_end = predicted_start + service
         margin = self.config.estimates.admission_margin * (predicted_end - now)
         if predicted_end + margin > ticket.deadline:
             return Rejected(
@@ -219,23 +217,27 @@ class SchedulerCore:
         """Expected seconds from now until `ticket` (not yet queued) would be dispatched: the
         work running and queued ahead of it (its tenant's fair share of the queue, or with
         `fair=False` all of it), drained by the engine at full concurrency."""
+        return self._wait(ticket, fair=fair)[0]
+
+    def _wait(self, ticket: Ticket, *, fair: bool) -> tuple[float, float]:
+        """`predicted_wait`, and the ticket's own service seconds at the concurrency it would
+        run at once dispatched from the queue (0.0 when it would start at once: then it
+        runs among what runs now, and the caller knows how many that is). Admission needs
+        both, and each reads the step-time estimate."""
         tc = ticket.traffic_class
         queued_ahead = len(self._queues[TrafficClass.INTERACTIVE])
         if tc is TrafficClass.BULK:
             queued_ahead += len(self._queues[TrafficClass.BULK])
         if queued_ahead == 0 and self.ledger.fits(ticket, bulk_waiting=False):
-            return 0.0
+            return 0.0, 0.0
         concurrency = self._concurrency(tc)
         step = self.estimates.steps.at(concurrency)
-        prefill_rate = self.estimates.prefill_tokens_per_s
-
-        def seconds(prompt_tokens: float, output_tokens: float) -> float:
-            return prompt_tokens / prefill_rate + output_tokens * step
-
         own = self.estimates.service_seconds(ticket, concurrency)
-        ahead = self._backlog.seconds_ahead(tc, ticket.tenant if fair else None, own, seconds)
+        ahead = self._backlog.seconds_ahead(
+            tc, ticket.tenant if fair else None, own, self.estimates.prefill_tokens_per_s, step
+        )
         ahead += max(0.0, self._running_output_left) * step
-        return ahead / concurrency
+        return ahead / concurrency, own
 
     def pressure(self, traffic_class: TrafficClass, now: float) -> float:
         """Predicted queue wait for a typical new request over the class's deadline budget."""

@@ -47,10 +47,10 @@ always makes progress.
 
 from __future__ import annotations
 
+import _random
 import argparse
 import hashlib
 import logging
-import random
 import re
 import sys
 from collections import OrderedDict, deque
@@ -258,7 +258,10 @@ class _Sequence:
     max_tokens: int
     min_tokens: int
     ignore_eos: bool
-    rng: random.Random
+    # The generator `random.Random` wraps, seeded as `random.Random(seed)` seeds it (the same
+    # stream: `tests/engine_adapters/test_sim.py` checks it); its Python-level init and seed
+    # checks cost a third again on top, once per request a million times in a simulation.
+    rng: _random.Random
     stop_length: int  # it finishes with "length" at this many tokens (max_tokens, or the model's)
     computed: int = 0
     prefill_until: int = 0  # tokens below this index are prefill; set on each admission
@@ -339,7 +342,7 @@ class SimTimingModel:
             max_tokens=max_tokens,
             min_tokens=min_tokens,
             ignore_eos=ignore_eos,
-            rng=random.Random(stable_hash(request_id) if seed is None else seed),
+            rng=_random.Random(stable_hash(request_id) if seed is None else seed),
             stop_length=min(len(prompt_token_ids) + max_tokens, cfg.max_model_len),
             next_cached=cfg.block_size if cfg.prefix_caching else sys.maxsize,
         )

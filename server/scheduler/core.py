@@ -48,6 +48,9 @@ Stage = Literal["queued", "running"]
 # Bulk may start this many times as often as the bulk allowed turns over (`_start_share`).
 TURNOVER_PACE = 2.0
 
+# Made once: formatting an enum runs Python code, and a flood is refused this a million times.
+_QUEUE_FULL = {tc: f"the {tc} queue is full; retry later" for tc in TrafficClass}
+
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
@@ -150,7 +153,7 @@ class SchedulerCore:
             return Rejected(
                 ticket,
                 RejectReason.OVERLOADED,
-                f"the {tc.value} queue is full; retry later",  # (formatting the enum costs)
+                _QUEUE_FULL[tc],
                 retry_after=max(1.0, drain),
             )
         wait, service = self._wait(ticket, fair=True)

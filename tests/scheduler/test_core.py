@@ -442,9 +442,7 @@ def test_a_steps_outputs_reported_at_once_count_as_each_reported_alone() -> None
             assert s.estimates.output_fraction == one_call.estimates.output_fraction
             assert s.predicted_wait(probe, now) == one_call.predicted_wait(probe, now)
             for concurrency in (1, 8, 24, 40):
-                assert s.estimates.steps.at(concurrency) == one_call.estimates.steps.at(
-                    concurrency
-                )
+                assert s.estimates.steps.at(concurrency) == one_call.estimates.steps.at(concurrency)
     assert one_call.estimates.steps.revision == each_alone.estimates.steps.revision >= 3
     assert 0 < one_call.estimates.output_fraction < 1
     assert one_call.is_idle() and each_alone.is_idle()

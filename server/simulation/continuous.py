@@ -66,7 +66,7 @@ class _Live:
     targets: SloTargets | None  # an interactive request's targets at its arrival
     stream: tuple[int, int] | None  # the bulk stream that sent it, its number in that stream
     # Once dispatched, its prompt: its first, or that and what it generated before a preemption.
-    prompt: list[int] | None = None
+    prompt: Sequence[int] | None = None
     delivered_before: int = 0  # its output tokens when it was last dispatched
     gaps: list[float] | None = None  # its tokens' gaps so far
     last_token_at: float = 0.0
@@ -241,13 +241,14 @@ class ContinuousSimulation:
             max(now, ticket.deadline), partial(self._running_deadline, live)
         )
 
-    def _prompt(self, request_hash: int, length: int) -> list[int]:
-        """A request's prompt: consecutive ids from where its id's hash places it."""
+    def _prompt(self, request_hash: int, length: int) -> Sequence[int]:
+        """A request's prompt: consecutive ids from where its id's hash places it (the engine
+        copies it into its own list: no list of our own where a range says it)."""
         first = len(SPECIAL_TOKENS)
         span = self.model.config.vocab_size - first
         start = request_hash % span
         if start + length <= span:  # no wrap: a run of consecutive ids
-            return list(range(first + start, first + start + length))
+            return range(first + start, first + start + length)
         return [first + (start + i) % span for i in range(length)]
 
     def _stop_engine_request(self, live: _Live) -> None:

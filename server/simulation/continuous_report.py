@@ -106,7 +106,9 @@ class Tally:
 
     def add(self, t: Timeline) -> None:
         self.requests += 1
-        self.end = max(self.end, t.finished or t.arrival)
+        end = t.finished or t.arrival
+        if end > self.end:
+            self.end = end
         self._classes[t.traffic_class].add(t)
         if t.outcome == "completed":
             self._tenant_tokens[t.tenant] = self._tenant_tokens.get(t.tenant, 0) + t.output_tokens

@@ -328,7 +328,11 @@ class SimEngine:
                 now = loop.time()
                 due = max(due, now - MAX_LAG_S) if catch_up else now
                 result = self._model.step()
-                self._finishing.update(o.request_id for o in result.outputs if o.finish_reason)
+                self._finishing.update(
+                    rid
+                    for rid, reason in zip(result.request_ids, result.finish_reasons, strict=True)
+                    if reason is not None
+                )
                 due += result.duration_s
                 wait = due - loop.time()
                 if wait > 0 or in_a_row >= catch_up or result.duration_s <= 0:
@@ -342,15 +346,18 @@ class SimEngine:
             self._die(EngineDeadError(f"the sim engine failed: {exc!r}"))
 
     def _deliver(self, result: StepResult) -> None:
-        for output in result.outputs:
-            self._finishing.discard(output.request_id)
-            stream = self._streams.get(output.request_id)
+        cached = result.num_cached_tokens
+        for rid, token, reason in zip(
+            result.request_ids, result.token_ids, result.finish_reasons, strict=True
+        ):
+            self._finishing.discard(rid)
+            stream = self._streams.get(rid)
             if stream is None or stream.finish_reason is not None:
                 continue  # aborted while the step ran
-            stream.token_ids.extend(output.token_ids)
-            stream.finish_reason = output.finish_reason
-            if output.num_cached_tokens is not None:
-                stream.num_cached_tokens = output.num_cached_tokens
+            stream.token_ids.append(token)
+            stream.finish_reason = reason
+            if rid in cached:
+                stream.num_cached_tokens = cached[rid]
             stream.ready.set()
 
     def _die(self, error: EngineDeadError) -> None:

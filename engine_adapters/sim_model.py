@@ -47,14 +47,15 @@ always makes progress.
 
 from __future__ import annotations
 
+import _random
 import argparse
 import hashlib
 import logging
-import random
 import re
+import sys
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from engine_adapters.protocol import EngineLimits, KVCacheInfo, ModelInfo
 
@@ -223,7 +224,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass(slots=True)
-class SequenceOutput:  # one per sequence per step: not frozen, which costs on every token
+class SequenceOutput:
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
@@ -232,11 +233,29 @@ class SequenceOutput:  # one per sequence per step: not frozen, which costs on e
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
+    """One step: how long it took, and its outputs as columns. Each sequence that sampled
+    samples exactly one token per step, so output i is `request_ids[i]`'s `token_ids[i]`,
+    ending it if `finish_reasons[i]` is set (building an object per token cost about as much
+    as sampling it; `outputs` builds them, for readers that want them)."""
+
     duration_s: float
-    outputs: list[SequenceOutput]
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)  # at first outputs
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preempted: tuple[str, ...] = ()
+
+    @property
+    def outputs(self) -> list[SequenceOutput]:
+        cached = self.num_cached_tokens
+        return [
+            SequenceOutput(rid, [token], reason, cached.get(rid))
+            for rid, token, reason in zip(
+                self.request_ids, self.token_ids, self.finish_reasons, strict=True
+            )
+        ]
 
 
 @dataclass(slots=True, eq=False)
@@ -247,12 +266,19 @@ class _Sequence:
     max_tokens: int
     min_tokens: int
     ignore_eos: bool
-    rng: random.Random
+    # The generator `random.Random` wraps, seeded as `random.Random(seed)` seeds it (the same
+    # stream: `tests/engine_adapters/test_sim.py` checks it); its Python-level init and seed
+    # checks cost a third again on top, once per request a million times in a simulation.
+    rng: _random.Random
+    stop_length: int  # it finishes with "length" at this many tokens (max_tokens, or the model's)
     computed: int = 0
     prefill_until: int = 0  # tokens below this index are prefill; set on each admission
     blocks: int = 0
     finish_reason: str | None = None
     cached_blocks: int = 0  # of its full blocks, those entered in the prefix cache
+    # Computed tokens at which its next block is full, to enter (never, with prefix caching
+    # off): one comparison per token where a product was two.
+    next_cached: int = sys.maxsize
     block_hash: int = 0  # the hash chain up to them
     cache_hit: int = 0  # prompt tokens found in the prefix cache when first admitted
 
@@ -324,7 +350,9 @@ class SimTimingModel:
             max_tokens=max_tokens,
             min_tokens=min_tokens,
             ignore_eos=ignore_eos,
-            rng=random.Random(stable_hash(request_id) if seed is None else seed),
+            rng=_random.Random(stable_hash(request_id) if seed is None else seed),
+            stop_length=min(len(prompt_token_ids) + max_tokens, cfg.max_model_len),
+            next_cached=cfg.block_size if cfg.prefix_caching else sys.maxsize,
         )
         self._by_id[request_id] = seq
         self._waiting.append(seq)
@@ -393,15 +421,19 @@ class SimTimingModel:
             budget -= n
 
         prefill_tokens = decode_tokens = 0
-        outputs: list[SequenceOutput] = []
-        cache_block = block_size if cfg.prefix_caching else 0
+        request_ids: list[str] = []
+        token_ids: list[int] = []
+        finish_reasons: list[str | None] = []
+        num_cached_tokens: dict[str, int] = {}
         # Each sequence samples its tokens from its own generator: as rng.randrange(first,
         # vocab_size) draws (rejection sampling on getrandbits of the span's bit length, without
         # its argument checks), then one rng.random() for the end-of-sequence test.
         first = len(SPECIAL_TOKENS)
         span = cfg.vocab_size - first
         bits = span.bit_length()
-        max_model_len, eos_probability = cfg.max_model_len, cfg.eos_probability
+        eos_probability = cfg.eos_probability
+        # Bound once: a step of 128 sequences calls each 128 times.
+        add_id, add_token, add_reason = request_ids.append, token_ids.append, finish_reasons.append
         for seq, n in scheduled:
             computed = seq.computed
             if computed < seq.prefill_until:
@@ -411,7 +443,7 @@ class SimTimingModel:
             else:
                 decode_tokens += n
             seq.computed = computed = computed + n
-            if cache_block and (seq.cached_blocks + 1) * cache_block <= computed:
+            if seq.next_cached <= computed:
                 self._cache_blocks(seq)
             tokens = seq.tokens
             if computed != len(tokens):
@@ -424,20 +456,22 @@ class SimTimingModel:
             stop_draw = rng.random()  # drawn every token so tokens never depend on eos settings
             tokens.append(token)
             length = computed + 1  # len(tokens)
-            generated = length - seq.prompt_len
-            if generated >= seq.max_tokens or length >= max_model_len:
-                seq.finish_reason = "length"
-            elif not seq.ignore_eos and generated >= seq.min_tokens and stop_draw < eos_probability:
-                seq.finish_reason = "stop"
-            outputs.append(
-                SequenceOutput(
-                    seq.request_id,
-                    [token],
-                    seq.finish_reason,
-                    seq.cache_hit if generated == 1 else None,
-                )
-            )
-            if seq.finish_reason is not None:
+            reason = None
+            if length >= seq.stop_length:
+                reason = "length"
+            elif (
+                not seq.ignore_eos
+                and stop_draw < eos_probability
+                and length - seq.prompt_len >= seq.min_tokens
+            ):
+                reason = "stop"
+            add_id(seq.request_id)
+            add_token(token)
+            add_reason(reason)
+            if length == seq.prompt_len + 1:  # its first token
+                num_cached_tokens[seq.request_id] = seq.cache_hit
+            if reason is not None:
+                seq.finish_reason = reason
                 self._finish(seq)
 
         duration_ms = (
@@ -446,7 +480,14 @@ class SimTimingModel:
             + cfg.prefill_ms_per_token * prefill_tokens
         )
         return StepResult(
-            duration_ms / 1000.0, outputs, prefill_tokens, decode_tokens, tuple(preempted)
+            duration_ms / 1000.0,
+            request_ids,
+            token_ids,
+            finish_reasons,
+            num_cached_tokens,
+            prefill_tokens,
+            decode_tokens,
+            tuple(preempted),
         )
 
     def _cached_prefix(self, seq: _Sequence) -> int:
@@ -475,6 +516,7 @@ class SimTimingModel:
             cache[seq.block_hash] = None
             cache.move_to_end(seq.block_hash)
             seq.cached_blocks += 1
+        seq.next_cached = (seq.cached_blocks + 1) * size
         while len(cache) > self.config.kv_blocks:
             cache.popitem(last=False)
 

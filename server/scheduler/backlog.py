@@ -7,15 +7,11 @@ are judged by how fast it is now.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from server.scheduler.types import Ticket, TrafficClass
 
 _CLASSES = tuple(TrafficClass)  # iterating the enum itself runs Python code at each call
-
-# Sequence-seconds of engine time for (prompt tokens, output tokens).
-WorkSeconds = Callable[[float, float], float]
 
 
 @dataclass(slots=True)
@@ -55,9 +51,11 @@ class Backlog:
         traffic_class: TrafficClass,
         tenant: str | None,
         own_seconds: float,
-        seconds: WorkSeconds,
+        prefill_tokens_per_s: float,
+        step_s: float,
     ) -> float:
-        """Sequence-seconds queued ahead of a new request of `tenant` in `traffic_class`.
+        """Sequence-seconds queued ahead of a new request of `tenant` in `traffic_class`: each
+        line's prompt tokens at `prefill_tokens_per_s`, and its output tokens at `step_s` each.
 
         All queued interactive work is ahead of bulk. Inside its own class, tenants share by
         fair queueing: the request waits for its own tenant's line, and meanwhile each other
@@ -74,15 +72,20 @@ class Backlog:
             lines: float = 0
             if tc is not traffic_class or tenant is None:
                 for w in by_tenant.values():
-                    lines += seconds(w.prompt_tokens, w.output_tokens)
+                    lines += w.prompt_tokens / prefill_tokens_per_s + w.output_tokens * step_s
                 total += lines
                 continue
             own = by_tenant.get(tenant)
-            own_line = seconds(own.prompt_tokens, own.output_tokens) if own else 0.0
+            own_line = (
+                own.prompt_tokens / prefill_tokens_per_s + own.output_tokens * step_s
+                if own
+                else 0.0
+            )
             total += own_line
             share = own_line + own_seconds
             for name, w in by_tenant.items():
                 if name != tenant:
-                    lines += min(share, seconds(w.prompt_tokens, w.output_tokens))
+                    line = w.prompt_tokens / prefill_tokens_per_s + w.output_tokens * step_s
+                    lines += min(share, line)
             total += lines
         return total

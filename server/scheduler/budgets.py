@@ -8,7 +8,7 @@ waiting, interactive leaves room for bulk to reach its guaranteed minimum (`bulk
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine_adapters.protocol import ModelInfo
@@ -79,7 +79,7 @@ class BudgetLedger:
         tokens, blocks, sequences = self.demand(ticket)
         return tokens <= cap[0] and blocks <= cap[1] and sequences <= cap[2]
 
-    def fits(self, ticket: Ticket, *, bulk_waiting: bool, freeing: Iterable[Ticket] = ()) -> bool:
+    def fits(self, ticket: Ticket, *, bulk_waiting: bool, freeing: Sequence[Ticket] = ()) -> bool:
         """Whether `ticket` fits now, or once the running bulk tickets `freeing` have left."""
         demand = self.demand(ticket)
         total = self._total
@@ -90,13 +90,14 @@ class BudgetLedger:
                     return False
             return True
         bulk_held = self._by_class[TrafficClass.BULK]
-        freed = [0, 0, 0]
-        for leaving in freeing:
-            for i, amount in enumerate(self.demand(leaving)):
-                freed[i] += amount
-        if any(freed):
-            total = [t - f for t, f in zip(total, freed, strict=True)]
-            bulk_held = [b - f for b, f in zip(bulk_held, freed, strict=True)]
+        if freeing:  # (most calls free nothing: no sums to make)
+            freed = [0, 0, 0]
+            for leaving in freeing:
+                for i, amount in enumerate(self.demand(leaving)):
+                    freed[i] += amount
+            if any(freed):
+                total = [t - f for t, f in zip(total, freed, strict=True)]
+                bulk_held = [b - f for b, f in zip(bulk_held, freed, strict=True)]
         for i in range(3):
             headroom = self._limit[i]
             if bulk_waiting:

@@ -10,8 +10,9 @@ DRR across tenants), the running bulk tickets to stop (preempted), and when to p
 nothing else happens. The shell applies the step and nothing more. `release` ends a ticket
 wherever it is (queued: cancelled; running: finished, aborted or expired) and gives its budgets
 back. Ending an unknown or already-ended ticket is a no-op, so a late output never revives an
-expired request. While a ticket runs, the shell reports each output's tokens to `generated`:
-the core's count of what it produced, and the rate estimates' input.
+expired request. While a ticket runs, the shell reports each output's tokens to `generated`
+(or a whole engine step's outputs, and the completions among them, to `generated_many`): the
+core's count of what it produced, and the rate estimates' input.
 
 Preemption has two causes and one mechanism. The bulk cap (`bulk_cap.py`) drops when chats
 arrive after a quiet spell: the bulk running beyond it stops at once, when the step time it
@@ -29,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,6 +47,9 @@ Stage = Literal["queued", "running"]
 
 # Bulk may start this many times as often as the bulk allowed turns over (`_start_share`).
 TURNOVER_PACE = 2.0
+
+# Made once: formatting an enum runs Python code, and a flood is refused this a million times.
+_QUEUE_FULL = {tc: f"the {tc} queue is full; retry later" for tc in TrafficClass}
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,20 +149,18 @@ class SchedulerCore:
             len(queue) >= class_config.max_queued
             or queue.queued_tokens + ticket.reserved_tokens > class_config.max_queued_tokens
         ):
-            drain = self.predicted_wait(ticket, now)
+            drain, _ = self._wait(ticket, fair=True)
             return Rejected(
                 ticket,
                 RejectReason.OVERLOADED,
-                f"the {tc} queue is full; retry later",
+                _QUEUE_FULL[tc],
                 retry_after=max(1.0, drain),
             )
-        wait = self.predicted_wait(ticket, now)
-        # It runs among as many sequences as run now, or, if it must queue, as many as fit.
-        concurrency = (
-            self._sequences() + ticket.n if wait == 0.0 else self._concurrency(ticket.traffic_class)
-        )
+        wait, service = self._wait(ticket, fair=True)
+        if wait == 0.0:  # it runs among as many sequences as run now (else as many as fit)
+            service = self.estimates.service_seconds(ticket, self._sequences() + ticket.n)
         predicted_start = now + wait
-        predicted_end = predicted_start + self.estimates.service_seconds(ticket, concurrency)
+        predicted_end = predicted_start + service
         margin = self.config.estimates.admission_margin * (predicted_end - now)
         if predicted_end + margin > ticket.deadline:
             return Rejected(
@@ -217,23 +220,27 @@ class SchedulerCore:
         """Expected seconds from now until `ticket` (not yet queued) would be dispatched: the
         work running and queued ahead of it (its tenant's fair share of the queue, or with
         `fair=False` all of it), drained by the engine at full concurrency."""
+        return self._wait(ticket, fair=fair)[0]
+
+    def _wait(self, ticket: Ticket, *, fair: bool) -> tuple[float, float]:
+        """`predicted_wait`, and the ticket's own service seconds at the concurrency it would
+        run at once dispatched from the queue (0.0 when it would start at once: then it
+        runs among what runs now, and the caller knows how many that is). Admission needs
+        both, and each reads the step-time estimate."""
         tc = ticket.traffic_class
         queued_ahead = len(self._queues[TrafficClass.INTERACTIVE])
         if tc is TrafficClass.BULK:
             queued_ahead += len(self._queues[TrafficClass.BULK])
         if queued_ahead == 0 and self.ledger.fits(ticket, bulk_waiting=False):
-            return 0.0
+            return 0.0, 0.0
         concurrency = self._concurrency(tc)
         step = self.estimates.steps.at(concurrency)
-        prefill_rate = self.estimates.prefill_tokens_per_s
-
-        def seconds(prompt_tokens: float, output_tokens: float) -> float:
-            return prompt_tokens / prefill_rate + output_tokens * step
-
         own = self.estimates.service_seconds(ticket, concurrency)
-        ahead = self._backlog.seconds_ahead(tc, ticket.tenant if fair else None, own, seconds)
+        ahead = self._backlog.seconds_ahead(
+            tc, ticket.tenant if fair else None, own, self.estimates.prefill_tokens_per_s, step
+        )
         ahead += max(0.0, self._running_output_left) * step
-        return ahead / concurrency
+        return ahead / concurrency, own
 
     def pressure(self, traffic_class: TrafficClass, now: float) -> float:
         """Predicted queue wait for a typical new request over the class's deadline budget."""
@@ -412,8 +419,10 @@ class SchedulerCore:
         return min(times, default=None)
 
     def _preempt_time(self) -> float | None:
+        if self._running_per_class[TrafficClass.BULK] == 0:
+            return None  # (asked first: the usual answer, and the setting is a property)
         after = self.config.budgets.preempt_bulk_after_s
-        if after is None or self._running_per_class[TrafficClass.BULK] == 0:
+        if after is None:
             return None
         head = self._queues[TrafficClass.INTERACTIVE].peek()
         if head is None or head.request_id == self._preempt_considered:
@@ -426,6 +435,8 @@ class SchedulerCore:
         that waited its threshold without room needs. Each ticket is named once; it keeps its
         budgets until the shell calls `requeue` (or `release`, if it ended meanwhile)."""
         chosen: list[Ticket] = []
+        if self._running_per_class[TrafficClass.BULK] == 0:
+            return chosen  # no bulk runs: neither pick has anything to name
         for pick in (self._over_cap, self._for_waiting_chat):
             for entry in pick(now):  # named before the next pick, so named once
                 entry.preempting = True
@@ -511,24 +522,53 @@ class SchedulerCore:
     # --- running tickets ---------------------------------------------------------------
     def generated(self, request_id: str, tokens: int, now: float) -> None:
         """A running ticket's engine request produced `tokens` more output tokens by `now`."""
-        entry = self._running.get(request_id)
-        if entry is None or tokens <= 0:
-            return
-        if entry.first_token_at is None:
-            entry.first_token_at = now
-            ticket = entry.ticket
-            if not ticket.resumed_tokens:  # a continuation's prefix is mostly cached
-                self.estimates.observe_prefill(
-                    ticket.prompt_tokens, now - entry.dispatched_at, entry.others_at_dispatch
-                )
-            if (
-                ticket.traffic_class is TrafficClass.INTERACTIVE
-                and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS
-            ):
-                self.estimates.observe_idle_ttft(now - ticket.arrival)
-        entry.generated += tokens
-        self._running_output_left -= tokens
-        self.estimates.tokens_generated(tokens, now)
+        self.generated_many(((request_id, tokens, False),), now)
+
+    def generated_many(self, outputs: Iterable[tuple[str, int, bool]], now: float) -> None:
+        """An engine step's outputs, all by `now`: each (request id, tokens, completed) as
+        `generated` and then, if completed, `release(completed=True)`, in order.
+
+        One call per step rather than two per output: a simulated million requests make
+        millions of outputs. The rate estimates see the instant's first tokens at once (that
+        may close a window, which the next first-token observation reads); the rest of the
+        instant's tokens only add to the window, so they are summed and added before anything
+        that may replace it (a release)."""
+        running = self._running
+        estimates = self.estimates
+        seen_now = False  # the estimates saw tokens at `now`
+        unseen = 0  # tokens at `now` not yet added to them
+        for request_id, tokens, completed in outputs:
+            entry = running.get(request_id)
+            if entry is not None and tokens > 0:
+                if entry.first_token_at is None:
+                    self._first_token(entry, now)
+                entry.generated += tokens
+                self._running_output_left -= tokens
+                if seen_now:
+                    unseen += tokens
+                else:
+                    estimates.tokens_generated(tokens, now)
+                    seen_now = True
+            if completed:
+                if unseen:
+                    estimates.tokens_generated(unseen, now)
+                    unseen = 0
+                self.release(request_id, now, completed=True)
+        if unseen:
+            estimates.tokens_generated(unseen, now)
+
+    def _first_token(self, entry: _Running, now: float) -> None:
+        entry.first_token_at = now
+        ticket = entry.ticket
+        if not ticket.resumed_tokens:  # a continuation's prefix is mostly cached
+            self.estimates.observe_prefill(
+                ticket.prompt_tokens, now - entry.dispatched_at, entry.others_at_dispatch
+            )
+        if (
+            ticket.traffic_class is TrafficClass.INTERACTIVE
+            and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS
+        ):
+            self.estimates.observe_idle_ttft(now - ticket.arrival)
 
     def release(self, request_id: str, now: float, *, completed: bool = False) -> Stage | None:
         """End a ticket wherever it is; returns where it was (None: already ended). A completed

@@ -80,6 +80,9 @@ class StepTimes:
         self._bins: dict[int, tuple[float, float]] = {}  # bin -> (concurrency, step seconds)
         self._points: list[tuple[float, float]] = []  # the bins' values, by concurrency
         self.revision = 0  # counts the observations that changed the estimate
+        # The last `at` asked and its answer: one admission asks the same level two or three
+        # times (its wait, its own service time), a million admissions in a simulation.
+        self._last_at = (math.nan, 0.0)
 
     def observe(self, concurrency: float, step_s: float) -> None:
         if concurrency <= 0 or step_s <= 0:
@@ -102,9 +105,18 @@ class StepTimes:
                 # Within a hair of the same rate is the same rate (see `knee`).
                 self._bins[higher] = (c, same_rate_s if s <= same_rate_s * _SAME_RATE else s)
         self._points = sorted(self._bins.values())
+        self._last_at = (math.nan, 0.0)
         self.revision += 1
 
     def at(self, concurrency: float) -> float:
+        last_c, last_s = self._last_at
+        if concurrency == last_c:
+            return last_s
+        step_s = self._at(concurrency)
+        self._last_at = (concurrency, step_s)
+        return step_s
+
+    def _at(self, concurrency: float) -> float:
         points = self._points
         if not points:
             return self._prior

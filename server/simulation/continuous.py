@@ -66,7 +66,7 @@ class _Live:
     targets: SloTargets | None  # an interactive request's targets at its arrival
     stream: tuple[int, int] | None  # the bulk stream that sent it, its number in that stream
     # Once dispatched, its prompt: its first, or that and what it generated before a preemption.
-    prompt: list[int] | None = None
+    prompt: Sequence[int] | None = None
     delivered_before: int = 0  # its output tokens when it was last dispatched
     gaps: list[float] | None = None  # its tokens' gaps so far
     last_token_at: float = 0.0
@@ -181,13 +181,14 @@ class ContinuousSimulation:
         timeline = Timeline(arrival.id, arrival.tenant, self._class_name[tc], now, deadline)
         if self._keep_timelines:
             self.timelines[arrival.id] = timeline
-        targets = self.core.bulk_cap.targets() if tc is TrafficClass.INTERACTIVE else None
-        live = _Live(timeline, targets, stream)
+        live = _Live(timeline, None, stream)
         decision = self.core.submit(ticket, now)
-        if isinstance(decision, Rejected):
+        if isinstance(decision, Rejected):  # (a refusal's verdict reads no targets)
             timeline.reason = decision.reason
             self._end(live, "rejected", None)
             return
+        if tc is TrafficClass.INTERACTIVE:  # the targets at its arrival: admitting one is no
+            live.targets = self.core.bulk_cap.targets()  # observation, and moves none
         self._live[arrival.id] = live
         self._dispatch()
 
@@ -224,11 +225,15 @@ class ContinuousSimulation:
         live.engine_id = engine_id
         self._by_engine_id[engine_id] = live
         prompt = live.prompt
+        seed = None  # a continuation's tokens are seeded by its engine id
         if prompt is None:  # its own prompt, so that the engine's prefix cache is honest
-            prompt = live.prompt = self._prompt(rid, ticket.prompt_tokens)
+            # Its first dispatch runs under its own id: the hash that places its prompt is the
+            # seed the engine would take from that id (hashed once, not twice).
+            seed = stable_hash(rid)
+            prompt = live.prompt = self._prompt(seed, ticket.prompt_tokens)
         assert len(prompt) == ticket.prompt_tokens
         live.delivered_before = timeline.output_tokens
-        self.model.add(engine_id, prompt, ticket.max_tokens, ignore_eos=True)  # copies it
+        self.model.add(engine_id, prompt, ticket.max_tokens, ignore_eos=True, seed=seed)  # copies
         if timeline.dispatched is None:
             timeline.dispatched = now
         timeline.outcome = "running"
@@ -236,12 +241,14 @@ class ContinuousSimulation:
             max(now, ticket.deadline), partial(self._running_deadline, live)
         )
 
-    def _prompt(self, request_id: str, length: int) -> list[int]:
+    def _prompt(self, request_hash: int, length: int) -> Sequence[int]:
+        """A request's prompt: consecutive ids from where its id's hash places it (the engine
+        copies it into its own list: no list of our own where a range says it)."""
         first = len(SPECIAL_TOKENS)
         span = self.model.config.vocab_size - first
-        start = stable_hash(request_id) % span
+        start = request_hash % span
         if start + length <= span:  # no wrap: a run of consecutive ids
-            return list(range(first + start, first + start + length))
+            return range(first + start, first + start + length)
         return [first + (start + i) % span for i in range(length)]
 
     def _stop_engine_request(self, live: _Live) -> None:
@@ -287,32 +294,34 @@ class ContinuousSimulation:
 
     def _deliver(self, result: StepResult) -> None:
         now = self.loop.now
-        core = self.core
         by_engine_id = self._by_engine_id
-        for output in result.outputs:
-            live = by_engine_id.get(output.request_id)
+        outputs: list[tuple[str, int, bool]] = []  # for the core, in one call
+        completed: list[_Live] = []
+        for engine_id, reason in zip(result.request_ids, result.finish_reasons, strict=True):
+            live = by_engine_id.get(engine_id)
             if live is None:
                 continue  # aborted while the step ran: a late output revives nothing
             timeline = live.timeline
-            rid = timeline.id
-            count = len(output.token_ids)
-            core.generated(rid, count, now)
+            # One token per output: its gap is the time since the last.
             if timeline.first_token is None:
                 timeline.first_token = now
             elif live.gaps is None:
-                live.gaps = [(now - live.last_token_at) / count] * count
-            elif count == 1:
-                live.gaps.append(now - live.last_token_at)
+                live.gaps = [now - live.last_token_at]
             else:
-                live.gaps.extend([(now - live.last_token_at) / count] * count)
+                live.gaps.append(now - live.last_token_at)
             live.last_token_at = now
-            timeline.output_tokens += count
-            if output.finish_reason is not None:
-                self._stop_deadline(live)
-                del by_engine_id[output.request_id]
-                live.engine_id = None
-                core.release(rid, now, completed=True)
-                self._end(live, "completed", None)
+            timeline.output_tokens += 1
+            if reason is None:
+                outputs.append((timeline.id, 1, False))
+                continue
+            outputs.append((timeline.id, 1, True))
+            self._stop_deadline(live)
+            del by_engine_id[engine_id]
+            live.engine_id = None
+            completed.append(live)
+        self.core.generated_many(outputs, now)
+        for live in completed:
+            self._end(live, "completed", None)
         self._stepping = False
         self._dispatch()
 

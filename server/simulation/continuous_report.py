@@ -39,6 +39,11 @@ class Timeline:
     slo: str | None = None  # "met", "missed:<reason>", or None when it does not count
 
 
+# The outcome key of each refusal, made once: formatting an enum runs Python code, and most of
+# a million overloaded arrivals are refused.
+_REJECTED = {reason: f"rejected:{reason}" for reason in RejectReason}
+
+
 @dataclass(slots=True)
 class _ClassTally:
     requests: int = 0
@@ -54,7 +59,7 @@ class _ClassTally:
 
     def add(self, t: Timeline) -> None:
         self.requests += 1
-        key = t.outcome if t.reason is None else f"rejected:{t.reason}"
+        key = t.outcome if t.reason is None else _REJECTED[t.reason]
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
         if t.slo is not None:
             self.slo[t.slo] = self.slo.get(t.slo, 0) + 1
@@ -101,7 +106,9 @@ class Tally:
 
     def add(self, t: Timeline) -> None:
         self.requests += 1
-        self.end = max(self.end, t.finished or t.arrival)
+        end = t.finished or t.arrival
+        if end > self.end:
+            self.end = end
         self._classes[t.traffic_class].add(t)
         if t.outcome == "completed":
             self._tenant_tokens[t.tenant] = self._tenant_tokens.get(t.tenant, 0) + t.output_tokens

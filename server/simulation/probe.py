@@ -29,8 +29,8 @@ def probe_timing_model(sim: SimConfig, *, max_sequences: int, tokens: int = 16) 
         while model.has_work:
             result = model.step()
             now += result.duration_s
-            for output in result.outputs:
-                deltas[output.request_id].append((now, len(output.token_ids)))
+            for request_id in result.request_ids:  # one token each
+                deltas[request_id].append((now, 1))
         return [stream_timing(0.0, stream) for stream in deltas.values()]
 
     solo = run(1, prompt) * SOLO_RUNS  # deterministic: every solo run is the same

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator
 
@@ -25,6 +26,7 @@ from engine_adapters.sim_model import (
     StepResult,
     add_sim_arguments,
     detokenize,
+    stable_hash,
 )
 
 # Round numbers so durations can be checked exactly: base 1 ms, decode 0.1, prefill 0.01.
@@ -216,6 +218,26 @@ def test_seed_decides_the_tokens_else_the_request_id() -> None:
     tokens = tokens_by_request(run_to_completion(model))
     assert tokens["x"] == tokens["y"] != tokens["z"]
     assert all(len(SPECIAL_TOKENS) <= t < SimConfig().vocab_size for t in tokens["z"])
+
+
+def test_tokens_are_drawn_as_random_random_draws_them() -> None:
+    # Each token as rng.randrange(first word, vocab_size), then one rng.random() for the end
+    # test, from random.Random(seed): the stream the model documents (and tests rely on).
+    model = SimTimingModel()
+    for seed in (0, 7, 2**63 + 12345):
+        model.add(f"s{seed}", PROMPT, max_tokens=50, seed=seed)
+    model.add("by-id", PROMPT, max_tokens=50)
+    tokens = tokens_by_request(run_to_completion(model))
+    for rid, seed in [
+        *((f"s{s}", s) for s in (0, 7, 2**63 + 12345)),
+        ("by-id", stable_hash("by-id")),
+    ]:
+        rng = random.Random(seed)
+        expected = []
+        for _ in range(50):
+            expected.append(rng.randrange(len(SPECIAL_TOKENS), SimConfig().vocab_size))
+            rng.random()
+        assert tokens[rid] == expected
 
 
 def test_finishes_with_length_at_max_tokens_or_max_model_len() -> None:

@@ -401,6 +401,53 @@ def test_decode_step_time_is_learned_at_the_concurrency_it_ran_at() -> None:
     assert s.estimates.decode_tokens_per_s(2) == pytest.approx(1 / 0.015, rel=1e-3)
 
 
+def test_a_steps_outputs_reported_at_once_count_as_each_reported_alone() -> None:
+    # The simulator reports an engine step's outputs in one call (generated_many); the server
+    # reports each delta (generated, then release when it completes). Both must leave the core
+    # in the same state, to the last bit: the simulator's reports must not change with it.
+    cfg = config(
+        estimates={"prefill_tokens_per_s": 1e5, "decode_tokens_per_s": 100, "smoothing": 0.5}
+    )
+    one_call, each_alone = core(cfg, sequences=40), core(cfg, sequences=40)
+    # 30 end together (the running count falls past a window jump mid-step), the rest spread
+    # out; some stop short of max_tokens (the output estimate turns fractional), and those
+    # queued behind start as the others end.
+    lengths = {f"r{n}": (45 if n < 30 else 46 + 7 * n % 50) for n in range(60)}
+    for s in (one_call, each_alone):
+        for n, (rid, length) in enumerate(lengths.items()):
+            admit(s, ticket(rid, prompt=300, max_tokens=length + n % 3))
+        s.poll(0.0)
+    left = {t.request_id: lengths[t.request_id] for t in one_call.running_tickets()}
+    assert [t.request_id for t in each_alone.running_tickets()] == list(left)
+    now = 0.0
+    probe = ticket("probe", prompt=50, max_tokens=50)
+    while left:
+        now += 0.012
+        outputs = []
+        for rid in list(left):
+            left[rid] -= 1
+            outputs.append((rid, 1, left[rid] == 0))
+            if left[rid] == 0:
+                del left[rid]
+        one_call.generated_many(outputs, now)
+        for rid, tokens, completed in outputs:
+            each_alone.generated(rid, tokens, now)
+            if completed:
+                each_alone.release(rid, now, completed=True)
+        started = [ids(s.poll(now).started) for s in (one_call, each_alone)]
+        assert started[0] == started[1]
+        left.update({rid: lengths[rid] for rid in started[0]})
+        for s in (one_call, each_alone):
+            assert s.ledger.in_use() == one_call.ledger.in_use()
+            assert s.estimates.output_fraction == one_call.estimates.output_fraction
+            assert s.predicted_wait(probe, now) == one_call.predicted_wait(probe, now)
+            for concurrency in (1, 8, 24, 40):
+                assert s.estimates.steps.at(concurrency) == one_call.estimates.steps.at(concurrency)
+    assert one_call.estimates.steps.revision == each_alone.estimates.steps.revision >= 3
+    assert 0 < one_call.estimates.output_fraction < 1
+    assert one_call.is_idle() and each_alone.is_idle()
+
+
 def test_admission_judges_queued_work_at_the_step_time_it_sees_now() -> None:
     # The prior says 10 ms steps; the engine, once four sequences run, takes 40 ms.
     cfg = config(

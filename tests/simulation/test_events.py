@@ -56,3 +56,25 @@ def test_a_cancelled_event_does_not_run() -> None:
     handle.cancel()
     loop.run()
     assert ran == []
+
+
+def test_cancelled_events_leave_the_heap_and_the_rest_keep_their_order() -> None:
+    # A simulator cancels most deadlines it schedules; once the cancelled are most of the heap
+    # it is rebuilt without them, and what is left (ties, fed items) runs as before.
+    ran: list[tuple[float, int]] = []
+    loop = EventLoop()
+
+    def record(time: float, n: int) -> Callable[[], None]:
+        return lambda: ran.append((time, n))
+
+    loop.feed((t, record(t, -1)) for t in (0.5, 1.5, 2.5))
+    handles = [loop.call_at(float(n % 3), record(float(n % 3), n)) for n in range(600)]
+    for n, handle in enumerate(handles):
+        if n % 10:
+            handle.cancel()
+            handle.cancel()  # twice is once
+    assert len(loop._heap) < 300  # (rebuilt as the cancelled piled up)
+    loop.run()
+    kept = [n for n in range(600) if n % 10 == 0]
+    # By time, and ties in scheduling order (n counts up as they were scheduled).
+    assert ran == sorted([(float(n % 3), n) for n in kept] + [(t, -1) for t in (0.5, 1.5, 2.5)])

@@ -144,9 +144,11 @@ class GenerationRequest:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TokenDelta:
-    """New output since the previous delta of the same request.
+    """New output since the previous delta of the same request. Not changed once made (not
+    frozen: one is made per token, and a frozen dataclass's `__init__` costs four times a
+    plain one's).
 
     `token_ids` may hold several tokens when the consumer fell behind the engine; `text` is
     their detokenized text (possibly empty while a multi-byte character is incomplete).

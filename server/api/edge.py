@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +14,7 @@ from starlette.requests import HTTPConnection
 from starlette.types import Receive
 
 from server.api.send_guard import SendGuard
+from server.api.sse import SSEResponse
 from server.core.errors import InvalidRequest
 from server.generations.planner import RequestContext
 from server.scheduler.types import TrafficClass
@@ -31,6 +32,21 @@ class Edge:
     # A stream's reader that finds several pieces of text waiting (it fell behind) sends them
     # as one chunk; off: one event per piece, whatever the backlog.
     coalesce: bool = True
+
+    def sse(
+        self,
+        content: AsyncIterator[bytes],
+        headers: Mapping[str, str] | None = None,
+        ping_message_factory: Callable[[], Any] | None = None,
+    ) -> SSEResponse:
+        """A stream of `content`'s SSE bytes, its sends watched, pinged every `ping_seconds`."""
+        return SSEResponse(
+            content,
+            self.send_guard,
+            headers=headers,
+            ping=self.ping_seconds,
+            ping_message_factory=ping_message_factory,
+        )
 
 
 def request_id_from(header: str | None) -> str:

@@ -9,7 +9,6 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import orjson
-from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -33,17 +32,6 @@ from server.openai.requests import parse_request
 from server.openai.responses import DONE, ChunkEncoder, usage
 
 logger = logging.getLogger("sluice.server")
-
-
-class GuardedEventSourceResponse(EventSourceResponse):
-    """sse-starlette's response (pings, disconnect listener, one task group per stream) whose
-    sends are bounded by the server-wide SendGuard, so no cancel scope is built per token.
-
-    Overrides sse-starlette's per-send hook (`_send_with_timeout`, sse-starlette 3.x).
-    """
-
-    async def _send_with_timeout(self, send: Send, message: Any) -> None:
-        await send(message)
 
 
 class JSONResponse(Response):
@@ -320,11 +308,9 @@ class StreamedBatchResponse:
             if failure is not None:
                 await error_response(failure, self.request_id)(scope, receive, send)
                 return
-            await GuardedEventSourceResponse(
-                self._events(),
-                headers={"X-Request-Id": self.request_id},
-                ping=self.services.edge.ping_seconds,
-            )(scope, receive, self.services.edge.send_guard.wrap(send))
+            await self.services.edge.sse(self._events(), {"X-Request-Id": self.request_id})(
+                scope, receive, send
+            )
 
     async def _events(self) -> AsyncIterator[bytes]:
         arrived: asyncio.Queue[Event] = asyncio.Queue()  # (each run's log holds them anyway)
@@ -437,13 +423,9 @@ class RunResponse:
                 await self.error(failure)(scope, receive, send)
                 return
             if stream:
-                edge = self.services.edge
-                await GuardedEventSourceResponse(
-                    self._events(),
-                    headers=self.headers,
-                    ping=edge.ping_seconds,
-                    ping_message_factory=self.ping,
-                )(scope, receive, edge.send_guard.wrap(send))
+                await self.services.edge.sse(self._events(), self.headers, self.ping)(
+                    scope, receive, send
+                )
                 return
             last = run.log[-1]
             error = last.error

@@ -12,7 +12,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api.edge import context_of, request_id_from, unless_gone
 from server.api.openai_routes import (
-    GuardedEventSourceResponse,
     JSONResponse,
     error_response,
     read_json,
@@ -176,11 +175,9 @@ class ResponseStream:
                 if run.failure is not None:
                     await error_response(run.failure, request_id)(scope, receive, send)
                     return
-            await GuardedEventSourceResponse(
-                self._events(),
-                headers={"X-Request-Id": request_id},
-                ping=self.services.edge.ping_seconds,
-            )(scope, receive, self.services.edge.send_guard.wrap(send))
+            await self.services.edge.sse(self._events(), {"X-Request-Id": request_id})(
+                scope, receive, send
+            )
 
     async def _events(self) -> AsyncIterator[bytes]:
         stores = self.owner or self.keeper
@@ -203,9 +200,7 @@ class StoredStream:
         self.after = after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await GuardedEventSourceResponse(self._events(), ping=self.services.edge.ping_seconds)(
-            scope, receive, self.services.edge.send_guard.wrap(send)
-        )
+        await self.services.edge.sse(self._events())(scope, receive, send)
 
     async def _events(self) -> AsyncIterator[bytes]:
         for event in self.events[self.after + 1 :]:

@@ -37,9 +37,11 @@ _LAST = (Kind.DONE, Kind.WHOLE)
 EVENT_BYTES = 360
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Event:
-    """One entry of the log. `sse` is its SSE rendering, made once for every reader."""
+    """One entry of the log. `sse` is its SSE rendering, made once for every reader. Not
+    changed once made; not frozen, which would cost a microsecond per token (a frozen
+    dataclass's `__init__` sets each field through `object.__setattr__`)."""
 
     kind: Kind
     sse: bytes = b""

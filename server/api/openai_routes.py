@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api.edge import context_of, request_id_from, unless_gone
 from server.api.services import Services
+from server.api.sse import SSEResponse
 from server.core.errors import (
     GenerationCancelled,
     InvalidRequest,
@@ -409,6 +410,7 @@ class RunResponse:
         self.run = run
         self.after = after
         self.headers = {"X-Request-Id": run.timeline.request_id}
+        self._response: SSEResponse | None = None  # a stream's, once it has begun
         if replayed:
             self.headers["Idempotent-Replayed"] = "true"
 
@@ -423,9 +425,8 @@ class RunResponse:
                 await self.error(failure)(scope, receive, send)
                 return
             if stream:
-                await self.services.edge.sse(self._events(), self.headers, self.ping)(
-                    scope, receive, send
-                )
+                self._response = self.services.edge.sse(self._events(), self.headers, self.ping)
+                await self._response(scope, receive, send)
                 return
             last = run.log[-1]
             error = last.error
@@ -440,7 +441,11 @@ class RunResponse:
 
     async def _events(self) -> AsyncIterator[bytes]:
         """The events after `after`: all that are ready when the reader wakes, in one write
-        (merged into one chunk where they can be: `Edge.coalesce`)."""
+        (merged into one chunk where they can be: `Edge.coalesce`). A run only this reader
+        can read writes them itself, as it logs them (`GenerationRun.written`)."""
         run, merge = self.run, self.services.edge.coalesce
+        if run.writable and self._response is not None:
+            await run.written(self._response.write, merge)
+            return
         async for last, batch in run.log.batches(self.after):
             yield run.sse(last, batch, merge)

@@ -10,6 +10,7 @@ there; its start and its end go through the middlewares as every response's do.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 from sse_starlette import EventSourceResponse
@@ -29,6 +30,11 @@ class SSEResponse(EventSourceResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._chunk = self._guard.wrap(scope.get(RAW_SEND, send))
         await super().__call__(scope, receive, self._guard.wrap(send))
+
+    def write(self, chunk: bytes) -> Awaitable[None]:
+        """Send `chunk` now, from whichever task (a run's own: `GenerationRun.written`)."""
+        assert self._chunk is not None, "the response has begun"
+        return self._chunk({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _send_with_timeout(self, send: Send, message: Message) -> None:
         # sse-starlette's hook for each chunk and ping (its per-send timeout in 3.x): the

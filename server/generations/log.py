@@ -85,6 +85,7 @@ class EventLog(Sequence[Event]):
         self._events: list[Event] = []
         self._dropped = 0  # events before the first held (a log that does not keep them)
         self._waiters: list[asyncio.Future[None]] = []
+        self._closing: list[asyncio.Future[None]] = []  # woken when it closes, and only then
 
     def __len__(self) -> int:
         return self._dropped + len(self._events)
@@ -129,6 +130,10 @@ class EventLog(Sequence[Event]):
         """Nothing more comes: readers that reach the end stop there."""
         self.closed = True
         self.wake()
+        waiters, self._closing = self._closing, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def wake(self) -> None:
         """Tell the waiters the log (or what of it readers may see) changed."""
@@ -150,27 +155,43 @@ class EventLog(Sequence[Event]):
         """How many events readers may see."""
         return len(self) if self.durable is None else self.durable
 
+    async def closing(self) -> None:
+        """Until the log is closed (woken by that alone, not by each event)."""
+        if not self.closed:
+            waiter = asyncio.get_running_loop().create_future()
+            self._closing.append(waiter)
+            await waiter
+
     async def until_closed(self) -> Event:
         """The last event, once the log is closed (and readers may see all of it)."""
         while not (self.closed and self.visible == len(self)):
             await self.changed()
         return self._events[-1]
 
+    def take(self, after: int) -> list[Event]:
+        """The events after number `after` that readers may see (the last is numbered
+        `self.visible`), taken by the reader that asks: a log that does not keep its events
+        holds only the last of them from now on."""
+        visible = self.visible
+        if after >= visible:
+            return []
+        start = after - self._dropped
+        if start < 0:
+            raise IndexError("the events were dropped once read")
+        batch = self._events[start : visible - self._dropped]
+        if not self.keep:  # its one reader has them now: hold the last alone
+            del self._events[: len(batch) + start - 1]
+            self._dropped = visible - 1
+        return batch
+
     async def batches(self, after: int = 0) -> AsyncIterator[tuple[int, list[Event]]]:
         """Every event after number `after`, live, until the log closes: at each wake, all
         that readers may see and this one has not taken, with the number of the last."""
         seq = after
         while True:
-            visible = self.visible
-            if seq < visible:
-                start = seq - self._dropped
-                if start < 0:
-                    raise IndexError("the events were dropped once read")
-                batch = self._events[start : visible - self._dropped]
-                seq = visible
-                if not self.keep:  # its one reader has them now: hold the last alone
-                    del self._events[: len(batch) + start - 1]
-                    self._dropped = seq - 1
+            batch = self.take(seq)
+            if batch:
+                seq += len(batch)
                 yield seq, batch
                 continue
             if self.closed and seq >= len(self):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +115,33 @@ class Shape:
         )
 
 
+class _Writer:
+    """A run's one reader that writes the run's events where they are logged (`written`).
+    One `flush` writes at a time; another, asked meanwhile, leaves the events to it."""
+
+    def __init__(
+        self, run: GenerationRun, write: Callable[[bytes], Awaitable[None]], merge: bool
+    ) -> None:
+        self.run = run
+        self.write = write
+        self.merge = merge
+        self.after = 0  # the last event written
+        self.busy = False
+
+    async def flush(self) -> None:
+        """Write every event logged and not yet written, one write per batch."""
+        if self.busy:
+            return
+        self.busy = True
+        try:
+            run = self.run
+            while batch := run.log.take(self.after):
+                self.after += len(batch)
+                await self.write(run.sse(self.after, batch, self.merge))
+        finally:
+            self.busy = False
+
+
 class GenerationRun:
     """A generation and its event log. `start()` it once; read it with `reading()` +
     `events(after)` / `started()` / `until_ended()`; `cancel(error)` it from anywhere.
@@ -158,6 +185,7 @@ class GenerationRun:
         self._handed_over = False
         self._readers = 0
         self._grace: asyncio.TimerHandle | None = None
+        self._writer: _Writer | None = None  # a reader writing in this run's task (`written`)
 
     # -- the producer ---------------------------------------------------------------------
 
@@ -351,24 +379,25 @@ class GenerationRun:
             else:
                 unsent.extend(delta.token_ids)
                 unsent_text += delta.text
-            if delta.finish_reason is None:
-                continue
-            if choices.left:  # not the last to finish: its own finishing chunk now
-                append(
-                    Event(
-                        Kind.FINISH,
-                        encoder.finish(
-                            Choices.finish_reason(choice),
-                            choice.stop_reason,
-                            None,
-                            timeline.generated_tokens,
+            if delta.finish_reason is not None:
+                if choices.left:  # not the last to finish: its own finishing chunk now
+                    append(
+                        Event(
+                            Kind.FINISH,
+                            encoder.finish(
+                                Choices.finish_reason(choice),
+                                choice.stop_reason,
+                                None,
+                                timeline.generated_tokens,
+                                choice.index,
+                            ),
                             choice.index,
-                        ),
-                        choice.index,
+                        )
                     )
-                )
-            else:
-                last = choice
+                else:
+                    last = choice
+            if self._writer is not None:
+                await self._writer.flush()
         choices.check_all_finished()
         assert last is not None
         finish_reason = Choices.finish_reason(last)
@@ -515,6 +544,28 @@ class GenerationRun:
             # names the last event of the generation it had.)
             parts.append(b"id: %d\n%s" % (seq, sse) if numbered and not event.local else sse)
         return b"".join(parts)
+
+    @property
+    def writable(self) -> bool:
+        """Whether its reader may write it in the run's own task (`written`): a stream that
+        nobody can resume or follow, read on this replica alone."""
+        return self.shape.stream and not self.resumable and not self.shared
+
+    async def written(self, write: Callable[[bytes], Awaitable[None]], merge: bool) -> None:
+        """Read the run to its end by writing (`write`) what it logs as it logs it, in the
+        run's own task: no other task is woken per token to send it. This reader's task writes
+        what was logged before and what the run logs as it ends. A client slower than the
+        engine holds the run in `write`, and the engine's next delta brings every token made
+        meanwhile (as vLLM's output collector does): the backlog waits in the engine, not in
+        the log."""
+        assert self.writable and self._writer is None
+        writer = self._writer = _Writer(self, write, merge)
+        try:
+            await writer.flush()
+            await self.log.closing()
+            await writer.flush()
+        finally:
+            self._writer = None
 
     def attach(self) -> None:
         """A reader begins (each `attach` is matched by one `detach`)."""

@@ -143,6 +143,53 @@ async def test_an_idle_stream_sends_one_token_per_event(sluice: Generations) -> 
     assert pieces == 30 == run.timeline.generated_tokens
 
 
+async def test_a_run_read_by_one_reader_writes_each_token_in_its_own_task(
+    sluice: Generations,
+) -> None:
+    # A stream nobody can resume, read by its one reader: the run writes what it logs in its
+    # own task (no task woken per token), one token per event while the client keeps up,
+    # and its log holds nothing it has written.
+    run, _ = await open_run(sluice, {**BODY, "max_tokens": 30, "ignore_eos": True})
+    assert run.writable
+    writes: list[tuple[asyncio.Task[object] | None, bytes, int]] = []
+
+    async def write(chunk: bytes) -> None:
+        writes.append((asyncio.current_task(), chunk, run.log.held))
+
+    with run.reading():
+        await run.written(write, merge=True)
+    reader = asyncio.current_task()
+    texts = [content_of([c for _, c in sse_events(chunk)]) for _, chunk, _ in writes]
+    assert all(len(text) <= 1 for text in texts)  # one piece of text a write
+    assert sum(len(text) for text in texts) == 30 == run.timeline.generated_tokens
+    by_run = [task for task, _, _ in writes if task is not reader]
+    assert len(by_run) >= 30  # every token's write (the role's and the end's are the reader's)
+    assert all(held <= 1 for _, _, held in writes)
+    assert writes[-1][1].endswith(b"data: [DONE]\n\n") and run.ended
+
+
+async def test_a_slow_client_holds_its_run_and_the_engine_keeps_the_backlog(
+    sluice: Generations,
+) -> None:
+    # The client takes five engine steps to accept each write: the run waits in its write,
+    # and the engine's next delta brings every token made meanwhile: fewer, larger chunks,
+    # every token counted, and nothing piling up in the log.
+    run, _ = await open_run(sluice, {**BODY, "max_tokens": 30, "ignore_eos": True})
+    texts: list[str] = []
+    held: list[int] = []
+
+    async def write(chunk: bytes) -> None:
+        texts.extend(content_of([c for _, c in sse_events(chunk)]))
+        held.append(run.log.held)
+        await asyncio.sleep(0.010)  # the client's socket accepts the bytes 10 ms later
+
+    with run.reading():
+        await run.written(write, merge=True)
+    assert run.timeline.generated_tokens == 30
+    assert 1 < len(texts) < 30  # several tokens a chunk
+    assert max(held) <= 2
+
+
 @pytest.mark.parametrize("key", [None, "behind"])
 async def test_a_reader_that_fell_behind_gets_the_waiting_text_as_one_chunk(
     sluice: Generations, key: str | None

@@ -445,7 +445,8 @@ class RunResponse:
         can read writes them itself, as it logs them (`GenerationRun.written`)."""
         run, merge = self.run, self.services.edge.coalesce
         if run.writable and self._response is not None:
-            await run.written(self._response.write, merge)
+            write = self._response.write
+            await run.written(lambda last, batch: write(run.sse(last, batch, merge)))
             return
         async for last, batch in run.log.batches(self.after):
             yield run.sse(last, batch, merge)

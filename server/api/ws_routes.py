@@ -250,13 +250,21 @@ class Connection(WebSocketSession):
 
     async def _read(self, gen_id: str, run: GenerationRun, after: int) -> None:
         """The run's events as messages to the connection's writer: all that are ready when
-        the reader wakes (merged where they can be: `Edge.coalesce`)."""
+        the reader wakes (merged where they can be: `Edge.coalesce`). A run only this reader
+        can read hands them over itself, as it logs them (`GenerationRun.written`)."""
         merge = self.services.edge.coalesce
-        async for last, batch in run.log.batches(after):
+
+        async def deliver(last: int, batch: list[Event]) -> None:
             for seq, group in run.coalesced(last, batch, merge):
                 message = ws_message(gen_id, seq, group, run)
                 if message is not None:
                     await self.outbox.put(message)
+
+        if run.writable and after == 0:
+            await run.written(deliver)
+            return
+        async for last, batch in run.log.batches(after):
+            await deliver(last, batch)
 
 
 async def websocket_endpoint(services: Services, websocket: WebSocket) -> None:

@@ -115,29 +115,28 @@ class Shape:
         )
 
 
-class _Writer:
-    """A run's one reader that writes the run's events where they are logged (`written`).
-    One `flush` writes at a time; another, asked meanwhile, leaves the events to it."""
+Deliver = Callable[[int, list[Event]], Awaitable[None]]  # (number of the last, events)
 
-    def __init__(
-        self, run: GenerationRun, write: Callable[[bytes], Awaitable[None]], merge: bool
-    ) -> None:
-        self.run = run
-        self.write = write
-        self.merge = merge
-        self.after = 0  # the last event written
+
+class _Writer:
+    """A run's one reader that is handed the run's events where they are logged (`written`).
+    One `flush` delivers at a time; another, asked meanwhile, leaves the events to it."""
+
+    def __init__(self, log: EventLog, deliver: Deliver) -> None:
+        self.log = log
+        self.deliver = deliver
+        self.after = 0  # the last event delivered
         self.busy = False
 
     async def flush(self) -> None:
-        """Write every event logged and not yet written, one write per batch."""
+        """Deliver every event logged and not yet delivered, a batch at a time."""
         if self.busy:
             return
         self.busy = True
         try:
-            run = self.run
-            while batch := run.log.take(self.after):
+            while batch := self.log.take(self.after):
                 self.after += len(batch)
-                await self.write(run.sse(self.after, batch, self.merge))
+                await self.deliver(self.after, batch)
         finally:
             self.busy = False
 
@@ -551,15 +550,15 @@ class GenerationRun:
         nobody can resume or follow, read on this replica alone."""
         return self.shape.stream and not self.resumable and not self.shared
 
-    async def written(self, write: Callable[[bytes], Awaitable[None]], merge: bool) -> None:
-        """Read the run to its end by writing (`write`) what it logs as it logs it, in the
-        run's own task: no other task is woken per token to send it. This reader's task writes
-        what was logged before and what the run logs as it ends. A client slower than the
-        engine holds the run in `write`, and the engine's next delta brings every token made
-        meanwhile (as vLLM's output collector does): the backlog waits in the engine, not in
-        the log."""
+    async def written(self, deliver: Deliver) -> None:
+        """Read the run to its end by delivering (`deliver`: a batch and the number of its
+        last event, to write it) what it logs as it logs it, in the run's own task: no other
+        task is woken per token to write it. This reader's task delivers what was logged
+        before and what the run logs as it ends. A client slower than the engine holds the
+        run in `deliver`, and the engine's next delta brings every token made meanwhile (as
+        vLLM's output collector does): the backlog waits in the engine, not in the log."""
         assert self.writable and self._writer is None
-        writer = self._writer = _Writer(self, write, merge)
+        writer = self._writer = _Writer(self.log, deliver)
         try:
             await writer.flush()
             await self.log.closing()

@@ -21,7 +21,7 @@ from server.core.config import parse_config
 from server.core.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
 from server.generations.planner import RequestContext
 from server.generations.registry import RunStore
-from server.generations.run import GenerationRun, Kind
+from server.generations.run import Event, GenerationRun, Kind
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.observability.metrics import Metrics
@@ -153,11 +153,11 @@ async def test_a_run_read_by_one_reader_writes_each_token_in_its_own_task(
     assert run.writable
     writes: list[tuple[asyncio.Task[object] | None, bytes, int]] = []
 
-    async def write(chunk: bytes) -> None:
-        writes.append((asyncio.current_task(), chunk, run.log.held))
+    async def write(last: int, batch: list[Event]) -> None:
+        writes.append((asyncio.current_task(), run.sse(last, batch, merge=True), run.log.held))
 
     with run.reading():
-        await run.written(write, merge=True)
+        await run.written(write)
     reader = asyncio.current_task()
     texts = [content_of([c for _, c in sse_events(chunk)]) for _, chunk, _ in writes]
     assert all(len(text) <= 1 for text in texts)  # one piece of text a write
@@ -178,13 +178,13 @@ async def test_a_slow_client_holds_its_run_and_the_engine_keeps_the_backlog(
     texts: list[str] = []
     held: list[int] = []
 
-    async def write(chunk: bytes) -> None:
-        texts.extend(content_of([c for _, c in sse_events(chunk)]))
+    async def write(last: int, batch: list[Event]) -> None:
+        texts.extend(content_of([c for _, c in sse_events(run.sse(last, batch, merge=True))]))
         held.append(run.log.held)
         await asyncio.sleep(0.010)  # the client's socket accepts the bytes 10 ms later
 
     with run.reading():
-        await run.written(write, merge=True)
+        await run.written(write)
     assert run.timeline.generated_tokens == 30
     assert 1 < len(texts) < 30  # several tokens a chunk
     assert max(held) <= 2

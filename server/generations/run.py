@@ -264,7 +264,7 @@ class GenerationRun:
                     raise engine_failure(exc) from None
         except SluiceError as error:
             self._fail(error)
-        except asyncio.CancelledError:  # only `cancel` cancels this task
+        except asyncio.CancelledError:  # `cancel`; or the SendGuard, while it writes (`written`)
             self._fail(self._cancel_with or GenerationCancelled("the generation was cancelled"))
         except Exception:
             logger.exception("generation %s failed", self.timeline.request_id)

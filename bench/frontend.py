@@ -9,6 +9,10 @@ server process's CPU per token:
 
 * floor: a bare uvicorn ASGI app (same loop and HTTP parser as Sluice) that writes the same
   OpenAI chunks, one per token, yielding to the loop between tokens, and nothing else;
+* framework: the same chunks from a Starlette app, streamed by sse-starlette's
+  `EventSourceResponse` (its task group: the stream, pings, the disconnect and shutdown
+  listeners) and over Starlette's `WebSocket`: what the libraries Sluice is built on cost by
+  themselves, per stream and per event;
 * sluice: `sluice serve` on the `sim` engine at near-zero step cost (0.2 ms a step, 512 seats),
   so what is measured is the frontend: scheduler, run, log, encoder, transport. The engine
   keeps its own clock (`--sim-catch-up-steps`, `--catch-up-steps` here: 16), as an engine in
@@ -51,6 +55,7 @@ ENGINE = [
 ]  # fmt: skip
 SYSTEMS = {
     "floor": None,
+    "framework": None,
     "sluice": [],
     "sluice-1": ["--stream-coalesce", "off"],
 }
@@ -119,7 +124,57 @@ def floor_app():  # type: ignore[no-untyped-def]
     return app
 
 
-def serve_floor(fd: int) -> None:
+def framework_app():  # type: ignore[no-untyped-def]
+    """The floor's chunks through Starlette, sse-starlette and Starlette's WebSocket."""
+    import orjson
+    from sse_starlette import EventSourceResponse
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.routing import Route, WebSocketRoute
+    from starlette.websockets import WebSocket
+
+    head = (
+        b'data: {"id":"chatcmpl-floor","object":"chat.completion.chunk","created":1,'
+        b'"model":"sluice-demo","choices":[{"index":0,'
+    )
+    suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+    prefix = head + b'"delta":{"content":'
+
+    async def chat(request: Request) -> EventSourceResponse:
+        tokens = orjson.loads(await request.body())["max_tokens"]
+
+        async def chunks():  # type: ignore[no-untyped-def]
+            yield head + b'"delta":{"role":"assistant","content":""' + suffix
+            for _ in range(tokens):
+                yield prefix + orjson.dumps(" tok") + suffix
+                await asyncio.sleep(0)
+            yield head + b'"delta":{},"logprobs":null,"finish_reason":"length"}]}\n\n'
+            usage = b'{"completion_tokens":%d}' % tokens
+            yield b'data: {"choices":[],"usage":' + usage + b"}\n\ndata: [DONE]\n\n"
+
+        return EventSourceResponse(chunks(), ping=15)
+
+    async def ws(websocket: WebSocket) -> None:
+        await websocket.accept()
+        message = orjson.loads(await websocket.receive_text())
+        tokens, gen = message["request"]["max_tokens"], message["id"]
+        for seq in range(1, tokens + 1):
+            text = orjson.dumps(
+                {"type": "delta", "id": gen, "seq": seq, "text": " tok", "tokens": 1}
+            ).decode()
+            await websocket.send_text(text)
+            await asyncio.sleep(0)
+        usage = {"prompt_tokens": 2, "completion_tokens": tokens, "total_tokens": tokens + 2}
+        final = {"type": "final", "id": gen, "seq": tokens + 1, "finish_reason": "length"}
+        await websocket.send_text(orjson.dumps({**final, "usage": usage}).decode())
+        await websocket.receive()  # the client closes
+
+    return Starlette(
+        routes=[Route("/v1/chat/completions", chat, methods=["POST"]), WebSocketRoute("/v1/ws", ws)]
+    )
+
+
+def serve_floor(fd: int, kind: str) -> None:
     import uvicorn
 
     try:
@@ -128,7 +183,8 @@ def serve_floor(fd: int) -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    uvicorn.Server(uvicorn.Config(floor_app(), fd=fd, log_level="warning", access_log=False)).run()
+    app = floor_app() if kind == "floor" else framework_app()
+    uvicorn.Server(uvicorn.Config(app, fd=fd, log_level="warning", access_log=False)).run()
 
 
 # -- the client --------------------------------------------------------------------------------
@@ -248,7 +304,7 @@ def start(
         extra = [*extra, "--sim-catch-up-steps", str(catch_up)]
     fd = str(listener.fileno())
     command = (
-        [sys.executable, __file__, "--floor-fd", fd]
+        [sys.executable, __file__, "--floor-fd", fd, "--floor-kind", system]
         if extra is None
         else [sys.executable, "-m", "server.cli", "serve", "--fd", fd, "--data-dir", data,
               "--log-level", "warning", *ENGINE, *extra]
@@ -265,7 +321,7 @@ def ready(port: int, server: subprocess.Popen[bytes], system: str) -> None:
         if server.poll() is not None:
             raise SystemExit(f"{system} exited with {server.returncode}")
         try:
-            if system == "floor" or httpx.get(url).status_code == 200:
+            if SYSTEMS[system] is None or httpx.get(url).status_code == 200:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
                     return
         except (httpx.HTTPError, OSError):
@@ -326,9 +382,10 @@ def main() -> None:
         help="the 'sluice' row's --sim-catch-up-steps (0: not passed, for older checkouts)",
     )
     parser.add_argument("--floor-fd", type=int, help=argparse.SUPPRESS)  # serve the floor
+    parser.add_argument("--floor-kind", default="floor", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.floor_fd is not None:
-        serve_floor(args.floor_fd)
+        serve_floor(args.floor_fd, args.floor_kind)
         return
     try:
         import uvloop
@@ -338,7 +395,7 @@ def main() -> None:
         pass
     print(f"{args.streams} streams x {args.tokens} tokens")
     print(
-        f"{'transport':9} {'system':9} {'tokens/s':>9} {'events/s':>9} {'tok/event':>9} "
+        f"{'transport':9} {'system':10} {'tokens/s':>9} {'events/s':>9} {'tok/event':>9} "
         f"{'first p50':>9} {'first p99':>9} {'CPU µs/token':>12} {'x floor tok/s':>13}"
     )
     for transport in args.transports.split(","):
@@ -349,7 +406,7 @@ def main() -> None:
                 floor = r["tokens_per_s"]
             ratio = f"{r['tokens_per_s'] / floor:.2f}x" if floor else "-"
             print(
-                f"{transport:9} {system:9} {r['tokens_per_s']:9.0f} {r['events_per_s']:9.0f} "
+                f"{transport:9} {system:10} {r['tokens_per_s']:9.0f} {r['events_per_s']:9.0f} "
                 f"{r['tokens_per_event']:9.2f} {r['first_p50_ms']:7.1f}ms "
                 f"{r['first_p99_ms']:7.1f}ms "
                 f"{r['cpu_us_per_token']:12.1f} {ratio:>13}",

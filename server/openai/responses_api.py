@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import orjson
 from pydantic import Discriminator, Field, Tag
 
-from server.openai.generation_body import Logprobs, Number
+from server.openai.chat import REASONING_EFFORTS
+from server.openai.generation_body import Logprobs, SamplingFields
 from server.openai.responses import chat_logprobs
 from server.openai.wire import OnlyDefault, WireModel
 
@@ -98,16 +99,29 @@ class TextConfig(WireModel):
     verbosity: Annotated[Any, OnlyDefault("medium")] = None
 
 
-class CreateResponse(WireModel):
-    """`POST /v1/responses`'s body (the fields Sluice serves; any other is a 400)."""
+class Reasoning(WireModel):
+    effort: Literal[REASONING_EFFORTS] | None = Field(  # type: ignore[valid-type]
+        None, description="the chat's reasoning_effort: given to the chat template"
+    )
+    summary: Annotated[Any, OnlyDefault("auto")] = Field(
+        None, description="no summary is made (auto: the server's choice)"
+    )
+
+
+class CreateResponse(SamplingFields):
+    """`POST /v1/responses`'s body (the fields Sluice serves; any other is a 400), with the
+    sampling parameters vLLM's server takes beside OpenAI's (`top_k`, `seed`, `stop`, ...)
+    and its `chat_template_kwargs`, as a chat has them."""
 
     model: str | None = None
     input: list[InputItem] | str
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    reasoning: Reasoning | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: extra variables for the chat template (enable_thinking, ...)"
+    )
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -159,12 +173,13 @@ class CreateResponse(WireModel):
         }
         if self.model is not None:
             body["model"] = self.model
+        body.update(self.sampling_fields())
         for key, value in (
             ("max_completion_tokens", self.max_output_tokens),
-            ("temperature", self.temperature),
-            ("top_p", self.top_p),
             ("parallel_tool_calls", self.parallel_tool_calls),
             ("service_tier", self.service_tier),
+            ("chat_template_kwargs", self.chat_template_kwargs),
+            ("reasoning_effort", self.reasoning and self.reasoning.effort),
         ):
             if value is not None:
                 body[key] = value
@@ -204,6 +219,10 @@ class CreateResponse(WireModel):
             "metadata": self.metadata or {},
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "previous_response_id": self.previous_response_id,
+            "reasoning": {
+                "effort": self.reasoning and self.reasoning.effort,
+                "summary": self.reasoning and self.reasoning.summary,
+            },
             "service_tier": self.service_tier or "default",
             "store": self.store is not False,
             "background": bool(self.background),

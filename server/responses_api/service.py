@@ -127,7 +127,9 @@ class Responses:
             earlier = previous.conversation
         background = bool(request.background)
         if background and request.store is False:
-            raise InvalidRequest("a background response must be stored", param="store")
+            raise InvalidRequest(  # (the words of vLLM's server, which clients match)
+                "background can only be used when `store` is true", param="store"
+            )
         chat = request.chat_body(earlier)
         parsed = parse_request(chat, "chat")
         if background:
@@ -223,7 +225,7 @@ class Responses:
         if stored is None and self.local is not None:
             stored = await self.local.get(tenant, response_id)
         if stored is None:
-            raise ResourceNotFound(f"no response '{response_id}'", param=param)
+            raise ResourceNotFound(f"Response with id '{response_id}' not found.", param=param)
         return KeptResponse.read(stored)
 
     async def follow(self, context: RequestContext, kept: KeptResponse) -> ResponseRecord:
@@ -241,7 +243,7 @@ class Responses:
         """Cancel a background response; the response object once it has ended."""
         found = await self.find(tenant, response_id)
         if not found.background:
-            raise InvalidRequest("only a background response can be cancelled", param="response_id")
+            raise InvalidRequest("Cannot cancel a synchronous response.", param="response_id")
         if isinstance(found, KeptResponse):
             if not found.ended:
                 raise InvalidRequest(

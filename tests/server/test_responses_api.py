@@ -198,6 +198,10 @@ def test_previous_response_id_continues_the_conversation(
         ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),
         ({"include": ["reasoning.encrypted_content"]}, "unsupported_parameter", "include"),
         ({"top_logprobs": 21}, "invalid_request", "top_logprobs"),
+        ({"top_k": -2}, "invalid_request", "top_k"),
+        ({"reasoning": {"summary": "detailed"}}, "unsupported_parameter", "reasoning.summary"),
+        ({"reasoning": {"effort": "huge"}}, "invalid_request", "reasoning.effort"),
+        ({"chat_template_kwargs": {"tools": []}}, "invalid_request", "chat_template_kwargs"),
     ],
 )
 def test_bad_input_is_a_400_in_openais_shape(
@@ -211,6 +215,88 @@ def test_bad_input_is_a_400_in_openais_shape(
     error = refused.value.body
     assert isinstance(error, dict) and error["code"] == code, error
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_vllms_sampling_parameters_and_template_arguments_are_served(
+    stopping_server: InProcessSluice,
+) -> None:
+    """What vLLM's server takes beside OpenAI's fields (`top_k`, `seed`, `ignore_eos`, ...,
+    `chat_template_kwargs`, and `reasoning.effort` as the chat's `reasoning_effort`), sent
+    as vLLM's own tests send them: through the SDK's `extra_body`."""
+    client = client_of(stopping_server)
+    ask: dict[str, Any] = dict(model="sim", input="tell me a story", max_output_tokens=200)
+    vllms = {"top_k": 40, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True}
+    made = client.responses.create(
+        **ask,
+        reasoning={"effort": "low"},
+        extra_body={**vllms, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    # (the model stops by itself 1 in 20 tokens: only ignore_eos keeps it to the end)
+    assert made.status == "incomplete" and made.usage is not None
+    assert made.usage.output_tokens == 200
+    assert made.reasoning is not None and made.reasoning.effort == "low"
+    texts = [
+        client.responses.create(**ask, extra_body={"seed": seed, "ignore_eos": True}).output_text
+        for seed in (1, 1, 2)
+    ]
+    assert texts[0] == texts[1] != texts[2]
+
+
+def test_vllms_fields_reach_the_chat_request() -> None:
+    request = CreateResponse.model_validate(
+        {
+            "input": "hi",
+            "temperature": 0.7,
+            "top_k": 40,
+            "seed": 42,
+            "stop": ["a"],
+            "logit_bias": {"3": 1},
+            "reasoning": {"effort": "none", "summary": "auto"},
+            "chat_template_kwargs": {"enable_thinking": True},
+        }
+    )
+    chat = request.chat_body([])
+    assert {key: chat[key] for key in chat if key not in ("messages", "stream")} == {
+        "temperature": 0.7,
+        "top_k": 40,
+        "seed": 42,
+        "stop": ["a"],
+        "logit_bias": {"3": 1.0},
+        "reasoning_effort": "none",
+        "chat_template_kwargs": {"enable_thinking": True},
+    }
+    assert request.echoed()["reasoning"] == {"effort": "none", "summary": "auto"}
+    plain = CreateResponse.model_validate({"input": "hi"})
+    assert plain.echoed()["reasoning"] == {"effort": None, "summary": None}
+
+
+def test_refusals_read_as_vllms_and_openais(client: openai.OpenAI) -> None:
+    """The words clients (vLLM's tests among them) match, with OpenAI's statuses."""
+    import openai
+
+    def refusal(call: Any, error: type[openai.APIStatusError]) -> str:
+        with pytest.raises(error) as refused:
+            call()
+        body = refused.value.body
+        assert isinstance(body, dict)
+        return str(body["message"])
+
+    made = client.responses.create(model="sim", input="hi", max_output_tokens=4)
+    assert (
+        refusal(
+            lambda: client.responses.create(model="sim", input="hi", background=True, store=False),
+            openai.BadRequestError,
+        )
+        == "background can only be used when `store` is true"
+    )
+    assert (
+        refusal(lambda: client.responses.cancel(made.id), openai.BadRequestError)
+        == "Cannot cancel a synchronous response."
+    )
+    assert (
+        refusal(lambda: client.responses.retrieve("resp_none"), openai.NotFoundError)
+        == "Response with id 'resp_none' not found."
+    )
 
 
 def test_included_logprobs_come_with_the_text(client: openai.OpenAI) -> None:

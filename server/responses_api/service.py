@@ -47,7 +47,10 @@ def feed(builder: ResponseBuilder, event: Event) -> list[ResponseEvent]:
         fields = event.fields
         if fields is None:
             return builder.text(event.text, event.logprobs) if event.text or event.logprobs else []
-        made = builder.text(fields["content"], event.logprobs) if fields.get("content") else []
+        reasoning = fields.get("reasoning") or fields.get("reasoning_content")
+        made = builder.reasoning(reasoning) if reasoning else []
+        if fields.get("content"):
+            made += builder.text(fields["content"], event.logprobs)
         if fields.get("tool_calls"):
             made += builder.tool_calls(fields["tool_calls"])
         return made

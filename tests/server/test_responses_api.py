@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from conftest import InProcessSluice, uncalibrated_config, wait_until
 
+from server.generations.log import Event, Kind
 from server.generations.ports import ResponseStore, StoredResponse
 from server.openai.responses_api import CreateResponse, ResponseBuilder
+from server.responses_api.service import feed
 from server.responses_api.store import SqliteResponses
 
 # `openai` (~1 s to import) in the tests that call it: every pytest-xdist worker collects
@@ -471,6 +473,120 @@ def test_the_request_becomes_a_chat_request() -> None:
         "type": "json_schema",
         "json_schema": {"name": "n", "schema": {}, "strict": True},
     }
+
+
+def test_reasoning_is_a_reasoning_item_before_the_answer() -> None:
+    """A reasoning parser's output (a run's `reasoning` fields) as OpenAI's `reasoning` item
+    and its `response.reasoning_text.*` events, each event and the response as the `openai`
+    SDK's types read them; a next turn's conversation leaves it out (as vLLM's server)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    builder = ResponseBuilder("resp_x", "m", 0, CreateResponse(input="hi").echoed())
+    events = builder.start()
+    for fields in ({"reasoning": "Let me"}, {"reasoning": " think.", "content": "Hi"}):
+        events += feed(builder, Event(Kind.PIECE, fields=fields))
+    usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    events += builder.finish("stop", usage)
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        "created",
+        "in_progress",
+        "output_item.added",
+        "content_part.added",
+        "reasoning_text.delta",
+        "reasoning_text.delta",
+        "reasoning_text.done",
+        "content_part.done",
+        "output_item.done",
+        "output_item.added",
+        "content_part.added",
+        "output_text.delta",
+        "output_text.done",
+        "content_part.done",
+        "output_item.done",
+        "completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    sdk_events = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in events]
+    assert sdk_events[6].type == "response.reasoning_text.done"
+    assert sdk_events[6].text == "Let me think." and sdk_events[6].item_id == "rs_x_0"
+    response = Response.model_validate(builder.snapshot())
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert [part.text for part in reasoning.content] == ["Let me think."]
+    assert message.type == "message" and response.output_text == "Hi"
+    assert builder.conversation() == [{"role": "assistant", "content": "Hi"}]
+
+
+def test_reasoning_sent_back_is_the_assistants_reasoning() -> None:
+    """An earlier output sent back as input, reasoning items included (as clients chain
+    turns): each reasoning item and the answer or calls after it, one assistant turn."""
+    request = CreateResponse.model_validate(
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "think"}],
+                },
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": "hello", "annotations": []}],
+                },
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "again"}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "42"},
+            ]
+        }
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert request.messages() == [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "hello",
+            "reasoning": "think",
+            "reasoning_content": "think",
+        },
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning": "again",
+            "reasoning_content": "again",
+            "tool_calls": [call],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+
+
+def test_a_reasoning_item_is_served_and_encrypted_reasoning_refused(client: openai.OpenAI) -> None:
+    import openai
+
+    thought = {
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "hm"}],
+    }
+    made = client.responses.create(
+        model="sim",
+        input=[{"role": "user", "content": "hi"}, thought],  # type: ignore[list-item]
+        max_output_tokens=4,
+    )
+    assert made.output_text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model="sim",
+            input=[{**thought, "encrypted_content": "gAAA"}],  # type: ignore[list-item]
+            max_output_tokens=4,
+        )
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == "unsupported_parameter"
+    assert error["param"] == "input[0].encrypted_content"
 
 
 def test_tool_calls_become_function_call_items() -> None:

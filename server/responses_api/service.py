@@ -41,12 +41,16 @@ CANCEL_WAIT_SECONDS = 10.0  # for a cancelled background generation to end
 STOP_WAIT_SECONDS = 2.0  # at shutdown, for background responses' ends to be stored
 
 
-def feed(builder: ResponseBuilder, event: Event) -> list[ResponseEvent]:
-    """A run's event into the response: the response's events it makes."""
+def feed(builder: ResponseBuilder, event: Event, parsed: bool) -> list[ResponseEvent]:
+    """A run's event into the response: the response's events it makes. `parsed`: an output
+    parser reads the run's text, and its fields are the output (a piece with none, such as
+    the close of a required call's JSON, shows nothing); else the text is."""
     if event.kind is Kind.PIECE:
         fields = event.fields
-        if fields is None:
+        if not parsed:
             return builder.text(event.text, event.logprobs) if event.text or event.logprobs else []
+        if fields is None:  # (its tokens' logprobs belong to no output text)
+            return []
         reasoning = fields.get("reasoning") or fields.get("reasoning_content")
         made = builder.reasoning(reasoning) if reasoning else []
         if fields.get("content"):
@@ -65,10 +69,11 @@ def feed(builder: ResponseBuilder, event: Event) -> list[ResponseEvent]:
 
 async def replay(run: GenerationRun, builder: ResponseBuilder) -> AsyncIterator[ResponseEvent]:
     """The response's events from its first, live to its end, as `builder` makes them."""
+    parsed = run.shape.new_parser is not None
     for made in builder.start():
         yield made
     async for _, event in run.events(0):
-        for made in feed(builder, event):
+        for made in feed(builder, event, parsed):
             yield made
 
 

@@ -484,8 +484,15 @@ def test_reasoning_is_a_reasoning_item_before_the_answer() -> None:
 
     builder = ResponseBuilder("resp_x", "m", 0, CreateResponse(input="hi").echoed())
     events = builder.start()
-    for fields in ({"reasoning": "Let me"}, {"reasoning": " think.", "content": "Hi"}):
-        events += feed(builder, Event(Kind.PIECE, fields=fields))
+    pieces = [
+        Event(Kind.PIECE, text="<think>Let me", fields={"reasoning": "Let me"}),
+        Event(
+            Kind.PIECE, text=" think.</think>Hi", fields={"reasoning": " think.", "content": "Hi"}
+        ),
+        Event(Kind.PIECE, text="}]"),  # a piece the parser made no field of: none of the output
+    ]
+    for piece in pieces:
+        events += feed(builder, piece, parsed=True)
     usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     events += builder.finish("stop", usage)
     assert [e["type"].removeprefix("response.") for e in events] == [

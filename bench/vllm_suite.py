@@ -1,18 +1,22 @@
 """vLLM's own OpenAI-server tests against vLLM's server and against Sluice, side by side.
 
-    python bench/vllm_suite.py                      # both servers, every selected file
+    python bench/vllm_suite.py                      # both servers, every family
+    python bench/vllm_suite.py --suite responses anthropic
     python bench/vllm_suite.py --systems sluice -k logprobs
 
 The tests come from vLLM's source distribution for the installed vLLM version, fetched from
-PyPI at run time (cached under ~/.cache/sluice) and never copied into this repository. Only the
-tests that talk HTTP run: those whose fixtures start vLLM's test server (`RemoteOpenAIServer`).
-Instead of starting `vllm serve`, that class is pointed at a server already running on the
-demo model, served under the name the test module asks for: first vLLM's own server, then
-Sluice, with the same engine settings. Tests that need a real model's words (its tokenizer,
-its LoRA adapters, its reasoning format) fail on both alike; the comparison is the point.
+PyPI at run time (cached under ~/.cache/sluice) and never copied into this repository. Three
+families of `tests/entrypoints`: Chat Completions and Completions (`openai/`), the Responses API
+(`openai/responses/`) and Anthropic's Messages API (`anthropic/`). Only the tests that talk
+HTTP run: those whose fixtures start vLLM's test server (`RemoteOpenAIServer`). Instead of
+starting `vllm serve`, that class is pointed at a server already running on the demo model,
+served under the name the test module asks for: first vLLM's own server, then Sluice, with the
+same engine settings. Tests that need a real model's words (its tokenizer, its LoRA adapters,
+its reasoning format) fail on both alike; the comparison is the point.
 
 Writes a JSON report (per test: the outcome on each server, and Sluice's failure message
-where vLLM's server passed) and prints the totals.
+where vLLM's server passed; per file: the tests run and passed on each) and prints the totals
+per family.
 """
 
 from __future__ import annotations
@@ -43,33 +47,52 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "sluice"
 sys.path.insert(0, str(ROOT))
 
-# The chat, completion and models tests of tests/entrypoints/openai whose fixtures start a
-# server. Left out: the Responses API, gpt-oss/Harmony, multimodal, prompt embeds, LoRA
-# resolvers, tensorizer and lm-eval, which need a particular real model or feature.
-FILES = (
-    "chat_completion/test_chat.py",
-    "chat_completion/test_chat_completion.py",
-    "chat_completion/test_completion_with_function_calling.py",
-    "chat_completion/test_chat_logit_bias_validation.py",
-    "chat_completion/test_chat_echo.py",
-    "chat_completion/test_logprob_token_ids.py",
-    "chat_completion/test_include_reasoning.py",
-    "chat_completion/test_batched_chat_completions.py",
-    "chat_completion/test_root_path.py",
-    "chat_completion/test_enable_force_include_usage.py",
-    "completion/test_completion.py",
-    "completion/test_prompt_validation.py",
-    "completion/test_token_in_token_out.py",
-    "models/test_models.py",
-    "test_return_token_ids.py",
-    "test_return_tokens_as_ids.py",
-    "test_chunked_prompt.py",
-)
-DEFAULT_MODEL_NAME = "tiny"  # for a module that names no MODEL_NAME
+# Paths under vLLM's tests/entrypoints, by family: the files whose fixtures start a server.
+SUITES = {
+    # Left out: gpt-oss/Harmony, multimodal, prompt embeds, LoRA resolvers, tensorizer and
+    # lm-eval, which need a particular real model or feature.
+    "chat": (
+        "openai/chat_completion/test_chat.py",
+        "openai/chat_completion/test_chat_completion.py",
+        "openai/chat_completion/test_completion_with_function_calling.py",
+        "openai/chat_completion/test_chat_logit_bias_validation.py",
+        "openai/chat_completion/test_chat_echo.py",
+        "openai/chat_completion/test_logprob_token_ids.py",
+        "openai/chat_completion/test_include_reasoning.py",
+        "openai/chat_completion/test_batched_chat_completions.py",
+        "openai/chat_completion/test_root_path.py",
+        "openai/chat_completion/test_enable_force_include_usage.py",
+        "openai/completion/test_completion.py",
+        "openai/completion/test_prompt_validation.py",
+        "openai/completion/test_token_in_token_out.py",
+        "openai/models/test_models.py",
+        "openai/test_return_token_ids.py",
+        "openai/test_return_tokens_as_ids.py",
+        "openai/test_chunked_prompt.py",
+    ),
+    # Left out: test_harmony.py and test_mcp_tools.py (gpt-oss: Harmony's format, its
+    # browser, Python and MCP tool servers), test_parsable_context.py (`--tool-server demo`:
+    # gpt_oss's Python tool run through uv, vLLM's experimental parser context). The rest of
+    # the directory are unit tests of vLLM's own classes, with no server.
+    "responses": (
+        "openai/responses/test_basic.py",
+        "openai/responses/test_function_call.py",
+        "openai/responses/test_namespace_tool_separator.py",
+        "openai/responses/test_simple.py",
+        "openai/responses/test_stateful.py",
+        "openai/responses/test_structured_output.py",
+    ),
+    # The directory's other files are unit tests of vLLM's conversion, with no server.
+    "anthropic": ("anthropic/test_messages.py",),
+}
+DEFAULT_MODEL_NAME = "tiny"  # for a module that names no model
 # Both servers: the demo model, as the issue's comparison ran it, plus tool calls read by
 # vLLM's pythonic parser (the demo tokenizer has no tool-call tokens).
 ENGINE = {"max_model_len": 1024, "dtype": "bfloat16", "enforce_eager": True}
 TOOLS = ["--tool-call-parser", "pythonic", "--enable-auto-tool-choice"]
+# vLLM's server keeps Responses (store, background, retrieve, cancel) only with this set, as
+# the Responses tests' own fixtures set it; Sluice's store is on by default.
+SERVER_ENV = {"vllm": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, "sluice": {}}
 
 # Written over vLLM's tests/conftest.py (whose imports need vLLM's whole test environment).
 CONFTEST = '''
@@ -103,7 +126,14 @@ class RunningServer(vllm_test_utils.RemoteOpenAIServer):
 
 
 vllm_test_utils.RemoteOpenAIServer = RunningServer
-_MARKS = ("RemoteOpenAIServer", ".get_async_client(", ".get_client(", ".url_for(")
+_MARKS = (
+    "RemoteOpenAIServer",
+    ".get_async_client(",
+    ".get_client(",
+    ".get_async_client_anthropic(",
+    ".get_client_anthropic(",
+    ".url_for(",
+)
 
 
 def _talks_http(item):
@@ -159,7 +189,7 @@ def fetch_sdist(version: str) -> Path:
 
 def extract_tests(sdist: Path, where: Path) -> Path:
     """vLLM's tests/__init__.py, utils.py and entrypoints/ into `where`/tests, our conftest
-    in place of theirs."""
+    in place of theirs; returns tests/entrypoints."""
     prefix = sdist.name.removesuffix(".tar.gz") + "/"
     with tarfile.open(sdist) as tar:
         members = [
@@ -175,12 +205,24 @@ def extract_tests(sdist: Path, where: Path) -> Path:
             member.name = member.name[len(prefix) :]
         tar.extractall(where, members=members, filter="data")
     (where / "tests" / "conftest.py").write_text(CONFTEST)
-    return where / "tests" / "entrypoints" / "openai"
+    return where / "tests" / "entrypoints"
 
 
 def model_name(test_file: Path) -> str:
-    found = re.search(r'^MODEL_NAME = "([^"]+)"', test_file.read_text(), re.M)
-    return found.group(1) if found else DEFAULT_MODEL_NAME
+    """The name a test module's requests ask for: the server's `--served-model-name` where
+    the module sets one, else its MODEL_NAME, else the model its directory's conftest
+    starts (the Responses tests' `server_with_store`)."""
+    text = test_file.read_text()
+    conftest = test_file.parent / "conftest.py"
+    for pattern, source in (
+        (r'"--served-model-name",\s*"([^"]+)"', text),
+        (r'^MODEL_NAME = "([^"]+)"', text),
+        (r'RemoteOpenAIServer\(\s*"([^"]+)"', conftest.read_text() if conftest.is_file() else ""),
+    ):
+        found = re.search(pattern, source, re.M)
+        if found:
+            return found.group(1)
+    return DEFAULT_MODEL_NAME
 
 
 def server_command(system: str, model: Path, name: str, port: int) -> list[str]:
@@ -240,7 +282,7 @@ def running(system: str, model: Path, name: str, log: Path):  # type: ignore[no-
             stdout=out,
             stderr=subprocess.STDOUT,
             process_group=0,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **SERVER_ENV[system]},
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -314,16 +356,49 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
     return results
 
 
+def test_module(path: str) -> str:
+    """The junit classname of a test file's tests (a path under tests/entrypoints)."""
+    return "tests.entrypoints." + path.removesuffix(".py").replace("/", ".")
+
+
+def tally(
+    files: list[str], results: dict[str, dict[str, tuple[str, str]]]
+) -> dict[str, dict[str, Any]]:
+    """Per file: its family, the tests run (on either server) and those passed on each."""
+    family = {path: name for name, paths in SUITES.items() for path in paths}
+    tests = set().union(*(r.keys() for r in results.values()))
+    by_file = {}
+    for path in files:
+        module = test_module(path)
+        mine = [t for t in tests if t.split("::")[0] == module or t.startswith(module + ".")]
+        by_file[path] = {
+            "suite": family.get(path, "other"),
+            "tests": len(mine),
+            "passed": {
+                system: sum(1 for t in mine if r.get(t, ("",))[0] == "passed")
+                for system, r in results.items()
+            },
+        }
+    return by_file
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--systems", nargs="+", default=["vllm", "sluice"], choices=["vllm", "sluice"]
     )
     parser.add_argument(
+        "--suite",
+        nargs="+",
+        default=["all"],
+        choices=[*SUITES, "all"],
+        help="families of tests to run (default: all)",
+    )
+    parser.add_argument(
         "--files",
         nargs="+",
-        default=list(FILES),
-        help="paths under vLLM's tests/entrypoints/openai",
+        default=None,
+        help="paths under vLLM's tests/entrypoints, instead of --suite's",
     )
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression")
     parser.add_argument("--work", type=Path, default=Path("/tmp/sluice-vllm-suite"))
@@ -331,6 +406,8 @@ def main() -> None:
         "--out", type=Path, default=ROOT / "bench" / "results" / f"vllm-suite-{date.today()}.json"
     )
     args = parser.parse_args()
+    suites = list(SUITES) if "all" in args.suite else args.suite
+    files = args.files or [path for name in suites for path in SUITES[name]]
 
     from engine_adapters.demo_model import build_demo_model
 
@@ -340,27 +417,38 @@ def main() -> None:
     suite = extract_tests(fetch_sdist(version), args.work)
     model = build_demo_model(CACHE / "demo-model")
     groups: dict[str, list[Path]] = defaultdict(list)
-    for name in args.files:
-        groups[model_name(suite / name)].append(suite / name)
+    for path in files:
+        groups[model_name(suite / path)].append(suite / path)
 
     results: dict[str, dict[str, tuple[str, str]]] = {s: {} for s in args.systems}
-    for name, files in groups.items():
+    for index, (name, paths) in enumerate(groups.items()):
         for system in args.systems:
-            junit = args.work / f"{system}-{len(results[system])}.xml"
-            print(f"== {system}, served as {name}: {len(files)} file(s)", flush=True)
+            junit = args.work / f"{system}-{index}.xml"
+            print(f"== {system}, served as {name}: {len(paths)} file(s)", flush=True)
             with running(system, model, name, args.work / f"{system}.log") as url:
-                run_pytest(args.work, files, url, junit, args.keyword)
+                run_pytest(args.work, paths, url, junit, args.keyword)
             if junit.is_file():
                 results[system].update(outcomes(junit))
 
     tests = sorted(set().union(*(r.keys() for r in results.values())))
+    by_file = tally(files, results)
+    by_suite: dict[str, dict[str, Any]] = {}
+    for counts in by_file.values():
+        totals = by_suite.setdefault(
+            counts["suite"], {"tests": 0, "passed": dict.fromkeys(args.systems, 0)}
+        )
+        totals["tests"] += counts["tests"]
+        for system, passed in counts["passed"].items():
+            totals["passed"][system] += passed
     report: dict[str, Any] = {
         "vllm_version": version,
         "sluice_version": metadata.version("sluice-server"),
         "date": str(date.today()),
-        "files": args.files,
+        "files": files,
         "keyword": args.keyword,
         "passed": {s: sum(1 for o, _ in r.values() if o == "passed") for s, r in results.items()},
+        "by_suite": by_suite,
+        "by_file": by_file,
         "tests": {
             t: {s: results[s].get(t, ("absent", ""))[0] for s in args.systems} for t in tests
         },
@@ -380,7 +468,7 @@ def main() -> None:
         ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: report[k] for k in ("vllm_version", "passed")}, indent=1))
+    print(json.dumps({k: report[k] for k in ("vllm_version", "passed", "by_suite")}, indent=1))
     for test, message in report.get("sluice_fails_where_vllm_passes", {}).items():
         print(f"  sluice fails, vllm passes: {test}: {message}")
     print(f"report: {args.out}")

@@ -103,6 +103,19 @@ ToolChoice = Annotated[
 ]
 
 
+class JsonOutputFormat(WireModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema", description="a JSON Schema of the answer")
+
+
+class OutputConfig(WireModel):
+    """Anthropic's structured outputs (the text a JSON document of the schema, as the chat's
+    `response_format` makes it) and effort (the chat's `reasoning_effort`)."""
+
+    format: JsonOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class _Prompt(WireModel):
     """What a Messages request's prompt is made of."""
 
@@ -111,10 +124,19 @@ class _Prompt(WireModel):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
 
     def chat_body(self) -> dict[str, Any]:
-        """The chat completion body with the same prompt (and tools)."""
+        """The chat completion body with the same prompt (and tools, and output format)."""
         body: dict[str, Any] = {"model": self.model, "messages": self._chat_messages()}
+        output = self.output_config
+        if output is not None and output.format is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": output.format.schema_},
+            }
+        if output is not None and output.effort is not None:
+            body["reasoning_effort"] = output.effort
         if self.tools is not None:
             body["tools"] = [
                 {

@@ -132,8 +132,9 @@ class WholeResponse:
         """The run, to its end, into the response (and the error that ended it, if one did)."""
         builder = self.record.builder
         builder.start()
+        parsed = run.shape.new_parser is not None
         async for _, event in run.events(0):
-            feed(builder, event)
+            feed(builder, event, parsed)
             if event.error is not None and not event.local:
                 self.error = event.error
 

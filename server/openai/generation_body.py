@@ -59,23 +59,14 @@ class KvTransferParams(WireModel):
     )
 
 
-class GenerationBody(WireModel):
-    """A chat or text completion's fields, both kinds'. `None` is a field not sent."""
+class SamplingFields(WireModel):
+    """The sampling parameters a chat, a completion and a response (`POST /v1/responses`,
+    as vLLM's server takes it) share. `None` is a field not sent."""
 
-    model: str | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
-    max_tokens: Annotated[int, Field(ge=0)] | None = Field(
-        None, description="at least 1 (0 with a completion's echo: the prompt alone)"
-    )
-    # Sampling.
     temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[Number, Field(gt=0, le=10)] | None = None
@@ -88,6 +79,25 @@ class GenerationBody(WireModel):
     logit_bias: dict[Annotated[str, Field(pattern=r"^\s*[0-9]+\s*$")], Number] | None = Field(
         None, description="token id: bias, clamped to [-100, 100]"
     )
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The ones this body sets, as JSON has them (for the chat request a response is)."""
+        return self.model_dump(include=set(SamplingFields.model_fields), exclude_none=True)
+
+
+class GenerationBody(SamplingFields):
+    """A chat or text completion's fields, both kinds'. `None` is a field not sent."""
+
+    model: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="at least 1 (0 with a completion's echo: the prompt alone)"
+    )
+    # Sampling (and `SamplingFields`').
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="vLLM's: only these tokens may be generated"
     )

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import orjson
 from pydantic import Discriminator, Field, Tag
 
-from server.openai.generation_body import Logprobs, Number
+from server.openai.chat import REASONING_EFFORTS
+from server.openai.generation_body import Logprobs, SamplingFields
 from server.openai.responses import chat_logprobs
 from server.openai.wire import OnlyDefault, WireModel
 
@@ -56,6 +57,29 @@ class FunctionCallOutputItem(WireModel):
     status: str | None = None
 
 
+class ReasoningText(WireModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(WireModel):
+    """An earlier output's reasoning, sent back: the assistant's `reasoning` in the chat."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: Annotated[Any, OnlyDefault(None)] = Field(
+        None, description="not served: this server encrypts no reasoning"
+    )
+    id: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Its reasoning (the summary's, where it has no content)."""
+        return "".join(part.text for part in self.content or self.summary)
+
+
 def _item_type(value: Any) -> str | None:
     return value.get("type", "message") if isinstance(value, dict) else None
 
@@ -63,7 +87,8 @@ def _item_type(value: Any) -> str | None:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -98,16 +123,29 @@ class TextConfig(WireModel):
     verbosity: Annotated[Any, OnlyDefault("medium")] = None
 
 
-class CreateResponse(WireModel):
-    """`POST /v1/responses`'s body (the fields Sluice serves; any other is a 400)."""
+class Reasoning(WireModel):
+    effort: Literal[REASONING_EFFORTS] | None = Field(  # type: ignore[valid-type]
+        None, description="the chat's reasoning_effort: given to the chat template"
+    )
+    summary: Annotated[Any, OnlyDefault("auto")] = Field(
+        None, description="no summary is made (auto: the server's choice)"
+    )
+
+
+class CreateResponse(SamplingFields):
+    """`POST /v1/responses`'s body (the fields Sluice serves; any other is a 400), with the
+    sampling parameters vLLM's server takes beside OpenAI's (`top_k`, `seed`, `stop`, ...)
+    and its `chat_template_kwargs`, as a chat has them."""
 
     model: str | None = None
     input: list[InputItem] | str
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    reasoning: Reasoning | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: extra variables for the chat template (enable_thinking, ...)"
+    )
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
@@ -138,7 +176,23 @@ class CreateResponse(WireModel):
                 content = item.content
                 if not isinstance(content, str):
                     content = "".join(part.text for part in content)
-                messages.append({"role": _CHAT_ROLE.get(item.role, item.role), "content": content})
+                last = messages[-1] if messages else None
+                if item.role == "assistant" and last is not None and _thought_only(last):
+                    last["content"] = content  # the answer after its reasoning: one turn
+                else:
+                    role = _CHAT_ROLE.get(item.role, item.role)
+                    messages.append({"role": role, "content": content})
+            elif isinstance(item, ReasoningItem):
+                # (both names, as vLLM's server hands them to chat templates)
+                text = item.text
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "reasoning": text,
+                        "reasoning_content": text,
+                    }
+                )
             elif isinstance(item, FunctionCallItem):
                 _add_call(messages, item.call_id, item.name, item.arguments)
             else:
@@ -159,12 +213,13 @@ class CreateResponse(WireModel):
         }
         if self.model is not None:
             body["model"] = self.model
+        body.update(self.sampling_fields())
         for key, value in (
             ("max_completion_tokens", self.max_output_tokens),
-            ("temperature", self.temperature),
-            ("top_p", self.top_p),
             ("parallel_tool_calls", self.parallel_tool_calls),
             ("service_tier", self.service_tier),
+            ("chat_template_kwargs", self.chat_template_kwargs),
+            ("reasoning_effort", self.reasoning and self.reasoning.effort),
         ):
             if value is not None:
                 body[key] = value
@@ -204,6 +259,10 @@ class CreateResponse(WireModel):
             "metadata": self.metadata or {},
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "previous_response_id": self.previous_response_id,
+            "reasoning": {
+                "effort": self.reasoning and self.reasoning.effort,
+                "summary": self.reasoning and self.reasoning.summary,
+            },
             "service_tier": self.service_tier or "default",
             "store": self.store is not False,
             "background": bool(self.background),
@@ -302,6 +361,28 @@ class ResponseBuilder:
         self.status = "in_progress"
         return [created, self._event("response.in_progress", response=self.snapshot())]
 
+    def reasoning(self, delta: str) -> list[Event]:
+        """The model's reasoning (a reasoning parser's), as a `reasoning` item's text."""
+        events = []
+        item = self._open
+        if item is None or item["type"] != "reasoning":
+            events += self._close()
+            item = self._open = {
+                "type": "reasoning",
+                "id": f"rs_{self.suffix}_{len(self.output)}",
+                "summary": [],
+                "status": "in_progress",
+                "content": [],
+            }
+            self.output.append(item)
+            events.append(self._added(item))
+            part = {"type": "reasoning_text", "text": ""}
+            item["content"].append(part)
+            events.append(self._part("response.content_part.added", item, part))
+        item["content"][0]["text"] += delta
+        events.append(self._at(item, "response.reasoning_text.delta", delta=delta))
+        return events
+
     def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> list[Event]:
         """Output text, and its tokens' logprobs when the request includes them."""
         events = []
@@ -358,7 +439,7 @@ class ResponseBuilder:
         events = self._close()
         self.usage = {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"],
@@ -398,6 +479,12 @@ class ResponseBuilder:
             )
             return [done, self._done(item)]
         part = item["content"][0]
+        if item["type"] == "reasoning":
+            return [
+                self._at(item, "response.reasoning_text.done", text=part["text"]),
+                self._part("response.content_part.done", item, part),
+                self._done(item),
+            ]
         return [
             self._at(
                 item,
@@ -413,7 +500,7 @@ class ResponseBuilder:
         return self._event(
             "response.output_item.added",
             output_index=self.output.index(item),
-            item={**item, "content": []} if item["type"] == "message" else dict(item),
+            item={**item, "content": []} if "content" in item else dict(item),
         )
 
     def _done(self, item: dict[str, Any]) -> Event:
@@ -426,7 +513,7 @@ class ResponseBuilder:
 
     def _at(self, item: dict[str, Any], type_: str, **fields: Any) -> Event:
         where: dict[str, Any] = {"item_id": item["id"], "output_index": self.output.index(item)}
-        if item["type"] == "message":
+        if "content" in item:  # a message's or reasoning's one part
             where["content_index"] = 0
         return self._event(type_, **where, **fields)
 
@@ -437,7 +524,7 @@ class ResponseBuilder:
             if item["type"] == "message":
                 text = "".join(part["text"] for part in item["content"])
                 messages.append({"role": "assistant", "content": text})
-            else:
+            elif item["type"] == "function_call":
                 _add_call(messages, item["call_id"], item["name"], item["arguments"])
         return messages
 
@@ -449,10 +536,22 @@ def _add_call(messages: list[dict[str, Any]], call_id: str, name: str, arguments
     last = messages[-1] if messages else None
     if last is not None and last["role"] == "assistant" and "tool_calls" in last:
         last["tool_calls"].append(call)
+    elif last is not None and _thought_only(last):
+        last["tool_calls"] = [call]
     else:
         # ("" rather than null: templates that iterate the content take it, as for
         # Anthropic's tool uses in `server.anthropic.messages`)
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _thought_only(message: dict[str, Any]) -> bool:
+    """An assistant's turn of reasoning alone so far (its answer or calls may follow)."""
+    return (
+        message["role"] == "assistant"
+        and "reasoning" in message
+        and not message["content"]
+        and "tool_calls" not in message
+    )
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:
@@ -463,5 +562,7 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 
 
 def _copy_part(part: dict[str, Any]) -> dict[str, Any]:
-    """An output text part as it stands (its logprobs grow in place, its text is replaced)."""
+    """A part as it stands (an output text's logprobs grow in place, its text is replaced)."""
+    if "logprobs" not in part:
+        return dict(part)
     return {**part, "logprobs": list(part["logprobs"])}

@@ -41,13 +41,20 @@ CANCEL_WAIT_SECONDS = 10.0  # for a cancelled background generation to end
 STOP_WAIT_SECONDS = 2.0  # at shutdown, for background responses' ends to be stored
 
 
-def feed(builder: ResponseBuilder, event: Event) -> list[ResponseEvent]:
-    """A run's event into the response: the response's events it makes."""
+def feed(builder: ResponseBuilder, event: Event, parsed: bool) -> list[ResponseEvent]:
+    """A run's event into the response: the response's events it makes. `parsed`: an output
+    parser reads the run's text, and its fields are the output (a piece with none, such as
+    the close of a required call's JSON, shows nothing); else the text is."""
     if event.kind is Kind.PIECE:
         fields = event.fields
-        if fields is None:
+        if not parsed:
             return builder.text(event.text, event.logprobs) if event.text or event.logprobs else []
-        made = builder.text(fields["content"], event.logprobs) if fields.get("content") else []
+        if fields is None:  # (its tokens' logprobs belong to no output text)
+            return []
+        reasoning = fields.get("reasoning") or fields.get("reasoning_content")
+        made = builder.reasoning(reasoning) if reasoning else []
+        if fields.get("content"):
+            made += builder.text(fields["content"], event.logprobs)
         if fields.get("tool_calls"):
             made += builder.tool_calls(fields["tool_calls"])
         return made
@@ -62,10 +69,11 @@ def feed(builder: ResponseBuilder, event: Event) -> list[ResponseEvent]:
 
 async def replay(run: GenerationRun, builder: ResponseBuilder) -> AsyncIterator[ResponseEvent]:
     """The response's events from its first, live to its end, as `builder` makes them."""
+    parsed = run.shape.new_parser is not None
     for made in builder.start():
         yield made
     async for _, event in run.events(0):
-        for made in feed(builder, event):
+        for made in feed(builder, event, parsed):
             yield made
 
 
@@ -127,7 +135,9 @@ class Responses:
             earlier = previous.conversation
         background = bool(request.background)
         if background and request.store is False:
-            raise InvalidRequest("a background response must be stored", param="store")
+            raise InvalidRequest(  # (the words of vLLM's server, which clients match)
+                "background can only be used when `store` is true", param="store"
+            )
         chat = request.chat_body(earlier)
         parsed = parse_request(chat, "chat")
         if background:
@@ -223,7 +233,7 @@ class Responses:
         if stored is None and self.local is not None:
             stored = await self.local.get(tenant, response_id)
         if stored is None:
-            raise ResourceNotFound(f"no response '{response_id}'", param=param)
+            raise ResourceNotFound(f"Response with id '{response_id}' not found.", param=param)
         return KeptResponse.read(stored)
 
     async def follow(self, context: RequestContext, kept: KeptResponse) -> ResponseRecord:
@@ -241,7 +251,7 @@ class Responses:
         """Cancel a background response; the response object once it has ended."""
         found = await self.find(tenant, response_id)
         if not found.background:
-            raise InvalidRequest("only a background response can be cancelled", param="response_id")
+            raise InvalidRequest("Cannot cancel a synchronous response.", param="response_id")
         if isinstance(found, KeptResponse):
             if not found.ended:
                 raise InvalidRequest(

@@ -421,6 +421,31 @@ def test_blocks_in_the_wrong_role_are_refused(message: dict, param: str) -> None
     assert refused.value.param == param
 
 
+def test_output_config_becomes_the_chat_response_format_and_effort() -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    config = {"format": {"type": "json_schema", "schema": schema}, "effort": "low"}
+    _, chat, parsed = parse_messages(
+        {"model": "m", "max_tokens": 1, "messages": HELLO, "output_config": config}
+    )
+    assert chat["reasoning_effort"] == "low"
+    assert parsed.output == {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema},
+        }
+    }
+    with pytest.raises(InvalidRequest) as refused:
+        parse_messages(
+            {
+                "model": "m",
+                "max_tokens": 1,
+                "messages": HELLO,
+                "output_config": {"format": {"type": "regex", "schema": {}}},
+            }
+        )
+    assert refused.value.param == "output_config.format.type"
+
+
 def test_an_unknown_field_is_unsupported() -> None:
     with pytest.raises(UnsupportedParameter) as refused:
         parse_messages({"model": "m", "max_tokens": 1, "messages": HELLO, "thinking": {}})

@@ -1,10 +1,11 @@
 """Anthropic's tool use on the real vLLM engine, with the official `anthropic` SDK: a named
 tool choice (a schema the engine enforces) answered as a `tool_use` block, whole and streamed,
-and a conversation with `tool_use` and `tool_result` blocks through the model's own chat
-template."""
+a conversation with `tool_use` and `tool_result` blocks through the model's own chat
+template, and structured outputs (`output_config.format`) enforced by the engine."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import jsonschema
@@ -70,3 +71,20 @@ def test_a_named_tool_is_a_tool_use_block_whole_and_streamed(client: anthropic.A
         model=MODEL, max_tokens=4, messages=conversation, tools=[TOOL], tool_choice={"type": "none"}
     )
     assert answer.usage.input_tokens == counted.input_tokens > whole.usage.input_tokens
+
+
+def test_an_output_format_makes_the_text_a_document_of_its_schema(
+    client: anthropic.Anthropic,
+) -> None:
+    config = {"format": {"type": "json_schema", "schema": WEATHER}}
+    answer = client.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        messages=ASK,
+        output_config=config,  # type: ignore[arg-type]
+        extra_body={"temperature": 0},
+    )
+    assert answer.stop_reason == "end_turn"  # the schema's grammar ends the text
+    (block,) = answer.content
+    assert block.type == "text"
+    jsonschema.validate(json.loads(block.text), WEATHER)

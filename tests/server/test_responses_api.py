@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from conftest import InProcessSluice, uncalibrated_config, wait_until
 
+from server.generations.log import Event, Kind
 from server.generations.ports import ResponseStore, StoredResponse
 from server.openai.responses_api import CreateResponse, ResponseBuilder
+from server.responses_api.service import feed
 from server.responses_api.store import SqliteResponses
 
 # `openai` (~1 s to import) in the tests that call it: every pytest-xdist worker collects
@@ -198,6 +200,10 @@ def test_previous_response_id_continues_the_conversation(
         ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),
         ({"include": ["reasoning.encrypted_content"]}, "unsupported_parameter", "include"),
         ({"top_logprobs": 21}, "invalid_request", "top_logprobs"),
+        ({"top_k": -2}, "invalid_request", "top_k"),
+        ({"reasoning": {"summary": "detailed"}}, "unsupported_parameter", "reasoning.summary"),
+        ({"reasoning": {"effort": "huge"}}, "invalid_request", "reasoning.effort"),
+        ({"chat_template_kwargs": {"tools": []}}, "invalid_request", "chat_template_kwargs"),
     ],
 )
 def test_bad_input_is_a_400_in_openais_shape(
@@ -211,6 +217,88 @@ def test_bad_input_is_a_400_in_openais_shape(
     error = refused.value.body
     assert isinstance(error, dict) and error["code"] == code, error
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_vllms_sampling_parameters_and_template_arguments_are_served(
+    stopping_server: InProcessSluice,
+) -> None:
+    """What vLLM's server takes beside OpenAI's fields (`top_k`, `seed`, `ignore_eos`, ...,
+    `chat_template_kwargs`, and `reasoning.effort` as the chat's `reasoning_effort`), sent
+    as vLLM's own tests send them: through the SDK's `extra_body`."""
+    client = client_of(stopping_server)
+    ask: dict[str, Any] = dict(model="sim", input="tell me a story", max_output_tokens=200)
+    vllms = {"top_k": 40, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True}
+    made = client.responses.create(
+        **ask,
+        reasoning={"effort": "low"},
+        extra_body={**vllms, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    # (the model stops by itself 1 in 20 tokens: only ignore_eos keeps it to the end)
+    assert made.status == "incomplete" and made.usage is not None
+    assert made.usage.output_tokens == 200
+    assert made.reasoning is not None and made.reasoning.effort == "low"
+    texts = [
+        client.responses.create(**ask, extra_body={"seed": seed, "ignore_eos": True}).output_text
+        for seed in (1, 1, 2)
+    ]
+    assert texts[0] == texts[1] != texts[2]
+
+
+def test_vllms_fields_reach_the_chat_request() -> None:
+    request = CreateResponse.model_validate(
+        {
+            "input": "hi",
+            "temperature": 0.7,
+            "top_k": 40,
+            "seed": 42,
+            "stop": ["a"],
+            "logit_bias": {"3": 1},
+            "reasoning": {"effort": "none", "summary": "auto"},
+            "chat_template_kwargs": {"enable_thinking": True},
+        }
+    )
+    chat = request.chat_body([])
+    assert {key: chat[key] for key in chat if key not in ("messages", "stream")} == {
+        "temperature": 0.7,
+        "top_k": 40,
+        "seed": 42,
+        "stop": ["a"],
+        "logit_bias": {"3": 1.0},
+        "reasoning_effort": "none",
+        "chat_template_kwargs": {"enable_thinking": True},
+    }
+    assert request.echoed()["reasoning"] == {"effort": "none", "summary": "auto"}
+    plain = CreateResponse.model_validate({"input": "hi"})
+    assert plain.echoed()["reasoning"] == {"effort": None, "summary": None}
+
+
+def test_refusals_read_as_vllms_and_openais(client: openai.OpenAI) -> None:
+    """The words clients (vLLM's tests among them) match, with OpenAI's statuses."""
+    import openai
+
+    def refusal(call: Any, error: type[openai.APIStatusError]) -> str:
+        with pytest.raises(error) as refused:
+            call()
+        body = refused.value.body
+        assert isinstance(body, dict)
+        return str(body["message"])
+
+    made = client.responses.create(model="sim", input="hi", max_output_tokens=4)
+    assert (
+        refusal(
+            lambda: client.responses.create(model="sim", input="hi", background=True, store=False),
+            openai.BadRequestError,
+        )
+        == "background can only be used when `store` is true"
+    )
+    assert (
+        refusal(lambda: client.responses.cancel(made.id), openai.BadRequestError)
+        == "Cannot cancel a synchronous response."
+    )
+    assert (
+        refusal(lambda: client.responses.retrieve("resp_none"), openai.NotFoundError)
+        == "Response with id 'resp_none' not found."
+    )
 
 
 def test_included_logprobs_come_with_the_text(client: openai.OpenAI) -> None:
@@ -385,6 +473,127 @@ def test_the_request_becomes_a_chat_request() -> None:
         "type": "json_schema",
         "json_schema": {"name": "n", "schema": {}, "strict": True},
     }
+
+
+def test_reasoning_is_a_reasoning_item_before_the_answer() -> None:
+    """A reasoning parser's output (a run's `reasoning` fields) as OpenAI's `reasoning` item
+    and its `response.reasoning_text.*` events, each event and the response as the `openai`
+    SDK's types read them; a next turn's conversation leaves it out (as vLLM's server)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    builder = ResponseBuilder("resp_x", "m", 0, CreateResponse(input="hi").echoed())
+    events = builder.start()
+    pieces = [
+        Event(Kind.PIECE, text="<think>Let me", fields={"reasoning": "Let me"}),
+        Event(
+            Kind.PIECE, text=" think.</think>Hi", fields={"reasoning": " think.", "content": "Hi"}
+        ),
+        Event(Kind.PIECE, text="}]"),  # a piece the parser made no field of: none of the output
+    ]
+    for piece in pieces:
+        events += feed(builder, piece, parsed=True)
+    usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    events += builder.finish("stop", usage)
+    assert [e["type"].removeprefix("response.") for e in events] == [
+        "created",
+        "in_progress",
+        "output_item.added",
+        "content_part.added",
+        "reasoning_text.delta",
+        "reasoning_text.delta",
+        "reasoning_text.done",
+        "content_part.done",
+        "output_item.done",
+        "output_item.added",
+        "content_part.added",
+        "output_text.delta",
+        "output_text.done",
+        "content_part.done",
+        "output_item.done",
+        "completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    sdk_events = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in events]
+    assert sdk_events[6].type == "response.reasoning_text.done"
+    assert sdk_events[6].text == "Let me think." and sdk_events[6].item_id == "rs_x_0"
+    response = Response.model_validate(builder.snapshot())
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert [part.text for part in reasoning.content] == ["Let me think."]
+    assert message.type == "message" and response.output_text == "Hi"
+    assert builder.conversation() == [{"role": "assistant", "content": "Hi"}]
+
+
+def test_reasoning_sent_back_is_the_assistants_reasoning() -> None:
+    """An earlier output sent back as input, reasoning items included (as clients chain
+    turns): each reasoning item and the answer or calls after it, one assistant turn."""
+    request = CreateResponse.model_validate(
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "think"}],
+                },
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": "hello", "annotations": []}],
+                },
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "again"}]},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "42"},
+            ]
+        }
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert request.messages() == [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "hello",
+            "reasoning": "think",
+            "reasoning_content": "think",
+        },
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning": "again",
+            "reasoning_content": "again",
+            "tool_calls": [call],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+
+
+def test_a_reasoning_item_is_served_and_encrypted_reasoning_refused(client: openai.OpenAI) -> None:
+    import openai
+
+    thought = {
+        "type": "reasoning",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "hm"}],
+    }
+    made = client.responses.create(
+        model="sim",
+        input=[{"role": "user", "content": "hi"}, thought],  # type: ignore[list-item]
+        max_output_tokens=4,
+    )
+    assert made.output_text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model="sim",
+            input=[{**thought, "encrypted_content": "gAAA"}],  # type: ignore[list-item]
+            max_output_tokens=4,
+        )
+    error = refused.value.body
+    assert isinstance(error, dict) and error["code"] == "unsupported_parameter"
+    assert error["param"] == "input[0].encrypted_content"
 
 
 def test_tool_calls_become_function_call_items() -> None:

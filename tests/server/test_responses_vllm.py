@@ -1,7 +1,7 @@
 """OpenAI's Responses API on the real vLLM engine, with the official `openai` SDK: a response
 whole and streamed, a background response retrieved and its stream resumed after a sequence
-number, a background response cancelled (its engine request aborted), and function tools and
-`text.format` JSON schemas enforced by the engine.
+number, a background response cancelled (its engine request aborted), and function tools
+(named and required) and `text.format` JSON schemas enforced by the engine.
 
 The demo model's greedy text never ends by itself (`engine_adapters.demo_model`), so a greedy
 response runs to its `max_output_tokens` and the same input gives the same text, whole or
@@ -150,6 +150,28 @@ def test_a_named_function_tool_is_a_function_call_item(client: openai.OpenAI) ->
     )
     assert answer.output_text and answer.usage is not None and response.usage is not None
     assert answer.usage.input_tokens > response.usage.input_tokens
+
+
+def test_a_required_call_streamed_shows_no_text(client: openai.OpenAI) -> None:
+    """`tool_choice: "required"`: the engine writes the calls as a JSON list, whose closing
+    `}]` the parser reads as no field of the output; none of it is output text."""
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}
+    events = list(
+        client.responses.create(
+            **GREEDY,
+            input="What is the weather in Paris?",
+            tools=[tool],  # type: ignore[list-item]
+            tool_choice="required",
+            max_output_tokens=64,
+            stream=True,
+        )
+    )
+    assert [e.type for e in events if "output_text" in e.type] == []
+    final = events[-1]
+    assert final.type == "response.completed"  # the schema's grammar ends the list
+    (call,) = final.response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
 
 
 def test_a_json_schema_text_format_is_kept(client: openai.OpenAI) -> None:

@@ -294,7 +294,7 @@ async def test_previous_response_id_continues_an_unstored_response_of_the_connec
             "type": "error",
             "status": 404,
             "error": {
-                "message": f"no response '{first_id}'",
+                "message": f"Response with id '{first_id}' not found.",
                 "type": "invalid_request_error",
                 "param": "previous_response_id",
                 "code": "not_found",

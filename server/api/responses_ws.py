@@ -23,6 +23,7 @@ from server.api.edge import request_id_from
 from server.api.services import Services
 from server.api.websocket_session import WebSocketSession
 from server.core.errors import GenerationCancelled, InvalidRequest, SluiceError
+from server.generations.run import GenerationRun
 from server.openai.responses_api import CreateResponse, ResponseBuilder
 from server.openai.responses_api import Event as ResponseEvent
 from server.openai.responses_ws import (
@@ -111,12 +112,19 @@ class ResponsesSession(WebSocketSession):
         self._check_room()
         after = -1 if message.starting_after is None else message.starting_after
         lane = message.stream_id
+        # Each run is taken now: once its response is stored, the record lets go of it, and
+        # the lane's task may begin after that.
         if isinstance(found, ResponseRecord):
-            self._queue(lane, lambda before: self._replay(found, after, lane, before))
+            here = found.run
+            assert here is not None  # (a background response's, running here)
+            self._queue(lane, lambda before: self._replay(found, here, after, lane, before))
         elif not found.ended:
             followed = await self.responses.follow(self.context, found)
+            there = followed.run
+            assert there is not None
             self._queue(
-                lane, lambda before: self._replay(followed, after, lane, before, keeper=True)
+                lane,
+                lambda before: self._replay(followed, there, after, lane, before, keeper=True),
             )
         else:
             assert found.events is not None
@@ -180,7 +188,7 @@ class ResponsesSession(WebSocketSession):
         assert run is not None
         with run.reading():  # (no await since the run was made: it is never left unread)
             if record.background:
-                await self._send_events(record, record.builder.fresh(), -1, lane)
+                await self._send_events(record, run, record.builder.fresh(), -1, lane)
                 return
             self.live[record.response_id] = record
             try:
@@ -188,7 +196,7 @@ class ResponsesSession(WebSocketSession):
                 if run.failure is not None:  # refused before it began: as over HTTP
                     await self.send(error_event(run.failure, lane))
                     return
-                await self._send_events(record, record.builder, -1, lane, owner=True)
+                await self._send_events(record, run, record.builder, -1, lane, owner=True)
             finally:
                 del self.live[record.response_id]
 
@@ -204,6 +212,7 @@ class ResponsesSession(WebSocketSession):
     async def _replay(
         self,
         record: ResponseRecord,
+        run: GenerationRun,
         after: int,
         lane: str | None,
         before: asyncio.Task[None] | None,
@@ -212,12 +221,10 @@ class ResponsesSession(WebSocketSession):
     ) -> None:
         if before is not None:
             await asyncio.wait({before})
-        run = record.run
-        assert run is not None  # a background response's (kept)
         # (followed from another replica: its builder is the one made for it, from its start)
         builder = record.builder if keeper else record.builder.fresh()
         with run.reading():
-            await self._send_events(record, builder, after, lane, keeper=keeper)
+            await self._send_events(record, run, builder, after, lane, keeper=keeper)
 
     async def _send_stored(
         self,
@@ -236,6 +243,7 @@ class ResponsesSession(WebSocketSession):
     async def _send_events(
         self,
         record: ResponseRecord,
+        run: GenerationRun,
         builder: ResponseBuilder,
         after: int,
         lane: str | None,
@@ -248,8 +256,6 @@ class ResponsesSession(WebSocketSession):
         (and holds it for a next `previous_response_id`) before its client sees the end.
         `keeper`: it follows a background response another replica runs, and stores its end
         too (as `ResponseStream` does)."""
-        run = record.run
-        assert run is not None
         response_id = record.response_id
         async for event in replay(run, builder):
             if keeper:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.types import BULK, INTERACTIVE, Ticket, TrafficClass
 
 _CLASSES = tuple(TrafficClass)  # iterating the enum itself runs Python code at each call
 
@@ -65,7 +65,7 @@ class Backlog:
         """
         total = 0.0
         for tc in _CLASSES:
-            if tc is TrafficClass.BULK and traffic_class is TrafficClass.INTERACTIVE:
+            if tc is BULK and traffic_class is INTERACTIVE:
                 break
             by_tenant = self._by_class[tc]
             # Sums kept as sum() keeps them (from 0, in order), without a generator's cost.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from engine_adapters.protocol import ModelInfo
 from server.core.config import BudgetConfig
-from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.types import BULK, INTERACTIVE, Ticket, TrafficClass
 
 BUDGET_NAMES = ("tokens", "kv_blocks", "sequences")
 
@@ -71,7 +71,7 @@ class BudgetLedger:
         return demand_of(ticket, self.limits.block_size)
 
     def class_cap(self, traffic_class: TrafficClass) -> tuple[int, ...]:
-        return self._limit if traffic_class is TrafficClass.INTERACTIVE else self._bulk_cap
+        return self._limit if traffic_class is INTERACTIVE else self._bulk_cap
 
     def ever_fits(self, ticket: Ticket) -> bool:
         """Whether the ticket could run at all, with its class's share of an idle engine."""
@@ -83,13 +83,13 @@ class BudgetLedger:
         """Whether `ticket` fits now, or once the running bulk tickets `freeing` have left."""
         demand = self.demand(ticket)
         total = self._total
-        if ticket.traffic_class is TrafficClass.BULK:
-            held = self._by_class[TrafficClass.BULK]
+        if ticket.traffic_class is BULK:
+            held = self._by_class[BULK]
             for i in range(3):
                 if total[i] + demand[i] > self._limit[i] or held[i] + demand[i] > self._bulk_cap[i]:
                     return False
             return True
-        bulk_held = self._by_class[TrafficClass.BULK]
+        bulk_held = self._by_class[BULK]
         if freeing:  # (most calls free nothing: no sums to make)
             freed = [0, 0, 0]
             for leaving in freeing:
@@ -109,7 +109,7 @@ class BudgetLedger:
     def fits_bulk_floor(self, ticket: Ticket) -> bool:
         """Whether a bulk ticket fits inside bulk's guaranteed minimum share."""
         demand = self.demand(ticket)
-        held = self._by_class[TrafficClass.BULK]
+        held = self._by_class[BULK]
         for i in range(3):
             if (
                 held[i] + demand[i] > self._bulk_floor[i]

@@ -41,7 +41,7 @@ from server.scheduler.bulk_cap import BulkCap, PrefillPacer
 from server.scheduler.estimates import NEARLY_IDLE_OTHERS, RateEstimates
 from server.scheduler.queues import TenantFairQueue
 from server.scheduler.quotas import TenantQuotas
-from server.scheduler.types import RejectReason, Ticket, TrafficClass
+from server.scheduler.types import BULK, INTERACTIVE, RejectReason, Ticket, TrafficClass
 
 Stage = Literal["queued", "running"]
 
@@ -110,7 +110,7 @@ class SchedulerCore:
         self.bulk_cap = BulkCap(
             config.slo,
             self.estimates,
-            limit=self.ledger.class_cap(TrafficClass.BULK)[2],
+            limit=self.ledger.class_cap(BULK)[2],
             min_share=config.budgets.bulk_min_share,
         )
         self._chats_quiet_since: float | None = -math.inf  # None while chats run or wait
@@ -174,7 +174,7 @@ class SchedulerCore:
                 retry_after=max(1.0, predicted_start - now),
             )
         self._admit(ticket, now)
-        if tc is TrafficClass.INTERACTIVE:
+        if tc is INTERACTIVE:
             self._chats_changed(now)
         return Admitted(ticket, predicted_start)
 
@@ -212,7 +212,7 @@ class SchedulerCore:
     # --- predictions -------------------------------------------------------------------
     def _concurrency(self, traffic_class: TrafficClass) -> float:
         tokens_cap, _, seqs_cap = self.ledger.class_cap(traffic_class)
-        if traffic_class is TrafficClass.BULK:
+        if traffic_class is BULK:
             seqs_cap = min(seqs_cap, self.bulk_cap.idle())
         return max(1.0, min(float(seqs_cap), tokens_cap / max(1.0, self._mean_reserved)))
 
@@ -228,9 +228,9 @@ class SchedulerCore:
         runs among what runs now, and the caller knows how many that is). Admission needs
         both, and each reads the step-time estimate."""
         tc = ticket.traffic_class
-        queued_ahead = len(self._queues[TrafficClass.INTERACTIVE])
-        if tc is TrafficClass.BULK:
-            queued_ahead += len(self._queues[TrafficClass.BULK])
+        queued_ahead = len(self._queues[INTERACTIVE])
+        if tc is BULK:
+            queued_ahead += len(self._queues[BULK])
         if queued_ahead == 0 and self.ledger.fits(ticket, bulk_waiting=False):
             return 0.0, 0.0
         concurrency = self._concurrency(tc)
@@ -259,9 +259,7 @@ class SchedulerCore:
 
     # --- the bulk cap ------------------------------------------------------------------
     def _chats(self) -> int:
-        return self._running_per_class[TrafficClass.INTERACTIVE] + len(
-            self._queues[TrafficClass.INTERACTIVE]
-        )
+        return self._running_per_class[INTERACTIVE] + len(self._queues[INTERACTIVE])
 
     def _chats_changed(self, now: float) -> None:
         self.estimates.chats_changed(self._chats(), now)
@@ -292,7 +290,7 @@ class SchedulerCore:
         return self.bulk_cap.idle()
 
     def _bulk_running(self) -> int:
-        return self._running_per_class[TrafficClass.BULK] - self._preempting
+        return self._running_per_class[BULK] - self._preempting
 
     # --- one decision: poll ------------------------------------------------------------
     def poll(self, now: float) -> Step:
@@ -303,8 +301,8 @@ class SchedulerCore:
         return Step(started, expired, preempted, self._wake_at(now))
 
     def _dispatch(self, now: float) -> list[Ticket]:
-        interactive = self._queues[TrafficClass.INTERACTIVE]
-        bulk = self._queues[TrafficClass.BULK]
+        interactive = self._queues[INTERACTIVE]
+        bulk = self._queues[BULK]
         started: list[Ticket] = []
         while True:
             head = interactive.peek()
@@ -403,7 +401,7 @@ class SchedulerCore:
         preempt_at = self._preempt_time()
         if preempt_at is not None:
             times.append(preempt_at)
-        bulk_head = self._queues[TrafficClass.BULK].peek()
+        bulk_head = self._queues[BULK].peek()
         if bulk_head is not None:
             running = self._bulk_running()
             if running < self.bulk_allowed(now):
@@ -419,12 +417,12 @@ class SchedulerCore:
         return min(times, default=None)
 
     def _preempt_time(self) -> float | None:
-        if self._running_per_class[TrafficClass.BULK] == 0:
+        if self._running_per_class[BULK] == 0:
             return None  # (asked first: the usual answer, and the setting is a property)
         after = self.config.budgets.preempt_bulk_after_s
         if after is None:
             return None
-        head = self._queues[TrafficClass.INTERACTIVE].peek()
+        head = self._queues[INTERACTIVE].peek()
         if head is None or head.request_id == self._preempt_considered:
             return None
         return head.arrival + after
@@ -435,7 +433,7 @@ class SchedulerCore:
         that waited its threshold without room needs. Each ticket is named once; it keeps its
         budgets until the shell calls `requeue` (or `release`, if it ended meanwhile)."""
         chosen: list[Ticket] = []
-        if self._running_per_class[TrafficClass.BULK] == 0:
+        if self._running_per_class[BULK] == 0:
             return chosen  # no bulk runs: neither pick has anything to name
         for pick in (self._over_cap, self._for_waiting_chat):
             for entry in pick(now):  # named before the next pick, so named once
@@ -451,9 +449,7 @@ class SchedulerCore:
             (
                 e
                 for e in self._running.values()
-                if e.ticket.traffic_class is TrafficClass.BULK
-                and e.ticket.preemptible
-                and not e.preempting
+                if e.ticket.traffic_class is BULK and e.ticket.preemptible and not e.preempting
             ),
             key=lambda e: (e.resume_cost(block), -e.dispatched_at),
         )
@@ -478,7 +474,7 @@ class SchedulerCore:
         preempt_at = self._preempt_time()
         if preempt_at is None or now < preempt_at:
             return []
-        head = self._queues[TrafficClass.INTERACTIVE].peek()
+        head = self._queues[INTERACTIVE].peek()
         assert head is not None
         self._preempt_considered = head.request_id
         leaving = [e.ticket for e in self._running.values() if e.preempting]
@@ -512,7 +508,7 @@ class SchedulerCore:
             )
         self._leave_running(entry, now)
         continuation = ticket.continued(generated_tokens)
-        self._queues[TrafficClass.BULK].push_front(continuation)
+        self._queues[BULK].push_front(continuation)
         self._queued[request_id] = continuation
         self._backlog.add(continuation, self.estimates.expected_output_tokens(continuation))
         heapq.heappush(self._deadlines, (continuation.deadline, next(self._seq), request_id))
@@ -564,10 +560,7 @@ class SchedulerCore:
             self.estimates.observe_prefill(
                 ticket.prompt_tokens, now - entry.dispatched_at, entry.others_at_dispatch
             )
-        if (
-            ticket.traffic_class is TrafficClass.INTERACTIVE
-            and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS
-        ):
+        if ticket.traffic_class is INTERACTIVE and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS:
             self.estimates.observe_idle_ttft(now - ticket.arrival)
 
     def release(self, request_id: str, now: float, *, completed: bool = False) -> Stage | None:
@@ -596,7 +589,7 @@ class SchedulerCore:
             self._preempting -= 1
         self.ledger.release(entry.ticket)
         self.estimates.running_changed(self._sequences(), now)
-        if entry.ticket.traffic_class is TrafficClass.INTERACTIVE:
+        if entry.ticket.traffic_class is INTERACTIVE:
             self._chats_changed(now)
 
     def _remove_queued(self, ticket: Ticket, now: float) -> None:
@@ -604,7 +597,7 @@ class SchedulerCore:
         self._queues[ticket.traffic_class].remove(ticket)
         self._backlog.remove(ticket)
         self._quotas.ended(ticket)
-        if ticket.traffic_class is TrafficClass.INTERACTIVE:
+        if ticket.traffic_class is INTERACTIVE:
             self._chats_changed(now)
 
     # --- state, for metrics and tests --------------------------------------------------

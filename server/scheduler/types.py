@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 from engine_adapters.protocol import GenerationRequest, TokenDelta
 from server.core.config import TrafficClass as TrafficClass  # declared with the configuration
+
+# The classes, bound once: in Python 3.11 reading a member off an enum class goes through its
+# metaclass's attribute hook (about 60 ns, a call's worth), and the core reads them in every
+# decision.
+INTERACTIVE: Final = TrafficClass.INTERACTIVE
+BULK: Final = TrafficClass.BULK
 
 
 class RejectReason(StrEnum):

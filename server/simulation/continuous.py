@@ -44,7 +44,7 @@ from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
 from server.scheduler.refusals import REFUSALS
 from server.scheduler.slo import slo_result
-from server.scheduler.types import SloTargets, Ticket, TrafficClass
+from server.scheduler.types import BULK, INTERACTIVE, SloTargets, Ticket, TrafficClass
 from server.simulation.continuous_report import Tally, Timeline
 from server.simulation.continuous_workload import (
     RequestShape,
@@ -142,7 +142,7 @@ class ContinuousSimulation:
                 f"bulk{stream}.{sequence}",
                 now,
                 None if shape.deadline_s is None else now + shape.deadline_s,
-                TrafficClass.BULK,
+                BULK,
                 streams.tenant,
                 shape.prompt_tokens,
                 shape.max_tokens,
@@ -187,7 +187,7 @@ class ContinuousSimulation:
             timeline.reason = decision.reason
             self._end(live, "rejected", None)
             return
-        if tc is TrafficClass.INTERACTIVE:  # the targets at its arrival: admitting one is no
+        if tc is INTERACTIVE:  # the targets at its arrival: admitting one is no
             live.targets = self.core.bulk_cap.targets()  # observation, and moves none
         self._live[arrival.id] = live
         self._dispatch()

@@ -94,7 +94,7 @@ class ContinuousSimulation:
     ) -> None:
         self.config = config
         self.loop = EventLoop()
-        self.model = SimTimingModel(sim)
+        self.model = SimTimingModel(sim, report_tokens=False)  # it reads no step's tokens
         self.core = SchedulerCore(
             config,
             BudgetLimits.from_engine(config.budgets, sim.model_info(DEFAULT_MODEL)),

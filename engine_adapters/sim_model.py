@@ -296,6 +296,14 @@ class _Sequence:
         return self.length - self.prompt_len
 
 
+def _bounds(token_ids: Sequence[int]) -> tuple[int, int]:
+    """The least and the greatest id; a rising range's are its ends (min() and max() walk it,
+    and the simulator's prompts are ranges)."""
+    if isinstance(token_ids, range) and token_ids.step > 0:
+        return token_ids[0], token_ids[-1]
+    return min(token_ids), max(token_ids)
+
+
 def _sample(rng: _random.Random, span: int, bits: int) -> tuple[int, float]:
     """One token's draws: a word as `rng.randrange(span)` draws it (rejection sampling on
     getrandbits of the span's bit length, without its argument checks), then one
@@ -360,7 +368,8 @@ class SimTimingModel:
                 f"prompt of {len(prompt_token_ids)} tokens exceeds "
                 f"max_model_len={cfg.max_model_len}"
             )
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= cfg.vocab_size:
+        low, high = _bounds(prompt_token_ids)
+        if low < 0 or high >= cfg.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
         if max_tokens < 1 or min_tokens < 0:
             raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")

@@ -308,6 +308,9 @@ def test_requests_that_can_never_run_are_refused() -> None:
         model.add("long", [7] * 33, max_tokens=1)
     with pytest.raises(ValueError, match="empty"):
         model.add("empty", [], max_tokens=1)
+    for ids in ([7, 2048, 8], [7, -1], range(2040, 2049), range(-1, 5), range(5, -2, -3)):
+        with pytest.raises(ValueError, match="token ids"):  # 2048: the vocabulary's end
+            model.add("out of vocabulary", ids, max_tokens=1)
     model.add("a", PROMPT, max_tokens=1)
     with pytest.raises(ValueError, match="already"):
         model.add("a", PROMPT, max_tokens=1)

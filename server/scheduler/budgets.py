@@ -47,17 +47,12 @@ class BudgetLimits:
         return (self.tokens, self.kv_blocks, self.sequences)
 
 
-def demand_of(ticket: Ticket, block_size: int) -> tuple[int, int, int]:
-    """What one running ticket holds of (tokens, kv_blocks, sequences)."""
-    tokens = ticket.reserved_tokens
-    return (tokens, -(-tokens // block_size), ticket.n)
-
-
 class BudgetLedger:
     """In-use amounts of each budget, in total and per traffic class."""
 
     def __init__(self, limits: BudgetLimits, config: BudgetConfig) -> None:
         self.limits = limits
+        self._block_size = limits.block_size
         self._limit = limits.as_tuple()
         self._bulk_cap = tuple(
             max(1, math.floor(limit * (1.0 - config.interactive_reserve_share)))
@@ -68,7 +63,9 @@ class BudgetLedger:
         self._by_class = {traffic_class: [0, 0, 0] for traffic_class in TrafficClass}
 
     def demand(self, ticket: Ticket) -> tuple[int, int, int]:
-        return demand_of(ticket, self.limits.block_size)
+        """What one running ticket holds of (tokens, kv_blocks, sequences)."""
+        tokens = ticket.reserved_tokens
+        return (tokens, -(-tokens // self._block_size), ticket.n)
 
     def class_cap(self, traffic_class: TrafficClass) -> tuple[int, ...]:
         return self._limit if traffic_class is INTERACTIVE else self._bulk_cap

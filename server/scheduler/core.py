@@ -103,6 +103,7 @@ class SchedulerCore:
         self._running: dict[str, _Running] = {}
         self._running_output_left = 0.0  # expected output tokens minus generated, of running
         self._running_per_class = dict.fromkeys(TrafficClass, 0)  # sequences, not requests
+        self._sequences = 0  # running, of both classes
         self._preempting = 0  # running tickets named for preemption, not yet requeued
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
@@ -158,7 +159,7 @@ class SchedulerCore:
             )
         wait, service = self._wait(ticket, fair=True)
         if wait == 0.0:  # it runs among as many sequences as run now (else as many as fit)
-            service = self.estimates.service_seconds(ticket, self._sequences() + ticket.n)
+            service = self.estimates.service_seconds(ticket, self._sequences + ticket.n)
         predicted_start = now + wait
         predicted_end = predicted_start + service
         margin = self.config.estimates.admission_margin * (predicted_end - now)
@@ -262,8 +263,9 @@ class SchedulerCore:
         return self._running_per_class[INTERACTIVE] + len(self._queues[INTERACTIVE])
 
     def _chats_changed(self, now: float) -> None:
-        self.estimates.chats_changed(self._chats(), now)
-        if self._chats():
+        chats = self._chats()
+        self.estimates.chats_changed(chats, now)
+        if chats:
             self._chats_quiet_since = None
         elif self._chats_quiet_since is None:
             self._chats_quiet_since = now
@@ -354,7 +356,7 @@ class SchedulerCore:
         return min(1.0, turnover_steps / (TURNOVER_PACE * max(1, self.bulk_allowed(now))))
 
     def _pace(self, now: float) -> None:
-        step = self.estimates.steps.at(self._sequences() + 1)
+        step = self.estimates.steps.at(self._sequences + 1)
         headroom = self.bulk_cap.prefill_headroom(step, chats_about=self._chats_about(now))
         self._pacer.update(now, headroom, step)
 
@@ -371,11 +373,12 @@ class SchedulerCore:
         expected_output = self._backlog.remove(ticket)
         self.ledger.acquire(ticket)
         self._running[ticket.request_id] = _Running(
-            ticket, now, expected_output, others_at_dispatch=self._sequences()
+            ticket, now, expected_output, others_at_dispatch=self._sequences
         )
         self._running_output_left += expected_output
         self._running_per_class[ticket.traffic_class] += ticket.n
-        self.estimates.running_changed(self._sequences(), now)
+        self._sequences += ticket.n
+        self.estimates.running_changed(self._sequences, now)
         self.estimates.prefill_dispatched(self._prefill_s(ticket))
         return ticket
 
@@ -463,7 +466,7 @@ class SchedulerCore:
             return []
         # The cap aims under the target; between the two, bulk ends by itself sooner than a
         # resumed request would repay the prefill it must redo.
-        step = self.estimates.steps.at(self._sequences() - self._preempting)
+        step = self.estimates.steps.at(self._sequences - self._preempting)
         if step <= self.bulk_cap.targets().itl_s:
             return []
         return self._victims()[:excess]
@@ -585,10 +588,11 @@ class SchedulerCore:
         if not self._running:
             self._running_output_left = 0.0  # no rounding drift survives an idle engine
         self._running_per_class[entry.ticket.traffic_class] -= entry.ticket.n
+        self._sequences -= entry.ticket.n
         if entry.preempting:
             self._preempting -= 1
         self.ledger.release(entry.ticket)
-        self.estimates.running_changed(self._sequences(), now)
+        self.estimates.running_changed(self._sequences, now)
         if entry.ticket.traffic_class is INTERACTIVE:
             self._chats_changed(now)
 
@@ -616,11 +620,8 @@ class SchedulerCore:
     def running_count(self, traffic_class: TrafficClass | None = None) -> int:
         """Running sequences (a request with n choices runs n), of one class or all."""
         if traffic_class is None:
-            return self._sequences()
+            return self._sequences
         return self._running_per_class[traffic_class]
-
-    def _sequences(self) -> int:
-        return sum(self._running_per_class.values())
 
     def running_tickets(self) -> list[Ticket]:
         return [e.ticket for e in self._running.values()]

@@ -375,6 +375,10 @@ class SimTimingModel:
             raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
         if seed is None:
             seed = stable_hash(request_id)
+        # (Compared, not min()ed: in Python 3.11 min() costs several calls' worth.)
+        stop_length = len(prompt_token_ids) + max_tokens
+        if stop_length > cfg.max_model_len:
+            stop_length = cfg.max_model_len
         # Drawn as it steps if its tokens are reported, or if a draw may end it.
         draws_each_step = self.report_tokens or (not ignore_eos and cfg.eos_probability > 0)
         seq = _Sequence(
@@ -387,7 +391,7 @@ class SimTimingModel:
             seed=seed,
             rng=_random.Random(seed) if draws_each_step else None,
             draws_each_step=draws_each_step,
-            stop_length=min(len(prompt_token_ids) + max_tokens, cfg.max_model_len),
+            stop_length=stop_length,
             length=len(prompt_token_ids),
             next_cached=cfg.block_size if cfg.prefix_caching else sys.maxsize,
         )
@@ -463,7 +467,9 @@ class SimTimingModel:
                 seq.computed = self._cached_prefix(seq)
                 if seq.generated == 0:
                     seq.cache_hit = seq.computed
-            n = min(seq.length - seq.computed, budget)
+            n = seq.length - seq.computed
+            if n > budget:
+                n = budget
             if not self._allocate(seq, n):
                 break
             self._waiting.popleft()
@@ -488,7 +494,8 @@ class SimTimingModel:
         for seq, n in scheduled:
             computed = seq.computed
             if computed < seq.prefill_until:
-                prefill = min(computed + n, seq.prefill_until) - computed
+                end = computed + n
+                prefill = (end if end < seq.prefill_until else seq.prefill_until) - computed
                 prefill_tokens += prefill
                 decode_tokens += n - prefill
             else:

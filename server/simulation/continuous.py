@@ -237,9 +237,8 @@ class ContinuousSimulation:
         if timeline.dispatched is None:
             timeline.dispatched = now
         timeline.outcome = "running"
-        live.deadline = self.loop.call_at(
-            max(now, ticket.deadline), partial(self._running_deadline, live)
-        )
+        deadline = ticket.deadline if ticket.deadline > now else now
+        live.deadline = self.loop.call_at(deadline, partial(self._running_deadline, live))
 
     def _prompt(self, request_hash: int, length: int) -> Sequence[int]:
         """A request's prompt: consecutive ids from where its id's hash places it (the engine

@@ -28,7 +28,10 @@ class Backlog:
 
     def add(self, ticket: Ticket, expected_output: float) -> None:
         self._expected_output[ticket.request_id] = expected_output
-        work = self._by_class[ticket.traffic_class].setdefault(ticket.tenant, _Work())
+        by_tenant = self._by_class[ticket.traffic_class]
+        work = by_tenant.get(ticket.tenant)
+        if work is None:  # (not setdefault: that would build one for every request)
+            work = by_tenant[ticket.tenant] = _Work()
         work.requests += 1
         work.prompt_tokens += ticket.prompt_tokens
         work.output_tokens += expected_output

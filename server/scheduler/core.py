@@ -190,8 +190,8 @@ class SchedulerCore:
                 quota.message,
                 retry_after=quota.retry_after,
             )
-        class_config = self.config.classes[ticket.traffic_class]
         if self._many_tenants:
+            class_config = self.config.classes[ticket.traffic_class]
             share = max(1, math.ceil(class_config.max_queued * class_config.tenant_queue_share))
             if self._queues[ticket.traffic_class].count_for(ticket.tenant) >= share:
                 return Rejected(

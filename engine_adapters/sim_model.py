@@ -439,27 +439,20 @@ class SimTimingModel:
         scheduled: list[tuple[_Sequence, int]] = []
         preempted: list[str] = []
 
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        # A preemption pops the running list's end: the loop stops short of what it popped.
+        for seq in running:
+            if budget <= 0:
+                break
             n = seq.length - seq.computed
             if n > budget:
                 n = budget
-            if -(-(seq.computed + n) // block_size) == seq.blocks:  # its blocks hold the chunk
-                scheduled.append((seq, n))
-                budget -= n
-                i += 1
-                continue
-            while not self._allocate(seq, n):
-                victim = running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
-                    break
-            else:
-                scheduled.append((seq, n))
-                budget -= n
-                i += 1
+            # Unless its blocks hold the chunk, take more, preempting from the end for them.
+            if -(-(seq.computed + n) // block_size) != seq.blocks and not self._make_room(
+                seq, n, preempted
+            ):
+                break  # it was the last and preempted itself
+            scheduled.append((seq, n))
+            budget -= n
 
         while not preempted and self._waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = self._waiting[0]
@@ -579,6 +572,18 @@ class SimTimingModel:
         seq.next_cached = (seq.cached_blocks + 1) * size
         while len(cache) > self.config.kv_blocks:
             cache.popitem(last=False)
+
+    def _make_room(self, seq: _Sequence, new_tokens: int, preempted: list[str]) -> bool:
+        """Blocks for `seq`'s next `new_tokens`, preempting the most recently started running
+        sequences (named into `preempted`) until they fit; False if `seq` itself went."""
+        running = self._running
+        while not self._allocate(seq, new_tokens):
+            victim = running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                return False
+        return True
 
     def _allocate(self, seq: _Sequence, new_tokens: int) -> bool:
         needed = -(-(seq.computed + new_tokens) // self.config.block_size) - seq.blocks

@@ -268,7 +268,6 @@ class _Sequence:
     request_id: str
     tokens: list[int]
     prompt_len: int
-    max_tokens: int
     min_tokens: int
     ignore_eos: bool
     seed: int
@@ -283,7 +282,6 @@ class _Sequence:
     computed: int = 0
     prefill_until: int = 0  # tokens below this index are prefill; set on each admission
     blocks: int = 0
-    finish_reason: str | None = None
     cached_blocks: int = 0  # of its full blocks, those entered in the prefix cache
     # Computed tokens at which its next block is full, to enter (never, with prefix caching
     # off): one comparison per token where a product was two.
@@ -375,26 +373,29 @@ class SimTimingModel:
             raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
         if seed is None:
             seed = stable_hash(request_id)
+        prompt_len = len(prompt_token_ids)
         # (Compared, not min()ed: in Python 3.11 min() costs several calls' worth.)
-        stop_length = len(prompt_token_ids) + max_tokens
+        stop_length = prompt_len + max_tokens
         if stop_length > cfg.max_model_len:
             stop_length = cfg.max_model_len
         # Drawn as it steps if its tokens are reported, or if a draw may end it.
         draws_each_step = self.report_tokens or (not ignore_eos and cfg.eos_probability > 0)
+        rng = _random.Random(seed) if draws_each_step else None
+        # Positional, each named as its field: keywords cost as much again as the rest.
         seq = _Sequence(
-            request_id=request_id,
-            tokens=list(prompt_token_ids),
-            prompt_len=len(prompt_token_ids),
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            ignore_eos=ignore_eos,
-            seed=seed,
-            rng=_random.Random(seed) if draws_each_step else None,
-            draws_each_step=draws_each_step,
-            stop_length=stop_length,
-            length=len(prompt_token_ids),
-            next_cached=cfg.block_size if cfg.prefix_caching else sys.maxsize,
+            request_id,
+            list(prompt_token_ids),
+            prompt_len,
+            min_tokens,
+            ignore_eos,
+            seed,
+            rng,
+            draws_each_step,
+            stop_length,
+            prompt_len,  # its length: its prompt's, to start with
         )
+        if cfg.prefix_caching:
+            seq.next_cached = cfg.block_size
         self._by_id[request_id] = seq
         self._waiting.append(seq)
 
@@ -520,7 +521,6 @@ class SimTimingModel:
             if length == seq.prompt_len + 1:  # its first token
                 num_cached_tokens[seq.request_id] = seq.cache_hit
             if reason is not None:
-                seq.finish_reason = reason
                 self._finish(seq)
 
         duration_ms = (

@@ -128,8 +128,7 @@ class ContinuousSimulation:
         and is read only as the simulation reaches each."""
         if isinstance(arrivals, Sequence):
             arrivals = sorted(arrivals, key=lambda a: a.time_s)  # stable: ties keep their order
-        arrive = self._arrive
-        self.loop.feed((a.time_s, partial(arrive, a)) for a in arrivals)
+        self.loop.feed(((a.time_s, a) for a in arrivals), self._arrive)
 
     def add_bulk_streams(self, streams: BulkStreams) -> None:
         self._bulk_streams = streams

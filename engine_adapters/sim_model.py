@@ -39,7 +39,11 @@ The model, one step at a time (`SimConfig` holds every parameter):
 
 Tokens come from a per-request `random.Random` seeded by `seed`, or by a stable hash of the
 request id, and one token is drawn per step regardless of batching: the same request yields the
-same tokens under any load or config; only timing changes. Token ids map onto a fixed list of
+same tokens under any load or config; only timing changes. A model made with
+`report_tokens=False` (a simulator that only counts tokens) reports none, and a sequence that no
+draw can end (`ignore_eos`, or no end-of-sequence probability) draws its tokens only when the
+model reads them (to cache a full block, to recompute, or for `token_ids`): from the same
+stream, so its tokens and the schedule are the same either way. Token ids map onto a fixed list of
 common English words, so text reads as words. `SimConfig.__post_init__` requires that one
 sequence of `max_model_len` tokens fits the KV pool (as vLLM does at startup), so the model
 always makes progress.
@@ -236,7 +240,8 @@ class StepResult:
     """One step: how long it took, and its outputs as columns. Each sequence that sampled
     samples exactly one token per step, so output i is `request_ids[i]`'s `token_ids[i]`,
     ending it if `finish_reasons[i]` is set (building an object per token cost about as much
-    as sampling it; `outputs` builds them, for readers that want them)."""
+    as sampling it; `outputs` builds them, for readers that want them). A model made with
+    `report_tokens=False` leaves `token_ids` empty (and has no `outputs`)."""
 
     duration_s: float
     request_ids: list[str] = field(default_factory=list)
@@ -263,18 +268,20 @@ class _Sequence:
     request_id: str
     tokens: list[int]
     prompt_len: int
-    max_tokens: int
     min_tokens: int
     ignore_eos: bool
+    seed: int
     # The generator `random.Random` wraps, seeded as `random.Random(seed)` seeds it (the same
     # stream: `tests/engine_adapters/test_sim.py` checks it); its Python-level init and seed
-    # checks cost a third again on top, once per request a million times in a simulation.
-    rng: _random.Random
+    # checks cost a third again on top. None until its first draw: seeding one costs more than
+    # all the rest of a short request's life in the model.
+    rng: _random.Random | None
+    draws_each_step: bool  # else its tokens are drawn when read (see the module docstring)
     stop_length: int  # it finishes with "length" at this many tokens (max_tokens, or the model's)
+    length: int  # its tokens, prompt and generated; `tokens` may hold fewer, drawn so far
     computed: int = 0
     prefill_until: int = 0  # tokens below this index are prefill; set on each admission
     blocks: int = 0
-    finish_reason: str | None = None
     cached_blocks: int = 0  # of its full blocks, those entered in the prefix cache
     # Computed tokens at which its next block is full, to enter (never, with prefix caching
     # off): one comparison per token where a product was two.
@@ -284,14 +291,34 @@ class _Sequence:
 
     @property
     def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
+        return self.length - self.prompt_len
+
+
+def _bounds(token_ids: Sequence[int]) -> tuple[int, int]:
+    """The least and the greatest id; a rising range's are its ends (min() and max() walk it,
+    and the simulator's prompts are ranges)."""
+    if isinstance(token_ids, range) and token_ids.step > 0:
+        return token_ids[0], token_ids[-1]
+    return min(token_ids), max(token_ids)
+
+
+def _sample(rng: _random.Random, span: int, bits: int) -> tuple[int, float]:
+    """One token's draws: a word as `rng.randrange(span)` draws it (rejection sampling on
+    getrandbits of the span's bit length, without its argument checks), then one
+    `rng.random()` for the end-of-sequence test, drawn every token so that tokens never depend
+    on the eos settings."""
+    draw = rng.getrandbits(bits)
+    while draw >= span:
+        draw = rng.getrandbits(bits)
+    return draw, rng.random()
 
 
 class SimTimingModel:
     """Continuous batching with chunked prefill and a finite KV pool; see the module docstring."""
 
-    def __init__(self, config: SimConfig | None = None) -> None:
+    def __init__(self, config: SimConfig | None = None, *, report_tokens: bool = True) -> None:
         self.config = config or SimConfig()
+        self.report_tokens = report_tokens  # False: steps report no token ids
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
@@ -339,28 +366,58 @@ class SimTimingModel:
                 f"prompt of {len(prompt_token_ids)} tokens exceeds "
                 f"max_model_len={cfg.max_model_len}"
             )
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= cfg.vocab_size:
+        low, high = _bounds(prompt_token_ids)
+        if low < 0 or high >= cfg.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
         if max_tokens < 1 or min_tokens < 0:
             raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
+        if seed is None:
+            seed = stable_hash(request_id)
+        prompt_len = len(prompt_token_ids)
+        # (Compared, not min()ed: in Python 3.11 min() costs several calls' worth.)
+        stop_length = prompt_len + max_tokens
+        if stop_length > cfg.max_model_len:
+            stop_length = cfg.max_model_len
+        # Drawn as it steps if its tokens are reported, or if a draw may end it.
+        draws_each_step = self.report_tokens or (not ignore_eos and cfg.eos_probability > 0)
+        rng = _random.Random(seed) if draws_each_step else None
+        # Positional, each named as its field: keywords cost as much again as the rest.
         seq = _Sequence(
-            request_id=request_id,
-            tokens=list(prompt_token_ids),
-            prompt_len=len(prompt_token_ids),
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            ignore_eos=ignore_eos,
-            rng=_random.Random(stable_hash(request_id) if seed is None else seed),
-            stop_length=min(len(prompt_token_ids) + max_tokens, cfg.max_model_len),
-            next_cached=cfg.block_size if cfg.prefix_caching else sys.maxsize,
+            request_id,
+            list(prompt_token_ids),
+            prompt_len,
+            min_tokens,
+            ignore_eos,
+            seed,
+            rng,
+            draws_each_step,
+            stop_length,
+            prompt_len,  # its length: its prompt's, to start with
         )
+        if cfg.prefix_caching:
+            seq.next_cached = cfg.block_size
         self._by_id[request_id] = seq
         self._waiting.append(seq)
 
     def token_ids(self, request_id: str) -> list[int]:
         """An unfinished request's prompt and the tokens sampled for it so far (a step's
         tokens are sampled when it starts, before its outputs are read)."""
-        return list(self._by_id[request_id].tokens)
+        return list(self._tokens(self._by_id[request_id]))
+
+    def _tokens(self, seq: _Sequence) -> list[int]:
+        """All of `seq`'s tokens: those not drawn yet are drawn now, in order, from its stream
+        (as `step` would have drawn them)."""
+        tokens = seq.tokens
+        if len(tokens) < seq.length:
+            if seq.rng is None:
+                seq.rng = _random.Random(seq.seed)
+            rng = seq.rng
+            first = len(SPECIAL_TOKENS)
+            span = self.config.vocab_size - first
+            bits = span.bit_length()
+            while len(tokens) < seq.length:
+                tokens.append(first + _sample(rng, span, bits)[0])
+        return tokens
 
     def abort(self, request_id: str) -> bool:
         """Drop an unfinished request and free its blocks now; False if unknown or finished."""
@@ -383,27 +440,20 @@ class SimTimingModel:
         scheduled: list[tuple[_Sequence, int]] = []
         preempted: list[str] = []
 
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            n = len(seq.tokens) - seq.computed
+        # A preemption pops the running list's end: the loop stops short of what it popped.
+        for seq in running:
+            if budget <= 0:
+                break
+            n = seq.length - seq.computed
             if n > budget:
                 n = budget
-            if -(-(seq.computed + n) // block_size) == seq.blocks:  # its blocks hold the chunk
-                scheduled.append((seq, n))
-                budget -= n
-                i += 1
-                continue
-            while not self._allocate(seq, n):
-                victim = running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
-                    break
-            else:
-                scheduled.append((seq, n))
-                budget -= n
-                i += 1
+            # Unless its blocks hold the chunk, take more, preempting from the end for them.
+            if -(-(seq.computed + n) // block_size) != seq.blocks and not self._make_room(
+                seq, n, preempted
+            ):
+                break  # it was the last and preempted itself
+            scheduled.append((seq, n))
+            budget -= n
 
         while not preempted and self._waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = self._waiting[0]
@@ -411,11 +461,13 @@ class SimTimingModel:
                 seq.computed = self._cached_prefix(seq)
                 if seq.generated == 0:
                     seq.cache_hit = seq.computed
-            n = min(len(seq.tokens) - seq.computed, budget)
+            n = seq.length - seq.computed
+            if n > budget:
+                n = budget
             if not self._allocate(seq, n):
                 break
             self._waiting.popleft()
-            seq.prefill_until = len(seq.tokens)
+            seq.prefill_until = seq.length
             running.append(seq)
             scheduled.append((seq, n))
             budget -= n
@@ -425,19 +477,19 @@ class SimTimingModel:
         token_ids: list[int] = []
         finish_reasons: list[str | None] = []
         num_cached_tokens: dict[str, int] = {}
-        # Each sequence samples its tokens from its own generator: as rng.randrange(first,
-        # vocab_size) draws (rejection sampling on getrandbits of the span's bit length, without
-        # its argument checks), then one rng.random() for the end-of-sequence test.
+        # Each sequence samples its tokens from its own generator (`_sample`).
         first = len(SPECIAL_TOKENS)
         span = cfg.vocab_size - first
         bits = span.bit_length()
         eos_probability = cfg.eos_probability
+        report_tokens = self.report_tokens
         # Bound once: a step of 128 sequences calls each 128 times.
         add_id, add_token, add_reason = request_ids.append, token_ids.append, finish_reasons.append
         for seq, n in scheduled:
             computed = seq.computed
             if computed < seq.prefill_until:
-                prefill = min(computed + n, seq.prefill_until) - computed
+                end = computed + n
+                prefill = (end if end < seq.prefill_until else seq.prefill_until) - computed
                 prefill_tokens += prefill
                 decode_tokens += n - prefill
             else:
@@ -445,33 +497,30 @@ class SimTimingModel:
             seq.computed = computed = computed + n
             if seq.next_cached <= computed:
                 self._cache_blocks(seq)
-            tokens = seq.tokens
-            if computed != len(tokens):
+            if computed != seq.length:
                 continue  # a prefill chunk short of the prompt's end: no token yet
-            rng = seq.rng
-            draw = rng.getrandbits(bits)
-            while draw >= span:
-                draw = rng.getrandbits(bits)
-            token = first + draw
-            stop_draw = rng.random()  # drawn every token so tokens never depend on eos settings
-            tokens.append(token)
-            length = computed + 1  # len(tokens)
+            seq.length = length = computed + 1
             reason = None
+            if seq.draws_each_step:
+                assert seq.rng is not None
+                draw, stop_draw = _sample(seq.rng, span, bits)
+                token = first + draw
+                seq.tokens.append(token)
+                if report_tokens:
+                    add_token(token)
+                if (
+                    not seq.ignore_eos
+                    and stop_draw < eos_probability
+                    and length - seq.prompt_len >= seq.min_tokens
+                ):
+                    reason = "stop"
             if length >= seq.stop_length:
                 reason = "length"
-            elif (
-                not seq.ignore_eos
-                and stop_draw < eos_probability
-                and length - seq.prompt_len >= seq.min_tokens
-            ):
-                reason = "stop"
             add_id(seq.request_id)
-            add_token(token)
             add_reason(reason)
             if length == seq.prompt_len + 1:  # its first token
                 num_cached_tokens[seq.request_id] = seq.cache_hit
             if reason is not None:
-                seq.finish_reason = reason
                 self._finish(seq)
 
         duration_ms = (
@@ -496,9 +545,12 @@ class SimTimingModel:
             return 0
         size = self.config.block_size
         cache = self._prefix_cache
+        if seq.length <= size:
+            return 0  # no whole block short of its last token
+        tokens = self._tokens(seq)
         digest, blocks = 0, 0
-        while (blocks + 1) * size < len(seq.tokens):
-            digest = hash((digest, *seq.tokens[blocks * size : (blocks + 1) * size]))
+        while (blocks + 1) * size < len(tokens):
+            digest = hash((digest, *tokens[blocks * size : (blocks + 1) * size]))
             if digest not in cache:
                 break
             cache.move_to_end(digest)
@@ -510,15 +562,28 @@ class SimTimingModel:
         on, and only when it has computed a block more than it entered)."""
         size = self.config.block_size
         cache = self._prefix_cache
+        tokens = self._tokens(seq)
         while (seq.cached_blocks + 1) * size <= seq.computed:
             start = seq.cached_blocks * size
-            seq.block_hash = hash((seq.block_hash, *seq.tokens[start : start + size]))
+            seq.block_hash = hash((seq.block_hash, *tokens[start : start + size]))
             cache[seq.block_hash] = None
             cache.move_to_end(seq.block_hash)
             seq.cached_blocks += 1
         seq.next_cached = (seq.cached_blocks + 1) * size
         while len(cache) > self.config.kv_blocks:
             cache.popitem(last=False)
+
+    def _make_room(self, seq: _Sequence, new_tokens: int, preempted: list[str]) -> bool:
+        """Blocks for `seq`'s next `new_tokens`, preempting the most recently started running
+        sequences (named into `preempted`) until they fit; False if `seq` itself went."""
+        running = self._running
+        while not self._allocate(seq, new_tokens):
+            victim = running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                return False
+        return True
 
     def _allocate(self, seq: _Sequence, new_tokens: int) -> bool:
         needed = -(-(seq.computed + new_tokens) // self.config.block_size) - seq.blocks

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.types import BULK, INTERACTIVE, Ticket, TrafficClass
 
 _CLASSES = tuple(TrafficClass)  # iterating the enum itself runs Python code at each call
 
@@ -28,7 +28,10 @@ class Backlog:
 
     def add(self, ticket: Ticket, expected_output: float) -> None:
         self._expected_output[ticket.request_id] = expected_output
-        work = self._by_class[ticket.traffic_class].setdefault(ticket.tenant, _Work())
+        by_tenant = self._by_class[ticket.traffic_class]
+        work = by_tenant.get(ticket.tenant)
+        if work is None:  # (not setdefault: that would build one for every request)
+            work = by_tenant[ticket.tenant] = _Work()
         work.requests += 1
         work.prompt_tokens += ticket.prompt_tokens
         work.output_tokens += expected_output
@@ -65,7 +68,7 @@ class Backlog:
         """
         total = 0.0
         for tc in _CLASSES:
-            if tc is TrafficClass.BULK and traffic_class is TrafficClass.INTERACTIVE:
+            if tc is BULK and traffic_class is INTERACTIVE:
                 break
             by_tenant = self._by_class[tc]
             # Sums kept as sum() keeps them (from 0, in order), without a generator's cost.

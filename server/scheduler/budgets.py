@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from engine_adapters.protocol import ModelInfo
 from server.core.config import BudgetConfig
-from server.scheduler.types import Ticket, TrafficClass
+from server.scheduler.types import BULK, INTERACTIVE, Ticket, TrafficClass
 
 BUDGET_NAMES = ("tokens", "kv_blocks", "sequences")
 
@@ -47,17 +47,12 @@ class BudgetLimits:
         return (self.tokens, self.kv_blocks, self.sequences)
 
 
-def demand_of(ticket: Ticket, block_size: int) -> tuple[int, int, int]:
-    """What one running ticket holds of (tokens, kv_blocks, sequences)."""
-    tokens = ticket.reserved_tokens
-    return (tokens, -(-tokens // block_size), ticket.n)
-
-
 class BudgetLedger:
     """In-use amounts of each budget, in total and per traffic class."""
 
     def __init__(self, limits: BudgetLimits, config: BudgetConfig) -> None:
         self.limits = limits
+        self._block_size = limits.block_size
         self._limit = limits.as_tuple()
         self._bulk_cap = tuple(
             max(1, math.floor(limit * (1.0 - config.interactive_reserve_share)))
@@ -68,10 +63,12 @@ class BudgetLedger:
         self._by_class = {traffic_class: [0, 0, 0] for traffic_class in TrafficClass}
 
     def demand(self, ticket: Ticket) -> tuple[int, int, int]:
-        return demand_of(ticket, self.limits.block_size)
+        """What one running ticket holds of (tokens, kv_blocks, sequences)."""
+        tokens = ticket.reserved_tokens
+        return (tokens, -(-tokens // self._block_size), ticket.n)
 
     def class_cap(self, traffic_class: TrafficClass) -> tuple[int, ...]:
-        return self._limit if traffic_class is TrafficClass.INTERACTIVE else self._bulk_cap
+        return self._limit if traffic_class is INTERACTIVE else self._bulk_cap
 
     def ever_fits(self, ticket: Ticket) -> bool:
         """Whether the ticket could run at all, with its class's share of an idle engine."""
@@ -83,13 +80,13 @@ class BudgetLedger:
         """Whether `ticket` fits now, or once the running bulk tickets `freeing` have left."""
         demand = self.demand(ticket)
         total = self._total
-        if ticket.traffic_class is TrafficClass.BULK:
-            held = self._by_class[TrafficClass.BULK]
+        if ticket.traffic_class is BULK:
+            held = self._by_class[BULK]
             for i in range(3):
                 if total[i] + demand[i] > self._limit[i] or held[i] + demand[i] > self._bulk_cap[i]:
                     return False
             return True
-        bulk_held = self._by_class[TrafficClass.BULK]
+        bulk_held = self._by_class[BULK]
         if freeing:  # (most calls free nothing: no sums to make)
             freed = [0, 0, 0]
             for leaving in freeing:
@@ -109,7 +106,7 @@ class BudgetLedger:
     def fits_bulk_floor(self, ticket: Ticket) -> bool:
         """Whether a bulk ticket fits inside bulk's guaranteed minimum share."""
         demand = self.demand(ticket)
-        held = self._by_class[TrafficClass.BULK]
+        held = self._by_class[BULK]
         for i in range(3):
             if (
                 held[i] + demand[i] > self._bulk_floor[i]

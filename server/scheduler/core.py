@@ -41,7 +41,7 @@ from server.scheduler.bulk_cap import BulkCap, PrefillPacer
 from server.scheduler.estimates import NEARLY_IDLE_OTHERS, RateEstimates
 from server.scheduler.queues import TenantFairQueue
 from server.scheduler.quotas import TenantQuotas
-from server.scheduler.types import RejectReason, Ticket, TrafficClass
+from server.scheduler.types import BULK, INTERACTIVE, RejectReason, Ticket, TrafficClass
 
 Stage = Literal["queued", "running"]
 
@@ -49,6 +49,8 @@ Stage = Literal["queued", "running"]
 TURNOVER_PACE = 2.0
 
 # Made once: formatting an enum runs Python code, and a flood is refused this a million times.
+# For the same reason the paths every request takes compare numbers where min() and max() would
+# read better: in Python 3.11 one of those costs as much as three or four calls of our own.
 _QUEUE_FULL = {tc: f"the {tc} queue is full; retry later" for tc in TrafficClass}
 
 
@@ -103,6 +105,7 @@ class SchedulerCore:
         self._running: dict[str, _Running] = {}
         self._running_output_left = 0.0  # expected output tokens minus generated, of running
         self._running_per_class = dict.fromkeys(TrafficClass, 0)  # sequences, not requests
+        self._sequences = 0  # running, of both classes
         self._preempting = 0  # running tickets named for preemption, not yet requeued
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
@@ -110,7 +113,7 @@ class SchedulerCore:
         self.bulk_cap = BulkCap(
             config.slo,
             self.estimates,
-            limit=self.ledger.class_cap(TrafficClass.BULK)[2],
+            limit=self.ledger.class_cap(BULK)[2],
             min_share=config.budgets.bulk_min_share,
         )
         self._chats_quiet_since: float | None = -math.inf  # None while chats run or wait
@@ -154,11 +157,11 @@ class SchedulerCore:
                 ticket,
                 RejectReason.OVERLOADED,
                 _QUEUE_FULL[tc],
-                retry_after=max(1.0, drain),
+                retry_after=drain if drain > 1.0 else 1.0,
             )
         wait, service = self._wait(ticket, fair=True)
         if wait == 0.0:  # it runs among as many sequences as run now (else as many as fit)
-            service = self.estimates.service_seconds(ticket, self._sequences() + ticket.n)
+            service = self.estimates.service_seconds(ticket, self._sequences + ticket.n)
         predicted_start = now + wait
         predicted_end = predicted_start + service
         margin = self.config.estimates.admission_margin * (predicted_end - now)
@@ -174,7 +177,7 @@ class SchedulerCore:
                 retry_after=max(1.0, predicted_start - now),
             )
         self._admit(ticket, now)
-        if tc is TrafficClass.INTERACTIVE:
+        if tc is INTERACTIVE:
             self._chats_changed(now)
         return Admitted(ticket, predicted_start)
 
@@ -187,8 +190,8 @@ class SchedulerCore:
                 quota.message,
                 retry_after=quota.retry_after,
             )
-        class_config = self.config.classes[ticket.traffic_class]
         if self._many_tenants:
+            class_config = self.config.classes[ticket.traffic_class]
             share = max(1, math.ceil(class_config.max_queued * class_config.tenant_queue_share))
             if self._queues[ticket.traffic_class].count_for(ticket.tenant) >= share:
                 return Rejected(
@@ -212,9 +215,13 @@ class SchedulerCore:
     # --- predictions -------------------------------------------------------------------
     def _concurrency(self, traffic_class: TrafficClass) -> float:
         tokens_cap, _, seqs_cap = self.ledger.class_cap(traffic_class)
-        if traffic_class is TrafficClass.BULK:
+        if traffic_class is BULK:
             seqs_cap = min(seqs_cap, self.bulk_cap.idle())
-        return max(1.0, min(float(seqs_cap), tokens_cap / max(1.0, self._mean_reserved)))
+        mean = self._mean_reserved
+        by_tokens = tokens_cap / (mean if mean > 1.0 else 1.0)
+        seqs = float(seqs_cap)
+        concurrency = by_tokens if by_tokens < seqs else seqs
+        return concurrency if concurrency > 1.0 else 1.0
 
     def predicted_wait(self, ticket: Ticket, now: float, *, fair: bool = True) -> float:
         """Expected seconds from now until `ticket` (not yet queued) would be dispatched: the
@@ -228,9 +235,9 @@ class SchedulerCore:
         runs among what runs now, and the caller knows how many that is). Admission needs
         both, and each reads the step-time estimate."""
         tc = ticket.traffic_class
-        queued_ahead = len(self._queues[TrafficClass.INTERACTIVE])
-        if tc is TrafficClass.BULK:
-            queued_ahead += len(self._queues[TrafficClass.BULK])
+        queued_ahead = len(self._queues[INTERACTIVE])
+        if tc is BULK:
+            queued_ahead += len(self._queues[BULK])
         if queued_ahead == 0 and self.ledger.fits(ticket, bulk_waiting=False):
             return 0.0, 0.0
         concurrency = self._concurrency(tc)
@@ -239,7 +246,8 @@ class SchedulerCore:
         ahead = self._backlog.seconds_ahead(
             tc, ticket.tenant if fair else None, own, self.estimates.prefill_tokens_per_s, step
         )
-        ahead += max(0.0, self._running_output_left) * step
+        left = self._running_output_left
+        ahead += (left if left > 0.0 else 0.0) * step
         return ahead / concurrency, own
 
     def pressure(self, traffic_class: TrafficClass, now: float) -> float:
@@ -259,13 +267,12 @@ class SchedulerCore:
 
     # --- the bulk cap ------------------------------------------------------------------
     def _chats(self) -> int:
-        return self._running_per_class[TrafficClass.INTERACTIVE] + len(
-            self._queues[TrafficClass.INTERACTIVE]
-        )
+        return self._running_per_class[INTERACTIVE] + len(self._queues[INTERACTIVE])
 
     def _chats_changed(self, now: float) -> None:
-        self.estimates.chats_changed(self._chats(), now)
-        if self._chats():
+        chats = self._chats()
+        self.estimates.chats_changed(chats, now)
+        if chats:
             self._chats_quiet_since = None
         elif self._chats_quiet_since is None:
             self._chats_quiet_since = now
@@ -292,7 +299,7 @@ class SchedulerCore:
         return self.bulk_cap.idle()
 
     def _bulk_running(self) -> int:
-        return self._running_per_class[TrafficClass.BULK] - self._preempting
+        return self._running_per_class[BULK] - self._preempting
 
     # --- one decision: poll ------------------------------------------------------------
     def poll(self, now: float) -> Step:
@@ -303,8 +310,8 @@ class SchedulerCore:
         return Step(started, expired, preempted, self._wake_at(now))
 
     def _dispatch(self, now: float) -> list[Ticket]:
-        interactive = self._queues[TrafficClass.INTERACTIVE]
-        bulk = self._queues[TrafficClass.BULK]
+        interactive = self._queues[INTERACTIVE]
+        bulk = self._queues[BULK]
         started: list[Ticket] = []
         while True:
             head = interactive.peek()
@@ -356,7 +363,7 @@ class SchedulerCore:
         return min(1.0, turnover_steps / (TURNOVER_PACE * max(1, self.bulk_allowed(now))))
 
     def _pace(self, now: float) -> None:
-        step = self.estimates.steps.at(self._sequences() + 1)
+        step = self.estimates.steps.at(self._sequences + 1)
         headroom = self.bulk_cap.prefill_headroom(step, chats_about=self._chats_about(now))
         self._pacer.update(now, headroom, step)
 
@@ -373,11 +380,12 @@ class SchedulerCore:
         expected_output = self._backlog.remove(ticket)
         self.ledger.acquire(ticket)
         self._running[ticket.request_id] = _Running(
-            ticket, now, expected_output, others_at_dispatch=self._sequences()
+            ticket, now, expected_output, others_at_dispatch=self._sequences
         )
         self._running_output_left += expected_output
         self._running_per_class[ticket.traffic_class] += ticket.n
-        self.estimates.running_changed(self._sequences(), now)
+        self._sequences += ticket.n
+        self.estimates.running_changed(self._sequences, now)
         self.estimates.prefill_dispatched(self._prefill_s(ticket))
         return ticket
 
@@ -403,7 +411,7 @@ class SchedulerCore:
         preempt_at = self._preempt_time()
         if preempt_at is not None:
             times.append(preempt_at)
-        bulk_head = self._queues[TrafficClass.BULK].peek()
+        bulk_head = self._queues[BULK].peek()
         if bulk_head is not None:
             running = self._bulk_running()
             if running < self.bulk_allowed(now):
@@ -416,15 +424,15 @@ class SchedulerCore:
             hold_until = self._hold_until()
             if hold_until is not None and now < hold_until and running < self.bulk_cap.idle():
                 times.append(hold_until)
-        return min(times, default=None)
+        return times[0] if len(times) == 1 else min(times, default=None)  # (most: one deadline)
 
     def _preempt_time(self) -> float | None:
-        if self._running_per_class[TrafficClass.BULK] == 0:
+        if self._running_per_class[BULK] == 0:
             return None  # (asked first: the usual answer, and the setting is a property)
         after = self.config.budgets.preempt_bulk_after_s
         if after is None:
             return None
-        head = self._queues[TrafficClass.INTERACTIVE].peek()
+        head = self._queues[INTERACTIVE].peek()
         if head is None or head.request_id == self._preempt_considered:
             return None
         return head.arrival + after
@@ -435,7 +443,7 @@ class SchedulerCore:
         that waited its threshold without room needs. Each ticket is named once; it keeps its
         budgets until the shell calls `requeue` (or `release`, if it ended meanwhile)."""
         chosen: list[Ticket] = []
-        if self._running_per_class[TrafficClass.BULK] == 0:
+        if self._running_per_class[BULK] == 0:
             return chosen  # no bulk runs: neither pick has anything to name
         for pick in (self._over_cap, self._for_waiting_chat):
             for entry in pick(now):  # named before the next pick, so named once
@@ -451,9 +459,7 @@ class SchedulerCore:
             (
                 e
                 for e in self._running.values()
-                if e.ticket.traffic_class is TrafficClass.BULK
-                and e.ticket.preemptible
-                and not e.preempting
+                if e.ticket.traffic_class is BULK and e.ticket.preemptible and not e.preempting
             ),
             key=lambda e: (e.resume_cost(block), -e.dispatched_at),
         )
@@ -467,7 +473,7 @@ class SchedulerCore:
             return []
         # The cap aims under the target; between the two, bulk ends by itself sooner than a
         # resumed request would repay the prefill it must redo.
-        step = self.estimates.steps.at(self._sequences() - self._preempting)
+        step = self.estimates.steps.at(self._sequences - self._preempting)
         if step <= self.bulk_cap.targets().itl_s:
             return []
         return self._victims()[:excess]
@@ -478,7 +484,7 @@ class SchedulerCore:
         preempt_at = self._preempt_time()
         if preempt_at is None or now < preempt_at:
             return []
-        head = self._queues[TrafficClass.INTERACTIVE].peek()
+        head = self._queues[INTERACTIVE].peek()
         assert head is not None
         self._preempt_considered = head.request_id
         leaving = [e.ticket for e in self._running.values() if e.preempting]
@@ -512,7 +518,7 @@ class SchedulerCore:
             )
         self._leave_running(entry, now)
         continuation = ticket.continued(generated_tokens)
-        self._queues[TrafficClass.BULK].push_front(continuation)
+        self._queues[BULK].push_front(continuation)
         self._queued[request_id] = continuation
         self._backlog.add(continuation, self.estimates.expected_output_tokens(continuation))
         heapq.heappush(self._deadlines, (continuation.deadline, next(self._seq), request_id))
@@ -564,10 +570,7 @@ class SchedulerCore:
             self.estimates.observe_prefill(
                 ticket.prompt_tokens, now - entry.dispatched_at, entry.others_at_dispatch
             )
-        if (
-            ticket.traffic_class is TrafficClass.INTERACTIVE
-            and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS
-        ):
+        if ticket.traffic_class is INTERACTIVE and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS:
             self.estimates.observe_idle_ttft(now - ticket.arrival)
 
     def release(self, request_id: str, now: float, *, completed: bool = False) -> Stage | None:
@@ -592,11 +595,12 @@ class SchedulerCore:
         if not self._running:
             self._running_output_left = 0.0  # no rounding drift survives an idle engine
         self._running_per_class[entry.ticket.traffic_class] -= entry.ticket.n
+        self._sequences -= entry.ticket.n
         if entry.preempting:
             self._preempting -= 1
         self.ledger.release(entry.ticket)
-        self.estimates.running_changed(self._sequences(), now)
-        if entry.ticket.traffic_class is TrafficClass.INTERACTIVE:
+        self.estimates.running_changed(self._sequences, now)
+        if entry.ticket.traffic_class is INTERACTIVE:
             self._chats_changed(now)
 
     def _remove_queued(self, ticket: Ticket, now: float) -> None:
@@ -604,7 +608,7 @@ class SchedulerCore:
         self._queues[ticket.traffic_class].remove(ticket)
         self._backlog.remove(ticket)
         self._quotas.ended(ticket)
-        if ticket.traffic_class is TrafficClass.INTERACTIVE:
+        if ticket.traffic_class is INTERACTIVE:
             self._chats_changed(now)
 
     # --- state, for metrics and tests --------------------------------------------------
@@ -623,11 +627,8 @@ class SchedulerCore:
     def running_count(self, traffic_class: TrafficClass | None = None) -> int:
         """Running sequences (a request with n choices runs n), of one class or all."""
         if traffic_class is None:
-            return self._sequences()
+            return self._sequences
         return self._running_per_class[traffic_class]
-
-    def _sequences(self) -> int:
-        return sum(self._running_per_class.values())
 
     def running_tickets(self) -> list[Ticket]:
         return [e.ticket for e in self._running.values()]

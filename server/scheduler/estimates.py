@@ -261,7 +261,8 @@ class RateEstimates:
             elapsed = now - self._changed_at
             self._window.busy_s += elapsed
             self._window.sequence_s += elapsed * self._running
-            prefill = min(self._prefill_pending_s, elapsed)
+            pending = self._prefill_pending_s
+            prefill = elapsed if elapsed < pending else pending
             self._window.prefill_s += prefill
             self._prefill_pending_s -= prefill
         self._changed_at = now
@@ -287,7 +288,8 @@ class RateEstimates:
                 self.open_ended_output_tokens, float(output_tokens)
             )
         elif ticket.max_tokens > 0:
-            fraction = min(1.0, output_tokens / ticket.max_tokens)
+            fraction = output_tokens / ticket.max_tokens
+            fraction = fraction if fraction < 1.0 else 1.0
             self.output_fraction = self._blend(self.output_fraction, fraction)
 
     # --- predictions ---------------------------------------------------------------------
@@ -306,7 +308,8 @@ class RateEstimates:
     def service_seconds(self, ticket: Ticket, concurrency: float) -> float:
         """Expected time from dispatch to the last token of `ticket`, running among
         `concurrency` sequences (its choices run side by side)."""
-        expected_output = max(1.0, self.expected_output_tokens(ticket) / ticket.n)
+        expected_output = self.expected_output_tokens(ticket) / ticket.n
+        expected_output = expected_output if expected_output > 1.0 else 1.0
         return ticket.prompt_tokens / self.prefill_tokens_per_s + expected_output * self.steps.at(
             concurrency
         )

@@ -58,13 +58,14 @@ class TenantQuotas:
         tenant = self._tenants.get(ticket.tenant)
         if tenant is None:
             return None
-        active = self._active.get(ticket.tenant, 0)
-        if tenant.max_concurrent is not None and active >= tenant.max_concurrent:
-            return QuotaRefusal(
-                f"tenant {ticket.tenant!r} has {active} requests in flight, "
-                f"its limit is {tenant.max_concurrent}",
-                retry_after=1.0,
-            )
+        if tenant.max_concurrent is not None:
+            active = self._active.get(ticket.tenant, 0)
+            if active >= tenant.max_concurrent:
+                return QuotaRefusal(
+                    f"tenant {ticket.tenant!r} has {active} requests in flight, "
+                    f"its limit is {tenant.max_concurrent}",
+                    retry_after=1.0,
+                )
         if tenant.tokens_per_minute is not None:
             window = self._windows.setdefault(ticket.tenant, TokenWindow())
             window.trim(now)

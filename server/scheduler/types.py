@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 from engine_adapters.protocol import GenerationRequest, TokenDelta
 from server.core.config import TrafficClass as TrafficClass  # declared with the configuration
+
+# The classes, bound once: in Python 3.11 reading a member off an enum class goes through its
+# metaclass's attribute hook (about 60 ns, a call's worth), and the core reads them in every
+# decision.
+INTERACTIVE: Final = TrafficClass.INTERACTIVE
+BULK: Final = TrafficClass.BULK
 
 
 class RejectReason(StrEnum):
@@ -50,11 +56,12 @@ class Ticket:
     resumed_tokens: int = 0
     preemptible: bool = True  # False: never stopped to make room (it could not resume as is)
     n: int = 1  # choices: sequences the engine runs for it, each up to max_tokens
+    # Tokens held in the budget while running: the prompt plus every token it may emit. Kept,
+    # not a property: the budgets, the queues and the quotas read it several times a request.
+    reserved_tokens: int = field(init=False)
 
-    @property
-    def reserved_tokens(self) -> int:
-        """Tokens held in the budget while running: the prompt plus every token it may emit."""
-        return self.prompt_tokens + self.n * self.max_tokens
+    def __post_init__(self) -> None:
+        self.reserved_tokens = self.prompt_tokens + self.n * self.max_tokens
 
     def continued(self, generated: int) -> Ticket:
         """The ticket that continues this one after it generated `generated` tokens."""

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
 from server.scheduler.refusals import REFUSALS
 from server.scheduler.slo import slo_result
-from server.scheduler.types import SloTargets, Ticket, TrafficClass
+from server.scheduler.types import BULK, INTERACTIVE, SloTargets, Ticket, TrafficClass
 from server.simulation.continuous_report import Tally, Timeline
 from server.simulation.continuous_workload import (
     RequestShape,
@@ -56,6 +56,12 @@ from server.simulation.continuous_workload import (
 from server.simulation.events import EventHandle, EventLoop
 from server.simulation.probe import probe_timing_model
 from server.simulation.workload import DEFAULT_MODEL, Arrival, TraceError, parse_trace
+
+
+@cache
+def _slo_key(verdict: tuple[str, str]) -> str:
+    """A verdict's key in the timeline and the tally, made once per verdict."""
+    return "met" if verdict[0] == "met" else f"missed:{verdict[1]}"
 
 
 @dataclass(slots=True, eq=False)
@@ -94,7 +100,7 @@ class ContinuousSimulation:
     ) -> None:
         self.config = config
         self.loop = EventLoop()
-        self.model = SimTimingModel(sim)
+        self.model = SimTimingModel(sim, report_tokens=False)  # it reads no step's tokens
         self.core = SchedulerCore(
             config,
             BudgetLimits.from_engine(config.budgets, sim.model_info(DEFAULT_MODEL)),
@@ -122,8 +128,7 @@ class ContinuousSimulation:
         and is read only as the simulation reaches each."""
         if isinstance(arrivals, Sequence):
             arrivals = sorted(arrivals, key=lambda a: a.time_s)  # stable: ties keep their order
-        arrive = self._arrive
-        self.loop.feed((a.time_s, partial(arrive, a)) for a in arrivals)
+        self.loop.feed(((a.time_s, a) for a in arrivals), self._arrive)
 
     def add_bulk_streams(self, streams: BulkStreams) -> None:
         self._bulk_streams = streams
@@ -142,7 +147,7 @@ class ContinuousSimulation:
                 f"bulk{stream}.{sequence}",
                 now,
                 None if shape.deadline_s is None else now + shape.deadline_s,
-                TrafficClass.BULK,
+                BULK,
                 streams.tenant,
                 shape.prompt_tokens,
                 shape.max_tokens,
@@ -181,13 +186,13 @@ class ContinuousSimulation:
         timeline = Timeline(arrival.id, arrival.tenant, self._class_name[tc], now, deadline)
         if self._keep_timelines:
             self.timelines[arrival.id] = timeline
-        live = _Live(timeline, None, stream)
         decision = self.core.submit(ticket, now)
-        if isinstance(decision, Rejected):  # (a refusal's verdict reads no targets)
+        if isinstance(decision, Rejected):  # it never lives, and its verdict reads no targets
             timeline.reason = decision.reason
-            self._end(live, "rejected", None)
+            self._close(timeline, "rejected", None, None, None, stream)
             return
-        if tc is TrafficClass.INTERACTIVE:  # the targets at its arrival: admitting one is no
+        live = _Live(timeline, None, stream)
+        if tc is INTERACTIVE:  # the targets at its arrival: admitting one is no
             live.targets = self.core.bulk_cap.targets()  # observation, and moves none
         self._live[arrival.id] = live
         self._dispatch()
@@ -237,9 +242,8 @@ class ContinuousSimulation:
         if timeline.dispatched is None:
             timeline.dispatched = now
         timeline.outcome = "running"
-        live.deadline = self.loop.call_at(
-            max(now, ticket.deadline), partial(self._running_deadline, live)
-        )
+        deadline = ticket.deadline if ticket.deadline > now else now
+        live.deadline = self.loop.call_at(deadline, partial(self._running_deadline, live))
 
     def _prompt(self, request_hash: int, length: int) -> Sequence[int]:
         """A request's prompt: consecutive ids from where its id's hash places it (the engine
@@ -348,12 +352,23 @@ class ContinuousSimulation:
         self._dispatch()
 
     def _end(self, live: _Live, outcome: str, stage: str | None) -> None:
+        del self._live[live.timeline.id]
+        self._close(live.timeline, outcome, stage, live.gaps, live.targets, live.stream)
+
+    def _close(
+        self,
+        timeline: Timeline,
+        outcome: str,
+        stage: str | None,
+        gaps: list[float] | None,
+        targets: SloTargets | None,
+        stream: tuple[int, int] | None,
+    ) -> None:
+        """A request ends: its verdict, its figures in the tally, and its stream's next."""
         now = self.loop.now
-        timeline = live.timeline
-        self._live.pop(timeline.id, None)  # a refused one never lived
         timeline.outcome, timeline.stage, timeline.finished = outcome, stage, now
-        if live.gaps:
-            timeline.median_gap = statistics.median(live.gaps)
+        if gaps:
+            timeline.median_gap = statistics.median(gaps)
         ttft = None if timeline.first_token is None else timeline.first_token - timeline.arrival
         verdict = slo_result(
             outcome,
@@ -361,17 +376,15 @@ class ContinuousSimulation:
             now - timeline.arrival,
             ttft,
             timeline.median_gap,
-            live.targets,
+            targets,
         )
-        timeline.slo = (
-            None if verdict is None else ("met" if verdict[0] == "met" else f"missed:{verdict[1]}")
-        )
+        timeline.slo = None if verdict is None else _slo_key(verdict)
         self.tally.add(timeline)
-        if live.stream is not None:
+        if stream is not None:
             assert self._bulk_streams is not None
-            stream, sequence = live.stream
+            number, sequence = stream
             delay = self._bulk_streams.retry_s if outcome == "rejected" else 0.0
-            self.loop.call_at(now + delay, partial(self._next_in_stream, stream, sequence + 1))
+            self.loop.call_at(now + delay, partial(self._next_in_stream, number, sequence + 1))
 
 
 # --- reporting ---------------------------------------------------------------------------

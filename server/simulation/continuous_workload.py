@@ -10,7 +10,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from server.scheduler.types import TrafficClass
+from server.scheduler.types import BULK, INTERACTIVE
 from server.simulation.workload import DEFAULT_MODEL, Arrival, poisson_times
 
 
@@ -59,7 +59,7 @@ def _shaped(times: Iterator[float], mix: WorkloadMix, seed: int) -> Iterator[Arr
             f"r{n}",
             time_s,
             None if shape.deadline_s is None else time_s + shape.deadline_s,
-            TrafficClass.INTERACTIVE if interactive else TrafficClass.BULK,
+            INTERACTIVE if interactive else BULK,
             tenant,
             shape.prompt_tokens,
             shape.max_tokens,

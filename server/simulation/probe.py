@@ -21,7 +21,7 @@ def probe_timing_model(sim: SimConfig, *, max_sequences: int, tokens: int = 16) 
     prompt = [7] * PROMPT_TOKENS
 
     def run(n: int, prompt_ids: list[int]) -> list[StreamTiming]:
-        model = SimTimingModel(sim)
+        model = SimTimingModel(sim, report_tokens=False)
         deltas: dict[str, list[tuple[float, int]]] = {f"p{i}": [] for i in range(n)}
         for request_id in deltas:
             model.add(request_id, prompt_ids, tokens, ignore_eos=True)

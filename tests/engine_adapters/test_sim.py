@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator
@@ -210,6 +211,35 @@ def test_same_inputs_give_the_same_tokens_and_durations() -> None:
     assert run() == run()
 
 
+def test_a_model_that_reports_no_tokens_keeps_the_same_schedule_and_tokens() -> None:
+    # Tight enough to preempt and to cache blocks that hold generated tokens; half the
+    # requests may end by a draw, so those draw as they step and the rest only when read.
+    tight = SimConfig(block_size=4, kv_blocks=16, max_model_len=64, eos_probability=0.05)
+
+    def run(report_tokens: bool) -> tuple[list[StepResult], dict[str, list[int]]]:
+        model = SimTimingModel(tight, report_tokens=report_tokens)
+        for i in range(10):
+            model.add(f"req-{i}", PROMPT[: 1 + i % 8], max_tokens=40, ignore_eos=i % 2 == 0)
+        results, read = [], {}
+        while model.has_work:
+            results.append(model.step())
+            if len(results) % 7 == 0:  # read mid-run, as the simulator does at a preemption
+                last = results[-1]
+                running = [
+                    r
+                    for r, end in zip(last.request_ids, last.finish_reasons, strict=True)
+                    if not end
+                ]
+                read |= {rid: model.token_ids(rid) for rid in running[:2]}
+        return results, read
+
+    reported, read_reported = run(True)
+    counted, read_counted = run(False)
+    assert all(not r.token_ids for r in counted) and any(r.preempted for r in counted)
+    assert [dataclasses.replace(r, token_ids=[]) for r in reported] == counted
+    assert read_counted == read_reported and read_counted
+
+
 def test_seed_decides_the_tokens_else_the_request_id() -> None:
     model = SimTimingModel()
     model.add("x", PROMPT, max_tokens=20, seed=42)
@@ -278,6 +308,9 @@ def test_requests_that_can_never_run_are_refused() -> None:
         model.add("long", [7] * 33, max_tokens=1)
     with pytest.raises(ValueError, match="empty"):
         model.add("empty", [], max_tokens=1)
+    for ids in ([7, 2048, 8], [7, -1], range(2040, 2049), range(-1, 5), range(5, -2, -3)):
+        with pytest.raises(ValueError, match="token ids"):  # 2048: the vocabulary's end
+            model.add("out of vocabulary", ids, max_tokens=1)
     model.add("a", PROMPT, max_tokens=1)
     with pytest.raises(ValueError, match="already"):
         model.add("a", PROMPT, max_tokens=1)

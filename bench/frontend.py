@@ -5,7 +5,7 @@ opens `--streams` (256) streams at once, each asking for `--tokens` (500) tokens
 with raw sockets that only count (an SSE event is `data: {`, a WebSocket one `{"type":"delta"`),
 and reports
 tokens/s, events/s, the first event's latency (p50/p99 from the request being written) and the
-server process's CPU per token:
+server process's CPU per token (user and system apart):
 
 * floor: a bare uvicorn ASGI app (same loop and HTTP parser as Sluice) that writes the same
   OpenAI chunks, one per token, yielding to the loop between tokens, and nothing else;
@@ -344,13 +344,14 @@ def measure(args: argparse.Namespace, system: str, transport: str) -> dict[str, 
             ready(port, server, system)
             process = psutil.Process(server.pid)
             asyncio.run(load(transport, port, args.warmup, args.tokens))
-            cpu, started = sum(process.cpu_times()[:2]), time.monotonic()
+            before, started = process.cpu_times(), time.monotonic()
             results = asyncio.run(load(transport, port, args.streams, args.tokens))
             took = time.monotonic() - started
-            cpu = sum(process.cpu_times()[:2]) - cpu
+            after = process.cpu_times()
         finally:
             server.terminate()
             server.wait(30)
+    user, system = after.user - before.user, after.system - before.system
     tokens = sum(r.tokens for r in results)
     events = sum(r.events for r in results)
     firsts = [r.first_event_s for r in results]
@@ -361,7 +362,11 @@ def measure(args: argparse.Namespace, system: str, transport: str) -> dict[str, 
         "tokens_per_event": tokens / events,
         "first_p50_ms": 1e3 * statistics.median(firsts),
         "first_p99_ms": 1e3 * percentile(firsts, 0.99),
-        "cpu_us_per_token": 1e6 * cpu / tokens,
+        "cpu_us_per_token": 1e6 * (user + system) / tokens,
+        # (on loopback the kernel's side of each write, the receiver's wake-up among it, is
+        # the sender's system time: how writes bunch up shows there)
+        "user_us_per_token": 1e6 * user / tokens,
+        "system_us_per_token": 1e6 * system / tokens,
     }
 
 
@@ -396,7 +401,8 @@ def main() -> None:
     print(f"{args.streams} streams x {args.tokens} tokens")
     print(
         f"{'transport':9} {'system':10} {'tokens/s':>9} {'events/s':>9} {'tok/event':>9} "
-        f"{'first p50':>9} {'first p99':>9} {'CPU µs/token':>12} {'x floor tok/s':>13}"
+        f"{'first p50':>9} {'first p99':>9} {'CPU µs/token':>12} {'user/sys':>11} "
+        f"{'x floor tok/s':>13}"
     )
     for transport in args.transports.split(","):
         floor = None
@@ -409,7 +415,8 @@ def main() -> None:
                 f"{transport:9} {system:10} {r['tokens_per_s']:9.0f} {r['events_per_s']:9.0f} "
                 f"{r['tokens_per_event']:9.2f} {r['first_p50_ms']:7.1f}ms "
                 f"{r['first_p99_ms']:7.1f}ms "
-                f"{r['cpu_us_per_token']:12.1f} {ratio:>13}",
+                f"{r['cpu_us_per_token']:12.1f} "
+                f"{r['user_us_per_token']:5.1f}/{r['system_us_per_token']:<5.1f} {ratio:>13}",
                 flush=True,
             )
 

@@ -65,17 +65,21 @@ COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
 # -- the floor: a bare ASGI app writing the same chunks ---------------------------------------
 
 
+# The chunks both bare apps write, as Sluice's encoder renders them.
+HEAD = (
+    b'data: {"id":"chatcmpl-floor","object":"chat.completion.chunk","created":1,'
+    b'"model":"sluice-demo","choices":[{"index":0,'
+)
+SUFFIX = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+ROLE = HEAD + b'"delta":{"role":"assistant","content":""' + SUFFIX
+PREFIX = HEAD + b'"delta":{"content":'
+FINISH = HEAD + b'"delta":{},"logprobs":null,"finish_reason":"length"}]}\n\n'
+
+
 def floor_app():  # type: ignore[no-untyped-def]
     import orjson
 
-    head = (
-        b'data: {"id":"chatcmpl-floor","object":"chat.completion.chunk","created":1,'
-        b'"model":"sluice-demo","choices":[{"index":0,'
-    )
-    suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
-    role = head + b'"delta":{"role":"assistant","content":""' + suffix
-    prefix = head + b'"delta":{"content":'
-    finish = head + b'"delta":{},"logprobs":null,"finish_reason":"length"}]}\n\n'
+    role, prefix, suffix, finish = ROLE, PREFIX, SUFFIX, FINISH
 
     async def app(scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] == "lifespan":
@@ -133,22 +137,15 @@ def framework_app():  # type: ignore[no-untyped-def]
     from starlette.routing import Route, WebSocketRoute
     from starlette.websockets import WebSocket
 
-    head = (
-        b'data: {"id":"chatcmpl-floor","object":"chat.completion.chunk","created":1,'
-        b'"model":"sluice-demo","choices":[{"index":0,'
-    )
-    suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
-    prefix = head + b'"delta":{"content":'
-
     async def chat(request: Request) -> EventSourceResponse:
         tokens = orjson.loads(await request.body())["max_tokens"]
 
         async def chunks():  # type: ignore[no-untyped-def]
-            yield head + b'"delta":{"role":"assistant","content":""' + suffix
+            yield ROLE
             for _ in range(tokens):
-                yield prefix + orjson.dumps(" tok") + suffix
+                yield PREFIX + orjson.dumps(" tok") + SUFFIX
                 await asyncio.sleep(0)
-            yield head + b'"delta":{},"logprobs":null,"finish_reason":"length"}]}\n\n'
+            yield FINISH
             usage = b'{"completion_tokens":%d}' % tokens
             yield b'data: {"choices":[],"usage":' + usage + b"}\n\ndata: [DONE]\n\n"
 

@@ -131,16 +131,12 @@ class EventLog(Sequence[Event]):
         self.closed = True
         self.wake()
         waiters, self._closing = self._closing, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        _release(waiters)
 
     def wake(self) -> None:
         """Tell the waiters the log (or what of it readers may see) changed."""
         waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        _release(waiters)
 
     # -- readers ----------------------------------------------------------------------------
 
@@ -203,3 +199,9 @@ class EventLog(Sequence[Event]):
         async for last, batch in self.batches(after):
             for seq, event in enumerate(batch, last - len(batch) + 1):
                 yield seq, event
+
+
+def _release(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)

@@ -363,50 +363,45 @@ class ResponseBuilder:
 
     def reasoning(self, delta: str) -> list[Event]:
         """The model's reasoning (a reasoning parser's), as a `reasoning` item's text."""
-        events = []
-        item = self._open
-        if item is None or item["type"] != "reasoning":
-            events += self._close()
-            item = self._open = {
-                "type": "reasoning",
-                "id": f"rs_{self.suffix}_{len(self.output)}",
-                "summary": [],
-                "status": "in_progress",
-                "content": [],
-            }
-            self.output.append(item)
-            events.append(self._added(item))
-            part = {"type": "reasoning_text", "text": ""}
-            item["content"].append(part)
-            events.append(self._part("response.content_part.added", item, part))
+        events: list[Event] = []
+        item = self._with_part(
+            events,
+            {"type": "reasoning", "id": f"rs_{self.suffix}_{len(self.output)}", "summary": []},
+            {"type": "reasoning_text", "text": ""},
+        )
         item["content"][0]["text"] += delta
         events.append(self._at(item, "response.reasoning_text.delta", delta=delta))
         return events
 
     def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> list[Event]:
         """Output text, and its tokens' logprobs when the request includes them."""
-        events = []
-        item = self._open
-        if item is None or item["type"] != "message":
-            events += self._close()
-            item = self._open = {
-                "type": "message",
-                "id": f"msg_{self.suffix}_{len(self.output)}",
-                "role": "assistant",
-                "status": "in_progress",
-                "content": [],
-            }
-            self.output.append(item)
-            events.append(self._added(item))
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item["content"].append(part)
-            events.append(self._part("response.content_part.added", item, part))
+        events: list[Event] = []
+        item = self._with_part(
+            events,
+            {"type": "message", "id": f"msg_{self.suffix}_{len(self.output)}", "role": "assistant"},
+            {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+        )
         part = item["content"][0]
         part["text"] += delta
         shaped = [] if logprobs is None else chat_logprobs(logprobs)
         part["logprobs"] += shaped
         events.append(self._at(item, "response.output_text.delta", delta=delta, logprobs=shaped))
         return events
+
+    def _with_part(
+        self, events: list[Event], item: dict[str, Any], part: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The open item if it is of `item`'s type; else `item`, opened now with its one
+        content part `part` (their events added to `events`, after the last item's close)."""
+        if self._open is not None and self._open["type"] == item["type"]:
+            return self._open
+        events += self._close()
+        item = self._open = {**item, "status": "in_progress", "content": []}
+        self.output.append(item)
+        events.append(self._added(item))
+        item["content"].append(part)
+        events.append(self._part("response.content_part.added", item, part))
+        return item
 
     def tool_calls(self, calls: list[dict[str, Any]]) -> list[Event]:
         """Chat tool call deltas (`{index, id, function: {name, arguments}}`)."""

@@ -48,7 +48,11 @@ class RunningGeneration:
         self.completed = False  # every choice finished
         self._choices_left = request.sampling.n
         self.preemptions = 0
-        self._generated: list[int] = []  # to resume from (preemptible: one choice only)
+        # The tokens to resume from, kept only by what the scheduler may preempt (preemptible
+        # bulk: one choice only); a chat keeps no token of its own here.
+        self._generated: list[int] | None = (
+            [] if ticket.traffic_class is TrafficClass.BULK and ticket.preemptible else None
+        )
         self._stream_iter: AsyncGenerator[TokenDelta, None] | None = None
         self._task: asyncio.Task[object] | None = None
         self._waiting_on_engine = False
@@ -58,6 +62,11 @@ class RunningGeneration:
     @property
     def dispatched_at(self) -> float:
         return self._dispatched_at
+
+    @property
+    def tokens_kept(self) -> int:
+        """Output token ids it holds to resume from: none unless it may be preempted."""
+        return 0 if self._generated is None else len(self._generated)
 
     def __aiter__(self) -> AsyncIterator[TokenDelta]:
         if self._stream_iter is not None:
@@ -91,8 +100,8 @@ class RunningGeneration:
         the client is not interrupted here (the transport's send timeout bounds it).
         """
         runtime, ticket = self._runtime, self._ticket
-        self._task = asyncio.current_task()
-        assert self._task is not None
+        task = self._task = asyncio.current_task()
+        assert task is not None
         timer = asyncio.get_running_loop().call_later(
             max(0.0, ticket.deadline - runtime.clock()), self._on_deadline
         )
@@ -100,48 +109,49 @@ class RunningGeneration:
         try:
             while True:
                 deltas = runtime.engine.generate(request)
+                next_delta = deltas.__anext__
                 try:
                     while not self._must_yield_engine():
                         if self._deadline_passed:
                             raise DeadlineExceeded("the request's deadline passed while generating")
-                        delta = await self._next_delta(deltas)
-                        if delta is None:
-                            if self._must_yield_engine():
-                                break
-                            return
+                        # The wait on the engine, the one wait the timer interrupts (inline: a
+                        # coroutine of its own per token costs a frame and a step).
+                        self._waiting_on_engine = True
+                        try:
+                            delta = await next_delta()
+                        except StopAsyncIteration:
+                            break
+                        except asyncio.CancelledError:
+                            if not self._interrupted(task):
+                                raise
+                            break  # preempted (the deadline raised in `_interrupted`)
+                        finally:
+                            self._waiting_on_engine = False
                         self._count(delta, request)
                         yield delta
                 finally:
                     await deltas.aclose()  # type: ignore[attr-defined]
+                if not self._must_yield_engine():
+                    return
                 request = await self._resume()
         finally:
             timer.cancel()
             self._task = None  # the task may end keeping our error, whose traceback holds us
+            del task
 
     def _must_yield_engine(self) -> bool:
         """Preempted, with tokens left to generate (a finished answer just ends)."""
         return self._preempt_requested and not self.completed
 
-    async def _next_delta(self, deltas: AsyncIterator[TokenDelta]) -> TokenDelta | None:
-        """The next delta; None at the end of the engine stream or when preempted."""
-        task = self._task
-        assert task is not None
-        self._waiting_on_engine = True
-        try:
-            return await anext(deltas)
-        except StopAsyncIteration:
-            return None
-        except asyncio.CancelledError:
-            if (self._deadline_passed or self._preempt_requested) and task.uncancel() == 0:
-                if self._deadline_passed:
-                    raise DeadlineExceeded(
-                        "the request's deadline passed while generating"
-                    ) from None
-                return None
-            raise
-        finally:
-            self._waiting_on_engine = False
-            del task  # (see _stream)
+    def _interrupted(self, task: asyncio.Task[object]) -> bool:
+        """Whether the cancellation of a wait on the engine was the deadline's or a
+        preemption's alone (raising DeadlineExceeded for the deadline); False: the task itself
+        is being cancelled."""
+        if (self._deadline_passed or self._preempt_requested) and task.uncancel() == 0:
+            if self._deadline_passed:
+                raise DeadlineExceeded("the request's deadline passed while generating") from None
+            return True
+        return False
 
     def _count(self, delta: TokenDelta, request: GenerationRequest) -> None:
         if request.resumed_tokens and delta.num_cached_tokens is not None:
@@ -153,7 +163,8 @@ class RunningGeneration:
                 self._ticket.request_id, len(delta.token_ids), self._runtime.clock()
             )
             self.output_tokens += len(delta.token_ids)
-            self._generated.extend(delta.token_ids)
+            if self._generated is not None:
+                self._generated.extend(delta.token_ids)
         if delta.finish_reason is not None and delta.finish_reason != "abort":
             self._choices_left -= 1
             self.completed = self._choices_left == 0
@@ -167,6 +178,7 @@ class RunningGeneration:
             await waiter
         finally:
             del waiter  # (see SchedulerRuntime._enter)
+        assert self._generated is not None, "only preemptible bulk is preempted"
         return self._request.continued(
             self._generated, f"{self._request.request_id}~{self.preemptions}"
         )

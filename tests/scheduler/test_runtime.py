@@ -78,6 +78,22 @@ async def test_requests_stream_to_the_end_and_release_every_budget() -> None:
         await engine.stop()
 
 
+async def test_only_what_may_be_preempted_keeps_its_tokens_to_resume_from() -> None:
+    # A chat is never preempted: the runtime holds none of its tokens, however long it runs.
+    # Preemptible bulk holds every one, for the continuation's prompt.
+    engine, runtime = await started_runtime(parse_config({}))
+    try:
+        kept = {}
+        for traffic_class in TrafficClass:
+            ticket = make_ticket(traffic_class.value, max_tokens=64, traffic_class=traffic_class)
+            async with runtime.generation(ticket, make_request(ticket)) as gen:
+                tokens = [t async for delta in gen for t in delta.token_ids]
+                kept[traffic_class] = (len(tokens), gen.tokens_kept)
+        assert kept == {TrafficClass.INTERACTIVE: (64, 0), TrafficClass.BULK: (64, 64)}
+    finally:
+        await engine.stop()
+
+
 async def test_full_queue_is_refused_at_once_with_overloaded() -> None:
     config = parse_config(
         {"budgets": {"max_running_seqs": 1}, "classes": {"interactive": {"max_queued": 1}}}

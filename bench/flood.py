@@ -293,10 +293,12 @@ async def chat_arrivals(client, system: System, args, m: Measurements, stop: asy
         await asyncio.wait(chats, timeout=60)
 
 
-# Sluice gauges sampled through the window: what the bulk cap allowed and what bulk ran.
+# Sluice gauges sampled through the window: what the bulk cap allowed, what bulk ran, and the
+# interactive gap target the cap aimed at (ms): (the line's start, what it must hold, scale).
 SAMPLED = {
-    "bulk_cap": "sluice_bulk_cap_sequences{",
-    "bulk_running": 'sluice_running_requests{model="sluice-demo",traffic_class="bulk"}',
+    "bulk_cap": ("sluice_bulk_cap_sequences{", "", 1.0),
+    "bulk_running": ('sluice_running_requests{model="sluice-demo",traffic_class="bulk"}', "", 1.0),
+    "itl_target_ms": ("sluice_slo_target_seconds{", 'target="itl"', 1e3),
 }
 
 
@@ -306,9 +308,10 @@ async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asynci
             with contextlib.suppress(httpx.HTTPError):
                 text = (await client.get("/metrics", timeout=2.0)).text
                 for line in text.splitlines():
-                    for key, prefix in SAMPLED.items():
-                        if line.startswith(prefix):
-                            m.samples.setdefault(key, []).append(float(line.rsplit(" ", 1)[1]))
+                    for key, (prefix, holds, scale) in SAMPLED.items():
+                        if line.startswith(prefix) and holds in line:
+                            value = scale * float(line.rsplit(" ", 1)[1])
+                            m.samples.setdefault(key, []).append(value)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 2.0)
 

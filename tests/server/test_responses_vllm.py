@@ -95,8 +95,15 @@ def test_a_cancelled_background_response_stops_its_engine_request(
     client: openai.OpenAI, vllm_server: SluiceProcess
 ) -> None:
     cancelled_before = vllm_server.metric("sluice_requests_total", outcome="cancelled")
+    # A long answer, given time enough to be admitted on a slow host too (the class's 30 s
+    # deadline refused it where 4,000 tokens were predicted to take 38 s); it is cancelled
+    # as soon as it starts.
     made = client.responses.create(
-        **GREEDY, input="tell me a long story", max_output_tokens=4000, background=True
+        **GREEDY,
+        input="tell me a long story",
+        max_output_tokens=4000,
+        background=True,
+        extra_headers={"X-Request-Timeout-Ms": "600000"},
     )
     deadline = time.monotonic() + DEADLINE_S
     while client.responses.retrieve(made.id).status == "queued":

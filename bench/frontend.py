@@ -246,15 +246,18 @@ async def one_stream(
     return Stream(counter.first, counter.events - skip, int(counted[-1]))
 
 
-def sse_request(tokens: int, model: str | None = None) -> tuple[bytes, bytes]:
+def sse_request(
+    tokens: int, model: str | None = None, deadline_ms: int | None = None
+) -> tuple[bytes, bytes]:
     named = b'"model":"%s",' % model.encode() if model else b""
     body = (
         b'{%s"messages":[{"role":"user","content":"hi"}],"max_tokens":%d,"ignore_eos":true,'
         b'"stream":true,"stream_options":{"include_usage":true}}' % (named, tokens)
     )
+    deadline = b"" if deadline_ms is None else b"\r\nX-Request-Timeout-Ms: %d" % deadline_ms
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json"
-        b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+        b"%s\r\nContent-Length: %d\r\n\r\n%s" % (deadline, len(body), body),
         b"",
     )
 
@@ -277,12 +280,19 @@ def ws_request(tokens: int) -> tuple[bytes, bytes]:
 
 
 async def load(
-    transport: str, port: int, streams: int, tokens: int, model: str | None = None
+    transport: str,
+    port: int,
+    streams: int,
+    tokens: int,
+    model: str | None = None,
+    deadline_ms: int | None = None,
 ) -> list[Stream]:
     """`streams` streams at once, each of `tokens` tokens (of `model`: the server's default
-    when None), read to their ends."""
+    when None), read to their ends; over SSE, each asking for `deadline_ms` (Sluice's
+    `X-Request-Timeout-Ms`) when given."""
     if transport == "sse":  # (the role, finish and usage chunks are events, not tokens)
-        request, event, end, skip = sse_request(tokens, model), b"data: {", b"data: [DONE]", 3
+        request = sse_request(tokens, model, deadline_ms)
+        event, end, skip = b"data: {", b"data: [DONE]", 3
     else:
         request, event, end, skip = ws_request(tokens), b'{"type":"delta"', b'"type":"final"', 0
     return await asyncio.gather(

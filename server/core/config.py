@@ -71,6 +71,28 @@ class _Section(BaseModel):
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
+class ClassSlo(_Section):
+    """A class's latency targets (or a tenant's, for its chats): stated in milliseconds, or
+    derived from the engine when nearly idle (interactive only)."""
+
+    ttft_ms: Positive | None = Field(
+        None, description="time to first token (p99); null: ttft_factor x the idle one"
+    )
+    itl_ms: Positive | None = Field(
+        None,
+        description="median gap between a stream's tokens; null: itl_factor x the idle one "
+        "(one step)",
+    )
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.ttft_ms is None else self.ttft_ms / 1000.0
+
+    @property
+    def itl_s(self) -> float | None:
+        return None if self.itl_ms is None else self.itl_ms / 1000.0
+
+
 class TenantConfig(_Section):
     name: str = Field(description="the tenant's name: its key under `tenants`")
     api_keys: tuple[Annotated[str, Field(min_length=1)], ...] = Field(
@@ -92,6 +114,11 @@ class TenantConfig(_Section):
         None,  # type: ignore[assignment]  # filled in by _default_class
         validate_default=True,
         description="class of a request that asks for none (default: interactive if allowed)",
+    )
+    slo: ClassSlo | None = Field(
+        None,
+        description="the tenant's own interactive targets, each over slo.interactive's "
+        "(null: the class's)",
     )
 
     @field_validator("api_key_sha256")
@@ -215,28 +242,36 @@ class EstimateConfig(_Section):
     )
 
 
-class InteractiveSlo(_Section):
-    ttft_ms: Positive | None = Field(
-        None, description="time to first token; null: ttft_factor x the idle one"
-    )
-    itl_ms: Positive | None = Field(
-        None, description="gap between tokens; null: itl_factor x the idle one (one step)"
-    )
-
-
 class SloConfig(_Section):
-    """The interactive class's targets, and how bulk makes room for them.
+    """The classes' targets, and how bulk makes room for the interactive one.
 
-    Targets default to a multiple of what the engine shows when nearly idle, so they suit any
-    hardware; a setting in milliseconds overrides them."""
+    Interactive targets default to a multiple of what the engine shows when nearly idle, so
+    they suit any hardware; a setting in milliseconds overrides them. Bulk has none unless
+    set: its targets are measured and reported, never steered for."""
 
-    interactive: InteractiveSlo = InteractiveSlo()
+    interactive: ClassSlo = ClassSlo()
+    bulk: ClassSlo = ClassSlo()
     ttft_factor: Positive = 3.0
     itl_factor: Positive = 3.0
     cap_bulk: bool = Field(
         True,
-        description="cap running bulk so that, while chats run, the predicted step time stays "
-        "within the gap target; false: bulk runs up to its budgets",
+        description="cap running bulk so that, while chats run, they keep their targets; "
+        "false: bulk runs up to its budgets",
+    )
+    feedback: bool = Field(
+        True,
+        description="steer the bulk cap by what chats measured (the step-time model is its "
+        "starting point); false: by the model alone",
+    )
+    bulk_cap_sequences: PositiveWhole | None = Field(
+        None,
+        description="a fixed cap: bulk never runs more sequences than this; null: the "
+        "controller sets the cap",
+    )
+    attainment_goal: Fraction = Field(
+        0.97,
+        description="share of chats the controller keeps within their targets; the rest of "
+        "the engine goes to bulk",
     )
     bulk_hold_ms: NonNegative = Field(
         1000.0,
@@ -251,13 +286,11 @@ class SloConfig(_Section):
 
     @property
     def ttft_s(self) -> float | None:
-        ttft = self.interactive.ttft_ms
-        return None if ttft is None else ttft / 1000.0
+        return self.interactive.ttft_s
 
     @property
     def itl_s(self) -> float | None:
-        itl = self.interactive.itl_ms
-        return None if itl is None else itl / 1000.0
+        return self.interactive.itl_s
 
     @property
     def bulk_hold_s(self) -> float:

@@ -34,8 +34,12 @@ The model, one step at a time (`SimConfig` holds every parameter):
    finishes with "length" at `max_tokens` generated or `max_model_len` total tokens, otherwise
    with "stop" with probability `eos_probability` once it has `min_tokens` (and never with
    `ignore_eos`). Finished sequences free their blocks at the end of the step.
-5. Step duration = `step_base_ms + decode_ms_per_token * decode_tokens
-   + prefill_ms_per_token * prefill_tokens` (recomputed tokens count as prefill).
+5. Step duration = the decode part + `prefill_ms_per_token * prefill_tokens` (recomputed
+   tokens count as prefill). The decode part follows one of three step curves: linear, a CPU's
+   (`step_base_ms + decode_ms_per_token * decode_tokens`); flat up to a knee, a GPU's (the
+   same, less `decode_knee_tokens` tokens at no cost); or read from a calibration
+   (`step_curve_ms`: the step time at several decode batch sizes, interpolated between them
+   and extended along the last segment beyond them).
 
 Tokens come from a per-request `random.Random` seeded by `seed`, or by a stable hash of the
 request id, and one token is drawn per step regardless of batching: the same request yields the
@@ -53,7 +57,9 @@ from __future__ import annotations
 
 import _random
 import argparse
+import bisect
 import hashlib
+import itertools
 import logging
 import re
 import sys
@@ -144,6 +150,10 @@ class SimConfig:
     vocab_size: int = 2048
     eos_probability: float = 0.0
     prefix_caching: bool = True
+    decode_knee_tokens: int = 0  # decode tokens of a step that cost nothing beyond its base
+    # (decode tokens, step ms) points, rising: the step curve as a calibration read it; when set,
+    # it replaces `step_base_ms`, `decode_ms_per_token` and `decode_knee_tokens`.
+    step_curve_ms: tuple[tuple[int, float], ...] = ()
     # On the wall clock (`SimEngine`) only: steps run back to back, at most, when the server's
     # loop fell behind the engine's clock. 0: the engine waits for the loop.
     catch_up_steps: int = 0
@@ -166,6 +176,38 @@ class SimConfig:
             raise ValueError("eos_probability must be in [0, 1]")
         if self.catch_up_steps < 0:
             raise ValueError("catch_up_steps must be >= 0")
+        if self.decode_knee_tokens < 0:
+            raise ValueError("decode_knee_tokens must be >= 0")
+        curve = self.step_curve_ms
+        if curve and (
+            any(n < 1 or ms <= 0 for n, ms in curve)
+            or any(b[0] <= a[0] or b[1] < a[1] for a, b in itertools.pairwise(curve))
+        ):
+            raise ValueError(
+                "step_curve_ms must be points (decode tokens >= 1, ms > 0) rising in both"
+            )
+
+    def decode_ms(self, decode_tokens: int) -> float:
+        """The decode part of a step that decodes `decode_tokens` (a step with no decode
+        token, only prefill, costs what one decode token's does)."""
+        curve = self.step_curve_ms
+        if curve:
+            return _interpolate(curve, decode_tokens if decode_tokens > 1 else 1)
+        beyond_knee = decode_tokens - self.decode_knee_tokens
+        return self.step_base_ms + self.decode_ms_per_token * (
+            beyond_knee if beyond_knee > 0 else 0
+        )
+
+    @staticmethod
+    def parse_curve(text: str) -> tuple[tuple[int, float], ...]:
+        """`1:2.5,8:6.4,...` (decode tokens: step ms), or a calibration's log line as the
+        server writes it: `1: 2.5 ms, 2: 3.2 ms, ...`."""
+        points = []
+        for item in text.replace("ms", "").split(","):
+            if item.strip():
+                n, _, ms = item.partition(":")
+                points.append((int(n), float(ms)))
+        return tuple(points)
 
     def model_info(self, name: str) -> ModelInfo:
         """The `sim` engine's model info: the server's engine and the discrete-event simulator
@@ -204,6 +246,10 @@ _ARG_HELP = {
     "block_size": "tokens per KV cache block",
     "max_model_len": "longest sequence, prompt plus output, in tokens",
     "eos_probability": "chance per generated token of finishing with 'stop'",
+    "decode_knee_tokens": "decode tokens a step takes at no cost beyond its base (a GPU's flat "
+    "part; 0: every token costs, a CPU's line)",
+    "step_curve_ms": "the step curve read from a calibration, 'decode tokens:ms,...' (or the "
+    "server's log line '1: 2.5 ms, 2: 3.2 ms, ...'); replaces the base, per-token and knee costs",
     "catch_up_steps": "when the server's loop falls behind the engine's clock, run up to N "
     "steps back to back, their tokens reaching each stream as one delta, as an engine in a "
     "process of its own runs on (0: the engine waits for the loop)",
@@ -218,10 +264,24 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         group.add_argument(
             f"--sim-{f.name.replace('_', '-')}",
-            type=type(f.default),
+            type=SimConfig.parse_curve if f.name == "step_curve_ms" else type(f.default),
             default=f.default,
             help=_ARG_HELP[f.name],
         )
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], x: int) -> float:
+    """The curve through `points` at `x`: flat below the first, along the last segment beyond
+    the last."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    i = bisect.bisect_left(points, x, key=_first)
+    (x0, y0), (x1, y1) = points[i - 1 if i < len(points) else -2], points[min(i, len(points) - 1)]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _first(point: tuple[int, float]) -> int:
+    return point[0]
 
 
 # --------------------------------------------------------------------------- timing model
@@ -399,6 +459,10 @@ class SimTimingModel:
         self._by_id[request_id] = seq
         self._waiting.append(seq)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether `request_id` is unfinished: waiting or running."""
+        return request_id in self._by_id
+
     def token_ids(self, request_id: str) -> list[int]:
         """An unfinished request's prompt and the tokens sampled for it so far (a step's
         tokens are sampled when it starts, before its outputs are read)."""
@@ -524,9 +588,9 @@ class SimTimingModel:
                 self._finish(seq)
 
         duration_ms = (
-            (cfg.step_base_ms if scheduled else 0.0)
-            + cfg.decode_ms_per_token * decode_tokens
-            + cfg.prefill_ms_per_token * prefill_tokens
+            cfg.decode_ms(decode_tokens) + cfg.prefill_ms_per_token * prefill_tokens
+            if scheduled
+            else 0.0
         )
         return StepResult(
             duration_ms / 1000.0,

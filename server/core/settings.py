@@ -165,11 +165,15 @@ class ServeOptions(BaseModel):
     )
 
 
-def add_arguments(parser: argparse._ActionsContainer, options: type[BaseModel]) -> None:
-    """A flag per field of `options`: `--some-name` for `some_name`, with its default and
-    help; a value out of the field's type or bounds is refused by argparse, naming the flag."""
+def add_arguments(
+    parser: argparse._ActionsContainer, options: type[BaseModel], *, prefix: str = ""
+) -> None:
+    """A flag per field of `options`: `--some-name` for `some_name` (with a prefix,
+    `--prefix-some-name` into `prefix_some_name`), with its default and help; a value out of
+    the field's type or bounds is refused by argparse, naming the flag."""
     for name, field in options.model_fields.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, **_argument(field, options))
+        dest = f"{prefix}_{name}" if prefix else name
+        parser.add_argument(f"--{dest.replace('_', '-')}", dest=dest, **_argument(field, options))
 
 
 def _argument(field: FieldInfo, options: type[BaseModel]) -> dict[str, Any]:

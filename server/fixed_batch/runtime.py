@@ -28,8 +28,9 @@ from server.core.errors import (
 from server.fixed_batch.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
 from server.fixed_batch.dispatcher import BatchDispatcher
 from server.observability.metrics import Metrics
+from server.scheduler.attainment import SloWatch
 from server.scheduler.refusals import refusal_error
-from server.scheduler.types import Admission, RejectReason, SloTargets, Ticket, TrafficClass
+from server.scheduler.types import Admission, RejectReason, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
 
@@ -140,7 +141,7 @@ class BatchRuntime:
         for waiter in self._waiters.values():
             waiter.fail(EngineUnavailable("the server is shutting down"))
 
-    def slo_targets(self, traffic_class: TrafficClass) -> SloTargets | None:
+    def slo(self, ticket: Ticket) -> SloWatch | None:
         return None  # whole answers from fixed-time batches: no stream to pace
 
     def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[BatchGeneration]:

@@ -149,7 +149,9 @@ class Planner:
             ),
             n=parsed.n,
         )
-        timeline.slo = self.dispatcher.slo_targets(ticket.traffic_class)
+        watch = self.dispatcher.slo(ticket)
+        if watch is not None:
+            timeline.slo, timeline.meter = watch
         request = GenerationRequest(
             request_id=timeline.request_id,
             prompt_token_ids=prompt_ids,

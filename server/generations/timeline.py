@@ -28,6 +28,7 @@ from server.observability.access_log import (
     release_access_line,
 )
 from server.observability.metrics import Metrics
+from server.scheduler.attainment import ChatMeter, Ended
 from server.scheduler.slo import slo_result
 from server.scheduler.types import Generation, SloTargets
 
@@ -51,7 +52,8 @@ class RequestTimeline:
     last_write_at: float | None = None
     generated_tokens: int = 0
     itl: list[float] = field(default_factory=list)
-    slo: SloTargets | None = None  # the class's latency targets when it arrived (None: bulk)
+    slo: SloTargets | None = None  # its latency targets when it arrived (None: none)
+    meter: ChatMeter | None = None  # where its writes are reported, for the bulk controller
     ended: bool = False
     # False: a generation another replica runs, followed here: its metrics and access log
     # are that replica's (until this one takes it over).
@@ -97,6 +99,9 @@ class RequestTimeline:
                 self.itl.append(gap)
             else:
                 self.itl.extend([gap] * count)
+            if self.meter is not None:
+                assert self.slo is not None
+                self.meter.gap(gap / self.slo.itl_s, count, now)
         self.last_write_at = now
         self.generated_tokens += count
         if now - self._flushed_at >= FLUSH_SECONDS:
@@ -159,6 +164,8 @@ class RequestTimeline:
             self.metrics.engine_aborts.labels(model, reason).inc()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         median_itl = median(self.itl)
+        if median_itl is not None:
+            self.metrics.stream_median_gap.labels(model, traffic_class).observe(median_itl)
         verdict = slo_result(
             outcome,
             error is not None and error.capacity,
@@ -169,6 +176,16 @@ class RequestTimeline:
         )
         if verdict is not None:
             self.metrics.slo_requests.labels(model, traffic_class, *verdict).inc()
+            if self.meter is not None:
+                assert self.slo is not None
+                engine_ttft = None
+                if self.first_token_at is not None and self.dispatched_at is not None:
+                    engine_ttft = self.first_token_at - self.dispatched_at
+                self.meter.ended(
+                    Ended.of(
+                        self.slo, median_gap_s=median_itl, ttft_s=ttft, engine_ttft_s=engine_ttft
+                    )
+                )
         log_request(
             AccessRecord(
                 request_id=self.request_id,

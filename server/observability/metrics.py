@@ -49,17 +49,18 @@ TRAFFIC_CLASSES = ("interactive", "bulk")
 CANCEL_STAGES = ("queued", "running")
 ABORT_REASONS = ("client_cancelled", "deadline", "preempted")
 # sluice_slo_requests_total{result, reason}: met requests have reason "none"; a miss names the
-# first promise broken. Bulk has no latency targets: it misses only by not completing.
+# first promise broken. Bulk misses a latency target only where `slo.bulk` sets one.
+_SLO_VERDICTS = (
+    ("met", "none"),
+    ("missed", "ttft"),
+    ("missed", "itl"),
+    ("missed", "refused"),
+    ("missed", "expired"),
+    ("missed", "failed"),
+)
 SLO_RESULTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "interactive": (
-        ("met", "none"),
-        ("missed", "ttft"),
-        ("missed", "itl"),
-        ("missed", "refused"),
-        ("missed", "expired"),
-        ("missed", "failed"),
-    ),
-    "bulk": (("met", "none"), ("missed", "refused"), ("missed", "expired"), ("missed", "failed")),
+    "interactive": _SLO_VERDICTS,
+    "bulk": _SLO_VERDICTS,
 }
 
 BATCH_LINE_OUTCOMES = ("completed", "failed", "expired")
@@ -111,6 +112,13 @@ class Metrics:
             "sluice_inter_token_latency_seconds",
             "Gap between consecutive writes of generated tokens to the client, divided evenly "
             "among the tokens of the later write.",
+            _BY_CLASS,
+            buckets=_ITL_BUCKETS,
+        )
+        self.stream_median_gap = histogram(
+            "sluice_stream_median_gap_seconds",
+            "Each stream's median gap between tokens written to the client, observed once as it "
+            "ends: the figure an inter-token target judges.",
             _BY_CLASS,
             buckets=_ITL_BUCKETS,
         )
@@ -217,13 +225,31 @@ class Metrics:
         )
         self.slo_target = gauge(
             "sluice_slo_target_seconds",
-            "The interactive targets in effect: time to first token (ttft) and median gap between "
-            "tokens (itl).",
+            "The class's targets in effect: time to first token (ttft) and median gap between "
+            "tokens (itl); a tenant's own targets may differ.",
             [*_BY_CLASS, "target"],
         )
         self.bulk_cap = gauge(
             "sluice_bulk_cap_sequences",
             "Bulk sequences allowed to run now (lower while chats run, the knee otherwise).",
+            ["model"],
+        )
+        self.chat_gap_share = gauge(
+            "sluice_chat_gap_share",
+            "The median gap between interactive tokens written in the last second, as a share "
+            "of their targets (1: on target), as the bulk controller reads it (NaN: too few).",
+            ["model"],
+        )
+        self.controller_scale = gauge(
+            "sluice_bulk_controller_scale",
+            "The bulk controller's correction of the step-time model: the cap's step budgets are "
+            "multiplied by it (below 1: chats get slower gaps than the model predicts).",
+            ["model"],
+        )
+        self.controller_aim = gauge(
+            "sluice_bulk_controller_aim",
+            "The median gap share the controller holds chats at, learned so that "
+            "slo.attainment_goal of chats keep their targets.",
             ["model"],
         )
         self.resumed_prefill_tokens = counter(

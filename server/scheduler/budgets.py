@@ -24,6 +24,9 @@ class BudgetLimits:
     kv_blocks: int
     sequences: int
     block_size: int
+    # The most prompt tokens the engine computes in one step: a longer prompt is prefilled in
+    # chunks, over several steps (0: in one, however long).
+    prefill_chunk: int = 0
 
     @classmethod
     def from_engine(cls, config: BudgetConfig, model: ModelInfo) -> BudgetLimits:
@@ -41,7 +44,7 @@ class BudgetLimits:
         tokens = max(tokens, model.max_model_len)
         kv_blocks = max(kv_blocks, -(-model.max_model_len // block_size))
         sequences = min(config.max_running_seqs, engine.max_num_seqs)
-        return cls(tokens, kv_blocks, sequences, block_size)
+        return cls(tokens, kv_blocks, sequences, block_size, engine.max_batched_tokens)
 
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.tokens, self.kv_blocks, self.sequences)

@@ -13,6 +13,11 @@ least one), so it is never starved. `PrefillPacer` bounds the bulk prefill one s
 The targets themselves are relative to the engine when nearly idle: the step time over one
 sequence and the time to first token of a request that found the engine (nearly) empty, both
 measured at start-up and refined online. A setting in milliseconds overrides either.
+
+All of that is the model's prediction. The bulk controller (`controller.py`) corrects it by
+what chats measured: the step budgets here (the gap target's, the TTFT headroom's, and the
+prefill headroom's) are multiplied by its scale. Bulk's floor is not: it is a guarantee, not a
+prediction. `slo.bulk_cap_sequences` fixes the cap instead, chats or none.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from server.core.config import SloConfig
+from server.scheduler.controller import BulkController
 from server.scheduler.estimates import RateEstimates
 from server.scheduler.types import SloTargets
 
@@ -51,10 +57,17 @@ class BulkCap:
     changes."""
 
     def __init__(
-        self, config: SloConfig, estimates: RateEstimates, *, limit: int, min_share: float
+        self,
+        config: SloConfig,
+        estimates: RateEstimates,
+        controller: BulkController,
+        *,
+        limit: int,
+        min_share: float,
     ) -> None:
         self._config = config
         self._estimates = estimates
+        self._controller = controller
         self._limit = limit  # bulk's share of the sequence budget
         self._min_share = min_share
         self._levels_of: tuple[object, ...] = ()  # the estimates `_levels_now` derives from
@@ -63,7 +76,13 @@ class BulkCap:
     def _levels(self) -> _Levels:
         estimates = self._estimates
         steps = estimates.steps
-        key = (steps, steps.revision, estimates.idle_ttft_s, estimates.prefill_tokens_per_s)
+        key = (
+            steps,
+            steps.revision,
+            estimates.idle_ttft_s,
+            estimates.prefill_tokens_per_s,
+            self._controller.scale,
+        )
         levels = self._levels_now
         if levels is None or key != self._levels_of:
             levels = self._levels_now = self._derive()
@@ -82,17 +101,21 @@ class BulkCap:
         ttft = config.ttft_s
         if ttft is None:
             ttft = config.ttft_factor * idle_ttft
-        ttft_headroom = ttft - idle_ttft
-        within_itl = steps.within(AIM * itl)
+        scale = self._controller.scale
+        ttft_headroom = scale * (ttft - idle_ttft)
+        within_itl = steps.within(scale * AIM * itl)
         knee_at = steps.knee(config.knee_share)
         knee = self._limit if knee_at is None else self._clamp(knee_at)
-        if config.cap_bulk:
-            idle = max(1, min(knee, self._clamp(steps.within(ttft_headroom))))
-        else:
+        if not config.cap_bulk:
             idle = self._limit
+        elif config.bulk_cap_sequences is not None:
+            idle = self._clamp(config.bulk_cap_sequences)
+        else:
+            idle = max(1, min(knee, self._clamp(steps.within(ttft_headroom))))
         floor = 0
         if self._min_share > 0:
-            floor = max(1, math.floor(self._min_share * self._clamp(within_itl)))
+            unscaled = within_itl if scale == 1.0 else steps.within(AIM * itl)
+            floor = max(1, math.floor(self._min_share * self._clamp(unscaled)))
         return _Levels(
             SloTargets(ttft_s=ttft, itl_s=itl),
             idle_ttft,
@@ -105,6 +128,11 @@ class BulkCap:
 
     def targets(self) -> SloTargets:
         return self._levels().targets
+
+    def step_limit(self) -> float:
+        """The step time above which bulk beyond the cap is stopped at once: the gap target,
+        as the controller corrects the model's view of it."""
+        return self._controller.scale * self._levels().targets.itl_s
 
     def idle_ttft(self) -> float:
         """Time to first token on a nearly idle engine, as observed (or guessed until then)."""
@@ -130,6 +158,8 @@ class BulkCap:
         if not self._config.cap_bulk:
             return self._limit
         levels = self._levels()
+        if self._config.bulk_cap_sequences is not None:
+            return levels.idle
         return max(levels.floor, min(levels.idle, self._clamp(levels.within_itl - chats)))
 
     def prefill_headroom(self, step_s: float, *, chats_about: bool) -> float:
@@ -138,7 +168,7 @@ class BulkCap:
         longest step a chat arriving in its middle can sit out)."""
         levels = self._levels()
         if chats_about:
-            return levels.targets.itl_s - step_s
+            return self._controller.scale * levels.targets.itl_s - step_s
         return levels.ttft_headroom - step_s
 
     def _clamp(self, sequences: float) -> int:
@@ -157,7 +187,11 @@ class PrefillPacer:
     bulk must still be able to replace what finishes.
 
     A start may also name the least share of the bucket it takes (`min_share`, at most 1),
-    whatever its prefill, so that starts of small prefills are spread over steps too."""
+    whatever its prefill, so that starts of small prefills are spread over steps too.
+
+    The bulk controller's `pace` (at most 1) slows the refill: over `1 / pace` steps instead of
+    one, so every start, and the wait after a start too large for one step, takes that much
+    longer. First tokens late behind bulk's prefills lower it."""
 
     MIN_HEADROOM_SHARE = 0.1  # of the step, when the target leaves none
 
@@ -166,15 +200,18 @@ class PrefillPacer:
         self._at = -math.inf
         self._headroom_s = math.inf
         self._step_s = 0.0
+        self._refill_s = 0.0  # the time the bucket takes to fill from empty
 
-    def update(self, now: float, headroom_s: float, step_s: float) -> None:
-        """Refill up to `now` at the step time in force, then take the new headroom and step."""
+    def update(self, now: float, headroom_s: float, step_s: float, pace: float = 1.0) -> None:
+        """Refill up to `now` at the pace in force, then take the new headroom, step and
+        pace."""
         if now > self._at:
-            if self._step_s > 0:
-                self._fill = min(1.0, self._fill + (now - self._at) / self._step_s)
+            if self._refill_s > 0:
+                self._fill = min(1.0, self._fill + (now - self._at) / self._refill_s)
             self._at = now
         self._headroom_s = max(headroom_s, self.MIN_HEADROOM_SHARE * step_s)
         self._step_s = step_s
+        self._refill_s = step_s / pace
 
     # Fill reached through float arithmetic may fall short of a level by a few ulps: a start is
     # allowed a millionth short, and `ready_at` aims at a billionth short, so that a poll at the
@@ -185,18 +222,20 @@ class PrefillPacer:
     def allows(self, prefill_s: float, min_share: float = 0.0) -> bool:
         return self._fill >= self._needed(prefill_s, min_share) * (1.0 - 1e-6)
 
-    def spend(self, prefill_s: float, min_share: float = 0.0) -> None:
+    def spend(self, prefill_s: float, min_share: float = 0.0, steps: int = 1) -> None:
+        """A start whose prefill takes `prefill_s` of engine time, over `steps` steps (an
+        engine that prefills a long prompt a chunk a step): the next start waits for them
+        all, and one more step."""
         share = max(min_share, prefill_s / self._headroom_s)
-        if share <= self._fill or prefill_s <= self._fill * self._headroom_s:
+        if steps <= 1 and (share <= self._fill or prefill_s <= self._fill * self._headroom_s):
             self._fill -= share
-        else:  # alone, in a step its prefill makes longer: wait for that step and one more
-            self._fill = min(
-                self._fill - min_share, -prefill_s / self._step_s if self._step_s > 0 else 0.0
-            )
+        else:  # alone, in the steps its prefill makes longer: wait for them and one more
+            longer = prefill_s / self._step_s if self._step_s > 0 else 0.0
+            self._fill = min(self._fill - min_share, -max(longer, steps - 1.0))
 
     def ready_at(self, prefill_s: float, min_share: float = 0.0) -> float:
         """When `allows(prefill_s, min_share)` turns true if nothing else changes."""
         missing = self._needed(prefill_s, min_share) * (1.0 - 1e-9) - self._fill
-        if missing <= 0 or self._step_s <= 0:
+        if missing <= 0 or self._refill_s <= 0:
             return self._at
-        return self._at + missing * self._step_s
+        return self._at + missing * self._refill_s

@@ -14,15 +14,20 @@ expired request. While a ticket runs, the shell reports each output's tokens to 
 (or a whole engine step's outputs, and the completions among them, to `generated_many`): the
 core's count of what it produced, and the rate estimates' input.
 
-Preemption has two causes and one mechanism. The bulk cap (`bulk_cap.py`) drops when chats
-arrive after a quiet spell: the bulk running beyond it stops at once, when the step time it
-causes is over the gap target (the cap itself aims under it). And an interactive head that has
-waited `preempt_bulk_after_s` with no budget room stops just enough bulk to fit, never below
-bulk's minimum share. Victims are those cheapest to resume (the fewest tokens past their last
-full KV block, which an engine with prefix caching must compute again), then the most recently
-dispatched. The shell aborts their engine requests and calls `requeue`; the ticket returns to
-the front of its tenant's bulk line as a continuation (prompt plus generated tokens, the rest
-of max_tokens), keeping its arrival and deadline.
+The bulk cap (`bulk_cap.py`) is the step-time model's, corrected by the bulk controller
+(`controller.py`), which every `poll` lets steer once a period by what chats measured where
+the server wrote their tokens (`attainment.py`, fed by the shells).
+
+Preemption has two causes and one mechanism. The bulk cap drops when chats arrive after a quiet
+spell, or when the controller shrinks it: the bulk running beyond it stops at once when the
+step time it causes is over the gap target as the controller corrects it (the cap itself aims
+under that), or when chats are measured over their target already. And an interactive head that
+has waited `preempt_bulk_after_s` with no budget room stops just enough bulk to fit, never
+below bulk's minimum share. Victims are those cheapest to resume (the fewest tokens past their
+last full KV block, which an engine with prefix caching must compute again), then the most
+recently dispatched. The shell aborts their engine requests and calls `requeue`; the ticket
+returns to the front of its tenant's bulk line as a continuation (prompt plus generated tokens,
+the rest of max_tokens), keeping its arrival and deadline.
 """
 
 from __future__ import annotations
@@ -35,13 +40,22 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from server.core.config import SluiceConfig
+from server.scheduler.attainment import ChatMeter
 from server.scheduler.backlog import Backlog
 from server.scheduler.budgets import BudgetLedger, BudgetLimits
 from server.scheduler.bulk_cap import BulkCap, PrefillPacer
+from server.scheduler.controller import BulkController
 from server.scheduler.estimates import NEARLY_IDLE_OTHERS, RateEstimates
 from server.scheduler.queues import TenantFairQueue
 from server.scheduler.quotas import TenantQuotas
-from server.scheduler.types import BULK, INTERACTIVE, RejectReason, Ticket, TrafficClass
+from server.scheduler.types import (
+    BULK,
+    INTERACTIVE,
+    RejectReason,
+    SloTargets,
+    Ticket,
+    TrafficClass,
+)
 
 Stage = Literal["queued", "running"]
 
@@ -110,9 +124,16 @@ class SchedulerCore:
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self._quotas = TenantQuotas(config.tenants)
+        slo = config.slo
+        self.meter = ChatMeter()  # what chats got, as the shells report it
+        self.controller = BulkController(
+            slo.attainment_goal,
+            enabled=slo.feedback and slo.cap_bulk and slo.bulk_cap_sequences is None,
+        )
         self.bulk_cap = BulkCap(
-            config.slo,
+            slo,
             self.estimates,
+            self.controller,
             limit=self.ledger.class_cap(BULK)[2],
             min_share=config.budgets.bulk_min_share,
         )
@@ -265,6 +286,23 @@ class SchedulerCore:
         wait = self.predicted_wait(probe, now, fair=False)
         return wait / self.config.classes[traffic_class].deadline_s
 
+    # --- targets -----------------------------------------------------------------------
+    def targets_for(self, ticket: Ticket) -> SloTargets | None:
+        """The latency targets `ticket` is judged by: its tenant's, over its class's (None:
+        a class without targets)."""
+        slo = self.config.slo
+        if ticket.traffic_class is BULK:
+            stated = slo.bulk
+            if stated.ttft_s is None and stated.itl_s is None:
+                return None
+            return SloTargets(stated.ttft_s or math.inf, stated.itl_s or math.inf)
+        targets = self.bulk_cap.targets()
+        tenant = self.config.tenants.get(ticket.tenant)
+        own = None if tenant is None else tenant.slo
+        if own is None:
+            return targets
+        return SloTargets(own.ttft_s or targets.ttft_s, own.itl_s or targets.itl_s)
+
     # --- the bulk cap ------------------------------------------------------------------
     def _chats(self) -> int:
         return self._running_per_class[INTERACTIVE] + len(self._queues[INTERACTIVE])
@@ -290,11 +328,17 @@ class SchedulerCore:
 
     def bulk_allowed(self, now: float) -> int:
         """Bulk sequences that may run now: capped while chats are about, the idle cap (the
-        knee) otherwise. The cap leaves room for the chats there are (at least one) and for
-        as many more as usually arrive while one runs, so that chats arriving together start
-        within their gap target with nothing to preempt."""
+        knee) otherwise. The model's cap leaves room for the chats there are (at least one)
+        and for as many more as usually arrive while one runs, so that chats arriving together
+        start within their gap target with nothing to preempt. Under feedback it leaves room
+        for as many as usually run (at least one): the gaps it steers by are what chats got as
+        they came and went, and a bulk request outlives many chats, so a cap that followed
+        each would only ratchet up to its highest (bulk fills the cap at once, and leaves it
+        only as it ends)."""
         if self._chats_about(now):
             expected = round(self.estimates.chats_together)
+            if self.controller.enabled:
+                return self.bulk_cap.with_chats(max(1, expected))
             return self.bulk_cap.with_chats(max(1, self._chats()) + expected)
         return self.bulk_cap.idle()
 
@@ -303,11 +347,28 @@ class SchedulerCore:
 
     # --- one decision: poll ------------------------------------------------------------
     def poll(self, now: float) -> Step:
-        """Everything due at `now`: expire, dispatch, preempt; and when to poll next."""
+        """Everything due at `now`: steer, expire, dispatch, preempt; and when to poll next."""
+        if self.controller.due(now):
+            self._steer(now)
         expired = self._expire_due(now)
         started = self._dispatch(now)
         preempted = self._preemptions(now)
         return Step(started, expired, preempted, self._wake_at(now))
+
+    def _steer(self, now: float) -> None:
+        """One period of the bulk controller: it may grow bulk only while bulk waits at its
+        cap, and shrink it only while bulk runs above its floor and no more than the cap allows
+        (a cap below what runs already is waiting for bulk to end, or to be preempted)."""
+        running = self._bulk_running()
+        allowed = self.bulk_allowed(now)
+        waiting = len(self._queues[BULK]) > 0
+        self.controller.steer(
+            now,
+            self.meter,
+            may_grow=running >= allowed and waiting,
+            may_shrink=self.bulk_cap.floor() < running <= allowed,
+            bulk_about=running > 0 or waiting,
+        )
 
     def _dispatch(self, now: float) -> list[Ticket]:
         interactive = self._queues[INTERACTIVE]
@@ -330,22 +391,36 @@ class SchedulerCore:
                 )
             ):
                 bulk.pop(bulk_head)
-                self._pacer.spend(self._prefill_s(bulk_head), self._start_share(bulk_head, now))
+                self._pacer.spend(
+                    self._prefill_s(bulk_head),
+                    self._start_share(bulk_head, now),
+                    self._prefill_steps(bulk_head),
+                )
                 started.append(self._start(bulk_head, now))
                 continue
             return started
 
     def _bulk_may_start(self, ticket: Ticket, now: float) -> bool:
-        """Below the cap, and within the prefill the step-time target leaves room for (below
-        bulk's floor, at once): bulk resuming after a chat, or filling an idle engine, must not
-        pile its prefills into one long step that a chat arriving then would wait behind."""
-        running = self._bulk_running()
-        if running >= self.bulk_allowed(now):
+        """Below the cap, and within the prefill the step-time target leaves room for: bulk
+        resuming after a chat, or filling an idle engine, must not pile its prefills into one
+        long step that a chat arriving then would wait behind."""
+        if self._bulk_running() >= self.bulk_allowed(now):
             return False
-        if running < self.bulk_cap.floor():
-            return True
+        needs = self._pacing(ticket, now)
+        return needs is None or self._pacer.allows(*needs)
+
+    def _pacing(self, ticket: Ticket, now: float) -> tuple[float, float] | None:
+        """What the pacer must hold for `ticket` to start: (prefill seconds, least share of
+        the bucket); None: it starts at once. Below bulk's floor a start is not paced, unless
+        the controller has slowed the pace (first tokens late behind bulk's prefills): then it
+        waits for the bucket to refill what the last start took, and no more."""
+        below_floor = self._bulk_running() < self.bulk_cap.floor()
+        if below_floor and self.controller.pace >= 1.0:
+            return None
         self._pace(now)
-        return self._pacer.allows(self._prefill_s(ticket), self._start_share(ticket, now))
+        if below_floor:
+            return 0.0, 0.0
+        return self._prefill_s(ticket), self._start_share(ticket, now)
 
     def _start_share(self, ticket: Ticket, now: float) -> float:
         """The least share of a step's prefill headroom one bulk start takes while chats are
@@ -365,15 +440,25 @@ class SchedulerCore:
     def _pace(self, now: float) -> None:
         step = self.estimates.steps.at(self._sequences + 1)
         headroom = self.bulk_cap.prefill_headroom(step, chats_about=self._chats_about(now))
-        self._pacer.update(now, headroom, step)
+        self._pacer.update(now, headroom, step, self.controller.pace)
 
-    def _prefill_s(self, ticket: Ticket) -> float:
-        """Engine seconds to prefill `ticket`: its whole prompt, or for a continuation what
-        follows its last full KV block (an engine with prefix caching holds the rest)."""
+    def _prefill_tokens(self, ticket: Ticket) -> int:
+        """Tokens the engine prefills for `ticket`: its whole prompt, or for a continuation
+        what follows its last full KV block (an engine with prefix caching holds the rest)."""
         tokens = ticket.prompt_tokens
         if ticket.resumed_tokens:
             tokens = tokens % self.ledger.limits.block_size or 1
-        return tokens / self.estimates.prefill_tokens_per_s
+        return tokens
+
+    def _prefill_s(self, ticket: Ticket) -> float:
+        """Engine seconds to prefill `ticket`."""
+        return self._prefill_tokens(ticket) / self.estimates.prefill_tokens_per_s
+
+    def _prefill_steps(self, ticket: Ticket) -> int:
+        """Engine steps `ticket`'s prefill spans: one, or its chunks on an engine that
+        prefills a long prompt a chunk a step (a chat arriving meanwhile waits behind them)."""
+        chunk = self.ledger.limits.prefill_chunk
+        return -(-self._prefill_tokens(ticket) // chunk) if chunk > 0 else 1
 
     def _start(self, ticket: Ticket, now: float) -> Ticket:
         del self._queued[ticket.request_id]
@@ -411,14 +496,14 @@ class SchedulerCore:
         preempt_at = self._preempt_time()
         if preempt_at is not None:
             times.append(preempt_at)
+        if self.controller.enabled and self._running_per_class[BULK] and self.meter.has_gaps:
+            times.append(max(now, self.controller.next_at))
         bulk_head = self._queues[BULK].peek()
         if bulk_head is not None:
             running = self._bulk_running()
             if running < self.bulk_allowed(now):
-                self._pace(now)
-                ready = self._pacer.ready_at(
-                    self._prefill_s(bulk_head), self._start_share(bulk_head, now)
-                )
+                needs = self._pacing(bulk_head, now)
+                ready = now if needs is None else self._pacer.ready_at(*needs)
                 if ready > now:  # else the budgets hold it, and a release will poll
                     times.append(ready)
             hold_until = self._hold_until()
@@ -472,9 +557,10 @@ class SchedulerCore:
         if excess <= 0 or not self._chats():
             return []
         # The cap aims under the target; between the two, bulk ends by itself sooner than a
-        # resumed request would repay the prefill it must redo.
+        # resumed request would repay the prefill it must redo, unless chats are measured over
+        # their target already.
         step = self.estimates.steps.at(self._sequences - self._preempting)
-        if step <= self.bulk_cap.targets().itl_s:
+        if step <= self.bulk_cap.step_limit() and not self.controller.chats_over_target:
             return []
         return self._victims()[:excess]
 

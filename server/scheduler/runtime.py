@@ -8,6 +8,7 @@ future, failing it with DeadlineExceeded) and calls the engine.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
@@ -16,11 +17,12 @@ from engine_adapters.protocol import EngineClient, GenerationRequest, TokenDelta
 from server.core.config import SluiceConfig
 from server.core.errors import DeadlineExceeded, EngineUnavailable
 from server.observability.metrics import ClassGauges, Metrics
+from server.scheduler.attainment import SloWatch
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import Calibration, calibrate
 from server.scheduler.core import Rejected, SchedulerCore
 from server.scheduler.refusals import refusal_error
-from server.scheduler.types import Admission, SloTargets, Ticket, TrafficClass
+from server.scheduler.types import Admission, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
 
@@ -206,8 +208,6 @@ class SchedulerRuntime:
         self._class_gauges = [
             (tc, ClassGauges.bind(metrics, model_name, tc.value)) for tc in TrafficClass
         ]
-        self._slo_ttft = metrics.slo_target.labels(model_name, "interactive", "ttft")
-        self._slo_itl = metrics.slo_target.labels(model_name, "interactive", "itl")
         self._bulk_cap = metrics.bulk_cap.labels(model_name)
         self._knee = metrics.knee.labels(model_name)
         self._core: SchedulerCore | None = None
@@ -246,10 +246,13 @@ class SchedulerRuntime:
                 future.set_exception(EngineUnavailable("the server is shutting down"))
         self._waiters.clear()
 
-    def slo_targets(self, traffic_class: TrafficClass) -> SloTargets | None:
-        if traffic_class is TrafficClass.BULK:
+    def slo(self, ticket: Ticket) -> SloWatch | None:
+        core = self.core
+        targets = core.targets_for(ticket)
+        if targets is None:
             return None
-        return self.core.bulk_cap.targets()
+        steered = ticket.traffic_class is TrafficClass.INTERACTIVE and core.controller.enabled
+        return SloWatch(targets, core.meter if steered else None)
 
     def generation(
         self, ticket: Ticket, request: GenerationRequest
@@ -346,16 +349,35 @@ class SchedulerRuntime:
             self.metrics.budget_in_use.labels(budget=name).set_function(
                 partial(_in_use, core, name)
             )
-        self._slo_ttft.set_function(lambda: core.bulk_cap.targets().ttft_s)
-        self._slo_itl.set_function(lambda: core.bulk_cap.targets().itl_s)
+        metrics, model = self.metrics, self.model_name
+        targets = metrics.slo_target
+        targets.labels(model, "interactive", "ttft").set_function(
+            lambda: core.bulk_cap.targets().ttft_s
+        )
+        targets.labels(model, "interactive", "itl").set_function(
+            lambda: core.bulk_cap.targets().itl_s
+        )
+        bulk = self.config.slo.bulk
+        for name, value in (("ttft", bulk.ttft_s), ("itl", bulk.itl_s)):
+            if value is not None:
+                targets.labels(model, "bulk", name).set(value)
         self._bulk_cap.set_function(lambda: core.bulk_allowed(clock()))
         self._knee.set_function(core.bulk_cap.knee)
+        metrics.chat_gap_share.labels(model).set_function(
+            lambda: _or_nan(core.meter.gap_median(clock()))
+        )
+        metrics.controller_scale.labels(model).set_function(lambda: core.controller.scale)
+        metrics.controller_aim.labels(model).set_function(lambda: core.controller.aim)
 
 
 def _now(
     read: Callable[[TrafficClass, float], float], tc: TrafficClass, clock: Callable[[], float]
 ) -> float:
     return read(tc, clock())
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 def _in_use(core: SchedulerCore, budget: str) -> float:

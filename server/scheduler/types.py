@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Final, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from engine_adapters.protocol import GenerationRequest, TokenDelta
 from server.core.config import TrafficClass as TrafficClass  # declared with the configuration
+
+if TYPE_CHECKING:
+    from server.scheduler.attainment import SloWatch
 
 # The classes, bound once: in Python 3.11 reading a member off an enum class goes through its
 # metaclass's attribute hook (about 60 ns, a call's worth), and the core reads them in every
@@ -148,6 +151,7 @@ class Dispatcher(Protocol):
 
     def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[Any]: ...
 
-    def slo_targets(self, traffic_class: TrafficClass) -> SloTargets | None:
-        """The latency targets a request of this class is judged by now (None: none)."""
+    def slo(self, ticket: Ticket) -> SloWatch | None:
+        """The latency targets `ticket` is judged by now, and where the times its tokens are
+        written go (None: no targets)."""
         ...

@@ -39,6 +39,7 @@ from engine_adapters.sim_model import (
 )
 from server.core.config import SluiceConfig, TenantConfig
 from server.core.settings import add_arguments, load_config
+from server.scheduler.attainment import Ended
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
@@ -54,6 +55,7 @@ from server.simulation.continuous_workload import (
     poisson_mix,
 )
 from server.simulation.events import EventHandle, EventLoop
+from server.simulation.host import Host, HostConfig
 from server.simulation.probe import probe_timing_model
 from server.simulation.workload import DEFAULT_MODEL, Arrival, TraceError, parse_trace
 
@@ -74,6 +76,7 @@ class _Live:
     # Once dispatched, its prompt: its first, or that and what it generated before a preemption.
     prompt: Sequence[int] | None = None
     delivered_before: int = 0  # its output tokens when it was last dispatched
+    metered: bool = False  # a chat: its gaps feed the bulk controller's meter
     gaps: list[float] | None = None  # its tokens' gaps so far
     last_token_at: float = 0.0
     engine_id: str | None = None  # its current engine request id, while it runs
@@ -96,11 +99,17 @@ class ContinuousSimulation:
     million requests); the summary's figures are tallied as each request ends either way."""
 
     def __init__(
-        self, config: SluiceConfig, sim: SimConfig, *, keep_timelines: bool = True
+        self,
+        config: SluiceConfig,
+        sim: SimConfig,
+        *,
+        host: HostConfig | None = None,
+        keep_timelines: bool = True,
     ) -> None:
         self.config = config
         self.loop = EventLoop()
         self.model = SimTimingModel(sim, report_tokens=False)  # it reads no step's tokens
+        self.host = Host(host or HostConfig())
         self.core = SchedulerCore(
             config,
             BudgetLimits.from_engine(config.budgets, sim.model_info(DEFAULT_MODEL)),
@@ -120,6 +129,7 @@ class ContinuousSimulation:
         self._class_deadline_s = {tc: config.classes[tc].deadline_s for tc in TrafficClass}
         self._class_name = {tc: tc.value for tc in TrafficClass}
         self._stepping = False
+        self._engine_free_at = 0.0  # the engine waits for the host's loop until then
         self._wakeup: EventHandle | None = None
 
     # --- inputs ------------------------------------------------------------------------
@@ -168,22 +178,31 @@ class ContinuousSimulation:
 
     # --- events ------------------------------------------------------------------------
     def _arrive(self, arrival: Arrival, stream: tuple[int, int] | None = None) -> None:
+        """An arrival reaches the scheduler once the host's server has read it."""
+        now = self.loop.now
+        setup = self.host.request_s(now)
+        if setup:
+            self.loop.call_later(setup, partial(self._submit, arrival, stream, now))
+        else:
+            self._submit(arrival, stream, now)
+
+    def _submit(self, arrival: Arrival, stream: tuple[int, int] | None, arrived: float) -> None:
         now = self.loop.now
         tc = arrival.traffic_class
         deadline = arrival.deadline_s
         if deadline is None:
-            deadline = now + self._class_deadline_s[tc]
+            deadline = arrived + self._class_deadline_s[tc]
         ticket = Ticket(
             arrival.id,
             arrival.tenant,
             tc,
             arrival.model,
-            now,
+            arrived,
             deadline,
             arrival.prompt_tokens,
             arrival.max_tokens,
         )
-        timeline = Timeline(arrival.id, arrival.tenant, self._class_name[tc], now, deadline)
+        timeline = Timeline(arrival.id, arrival.tenant, self._class_name[tc], arrived, deadline)
         if self._keep_timelines:
             self.timelines[arrival.id] = timeline
         decision = self.core.submit(ticket, now)
@@ -191,9 +210,9 @@ class ContinuousSimulation:
             timeline.reason = decision.reason
             self._close(timeline, "rejected", None, None, None, stream)
             return
-        live = _Live(timeline, None, stream)
-        if tc is INTERACTIVE:  # the targets at its arrival: admitting one is no
-            live.targets = self.core.bulk_cap.targets()  # observation, and moves none
+        # The targets at its arrival: admitting one is no observation, and moves none.
+        live = _Live(timeline, self.core.targets_for(ticket), stream)
+        live.metered = tc is INTERACTIVE and live.targets is not None
         self._live[arrival.id] = live
         self._dispatch()
 
@@ -220,7 +239,10 @@ class ContinuousSimulation:
         self._arm_wakeup(step.wake_at)
         if not self._stepping and self.model.has_work:
             self._stepping = True
-            self._step()
+            if self._engine_free_at > now:  # still waiting for the loop's CPU
+                self.loop.call_at(self._engine_free_at, self._step)
+            else:
+                self._step()
 
     def _start(self, ticket: Ticket, now: float) -> None:
         rid = ticket.request_id
@@ -268,6 +290,9 @@ class ContinuousSimulation:
 
     def _preempt(self, request_id: str) -> None:
         live = self._live[request_id]
+        assert live.engine_id is not None
+        if not self.model.holds(live.engine_id):
+            return  # it finished in the step under way: its delivery ends it, as named
         self._stop_deadline(live)
         # A continuation's prompt is its last prompt and the tokens delivered since: outputs of
         # a step still running are dropped, though the engine has sampled them.
@@ -294,26 +319,37 @@ class ContinuousSimulation:
 
     def _step(self) -> None:
         result = self.model.step()
-        self.loop.call_later(result.duration_s, partial(self._deliver, result))
+        duration = self.host.step_s(result.duration_s, self.loop.now)
+        self.loop.call_later(duration, partial(self._deliver, result))
 
     def _deliver(self, result: StepResult) -> None:
+        """A step's outputs: the core learns of them at once; each reaches its client when the
+        host's loop writes it (at once, with no loop cost), which is what chats measure."""
         now = self.loop.now
         by_engine_id = self._by_engine_id
         outputs: list[tuple[str, int, bool]] = []  # for the core, in one call
         completed: list[_Live] = []
+        written, event_s, self._engine_free_at = self.host.write(len(result.request_ids), now)
+        meter = self.core.meter
         for engine_id, reason in zip(result.request_ids, result.finish_reasons, strict=True):
+            written += event_s
             live = by_engine_id.get(engine_id)
             if live is None:
                 continue  # aborted while the step ran: a late output revives nothing
             timeline = live.timeline
             # One token per output: its gap is the time since the last.
             if timeline.first_token is None:
-                timeline.first_token = now
-            elif live.gaps is None:
-                live.gaps = [now - live.last_token_at]
+                timeline.first_token = written
             else:
-                live.gaps.append(now - live.last_token_at)
-            live.last_token_at = now
+                gap = written - live.last_token_at
+                if live.gaps is None:
+                    live.gaps = [gap]
+                else:
+                    live.gaps.append(gap)
+                if live.metered:
+                    assert live.targets is not None
+                    meter.gap(gap / live.targets.itl_s, 1, written)
+            live.last_token_at = written
             timeline.output_tokens += 1
             if reason is None:
                 outputs.append((timeline.id, 1, False))
@@ -379,6 +415,18 @@ class ContinuousSimulation:
             targets,
         )
         timeline.slo = None if verdict is None else _slo_key(verdict)
+        if verdict is not None and targets is not None and timeline.traffic_class == "interactive":
+            engine_ttft = None
+            if timeline.first_token is not None and timeline.dispatched is not None:
+                engine_ttft = timeline.first_token - timeline.dispatched
+            self.core.meter.ended(
+                Ended.of(
+                    targets,
+                    median_gap_s=timeline.median_gap,
+                    ttft_s=ttft,
+                    engine_ttft_s=engine_ttft,
+                )
+            )
         self.tally.add(timeline)
         if stream is not None:
             assert self._bulk_streams is not None
@@ -443,6 +491,8 @@ def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     group = simulate_parser.add_argument_group("continuous mode (--mode continuous)")
     add_arguments(group, ContinuousOptions)
     add_sim_arguments(simulate_parser)
+    host = simulate_parser.add_argument_group("the host around the sim engine (--mode continuous)")
+    add_arguments(host, HostConfig, prefix="host")
 
 
 def build_arrivals(args: argparse.Namespace) -> list[Arrival] | Iterator[Arrival]:
@@ -504,7 +554,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2
     config = with_tenants(load_config(args.config), tenants or {"default"})
-    simulation = ContinuousSimulation(config, SimConfig.from_args(args), keep_timelines=args.json)
+    simulation = ContinuousSimulation(
+        config,
+        SimConfig.from_args(args),
+        host=HostConfig.from_args(args),
+        keep_timelines=args.json,
+    )
     simulation.add_arrivals(arrivals)
     if args.bulk_streams:
         simulation.add_bulk_streams(

@@ -32,8 +32,9 @@ from typing import Any
 from engine_adapters.protocol import GenerationRequest
 from server.core.config import TenantConfig
 from server.core.errors import TenantQuotaExceeded
+from server.scheduler.attainment import SloWatch
 from server.scheduler.quotas import TenantQuotas
-from server.scheduler.types import Admission, Dispatcher, SloTargets, Ticket, TrafficClass
+from server.scheduler.types import Admission, Dispatcher, Ticket
 from server.state.backend import RedisState, StateUnavailable
 
 KEY_TTL_MS = 120_000  # a tenant's token window outlives its last admission by this
@@ -245,8 +246,8 @@ class SharedQuotaDispatcher:
         await self.inner.stop()
         await self.quotas.stop()
 
-    def slo_targets(self, traffic_class: TrafficClass) -> SloTargets | None:
-        return self.inner.slo_targets(traffic_class)
+    def slo(self, ticket: Ticket) -> SloWatch | None:
+        return self.inner.slo(ticket)
 
     def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[Any]:
         admission = self.inner.generation(ticket, request)

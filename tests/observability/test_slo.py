@@ -59,3 +59,51 @@ def test_the_server_counts_every_verdict_from_zero(tmp_path: Path) -> None:
         assert server.metric("sluice_slo_target_seconds", target="itl") == 60.0
         assert server.metric("sluice_bulk_cap_sequences") >= 1
         assert server.metric("sluice_knee_sequences") >= 1
+
+
+def test_a_tenants_own_targets_judge_its_chats_and_bulk_is_judged_by_its_own(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "sluice.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "tenants": {
+                    # Its own TTFT target, which no answer meets; its gap target the class's.
+                    "tight": {"api_keys": ["key-tight"], "slo": {"ttft_ms": 0.001}},
+                    "loose": {"api_keys": ["key-loose"]},
+                },
+                "slo": {
+                    "interactive": {"ttft_ms": 60000, "itl_ms": 60000},
+                    "bulk": {"itl_ms": 0.001},  # judged, never steered for: every answer misses
+                },
+                "estimates": {"calibrate": False},
+            }
+        )
+    )
+    with run_sluice(tmp_path, "--config", str(config)) as server:
+
+        def count(tc: str, result: str, reason: str) -> float:
+            return server.metric(
+                "sluice_slo_requests_total", traffic_class=tc, result=result, reason=reason
+            )
+
+        assert _chat(server.url, Authorization="Bearer key-tight").status_code == 200
+        assert count("interactive", "missed", "ttft") == 1
+        assert _chat(server.url, Authorization="Bearer key-loose").status_code == 200
+        assert count("interactive", "met", "none") == 1
+        bulk = _chat(server.url, Authorization="Bearer key-loose", **{"X-Traffic-Class": "bulk"})
+        assert bulk.status_code == 200
+        assert count("bulk", "missed", "itl") == 1
+        # The class's targets are exported (bulk's only where set); each stream that ended is
+        # one observation of its median gap.
+        assert server.metric("sluice_slo_target_seconds", traffic_class="bulk", target="itl") == (
+            0.000001
+        )
+        for tc, streams in (("interactive", 2), ("bulk", 1)):
+            assert (
+                server.metric("sluice_stream_median_gap_seconds_count", traffic_class=tc) == streams
+            )
+        # No bulk ran beside a chat: the controller has had nothing to steer.
+        assert server.metric("sluice_bulk_controller_scale") == 1.0
+        assert 0 < server.metric("sluice_bulk_controller_aim") < 1

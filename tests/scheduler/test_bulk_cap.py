@@ -21,7 +21,10 @@ BLOCK = 16
 
 
 def calibrated(steps_ms: dict[int, float] = CPU_STEPS_MS, **slo: object) -> SchedulerCore:
+    """The model's cap, open loop (`slo.feedback: false`) unless `slo` says otherwise: what the
+    bulk controller corrects is tested in test_controller.py and in the simulator."""
     # Bulk may use 80 of the 100 sequences (20% is the interactive reserve).
+    slo = {"feedback": False, **slo}
     s = core(config(slo=slo), tokens=10**6, kv_blocks=10**6, sequences=100, block_size=BLOCK)
     for n, step_ms in steps_ms.items():
         s.estimates.steps.observe(n, step_ms / 1000)
@@ -285,6 +288,29 @@ def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
     s.poll(now)
     # 10 sequences fit the cap's aim; the chat running, and two more expected: 7 for bulk.
     assert s.bulk_allowed(now) == 10 - 1 - 2
+
+
+def test_under_feedback_the_cap_leaves_room_for_as_many_chats_as_usually_run() -> None:
+    s = calibrated(feedback=True)
+    flood(s, 20)
+    now = 1.0
+    for n in range(600):  # two chats at a time, back to back, for a minute
+        admit(s, ticket(f"chat{n}a", at=now))
+        admit(s, ticket(f"chat{n}b", at=now))
+        s.poll(now)
+        now += 0.1
+        s.release(f"chat{n}a", now, completed=True)
+        s.release(f"chat{n}b", now, completed=True)
+    assert s.controller.scale == 1.0  # no gap was reported: nothing to correct
+    # However many chats run at the moment, room for the two that usually do: a bulk request
+    # outlives many chats, and a cap that followed each would ratchet up to its highest.
+    for chats in (1, 4):
+        for i in range(chats):
+            admit(s, ticket(f"now{chats}.{i}", at=now))
+        s.poll(now)
+        assert s.bulk_allowed(now) == 10 - 2
+        for i in range(chats):
+            s.release(f"now{chats}.{i}", now, completed=True)
 
 
 def test_a_request_is_named_once_when_both_causes_preempt_in_one_poll() -> None:

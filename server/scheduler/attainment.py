@@ -1,0 +1,110 @@
+"""What chats got against their targets, measured where the server writes their tokens.
+
+The shells report every interactive token's gap as a share of its request's own gap target
+(1.0: exactly on it), and every interactive request that ends: its own median gap share, and
+its time to first token as a share of its TTFT target, whole and from its dispatch on (the
+part the engine, and so bulk, had a hand in). Written at the transport, not at the engine, a
+gap includes the frontend's own time, a noisy neighbour and the real shape of the step curve:
+what a person sees. The bulk controller (`controller.py`) reads them; nothing here decides anything.
+
+Reporting a write costs one append: the window is trimmed and sorted only when read.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from server.scheduler.types import SloTargets
+
+# The window of gaps the controller steers by: long enough for about a hundred gaps of a few
+# chats, short enough that a step cost that changes shows within it.
+WINDOW_S = 1.0
+# Fewer gaps than this in the window say too little to steer by.
+MIN_GAPS = 16
+
+
+class Ended(NamedTuple):
+    """A chat that ended, against its own targets (None: not measured, no first token or
+    fewer than two tokens)."""
+
+    median_gap_share: float | None
+    ttft_share: float | None
+    engine_ttft_share: float | None  # from its dispatch to its first token
+
+    @classmethod
+    def of(
+        cls,
+        targets: SloTargets,
+        *,
+        median_gap_s: float | None,
+        ttft_s: float | None,
+        engine_ttft_s: float | None,
+    ) -> Ended:
+        return cls(
+            None if median_gap_s is None else median_gap_s / targets.itl_s,
+            None if ttft_s is None else ttft_s / targets.ttft_s,
+            None if engine_ttft_s is None else engine_ttft_s / targets.ttft_s,
+        )
+
+
+class SloWatch(NamedTuple):
+    """A request's targets, and the meter its writes are reported to (None: nobody steers by
+    them: bulk, or a cap that takes no feedback)."""
+
+    targets: SloTargets
+    meter: ChatMeter | None
+
+
+class ChatMeter:
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self.window_s = window_s
+        self._gaps: deque[tuple[float, float, int]] = deque()  # (time, share, tokens)
+        self._tokens = 0  # in `_gaps`
+        # Chats that ended since the controller last took them.
+        self._ended: list[Ended] = []
+
+    @property
+    def has_gaps(self) -> bool:
+        return bool(self._gaps)
+
+    def gap(self, share: float, tokens: int, now: float) -> None:
+        """`tokens` written together at `now`, each `share` of its gap target after the
+        stream's previous token."""
+        gaps = self._gaps
+        if gaps and gaps[0][0] < now - self.window_s:  # what left the window, kept no longer
+            self._trim(now)
+        gaps.append((now, share, tokens))
+        self._tokens += tokens
+
+    def _trim(self, now: float) -> None:
+        gaps = self._gaps
+        since = now - self.window_s
+        while gaps and gaps[0][0] < since:
+            self._tokens -= gaps.popleft()[2]
+
+    def ended(self, chat: Ended) -> None:
+        """A chat ended (completed, or refused or expired for capacity)."""
+        self._ended.append(chat)
+
+    def take_ended(self) -> list[Ended]:
+        """The chats that ended since the last call."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    def gap_median(self, now: float) -> float | None:
+        """The median share of the tokens written in the last `window_s` (None: too few to
+        tell)."""
+        self._trim(now)
+        if self._tokens < MIN_GAPS:
+            return None
+        half = self._tokens / 2
+        for _, share, tokens in sorted(self._gaps, key=_share):
+            half -= tokens
+            if half <= 0:
+                return share
+        raise AssertionError("the tokens counted are the tokens kept")
+
+
+def _share(gap: tuple[float, float, int]) -> float:
+    return gap[1]

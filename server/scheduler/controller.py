@@ -1,0 +1,133 @@
+"""The bulk controller: the share of the engine chats leave to bulk, steered by what chats get.
+
+Feed-forward, the step-time model (the start-up calibration, then the online estimates) says
+how many sequences fit a step budget: `BulkCap` runs the most whose predicted step fits it, and
+`PrefillPacer` lets bulk prefill into a step only what the target leaves beyond it. Feedback,
+what chats measured where the server wrote their tokens (`ChatMeter`) says how far that model
+is from what chats get on this host, now. The controller moves two numbers:
+
+* `scale`, by which the cap's step budgets (and the pacer's headroom) are multiplied: 1 is the
+  model as it stands, 0.5 says that chats get twice the gaps the model predicts;
+* `pace` (at most 1), the speed at which the pacer lets bulk start: 0.5 spaces bulk's starts,
+  and so its prefills, twice as far apart as the model would.
+
+Gaps steer the scale, in two loops, one inside the other:
+
+* inner, every `PERIOD_S`: the median gap share of the last second against the `aim`;
+  log(scale) moves by `GAIN` x log(aim / median). The model maps a budget to the sequences
+  whose step fits it, so the gaps chats get grow about in proportion to the scale (less, by
+  the frontend's fixed share): the loop's own gain is at most `GAIN` per period, and an
+  integrator with that gain over a measurement about 2.5 periods old converges without
+  overshoot (a delayed integrator x' = -g x(t - d) does so for g d < 1/e). A step cost that
+  doubles is undone within about two seconds.
+* outer, as chats end: the aim, the window's median that leaves `goal` of chats within their
+  gap target. Each chat that ends is a ratio: its own median gap share over the aim it lived
+  under. It holds all that the inner loop does not: how far one chat strays from what chats
+  got together (its prefills, its neighbours', the host's noise) and how closely the loop
+  held its aim. The aim is one over the goal's quantile of the last `SPREAD_CHATS` ratios (a
+  chat there lands on its target), so that spread, which differs by host and by load, is
+  measured rather than assumed; until `MIN_SPREAD` chats have ended it is `AIM_START`.
+
+First tokens steer the pace, by attainment: a chat whose first token was late *in the engine*
+(more than `ENGINE_SHARE` of its TTFT target from its dispatch on, where bulk's prefills and
+steps are what it waits behind) slows the pace by `PACE_STEP` (in log); each other chat speeds
+it back by a share of that, so that half the goal's misses at most are such first tokens (a
+stochastic approximation of that share). A first token late before its dispatch (the frontend,
+a queue) is no lever of bulk's, and moves nothing. Fewer bulk starts mean fewer prefills in the
+steps a chat's first token waits for, and, where bulk's requests are long to prefill, less bulk.
+
+The scale only grows while bulk waits at its cap (a cap nobody uses teaches nothing), and only
+shrinks while bulk runs above its floor and within the cap: an integrator that cannot move what
+it steers must not wind up. Both numbers stay within bounds. With `slo.feedback: false` neither
+moves: the model alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from server.scheduler.attainment import ChatMeter, Ended
+
+PERIOD_S = 0.2
+GAIN = 0.12
+SCALE_BOUNDS = (0.1, 8.0)
+AIM_START = 0.75
+AIM_BOUNDS = (0.4, 0.97)
+SPREAD_CHATS = 100  # the last chats whose spread sets the aim
+MIN_SPREAD = 20  # chats ended before it does
+PACE_STEP = 0.2  # of log(pace), per first token late in the engine
+ENGINE_SHARE = 0.5  # of a TTFT target, from dispatch to first token: late in the engine
+PACE_MIN = 0.05
+
+
+class BulkController:
+    def __init__(self, goal: float, *, enabled: bool) -> None:
+        self.goal = goal
+        self.enabled = enabled
+        self.scale = 1.0
+        self.aim = AIM_START
+        self.pace = 1.0
+        self.steps = 0  # inner-loop moves, for metrics and tests
+        self._log_scale = 0.0
+        self._spread: deque[float] = deque(maxlen=SPREAD_CHATS)  # median share / aim
+        self._quantile = goal  # of the spread the aim answers to
+        self.next_at = -math.inf  # the next period
+        # The window's median gap was over the target when last read: bulk beyond the cap is
+        # stopped at once rather than left to end by itself.
+        self.chats_over_target = False
+
+    def due(self, now: float) -> bool:
+        return self.enabled and now >= self.next_at
+
+    def steer(
+        self,
+        now: float,
+        meter: ChatMeter,
+        *,
+        may_grow: bool,
+        may_shrink: bool,
+        bulk_about: bool = True,
+    ) -> bool:
+        """One period: the aim and the pace from the chats that ended since the last, then the
+        scale from the window's median gap. Returns whether the scale moved."""
+        self.next_at = now + PERIOD_S
+        ended = meter.take_ended()
+        if ended:
+            self._learn(ended)
+        if not bulk_about:
+            self.chats_over_target = False
+            return False  # (nor is the window read: with no bulk about, nothing to steer)
+        median = meter.gap_median(now)
+        self.chats_over_target = median is not None and median > 1.0
+        if median is None or median <= 0.0:
+            return False
+        error = math.log(self.aim / median)
+        if (error > 0 and not may_grow) or (error < 0 and not may_shrink):
+            return False
+        low, high = SCALE_BOUNDS
+        self._log_scale = min(math.log(high), max(math.log(low), self._log_scale + GAIN * error))
+        self.scale = math.exp(self._log_scale)
+        self.steps += 1
+        return True
+
+    def _learn(self, ended: list[Ended]) -> None:
+        late = 0
+        for chat in ended:
+            late += (chat.ttft_share or 0.0) > 1.0 and (
+                chat.engine_ttft_share or 0.0
+            ) > ENGINE_SHARE
+            if chat.median_gap_share is not None:
+                self._spread.append(chat.median_gap_share / self.aim)
+        allowed = (1.0 - self.goal) / 2  # of first tokens late in the engine
+        # Chats late together were late behind the same prefill: one slowing for them all.
+        late = min(late, 1)
+        move = PACE_STEP * (allowed * len(ended) - late) / (1.0 - allowed)
+        self.pace = min(1.0, max(PACE_MIN, self.pace * math.exp(move)))
+        if len(self._spread) >= MIN_SPREAD:
+            ordered = sorted(self._spread)
+            # The k-th of n ratios leaves (n - k + 1) / (n + 1) of the next chats above it, on
+            # average: k = goal x (n + 1) leaves 1 - goal of them to miss.
+            rank = round(self._quantile * (len(ordered) + 1))
+            low, high = AIM_BOUNDS
+            self.aim = min(high, max(low, 1.0 / ordered[min(len(ordered), max(1, rank)) - 1]))

@@ -1,0 +1,151 @@
+"""The bulk controller alone, on virtual time: a plant whose chats' gaps follow the scale (as
+the step-time model maps a budget to sequences), and chats that end with their figures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from server.scheduler.attainment import MIN_GAPS, ChatMeter, Ended
+from server.scheduler.controller import (
+    AIM_START,
+    MIN_SPREAD,
+    PACE_MIN,
+    PACE_STEP,
+    PERIOD_S,
+    SCALE_BOUNDS,
+    BulkController,
+)
+from server.scheduler.types import SloTargets
+
+TARGETS = SloTargets(ttft_s=0.1, itl_s=0.01)
+
+
+def write_gaps(meter: ChatMeter, share: float, now: float, tokens: int = 2 * MIN_GAPS) -> None:
+    for i in range(tokens):
+        meter.gap(share, 1, now - PERIOD_S * i / tokens)
+
+
+def run_plant(
+    controller: BulkController, meter: ChatMeter, model_error: float, periods: int
+) -> list[float]:
+    """Chats get `model_error` times the gap the model predicts for the budget the scale
+    allows: a median gap share of `model_error x scale x aim at the start`."""
+    scales = []
+    now = 0.0
+    for _ in range(periods):
+        write_gaps(meter, model_error * controller.scale * AIM_START, now)
+        controller.steer(now, meter, may_grow=True, may_shrink=True)
+        scales.append(controller.scale)
+        now += PERIOD_S
+    return scales
+
+
+@pytest.mark.parametrize("model_error", [0.5, 2.0])
+def test_the_scale_settles_where_chats_get_the_aim_without_overshoot(model_error: float) -> None:
+    controller, meter = BulkController(0.97, enabled=True), ChatMeter()
+    scales = run_plant(controller, meter, model_error, periods=100)
+    assert scales[-1] == pytest.approx(1 / model_error, rel=0.02)
+    # Monotone towards it: no move passes the point it settles at and comes back.
+    settle = 1 / model_error
+    assert all((s - settle) * (1 - settle) >= -1e-3 for s in scales)
+    # Within about two seconds (ten periods) most of the way there.
+    assert abs(math.log(scales[10] * model_error)) < 0.3 * abs(math.log(model_error))
+
+
+def test_the_scale_grows_only_while_bulk_waits_at_its_cap_and_shrinks_only_above_its_floor() -> (
+    None
+):
+    controller, meter = BulkController(0.97, enabled=True), ChatMeter()
+    write_gaps(meter, 0.2, 0.0)  # much slack
+    assert not controller.steer(0.0, meter, may_grow=False, may_shrink=True)
+    assert controller.scale == 1.0
+    meter = ChatMeter()
+    write_gaps(meter, 3.0, 1.0)  # far over the target
+    assert not controller.steer(1.0, meter, may_grow=True, may_shrink=False)
+    assert controller.scale == 1.0
+    assert controller.steer(1.2, meter, may_grow=True, may_shrink=True)
+    assert controller.scale < 1.0
+
+
+def test_the_scale_stays_within_its_bounds() -> None:
+    controller, meter = BulkController(0.97, enabled=True), ChatMeter()
+    now = 0.0
+    for _ in range(500):
+        write_gaps(meter, 50.0, now)
+        controller.steer(now, meter, may_grow=True, may_shrink=True)
+        now += PERIOD_S
+    assert controller.scale == pytest.approx(SCALE_BOUNDS[0])
+
+
+def test_too_few_gaps_move_nothing() -> None:
+    controller, meter = BulkController(0.97, enabled=True), ChatMeter()
+    write_gaps(meter, 5.0, 0.0, tokens=MIN_GAPS - 1)
+    assert not controller.steer(0.0, meter, may_grow=True, may_shrink=True)
+    assert controller.scale == 1.0
+
+
+def test_gaps_older_than_the_window_are_forgotten() -> None:
+    meter = ChatMeter(window_s=1.0)
+    write_gaps(meter, 5.0, 0.0)
+    assert meter.gap_median(0.0) == 5.0
+    assert meter.gap_median(1.5) is None
+
+
+def test_a_write_of_several_tokens_counts_each() -> None:
+    meter = ChatMeter()
+    meter.gap(0.5, MIN_GAPS, 0.0)  # one write, MIN_GAPS tokens
+    meter.gap(2.0, 1, 0.0)
+    assert meter.gap_median(0.0) == 0.5
+
+
+def end_chats(meter: ChatMeter, shares: list[float | None], **figures: float) -> None:
+    for share in shares:
+        meter.ended(
+            Ended.of(
+                TARGETS,
+                median_gap_s=None if share is None else share * TARGETS.itl_s,
+                ttft_s=figures.get("ttft_s", 0.01),
+                engine_ttft_s=figures.get("engine_ttft_s", 0.01),
+            )
+        )
+
+
+def test_the_aim_is_one_over_the_goals_quantile_of_how_far_chats_stray() -> None:
+    controller, meter = BulkController(0.95, enabled=True), ChatMeter()
+    end_chats(meter, [AIM_START] * (MIN_SPREAD - 1))
+    controller.steer(0.0, meter, may_grow=True, may_shrink=True)
+    assert controller.aim == AIM_START  # too few chats yet
+    # 100 chats: 94 at the aim they lived under, 6 at 1.25 times it. The 95% quantile is 1.25,
+    # and a chat there is on its target when the aim is 1 / 1.25.
+    end_chats(meter, [AIM_START] * 94 + [1.25 * AIM_START] * 6)
+    controller.steer(0.2, meter, may_grow=True, may_shrink=True)
+    assert controller.aim == pytest.approx(1 / 1.25)
+
+
+def test_first_tokens_late_in_the_engine_slow_bulk_starts_and_late_before_it_do_not() -> None:
+    controller, meter = BulkController(0.97, enabled=True), ChatMeter()
+    # Chats of one token (no gap): only their first tokens move the pace, not the aim.
+    # Late before dispatch (a queue, the frontend): bulk could not have helped.
+    end_chats(meter, [None] * 10, ttft_s=0.2, engine_ttft_s=0.01)
+    controller.steer(0.0, meter, may_grow=True, may_shrink=True)
+    assert controller.pace == 1.0
+    # Late in the engine, three in one period: late behind the same prefill, one slowing.
+    end_chats(meter, [None] * 3, ttft_s=0.2, engine_ttft_s=0.15)
+    controller.steer(0.2, meter, may_grow=True, may_shrink=True)
+    assert controller.pace == pytest.approx(math.exp(-PACE_STEP), rel=0.02)
+    assert controller.aim == AIM_START
+    end_chats(meter, [None] * 2000)  # on time: the pace comes back, no further than 1
+    controller.steer(0.4, meter, may_grow=True, may_shrink=True)
+    assert controller.pace == 1.0
+    # However many periods are late, bulk still starts, at PACE_MIN of the model's pace.
+    for i in range(200):
+        end_chats(meter, [None], ttft_s=0.2, engine_ttft_s=0.15)
+        controller.steer(0.6 + i * PERIOD_S, meter, may_grow=True, may_shrink=True)
+    assert controller.pace == pytest.approx(PACE_MIN)
+
+
+def test_a_disabled_controller_is_never_due() -> None:
+    assert not BulkController(0.97, enabled=False).due(0.0)
+    assert BulkController(0.97, enabled=True).due(0.0)

@@ -129,25 +129,43 @@ ROWS: tuple[Row, ...] = (
                 unit="reqps",
             ),
             Panel(
-                "Interactive latency against its targets",
-                "p99 time to first token and p50 inter-token latency of interactive requests, "
-                "with the targets in effect (a multiple of the idle engine unless set in ms).",
+                "Time to first token against its target",
+                "p99 time to first token per class, beside the class's TTFT target in effect "
+                "(a multiple of the idle engine's unless set in ms; a tenant may have its own).",
                 (
                     Target(
-                        "histogram_quantile(0.99, sum by (le, model) (rate("
-                        f'sluice_time_to_first_token_seconds_bucket{{{MODEL_FILTER}, '
-                        'traffic_class="interactive"}[$__rate_interval])))',
-                        "TTFT p99 {{model}}",
+                        "histogram_quantile(0.99, sum by (le, model, traffic_class) (rate("
+                        f"sluice_time_to_first_token_seconds_bucket{{{CLASS_FILTER}}}"
+                        "[$__rate_interval])))",
+                        "p99 {{traffic_class}} {{model}}",
                     ),
                     Target(
-                        "histogram_quantile(0.5, sum by (le, model) (rate("
-                        f'sluice_inter_token_latency_seconds_bucket{{{MODEL_FILTER}, '
-                        'traffic_class="interactive"}[$__rate_interval])))',
-                        "ITL p50 {{model}}",
+                        "max by (model, traffic_class) (sluice_slo_target_seconds"
+                        f'{{{CLASS_FILTER}, target="ttft"}})',
+                        "target {{traffic_class}} {{model}}",
+                    ),
+                ),
+                unit="s",
+            ),
+            Panel(
+                "Stream median gap against its target",
+                "Each stream's median gap between tokens written to the client (the figure the "
+                "inter-token target judges), p50 and p95 over the streams that ended, per "
+                "class, beside the class's target in effect.",
+                (
+                    *(
+                        Target(
+                            f"histogram_quantile({q}, sum by (le, model, traffic_class) (rate("
+                            f"sluice_stream_median_gap_seconds_bucket{{{CLASS_FILTER}}}"
+                            "[$__rate_interval])))",
+                            f"p{round(100 * q)} {{{{traffic_class}}}} {{{{model}}}}",
+                        )
+                        for q in (0.5, 0.95)
                     ),
                     Target(
-                        f"max by (model, target) (sluice_slo_target_seconds{{{MODEL_FILTER}}})",
-                        "{{target}} target {{model}}",
+                        "max by (model, traffic_class) (sluice_slo_target_seconds"
+                        f'{{{CLASS_FILTER}, target="itl"}})',
+                        "target {{traffic_class}} {{model}}",
                     ),
                 ),
                 unit="s",
@@ -165,6 +183,23 @@ ROWS: tuple[Row, ...] = (
                         "sum by (model) (sluice_running_requests"
                         f'{{{MODEL_FILTER}, traffic_class="bulk"}})',
                         "running bulk {{model}}",
+                    ),
+                ),
+            ),
+            Panel(
+                "The bulk controller",
+                "scale: its correction of the step-time model (the cap's step budgets are "
+                "multiplied by it; below 1, chats get slower gaps than the model predicts). aim: "
+                "the median gap, as a share of the target, it holds chats at, learned so that "
+                "slo.attainment_goal of them keep their targets.",
+                (
+                    Target(
+                        f"max by (model) (sluice_bulk_controller_scale{{{MODEL_FILTER}}})",
+                        "scale {{model}}",
+                    ),
+                    Target(
+                        f"max by (model) (sluice_bulk_controller_aim{{{MODEL_FILTER}}})",
+                        "aim {{model}}",
                     ),
                 ),
             ),

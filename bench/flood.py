@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -51,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,17 @@ class System:
     kind: str  # idle | vllm-fcfs | vllm-priority | sluice
     sluice_config: dict[str, Any] | None = None
     chat_api: str = "chat"  # the API the chats speak (CHAT_APIS)
+    ladder: bool = False  # a fixed cap of the frontier's ladder
+    stated_slo: bool = False  # told the idle run's SLO in ms (`slo.interactive`)
+
+    def configured(self, slo: tuple[float, float] | None) -> System:
+        """This row with the SLO it is told, once the idle run has set it."""
+        if not self.stated_slo or slo is None:
+            return self
+        stated = {"interactive": {"ttft_ms": 1000 * slo[0], "itl_ms": 1000 * slo[1]}}
+        config = {**(self.sluice_config or {})}
+        config["slo"] = {**config.get("slo", {}), **stated}
+        return replace(self, sluice_config=config)
 
     @property
     def bulk(self) -> bool:
@@ -299,6 +311,9 @@ SAMPLED = {
     "bulk_cap": ("sluice_bulk_cap_sequences{", "", 1.0),
     "bulk_running": ('sluice_running_requests{model="sluice-demo",traffic_class="bulk"}', "", 1.0),
     "itl_target_ms": ("sluice_slo_target_seconds{", 'target="itl"', 1e3),
+    "controller_scale": ("sluice_bulk_controller_scale{", "", 1.0),
+    "controller_aim": ("sluice_bulk_controller_aim{", "", 1.0),
+    "chat_gap_share": ("sluice_chat_gap_share{", "", 1.0),
 }
 
 
@@ -311,7 +326,8 @@ async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asynci
                     for key, (prefix, holds, scale) in SAMPLED.items():
                         if line.startswith(prefix) and holds in line:
                             value = scale * float(line.rsplit(" ", 1)[1])
-                            m.samples.setdefault(key, []).append(value)
+                            if math.isfinite(value):
+                                m.samples.setdefault(key, []).append(value)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 2.0)
 
@@ -396,7 +412,7 @@ async def stop_group(process: asyncio.subprocess.Process) -> None:
     await process.wait()
 
 
-def run_system(system: System, args: argparse.Namespace) -> Measurements:
+def run_system(system: System, args: argparse.Namespace, prefix: str = "") -> Measurements:
     """One system's run: its configuration file and log around `measure`."""
     with contextlib.ExitStack() as stack:
         config_path = None
@@ -407,7 +423,8 @@ def run_system(system: System, args: argparse.Namespace) -> Measurements:
             config_path = config_file.name
         log = None
         if args.log_dir:
-            log = stack.enter_context((Path(args.log_dir) / f"{system.name}.log").open("wb"))
+            path = Path(args.log_dir) / f"{prefix}{system.name}.log"
+            log = stack.enter_context(path.open("wb"))
         return asyncio.run(measure(system, args, args.port, config_path, log))
 
 
@@ -477,14 +494,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ("within_slo", "chats within SLO"),
         ("bulk_tokens_per_s", "bulk tok/s"),
         ("bulk_vs_fcfs", "bulk / vLLM FCFS"),
+        ("bulk_vs_frontier", "bulk / frontier"),
     ]
     lines = [" | ".join(title for _, title in columns), " | ".join("---" for _ in columns)]
     for row in rows:
         values = dict(row)
         if values.get("within_slo") is not None:
             values["within_slo"] = f"{100 * values['within_slo']:.1f}%"
-        if values.get("bulk_vs_fcfs") is not None:
-            values["bulk_vs_fcfs"] = f"{values['bulk_vs_fcfs']:.2f}x"
+        for ratio in ("bulk_vs_fcfs", "bulk_vs_frontier"):
+            if values.get(ratio) is not None:
+                values[ratio] = f"{values[ratio]:.2f}x"
         lines.append(" | ".join(cell(values.get(key)) for key, _ in columns))
     return "\n".join(lines)
 
@@ -508,6 +527,13 @@ def plan(args: argparse.Namespace) -> list[System]:
         raise SystemExit(f"unknown chat APIs: {sorted(set(apis) - set(CHAT_APIS))}")
     if any(s.kind == "sluice" for s in systems):
         systems += [System(f"sluice[{api}]", "sluice", None, api) for api in apis if api != "chat"]
+    if any(s.kind == "sluice" for s in systems):
+        systems += [
+            System(f"sluice[cap {n}]", "sluice", {"slo": {"bulk_cap_sequences": n}}, ladder=True)
+            for n in args.ladder
+        ]
+        if args.stated_slo:
+            systems.append(System("sluice[SLO in ms]", "sluice", stated_slo=True))
     if args.tradeoff:
         systems += [
             System(f"sluice[itl x{f:g}]", "sluice", {"slo": {"itl_factor": f}})
@@ -543,6 +569,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help=f"add Sluice runs at gap targets of {TRADEOFF_ITL_FACTORS} x the idle "
         "step, and one without the bulk cap",
+    )
+    p.add_argument(
+        "--ladder",
+        type=lambda text: [int(n) for n in text.split(",") if n.strip()],
+        default=[2, 3, 4, 6],
+        metavar="N,N,...",
+        help="fixed bulk caps (slo.bulk_cap_sequences) whose best that keeps "
+        "--frontier-share of chats within the SLO is the frontier ('' for none)",
+    )
+    p.add_argument(
+        "--frontier-share",
+        type=float,
+        default=0.95,
+        help="share of chats a ladder row must keep within the SLO to count for the frontier",
+    )
+    p.add_argument(
+        "--stated-slo",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a Sluice row told the idle run's SLO in ms (slo.interactive.ttft_ms / itl_ms)",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=1, help="run the whole comparison this many times in a row"
     )
     p.add_argument("--bulk-streams", type=int, default=96)
     p.add_argument("--bulk-tokens", type=int, default=512)
@@ -598,13 +647,25 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(build_demo_model(default_cache_dir() / "demo-model"))
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    runs = [compare(args, n) for n in range(1, args.repeat + 1)]
+    if args.json:
+        print(json.dumps(runs, indent=2))
+    elif args.repeat > 1:
+        print(format_repeats(runs))
+    return 0
+
+
+def compare(args: argparse.Namespace, run: int) -> dict[str, Any]:
+    """One whole comparison: every system of the plan in turn, each on a server of its own."""
     rows: list[dict[str, Any]] = []
     slo: tuple[float, float] | None = None
     drift = None
-    for system in plan(args):
-        m = run_system(system, args)
+    prefix = f"r{run}-" if args.repeat > 1 else ""
+    for planned in plan(args):
+        system = planned.configured(slo)
+        m = run_system(system, args, prefix)
         if args.log_dir:
-            with (Path(args.log_dir) / f"{system.name}.chats.jsonl").open("w") as out:
+            with (Path(args.log_dir) / f"{prefix}{system.name}.chats.jsonl").open("w") as out:
                 for chat in m.chats:
                     out.write(json.dumps(vars(chat)) + "\n")
         if system.kind == "idle" and slo is None:
@@ -612,19 +673,25 @@ def main(argv: list[str] | None = None) -> int:
         elif system.kind == "idle" and slo is not None:
             again = idle_slo(m, args.slo_factor)
             drift = (again[0] / slo[0] - 1, again[1] / slo[1] - 1)
-        rows.append(summarise(system, m, args, slo))
-        print(f"# {system.name}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+        rows.append({**summarise(system, m, args, slo), "ladder": system.ladder})
+        print(f"# run {run}, {system.name}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     fcfs = next((r["bulk_tokens_per_s"] for r in rows if r["system"] == "vllm-fcfs"), None)
+    point = frontier(rows, args.frontier_share)
     for row in rows:
         if fcfs and row["bulk_tokens_per_s"] is not None:
             row["bulk_vs_fcfs"] = round(row["bulk_tokens_per_s"] / fcfs, 3)
+        if point and row["bulk_tokens_per_s"] is not None:
+            row["bulk_vs_frontier"] = round(
+                row["bulk_tokens_per_s"] / point["bulk_tokens_per_s"], 3
+            )
+    lines = [f"## Run {run} of {args.repeat}"] if args.repeat > 1 else []
     if slo is not None:
-        print(
+        lines.append(
             f"SLO: TTFT <= {1000 * slo[0]:.1f} ms and median gap <= {1000 * slo[1]:.2f} ms "
             f"({args.slo_factor:g} x the idle TTFT p99 and median gap)"
         )
     if drift is not None:
-        print(
+        lines.append(
             f"Idle at the end against the start: TTFT p99 {drift[0]:+.0%}, median gap "
             f"{drift[1]:+.0%}"
             + (
@@ -633,8 +700,58 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
-    return 0
+    if any(row["ladder"] for row in rows):
+        lines.append(
+            "Frontier: "
+            + (
+                f"{point['system']}, {point['bulk_tokens_per_s']:.1f} bulk tokens/s with "
+                f"{100 * point['within_slo']:.1f}% of chats within the SLO"
+                if point
+                else f"no fixed cap kept {100 * args.frontier_share:g}% of chats within the SLO"
+            )
+        )
+    if not args.json:
+        print("\n".join([*lines, format_table(rows), ""]), flush=True)
+    return {
+        "run": run,
+        "slo_ms": None if slo is None else [round(1000 * v, 3) for v in slo],
+        "idle_drift": drift,
+        "frontier": point,
+        "rows": rows,
+    }
+
+
+def frontier(rows: list[dict[str, Any]], share: float) -> dict[str, Any] | None:
+    """The ladder's point with the most bulk tokens/s among those that kept `share` of the
+    chats within the SLO (None: none did)."""
+    kept = [
+        r for r in rows if r["ladder"] and r["within_slo"] is not None and r["within_slo"] >= share
+    ]
+    return max(kept, key=lambda r: r["bulk_tokens_per_s"], default=None)
+
+
+def format_repeats(runs: list[dict[str, Any]]) -> str:
+    """Each Sluice row that is not on the ladder, run by run: chats within the SLO and bulk
+    against the frontier."""
+    names = [r["system"] for r in runs[0]["rows"] if not r["ladder"]]
+    lines = [
+        "## Every run",
+        "system | " + " | ".join(f"run {run['run']}" for run in runs),
+        " | ".join("---" for _ in range(len(runs) + 1)),
+    ]
+    for name in names:
+        cells = []
+        for run in runs:
+            row = next((r for r in run["rows"] if r["system"] == name), None)
+            if row is None or row["within_slo"] is None:
+                cells.append("-")
+                continue
+            cell = f"{100 * row['within_slo']:.1f}%"
+            if row.get("bulk_vs_frontier") is not None:
+                cell += f", {row['bulk_vs_frontier']:.2f}x frontier"
+            cells.append(cell)
+        lines.append(f"{name} | " + " | ".join(cells))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

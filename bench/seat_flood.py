@@ -17,10 +17,11 @@ its own process group, and offers one load:
 
 As in bench/flood.py, the bulk streams run in their own process and count tokens without
 parsing JSON, so the chat client's stopwatch measures the server. Targets: >= 95% of the
-flood's chats within the SLO, flood bulk tokens/s >= 0.9 x the bulk phase's, the batch phase's
-TTFT p99 <= 2 x idle's.
+flood's chats within the SLO, flood bulk tokens/s >= 0.9 x the bulk phase's, the flood's and
+the batch phase's chat TTFT p95 <= 2 x idle's (a freeze of a shared host can land in one p99;
+it cannot move the p95; the p99 ratios are reported beside them).
 
-    python bench/seat_flood.py [--duration 20] [--json]
+    python bench/seat_flood.py [--duration 20] [--repeat 3] [--json]
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ def summarise(
         "chats": len(m.chats),
         "chat_failures": m.chat_failures,
         "ttft_p50_ms": _ms(percentile([c.ttft_s for c in m.chats], 0.5)),
+        "ttft_p95_ms": _ms(percentile([c.ttft_s for c in m.chats], 0.95)),
         "ttft_p99_ms": _ms(percentile([c.ttft_s for c in m.chats], 0.99)),
         "gap_p50_ms": _ms(percentile([g for c in m.chats for g in c.gaps_s], 0.5)),
         "chat_median_gap_p99_ms": _ms(percentile(median_gaps, 0.99)),
@@ -234,12 +236,18 @@ def verdict(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out["flood_bulk_vs_bulk_alone"] = round(
             (flood["bulk_tokens_per_s"] or 0) / bulk["bulk_tokens_per_s"], 3
         )
-    if batch is not None and idle is not None and idle["ttft_p99_ms"]:
-        out["batch_ttft_p99_vs_idle"] = round((batch["ttft_p99_ms"] or 0) / idle["ttft_p99_ms"], 2)
+    # A chat's TTFT beside bulk beyond the seats, and beside a batch job, against idle: the p95
+    # (a freeze of the host can land in one p99; it cannot move the p95), the p99 reported.
+    for name, row in (("flood", flood), ("batch", batch)):
+        if row is not None and idle is not None and idle["ttft_p95_ms"]:
+            for q in ("p95", "p99"):
+                ratio = (row[f"ttft_{q}_ms"] or 0) / idle[f"ttft_{q}_ms"]
+                out[f"{name}_ttft_{q}_vs_idle"] = round(ratio, 2)
     out["met"] = (
         (out.get("flood_within_slo") or 0) >= 0.95
         and out.get("flood_bulk_vs_bulk_alone", 0) >= 0.9
-        and out.get("batch_ttft_p99_vs_idle", float("inf")) <= 2.0
+        and out.get("flood_ttft_p95_vs_idle", float("inf")) <= 2.0
+        and out.get("batch_ttft_p95_vs_idle", float("inf")) <= 2.0
     )
     return out
 
@@ -261,6 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=120.0)
     p.add_argument("--log-dir", default=None, help="keep each phase's server output here")
     p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--repeat", type=int, default=1, help="run every phase this many times")
     return p.parse_args(argv)
 
 
@@ -269,24 +278,31 @@ def main(argv: list[str] | None = None) -> int:
     phases = [p for p in args.phases.split(",") if p]
     if unknown := set(phases) - set(PHASES):
         raise SystemExit(f"unknown phases: {sorted(unknown)}")
+    reports = [one_run(args, phases, run) for run in range(1, args.repeat + 1)]
+    print(json.dumps(reports[0] if args.repeat == 1 else reports, indent=2))
+    return 0
+
+
+def one_run(args: argparse.Namespace, phases: list[str], run: int) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     slo: tuple[float, float] | None = None
+    prefix = f"r{run}-" if args.repeat > 1 else ""
     for phase in phases:
         with contextlib.ExitStack() as stack:
             log = None
             if args.log_dir:
                 os.makedirs(args.log_dir, exist_ok=True)
-                log = stack.enter_context(open(os.path.join(args.log_dir, f"{phase}.log"), "wb"))
+                path = os.path.join(args.log_dir, f"{prefix}{phase}.log")
+                log = stack.enter_context(open(path, "wb"))
             result = asyncio.run(measure(phase, args, log))
         if phase == "idle":
             slo = idle_slo(result.measurements, args.slo_factor)
         rows[phase] = summarise(result, args, slo)
-        print(f"# {phase}: {json.dumps(rows[phase])}", file=sys.stderr, flush=True)
-    report = {"phases": list(rows.values()), "targets": verdict(rows)}
+        print(f"# run {run}, {phase}: {json.dumps(rows[phase])}", file=sys.stderr, flush=True)
+    report: dict[str, Any] = {"run": run, "phases": list(rows.values()), "targets": verdict(rows)}
     if slo is not None:
         report["slo"] = {"ttft_ms": _ms(slo[0]), "median_gap_ms": _ms(slo[1])}
-    print(json.dumps(report, indent=2))
-    return 0
+    return report
 
 
 if __name__ == "__main__":

@@ -162,6 +162,12 @@ class BulkCap:
             return levels.idle
         return max(levels.floor, min(levels.idle, self._clamp(levels.within_itl - chats)))
 
+    def scaled(self, chats: int) -> bool:
+        """Whether the cap with `chats` is the scaled gap budget's, so that a larger scale
+        would allow more (not the knee's, the TTFT headroom's or the budgets')."""
+        levels = self._levels()
+        return self._clamp(levels.within_itl - chats) < min(levels.idle, self._limit)
+
     def prefill_headroom(self, step_s: float, *, chats_about: bool) -> float:
         """Engine seconds of prefill one step of `step_s` may add: up to the gap target while
         chats are about; else up to what the TTFT target leaves beyond the idle TTFT (the

@@ -59,6 +59,9 @@ from server.scheduler.types import (
 
 Stage = Literal["queued", "running"]
 
+# Under feedback, a step the model predicts this far over the target stops bulk beyond the cap
+# before chats measure it.
+FAR_OVER = 1.2
 # Bulk may start this many times as often as the bulk allowed turns over (`_start_share`).
 TURNOVER_PACE = 2.0
 
@@ -356,16 +359,18 @@ class SchedulerCore:
         return Step(started, expired, preempted, self._wake_at(now))
 
     def _steer(self, now: float) -> None:
-        """One period of the bulk controller: it may grow bulk only while bulk waits at its
-        cap, and shrink it only while bulk runs above its floor and no more than the cap allows
-        (a cap below what runs already is waiting for bulk to end, or to be preempted)."""
+        """One period of the bulk controller: it may grow bulk only while bulk waits at a cap
+        the scale sets (not the knee's or the budgets'), and shrink it only while bulk runs
+        above its floor and no more than the cap allows (a cap below what runs already is
+        waiting for bulk to end, or to be preempted)."""
         running = self._bulk_running()
         allowed = self.bulk_allowed(now)
         waiting = len(self._queues[BULK]) > 0
+        chats = max(1, round(self.estimates.chats_together))
         self.controller.steer(
             now,
             self.meter,
-            may_grow=running >= allowed and waiting,
+            may_grow=running >= allowed and waiting and self.bulk_cap.scaled(chats),
             may_shrink=self.bulk_cap.floor() < running <= allowed,
             bulk_about=running > 0 or waiting,
         )
@@ -557,10 +562,17 @@ class SchedulerCore:
         if excess <= 0 or not self._chats():
             return []
         # The cap aims under the target; between the two, bulk ends by itself sooner than a
-        # resumed request would repay the prefill it must redo, unless chats are measured over
-        # their target already.
+        # resumed request would repay the prefill it must redo. Under feedback the cap moves
+        # with every correction, and each preemption costs a prefill that chats wait behind:
+        # bulk is stopped for what chats measure (over their target already), or for a step
+        # the model predicts far over it (bulk grown while no chat was about).
+        if self.controller.chats_over_target:
+            return self._victims()[:excess]
         step = self.estimates.steps.at(self._sequences - self._preempting)
-        if step <= self.bulk_cap.step_limit() and not self.controller.chats_over_target:
+        limit = self.bulk_cap.step_limit()
+        if self.controller.enabled:
+            limit *= FAR_OVER
+        if step <= limit:
             return []
         return self._victims()[:excess]
 

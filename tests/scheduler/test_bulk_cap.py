@@ -271,11 +271,8 @@ def test_with_no_chat_about_a_cohort_of_bulk_restarts_at_once() -> None:
     assert len(s.poll(1.0).started) == 32
 
 
-def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
-    s = calibrated()
-    flood(s, 9)
-    # For a minute, two chats at a time, back to back: on average two run together.
-    now = 1.0
+def two_chats_at_a_time_for_a_minute(s: SchedulerCore, now: float) -> float:
+    """Two chats at a time, back to back: on average two run together. Returns the time after."""
     for n in range(600):
         admit(s, ticket(f"chat{n}a", at=now))
         admit(s, ticket(f"chat{n}b", at=now))
@@ -283,6 +280,13 @@ def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
         now += 0.1
         s.release(f"chat{n}a", now, completed=True)
         s.release(f"chat{n}b", now, completed=True)
+    return now
+
+
+def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
+    s = calibrated()
+    flood(s, 9)
+    now = two_chats_at_a_time_for_a_minute(s, 1.0)
     assert round(s.estimates.chats_together) == 2
     admit(s, ticket("one", at=now))
     s.poll(now)
@@ -293,14 +297,7 @@ def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
 def test_under_feedback_the_cap_leaves_room_for_as_many_chats_as_usually_run() -> None:
     s = calibrated(feedback=True)
     flood(s, 20)
-    now = 1.0
-    for n in range(600):  # two chats at a time, back to back, for a minute
-        admit(s, ticket(f"chat{n}a", at=now))
-        admit(s, ticket(f"chat{n}b", at=now))
-        s.poll(now)
-        now += 0.1
-        s.release(f"chat{n}a", now, completed=True)
-        s.release(f"chat{n}b", now, completed=True)
+    now = two_chats_at_a_time_for_a_minute(s, 1.0)
     assert s.controller.scale == 1.0  # no gap was reported: nothing to correct
     # However many chats run at the moment, room for the two that usually do: a bulk request
     # outlives many chats, and a cap that followed each would ratchet up to its highest.

@@ -71,7 +71,6 @@ class BulkController:
         self.steps = 0  # inner-loop moves, for metrics and tests
         self._log_scale = 0.0
         self._spread: deque[float] = deque(maxlen=SPREAD_CHATS)  # median share / aim
-        self._quantile = goal  # of the spread the aim answers to
         self.next_at = -math.inf  # the next period
         # The window's median gap was over the target when last read: bulk beyond the cap is
         # stopped at once rather than left to end by itself.
@@ -128,6 +127,6 @@ class BulkController:
             ordered = sorted(self._spread)
             # The k-th of n ratios leaves (n - k + 1) / (n + 1) of the next chats above it, on
             # average: k = goal x (n + 1) leaves 1 - goal of them to miss.
-            rank = round(self._quantile * (len(ordered) + 1))
+            rank = round(self.goal * (len(ordered) + 1))
             low, high = AIM_BOUNDS
             self.aim = min(high, max(low, 1.0 / ordered[min(len(ordered), max(1, rank)) - 1]))

@@ -44,6 +44,7 @@ from batch import batch_lines
 from flood import (
     SERVED_NAME,
     Measurements,
+    System,
     bulk_load_process,
     chat_arrivals,
     idle_slo,
@@ -160,8 +161,9 @@ async def measure(phase: str, args: argparse.Namespace, log: Any) -> Phase:
                 )
                 bulk.start()
             stop = asyncio.Event()
+            sluice = System("sluice", "sluice")
             chats = (
-                asyncio.create_task(chat_arrivals(client, "sluice", args, m, stop))
+                asyncio.create_task(chat_arrivals(client, sluice, args, m, stop))
                 if phase != "bulk"
                 else None
             )

@@ -47,7 +47,7 @@ async def messages(services: Services, request: Request) -> ASGIApp:
             request=chat,
         )
     except SluiceError as error:
-        timeline.finish(error.outcome, status=error.status, error=error)
+        timeline.fail(error)
         return anthropic_error(error, timeline.request_id)
     return MessageResponse(services, run, replayed=replayed)
 

@@ -121,7 +121,7 @@ async def _generate(services: Services, request: Request, kind: str | None) -> A
             parsed, body, timeline, context_of(request), key, stream=parsed.stream
         )
     except SluiceError as error:
-        timeline.finish(error.outcome, status=error.status, error=error)
+        timeline.fail(error)
         return error_response(error, timeline.request_id)
     return RunResponse(services, run, replayed=replayed)
 
@@ -198,7 +198,7 @@ async def chat_completions_batch(services: Services, request: Request) -> ASGIAp
             )
         context = context_of(request)
     except SluiceError as error:
-        timeline.finish(error.outcome, status=error.status, error=error)
+        timeline.fail(error)
         return error_response(error, request_id)
     return await _batch(
         services,
@@ -241,13 +241,13 @@ async def _batch(
                 )
                 first_index += parsed.n
             except SluiceError as error:
-                one.finish(error.outcome, status=error.status, error=error)
+                one.fail(error)
                 raise
     except SluiceError as error:
         for run in runs:
             run.cancel(GenerationCancelled("another part of the batch was refused"))
         if not runs:
-            timeline.finish(error.outcome, status=error.status, error=error)
+            timeline.fail(error)
         return error_response(error, request_id)
     if stream:
         return StreamedBatchResponse(services, request_id, runs)

@@ -42,7 +42,7 @@ async def create_response(services: Services, request: Request) -> ASGIApp:
         body = validated(CreateResponse, await read_json(request, services.edge.max_body_bytes))
         record = await _responses(services).create(body, timeline, context_of(request))
     except SluiceError as error:
-        timeline.finish(error.outcome, status=error.status, error=error)
+        timeline.fail(error)
         return error_response(error, timeline.request_id)
     headers = {"X-Request-Id": timeline.request_id}
     if record.background:

@@ -95,7 +95,7 @@ class ResponsesSession(WebSocketSession):
             self._check_room()
         except SluiceError as error:  # a request refused: in the access log, as over HTTP
             timeline = self.services.timeline(request_id_from(None), "responses")
-            timeline.finish(error.outcome, status=error.status, error=error)
+            timeline.fail(error)
             raise
         self._queue(lane, lambda before: self._respond(request, lane, before))
 
@@ -181,7 +181,7 @@ class ResponsesSession(WebSocketSession):
             held = self._held(request.previous_response_id)
             record = await self.responses.create(request, timeline, self.context, held=held)
         except SluiceError as error:
-            timeline.finish(error.outcome, status=error.status, error=error)
+            timeline.fail(error)
             await self.send(error_event(error, lane))
             return
         run = record.run

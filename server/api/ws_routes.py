@@ -233,7 +233,7 @@ class Connection(WebSocketSession):
                 request=request_body,
             )
         except SluiceError as error:
-            timeline.finish(error.outcome, status=error.status, error=error)
+            timeline.fail(error)
             raise
         return run, 0
 

@@ -247,7 +247,7 @@ class BatchRunner:
                 parse_request(line.body, kind), line.body, timeline, context, None, stream=False
             )
         except SluiceError as error:
-            timeline.finish(error.outcome, status=error.status, error=error)
+            timeline.fail(error)
             if error.retryable:
                 return "retry"
             await self._write(batch, line, "failed", error.status, error.to_body())

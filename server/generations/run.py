@@ -469,7 +469,7 @@ class GenerationRun:
         if self.log.concluded:
             return
         error.__traceback__ = error.__cause__ = error.__context__ = None
-        self.timeline.finish(error.outcome, status=error.status, error=error)
+        self.timeline.fail(error)
         local = self._handed_over
         self.log.append(
             Event(Kind.FAILED, ChunkEncoder.error(error.to_body()), error=error, local=local)

@@ -1,8 +1,8 @@
 """One request's stopwatch: arrival, dispatch, token writes, end — and every metric they feed.
 
 A route creates a `RequestTimeline` at arrival, calls `dispatched`, `wrote_tokens` (just before
-handing generated tokens to the transport) and exactly one `finish(outcome)`. This is the one
-place per-request counters and histograms are recorded.
+handing generated tokens to the transport) and exactly one `finish(outcome)`, or `fail(error)`
+for an error. This is the one place per-request counters and histograms are recorded.
 
 Per-token metrics (generated tokens, the inter-token latency histogram) are accumulated by the
 request and flushed into the registry at most every `FLUSH_SECONDS` and at its end, not
@@ -133,6 +133,10 @@ class RequestTimeline:
             "inter_token_latency_median_s": _round(median(self.itl)),
             "duration_s": _round(now - self.arrival),
         }
+
+    def fail(self, error: SluiceError) -> None:
+        """End the request with `error`: its outcome, its status."""
+        self.finish(error.outcome, status=error.status, error=error)
 
     def finish(
         self, outcome: Outcome, *, status: int = 200, error: SluiceError | None = None

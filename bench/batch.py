@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from server.core.stats import quantile
+
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW = 64  # the batch runner's lines in the scheduler at once (server/batch_api/runner.py)
 LINE = {"max_tokens": 32, "ignore_eos": True}
@@ -57,11 +59,6 @@ async def main():
 body = json.dumps(body)
 asyncio.run(main())
 """
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def chats(url: str, rate: float, seconds: float) -> list[float]:
@@ -208,7 +205,7 @@ def main() -> int:
         summary[name] = {
             "count": len(ttfts),
             "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
-            "ttft_p99_ms": round(percentile(ttfts, 0.99) * 1000, 1),
+            "ttft_p99_ms": round(quantile(ttfts, 0.99) * 1000, 1),
         }
     alone_p99 = summary["chats alone"]["ttft_p99_ms"]
     summary["ttft p99 with the batch / alone"] = round(

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from server.core.stats import quantile
 from server.fixed_batch.decisions import BatchConfig
-from server.fixed_batch.plan import latencies_ms, percentile
+from server.fixed_batch.plan import latencies_ms
 from server.fixed_batch.simulate import simulate
 from server.simulation.workload import DEFAULT_MODEL, poisson_arrivals
 
@@ -42,8 +43,8 @@ def main() -> None:
     )
     print(
         f"{args.workers} workers at {args.rate:g} req/s: mean batch "
-        f"{result.mean_batch_size:.2f}, p50 {percentile(lat, 50):.1f} ms, "
-        f"p99 {percentile(lat, 99):.1f} ms"
+        f"{result.mean_batch_size:.2f}, p50 {quantile(lat, 0.5):.1f} ms, "
+        f"p99 {quantile(lat, 0.99):.1f} ms"
     )
 
 

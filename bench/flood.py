@@ -59,6 +59,8 @@ from typing import Any
 import httpx
 import yaml
 
+from server.core.stats import quantile
+
 SERVED_NAME = "sluice-demo"
 SYSTEMS = ("idle", "vllm-fcfs", "vllm-priority", "sluice")
 # Idle measured at the end differing from the start by more than this share: a warning.
@@ -332,13 +334,6 @@ async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asynci
             await asyncio.wait_for(stop.wait(), 2.0)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
-
-
 async def measure(
     system: System, args: argparse.Namespace, port: int, config_path: str | None, log: Any
 ) -> Measurements:
@@ -438,14 +433,14 @@ def summarise(
         "system": system.name,
         "chats": len(m.chats),
         "chat_failures": m.chat_failures,
-        "ttft_p50_ms": percentile(ttfts, 0.5),
-        "ttft_p99_ms": percentile(ttfts, 0.99),
-        "gap_p50_ms": percentile(gaps, 0.5),
-        "chat_median_gap_p99_ms": percentile(
+        "ttft_p50_ms": quantile(ttfts, 0.5),
+        "ttft_p99_ms": quantile(ttfts, 0.99),
+        "gap_p50_ms": quantile(gaps, 0.5),
+        "chat_median_gap_p99_ms": quantile(
             [c.median_gap_s * ms for c in m.chats if c.median_gap_s is not None], 0.99
         ),
-        "e2e_p50_ms": percentile([c.total_s * ms for c in m.chats], 0.5),
-        "e2e_p99_ms": percentile([c.total_s * ms for c in m.chats], 0.99),
+        "e2e_p50_ms": quantile([c.total_s * ms for c in m.chats], 0.5),
+        "e2e_p99_ms": quantile([c.total_s * ms for c in m.chats], 0.99),
         "bulk_tokens_per_s": round(m.bulk_tokens / args.duration, 1) if system.bulk else None,
         "bulk_failures": m.bulk_failures if system.bulk else None,
         "within_slo": None,
@@ -469,8 +464,8 @@ def summarise(
 
 def idle_slo(m: Measurements, factor: float) -> tuple[float, float]:
     """(TTFT limit, median-gap limit) in seconds: `factor` x the idle TTFT p99 and median gap."""
-    ttft_p99 = percentile([c.ttft_s for c in m.chats], 0.99)
-    gap_p50 = percentile([g for c in m.chats for g in c.gaps_s], 0.5)
+    ttft_p99 = quantile([c.ttft_s for c in m.chats], 0.99)
+    gap_p50 = quantile([g for c in m.chats for g in c.gaps_s], 0.5)
     if ttft_p99 is None or gap_p50 is None:
         raise RuntimeError("the idle run measured no chats; the SLO cannot be set")
     return factor * ttft_p99, factor * gap_p50

@@ -48,6 +48,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from server.core.stats import quantile
+
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = [
     "--engine", "sim", "--sim-step-base-ms", "0.2", "--sim-decode-ms-per-token", "0",
@@ -337,11 +339,6 @@ def ready(port: int, server: subprocess.Popen[bytes], system: str) -> None:
     raise SystemExit(f"{system} was not ready in 60 s")
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def measure(args: argparse.Namespace, system: str, transport: str) -> dict[str, float]:
     listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
     port = int(listener.getsockname()[1])
@@ -368,7 +365,7 @@ def measure(args: argparse.Namespace, system: str, transport: str) -> dict[str, 
         "events_per_s": events / took,
         "tokens_per_event": tokens / events,
         "first_p50_ms": 1e3 * statistics.median(firsts),
-        "first_p99_ms": 1e3 * percentile(firsts, 0.99),
+        "first_p99_ms": 1e3 * quantile(firsts, 0.99),
         "cpu_us_per_token": 1e6 * (user + system) / tokens,
         # (on loopback the kernel's side of each write, the receiver's wake-up among it, is
         # the sender's system time: how writes bunch up shows there)

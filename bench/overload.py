@@ -40,13 +40,9 @@ from pathlib import Path
 
 import httpx
 
+from server.core.stats import quantile
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile of `values` (not empty)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def free_port() -> int:
@@ -163,8 +159,8 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> dict:
         "completed_after_deadline": sum(1 for d in completed if d > args.deadline_ms / 1000),
         "deadline_s": args.deadline_ms / 1000,
         "client_refusal_ms": {
-            "p50": round(1000 * pct(refused, 0.5), 2) if refused else None,
-            "p99": round(1000 * pct(refused, 0.99), 2) if refused else None,
+            "p50": round(1000 * quantile(refused, 0.5), 2) if refused else None,
+            "p99": round(1000 * quantile(refused, 0.99), 2) if refused else None,
         },
         "offered_rps_achieved": round(len(log) / args.duration, 1),
         "rss_mib": {
@@ -209,7 +205,7 @@ def server_refusal_ms(log_path: Path) -> dict:
     return {
         "count": len(durations),
         "p50": round(statistics.median(durations), 3) if durations else None,
-        "p99": round(pct(durations, 0.99), 3) if durations else None,
+        "p99": round(quantile(durations, 0.99), 3) if durations else None,
         "max": round(max(durations), 3) if durations else None,
     }
 

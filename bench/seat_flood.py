@@ -48,10 +48,11 @@ from flood import (
     bulk_load_process,
     chat_arrivals,
     idle_slo,
-    percentile,
     stop_group,
     wait_ready,
 )
+
+from server.core.stats import quantile
 
 PHASES = ("idle", "bulk", "flood", "batch")
 SIM_FLAGS = ("--sim-step-base-ms", "5", "--sim-decode-ms-per-token", "0.02")
@@ -199,11 +200,11 @@ def summarise(
         "seconds": round(seconds, 1),
         "chats": len(m.chats),
         "chat_failures": m.chat_failures,
-        "ttft_p50_ms": _ms(percentile([c.ttft_s for c in m.chats], 0.5)),
-        "ttft_p95_ms": _ms(percentile([c.ttft_s for c in m.chats], 0.95)),
-        "ttft_p99_ms": _ms(percentile([c.ttft_s for c in m.chats], 0.99)),
-        "gap_p50_ms": _ms(percentile([g for c in m.chats for g in c.gaps_s], 0.5)),
-        "chat_median_gap_p99_ms": _ms(percentile(median_gaps, 0.99)),
+        "ttft_p50_ms": _ms(quantile([c.ttft_s for c in m.chats], 0.5)),
+        "ttft_p95_ms": _ms(quantile([c.ttft_s for c in m.chats], 0.95)),
+        "ttft_p99_ms": _ms(quantile([c.ttft_s for c in m.chats], 0.99)),
+        "gap_p50_ms": _ms(quantile([g for c in m.chats for g in c.gaps_s], 0.5)),
+        "chat_median_gap_p99_ms": _ms(quantile(median_gaps, 0.99)),
         "bulk_tokens_per_s": round(m.bulk_tokens / seconds, 1) if m.bulk_tokens else None,
         "bulk_failures": m.bulk_failures,
         "batch_lines_per_s": (

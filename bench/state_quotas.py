@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from server.core.config import StateConfig, TenantConfig  # noqa: E402
+from server.core.stats import quantile  # noqa: E402
 from server.observability.metrics import Metrics  # noqa: E402
 from server.scheduler.quotas import TenantQuotas  # noqa: E402
 from server.scheduler.types import Ticket, TrafficClass  # noqa: E402
@@ -47,7 +48,7 @@ from server.state.backend import RedisState  # noqa: E402
 from server.state.quotas import SharedQuotas  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from overload import free_port, pct  # noqa: E402
+from overload import free_port  # noqa: E402
 
 TENANT = TenantConfig(name="acme", max_concurrent=1_000_000, tokens_per_minute=10**12)
 
@@ -58,8 +59,8 @@ def ticket(i: int) -> Ticket:
 
 def summary(seconds: list[float]) -> dict[str, float]:
     return {
-        "p50_ms": round(pct(seconds, 0.5) * 1000, 4),
-        "p99_ms": round(pct(seconds, 0.99) * 1000, 4),
+        "p50_ms": round(quantile(seconds, 0.5) * 1000, 4),
+        "p99_ms": round(quantile(seconds, 0.99) * 1000, 4),
         "max_ms": round(max(seconds) * 1000, 4),
     }
 
@@ -206,9 +207,11 @@ def end_to_end(redis_url: str, requests: int, work: Path) -> dict[str, Any]:
     return {
         "requests": requests,
         **{f"ttft_{name}": summary(values) for name, values in ttfts.items()},
-        "added_p50_ms": round((pct(ttfts["redis"], 0.5) - pct(ttfts["in_process"], 0.5)) * 1000, 4),
+        "added_p50_ms": round(
+            (quantile(ttfts["redis"], 0.5) - quantile(ttfts["in_process"], 0.5)) * 1000, 4
+        ),
         "added_p99_ms": round(
-            (pct(ttfts["redis"], 0.99) - pct(ttfts["in_process"], 0.99)) * 1000, 4
+            (quantile(ttfts["redis"], 0.99) - quantile(ttfts["in_process"], 0.99)) * 1000, 4
         ),
     }
 

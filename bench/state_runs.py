@@ -37,8 +37,9 @@ import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from overload import pct  # noqa: E402
 from state_quotas import redis_server, start_sluice, summary  # noqa: E402
+
+from server.core.stats import quantile  # noqa: E402
 
 KEY = {"Authorization": "Bearer acme-key"}
 
@@ -93,16 +94,16 @@ def added_latency(redis_url: str, streams: int, work: Path) -> dict[str, Any]:
         **{f"ttft_{name}": summary(values) for name, values in ttft.items()},
         **{f"gap_{name}": summary(values) for name, values in gaps.items()},
         "ttft_added_p50_ms": round(
-            (pct(ttft["redis"], 0.5) - pct(ttft["in_process"], 0.5)) * 1e3, 3
+            (quantile(ttft["redis"], 0.5) - quantile(ttft["in_process"], 0.5)) * 1e3, 3
         ),
         "ttft_added_p99_ms": round(
-            (pct(ttft["redis"], 0.99) - pct(ttft["in_process"], 0.99)) * 1e3, 3
+            (quantile(ttft["redis"], 0.99) - quantile(ttft["in_process"], 0.99)) * 1e3, 3
         ),
         "gap_added_p50_ms": round(
-            (pct(gaps["redis"], 0.5) - pct(gaps["in_process"], 0.5)) * 1e3, 3
+            (quantile(gaps["redis"], 0.5) - quantile(gaps["in_process"], 0.5)) * 1e3, 3
         ),
         "gap_added_p99_ms": round(
-            (pct(gaps["redis"], 0.99) - pct(gaps["in_process"], 0.99)) * 1e3, 3
+            (quantile(gaps["redis"], 0.99) - quantile(gaps["in_process"], 0.99)) * 1e3, 3
         ),
     }
 

@@ -18,8 +18,9 @@ from pydantic import BaseModel, Field
 
 from engine_adapters.sim_batch import DEFAULT_POISON_MARKER, BatchModel, SimBatchEngine
 from server.core.settings import add_arguments
+from server.core.stats import quantile
 from server.fixed_batch.decisions import BatchConfig
-from server.fixed_batch.plan import format_plan, latencies_ms, percentile, plan
+from server.fixed_batch.plan import format_plan, latencies_ms, plan
 from server.fixed_batch.runtime import BatchRuntime
 from server.fixed_batch.simulate import Faults, SimResult, simulate
 from server.observability.metrics import Metrics
@@ -284,7 +285,7 @@ def summary(result: SimResult) -> dict[str, Any]:
         "outcomes": outcomes,
         "batches": result.batch_count,
         "mean_batch_size": round(result.mean_batch_size, 2),
-        "latency_ms": {f"p{q}": _round(percentile(lat, q)) for q in (50, 90, 99, 99.9)},
+        "latency_ms": {f"p{q}": _round(quantile(lat, q / 100)) for q in (50, 90, 99, 99.9)},
         "discarded_results": result.discarded_results,
         "duplicate_deliveries": result.duplicate_deliveries,
         "end_ms": _ms(result.end_time),

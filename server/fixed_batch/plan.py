@@ -8,9 +8,9 @@ latency percentiles for each candidate worker count and the batch size actually 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from server.core.stats import quantile
 from server.fixed_batch.decisions import BatchConfig, Outcome
 from server.fixed_batch.simulate import SimResult, simulate
 from server.simulation.workload import DEFAULT_MODEL, poisson_arrivals
@@ -59,14 +59,6 @@ def utilization(rate: float, workers: int, per_worker: float) -> float:
     return rate / (workers * per_worker)
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile of already sorted values."""
-    if not sorted_values:
-        return None
-    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
 def latencies_ms(result: SimResult) -> list[float]:
     return sorted(
         (r.finish - r.arrival) * 1000
@@ -95,12 +87,12 @@ def simulate_candidate(
     )
     result = simulate(config, poisson_arrivals(rate, duration_s, seed=seed), keep_batches=False)
     lat = latencies_ms(result)
-    p99 = percentile(lat, 99)
+    p99 = quantile(lat, 0.99)
     ideal = per_worker_rps(batch_s, max_batch)
     return Candidate(
         workers=workers,
         utilization=round(utilization(rate, workers, ideal), 4),
-        p50_ms=_round(percentile(lat, 50)),
+        p50_ms=_round(quantile(lat, 0.5)),
         p99_ms=_round(p99),
         mean_batch_size=round(result.mean_batch_size, 2),
         throughput_rps=round(len(lat) / result.end_time, 1) if result.end_time else 0.0,

@@ -9,12 +9,12 @@ sorted once when the summary is made.
 from __future__ import annotations
 
 import copy
-import math
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.core.stats import nearest_rank
 from server.scheduler.types import RejectReason, TrafficClass
 
 
@@ -130,15 +130,10 @@ class Tally:
         }
 
 
-def _ranked(ordered: Sequence[float], q: float) -> float:
-    """The nearest-rank `q` quantile of sorted values."""
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def percentiles_ms(seconds: Sequence[float]) -> dict[str, float | None]:
     """p50, p90, p99 and max of `seconds`, in milliseconds (None for no values)."""
     ordered = sorted(seconds)
     result: dict[str, float | None] = {}
     for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("max", 1.0)):
-        result[name] = round(_ranked(ordered, q) * 1000, 3) if ordered else None
+        result[name] = round(nearest_rank(ordered, q) * 1000, 3) if ordered else None
     return result

@@ -19,7 +19,7 @@ from server.api.openai_routes import (
 from server.api.services import Services
 from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
-from server.openai.responses_api import CreateResponse, Event, ResponseBuilder, sse
+from server.openai.responses_api import CreateResponse, ResponseBuilder, ResponseEvent, sse
 from server.openai.wire import validated
 from server.responses_api.service import Responses, feed, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
@@ -195,7 +195,7 @@ class StoredStream:
     """ASGI response: an ended background response's events after sequence number `after`,
     as they were stored with it."""
 
-    def __init__(self, services: Services, events: list[Event], *, after: int) -> None:
+    def __init__(self, services: Services, events: list[ResponseEvent], *, after: int) -> None:
         self.services = services
         self.events = events
         self.after = after

@@ -24,8 +24,7 @@ from server.api.services import Services
 from server.api.websocket_session import WebSocketSession
 from server.core.errors import GenerationCancelled, InvalidRequest, SluiceError
 from server.generations.run import GenerationRun
-from server.openai.responses_api import CreateResponse, ResponseBuilder
-from server.openai.responses_api import Event as ResponseEvent
+from server.openai.responses_api import CreateResponse, ResponseBuilder, ResponseEvent
 from server.openai.responses_ws import (
     CancelMessage,
     RetrieveMessage,

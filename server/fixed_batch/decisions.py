@@ -40,7 +40,7 @@ class BatchConfig:
         return self.lease_s if self.lease_s is not None else 3 * self.batch_time_s
 
 
-class Outcome(StrEnum):
+class BatchOutcome(StrEnum):
     COMPLETED = "completed"
     REJECTED = "rejected"
     EXPIRED = "expired"
@@ -75,12 +75,12 @@ class Ended:
     """A request that ended without a result (expired or failed)."""
 
     ticket: Ticket
-    outcome: Outcome
+    outcome: BatchOutcome
     reason: str
 
 
 @dataclass(slots=True)
-class Step:
+class BatchStep:
     """What `poll` decided at one instant."""
 
     dispatches: list[Dispatch] = field(default_factory=list)
@@ -106,11 +106,11 @@ class FailureOutcome:
 __all__ = [
     "BatchCompletion",
     "BatchConfig",
+    "BatchOutcome",
+    "BatchStep",
     "CancelStage",
     "Dispatch",
     "Ended",
     "FailureOutcome",
-    "Outcome",
     "RejectReason",
-    "Step",
 ]

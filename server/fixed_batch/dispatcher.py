@@ -24,12 +24,12 @@ from server.fixed_batch.admission import RejectReason, admit, latest_start
 from server.fixed_batch.decisions import (
     BatchCompletion,
     BatchConfig,
+    BatchOutcome,
+    BatchStep,
     CancelStage,
     Dispatch,
     Ended,
     FailureOutcome,
-    Outcome,
-    Step,
 )
 from server.scheduler.types import Ticket, TrafficClass
 
@@ -123,9 +123,9 @@ class BatchDispatcher:
         return None
 
     # --- time passing ---
-    def poll(self, now: float) -> Step:
+    def poll(self, now: float) -> BatchStep:
         """Dispatch every batch that should leave now; expire what can no longer finish."""
-        step = Step()
+        step = BatchStep()
         if self._lease_expiry and self._lease_expiry[0][0] <= now:
             self._expire_leases(now, step)
         for queue in self._queues.values():
@@ -265,7 +265,7 @@ class BatchDispatcher:
             ready = deadlines[0][0]
         return ready
 
-    def _dispatch_ready(self, queue: _Queue, now: float, step: Step) -> None:
+    def _dispatch_ready(self, queue: _Queue, now: float, step: BatchStep) -> None:
         while queue.free and queue.groups:
             group = [m for m in queue.groups.popleft() if m.state == _QUEUED]
             queue.grouped_count -= len(group)
@@ -301,15 +301,15 @@ class BatchDispatcher:
         model = self._worker_model[worker_id]
         return Dispatch(worker_id, lease_id, model, tickets, now, finish, retry)
 
-    def _expire_unmeetable(self, queue: _Queue, now: float, step: Step) -> None:
+    def _expire_unmeetable(self, queue: _Queue, now: float, step: BatchStep) -> None:
         start = self._earliest_free(queue, now)
         deadlines = queue.deadlines
         while deadlines and (deadlines[0][2].state != _QUEUED or deadlines[0][0] < start):
             live = heapq.heappop(deadlines)[2]
             if live.state == _QUEUED:
-                self._end(live, Outcome.EXPIRED, "deadline can no longer be met", step.ended)
+                self._end(live, BatchOutcome.EXPIRED, "deadline can no longer be met", step.ended)
 
-    def _expire_leases(self, now: float, step: Step) -> None:
+    def _expire_leases(self, now: float, step: BatchStep) -> None:
         expiry = self._lease_expiry
         while expiry and expiry[0][0] <= now:
             _, lease_id = heapq.heappop(expiry)
@@ -333,7 +333,7 @@ class BatchDispatcher:
         if len(members) == 1 and members[0].crashes >= 2:
             live = members[0]
             reason = f"request crashed its batch {live.crashes} times, the last time alone"
-            self._end(live, Outcome.FAILED, reason, ended)
+            self._end(live, BatchOutcome.FAILED, reason, ended)
             return []
         if first_failure or len(members) == 1:
             groups = [members]
@@ -353,9 +353,9 @@ class BatchDispatcher:
         kept: list[_Live] = []
         for live in group:
             if live.attempts >= budget:
-                self._end(live, Outcome.FAILED, f"attempt budget of {budget} exhausted", ended)
+                self._end(live, BatchOutcome.FAILED, f"attempt budget of {budget} exhausted", ended)
             elif live.latest_start < start:
-                self._end(live, Outcome.EXPIRED, "deadline cannot be met by a retry", ended)
+                self._end(live, BatchOutcome.EXPIRED, "deadline cannot be met by a retry", ended)
             else:
                 live.state = _QUEUED
                 live.grouped = True
@@ -368,7 +368,7 @@ class BatchDispatcher:
             queue.grouped_count += len(kept)
         return [live.ticket for live in kept]
 
-    def _end(self, live: _Live, outcome: Outcome, reason: str, ended: list[Ended]) -> None:
+    def _end(self, live: _Live, outcome: BatchOutcome, reason: str, ended: list[Ended]) -> None:
         if live.state == _QUEUED:
             self._forget_queued(live)
         live.state = _DONE

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from server.core.stats import quantile
-from server.fixed_batch.decisions import BatchConfig, Outcome
+from server.fixed_batch.decisions import BatchConfig, BatchOutcome
 from server.fixed_batch.simulate import SimResult, simulate
 from server.simulation.workload import DEFAULT_MODEL, poisson_arrivals
 
@@ -63,7 +63,7 @@ def latencies_ms(result: SimResult) -> list[float]:
     return sorted(
         (r.finish - r.arrival) * 1000
         for r in result.requests
-        if r.outcome == Outcome.COMPLETED and r.finish is not None
+        if r.outcome == BatchOutcome.COMPLETED and r.finish is not None
     )
 
 

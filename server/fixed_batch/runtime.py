@@ -25,7 +25,7 @@ from server.core.errors import (
     GenerationFailed,
     SluiceError,
 )
-from server.fixed_batch.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
+from server.fixed_batch.decisions import BatchConfig, BatchOutcome, BatchStep, Dispatch, Ended
 from server.fixed_batch.dispatcher import BatchDispatcher
 from server.observability.metrics import Metrics
 from server.scheduler.attainment import SloWatch
@@ -173,7 +173,7 @@ class BatchRuntime:
     def _poll(self) -> None:
         self._act(self.core.poll(self.clock()))
 
-    def _act(self, step: Step) -> None:
+    def _act(self, step: BatchStep) -> None:
         for dispatch in step.dispatches:
             self._start(dispatch)
         self._end(step.ended)
@@ -250,7 +250,7 @@ class BatchRuntime:
         for item in ended:
             ticket = item.ticket
             waiter = self._waiters.get(ticket.request_id)
-            if item.outcome == Outcome.EXPIRED:
+            if item.outcome == BatchOutcome.EXPIRED:
                 error: SluiceError = DeadlineExceeded(f"request expired: {item.reason}")
             else:
                 error = GenerationFailed(f"request failed: {item.reason}")

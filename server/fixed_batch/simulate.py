@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from engine_adapters.sim_batch import BatchModel
-from server.fixed_batch.decisions import BatchConfig, Dispatch, Ended, Outcome, Step
+from server.fixed_batch.decisions import BatchConfig, BatchOutcome, BatchStep, Dispatch, Ended
 from server.fixed_batch.dispatcher import BatchDispatcher
 from server.scheduler.types import Ticket
 from server.simulation.events import EventHandle, EventLoop
@@ -143,7 +143,7 @@ class BatchSimulation:
         )
         reason = self.core.submit(ticket, now)
         if reason is not None:
-            record.outcome, record.ended, record.reason = Outcome.REJECTED, now, str(reason)
+            record.outcome, record.ended, record.reason = BatchOutcome.REJECTED, now, str(reason)
         else:
             self._act(self.core.poll(now))
         self._schedule_next_arrival()
@@ -167,7 +167,7 @@ class BatchSimulation:
             if record.outcome is not None:
                 self._result.duplicate_deliveries += 1
             record.finish = record.ended = now
-            record.outcome = Outcome.COMPLETED
+            record.outcome = BatchOutcome.COMPLETED
             record.worker = dispatch.worker_id
         self._result.discarded_results += len(done.discarded)
         self._close_batch(dispatch.lease_id, now, "completed" if done.worker_freed else "late")
@@ -176,7 +176,7 @@ class BatchSimulation:
     def _cancel(self, request_id: str) -> None:
         if self.core.cancel(request_id) is not None:
             record = self._records[request_id]
-            record.outcome, record.ended = Outcome.CANCELLED, self.loop.now
+            record.outcome, record.ended = BatchOutcome.CANCELLED, self.loop.now
             self._act(self.core.poll(self.loop.now))
 
     def _crash(self, dispatch: Dispatch) -> None:
@@ -206,7 +206,7 @@ class BatchSimulation:
         self.loop.call_later(self.faults.restart_s, restart)
 
     # --- acting on decisions ---
-    def _act(self, step: Step) -> None:
+    def _act(self, step: BatchStep) -> None:
         now = self.loop.now
         if step.dispatches:
             for dispatch in step.dispatches:

@@ -283,7 +283,7 @@ class CreateResponse(SamplingFields):
         }
 
 
-Event = dict[str, Any]
+ResponseEvent = dict[str, Any]
 # The response object's fields a builder makes (the rest are the request's, echoed).
 _BUILT = frozenset(
     {"id", "object", "created_at", "status", "model", "output", "error", "incomplete_details"}
@@ -291,7 +291,7 @@ _BUILT = frozenset(
 )
 
 
-def sse(event: Event) -> bytes:
+def sse(event: ResponseEvent) -> bytes:
     """An event as the SDK reads it: its type under `event:`, itself under `data:`."""
     return b"event: %s\ndata: %s\n\n" % (event["type"].encode(), orjson.dumps(event))
 
@@ -351,19 +351,19 @@ class ResponseBuilder:
     def ended(self) -> bool:
         return self.status not in ("queued", "in_progress")
 
-    def _event(self, type_: str, **fields: Any) -> Event:
+    def _event(self, type_: str, **fields: Any) -> ResponseEvent:
         event = {"type": type_, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return event
 
-    def start(self) -> list[Event]:
+    def start(self) -> list[ResponseEvent]:
         created = self._event("response.created", response=self.snapshot())
         self.status = "in_progress"
         return [created, self._event("response.in_progress", response=self.snapshot())]
 
-    def reasoning(self, delta: str) -> list[Event]:
+    def reasoning(self, delta: str) -> list[ResponseEvent]:
         """The model's reasoning (a reasoning parser's), as a `reasoning` item's text."""
-        events: list[Event] = []
+        events: list[ResponseEvent] = []
         item = self._with_part(
             events,
             {"type": "reasoning", "id": f"rs_{self.suffix}_{len(self.output)}", "summary": []},
@@ -373,9 +373,11 @@ class ResponseBuilder:
         events.append(self._at(item, "response.reasoning_text.delta", delta=delta))
         return events
 
-    def text(self, delta: str, logprobs: Sequence[TokenLogprob] | None = None) -> list[Event]:
+    def text(
+        self, delta: str, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> list[ResponseEvent]:
         """Output text, and its tokens' logprobs when the request includes them."""
-        events: list[Event] = []
+        events: list[ResponseEvent] = []
         item = self._with_part(
             events,
             {"type": "message", "id": f"msg_{self.suffix}_{len(self.output)}", "role": "assistant"},
@@ -389,7 +391,7 @@ class ResponseBuilder:
         return events
 
     def _with_part(
-        self, events: list[Event], item: dict[str, Any], part: dict[str, Any]
+        self, events: list[ResponseEvent], item: dict[str, Any], part: dict[str, Any]
     ) -> dict[str, Any]:
         """The open item if it is of `item`'s type; else `item`, opened now with its one
         content part `part` (their events added to `events`, after the last item's close)."""
@@ -403,7 +405,7 @@ class ResponseBuilder:
         events.append(self._part("response.content_part.added", item, part))
         return item
 
-    def tool_calls(self, calls: list[dict[str, Any]]) -> list[Event]:
+    def tool_calls(self, calls: list[dict[str, Any]]) -> list[ResponseEvent]:
         """Chat tool call deltas (`{index, id, function: {name, arguments}}`)."""
         events = []
         for call in calls:
@@ -429,7 +431,7 @@ class ResponseBuilder:
                 )
         return events
 
-    def finish(self, finish_reason: str, usage: dict[str, int]) -> list[Event]:
+    def finish(self, finish_reason: str, usage: dict[str, int]) -> list[ResponseEvent]:
         """The chat's end: its finish reason and usage (prompt, completion tokens)."""
         events = self._close()
         self.usage = {
@@ -446,7 +448,7 @@ class ResponseBuilder:
         self.status = "completed"
         return [*events, self._event("response.completed", response=self.snapshot())]
 
-    def fail(self, error: dict[str, Any], *, cancelled: bool) -> list[Event]:
+    def fail(self, error: dict[str, Any], *, cancelled: bool) -> list[ResponseEvent]:
         """The run ended without finishing: cancelled, or failed with `error` (OpenAI's error
         object)."""
         for item in self.output:
@@ -460,7 +462,7 @@ class ResponseBuilder:
         self.error = {"code": error.get("code") or "server_error", "message": error["message"]}
         return [self._event("response.failed", response=self.snapshot())]
 
-    def _close(self) -> list[Event]:
+    def _close(self) -> list[ResponseEvent]:
         item, self._open = self._open, None
         if item is None:
             return []
@@ -491,22 +493,22 @@ class ResponseBuilder:
             self._done(item),
         ]
 
-    def _added(self, item: dict[str, Any]) -> Event:
+    def _added(self, item: dict[str, Any]) -> ResponseEvent:
         return self._event(
             "response.output_item.added",
             output_index=self.output.index(item),
             item={**item, "content": []} if "content" in item else dict(item),
         )
 
-    def _done(self, item: dict[str, Any]) -> Event:
+    def _done(self, item: dict[str, Any]) -> ResponseEvent:
         return self._event(
             "response.output_item.done", output_index=self.output.index(item), item=_copy(item)
         )
 
-    def _part(self, type_: str, item: dict[str, Any], part: dict[str, Any]) -> Event:
+    def _part(self, type_: str, item: dict[str, Any], part: dict[str, Any]) -> ResponseEvent:
         return self._at(item, type_, part=_copy_part(part))
 
-    def _at(self, item: dict[str, Any], type_: str, **fields: Any) -> Event:
+    def _at(self, item: dict[str, Any], type_: str, **fields: Any) -> ResponseEvent:
         where: dict[str, Any] = {"item_id": item["id"], "output_index": self.output.index(item)}
         if "content" in item:  # a message's or reasoning's one part
             where["content_index"] = 0

@@ -14,8 +14,7 @@ import orjson
 from pydantic import Field
 
 from server.core.errors import InvalidRequest, SluiceError
-from server.openai.responses_api import CreateResponse
-from server.openai.responses_api import Event as ResponseEvent
+from server.openai.responses_api import CreateResponse, ResponseEvent
 from server.openai.wire import WireModel, validated
 
 # As the `openai` SDK checks a lane's id.

@@ -32,8 +32,7 @@ from server.generations.run import GenerationRun
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.openai.requests import parse_request
-from server.openai.responses_api import CreateResponse, ResponseBuilder
-from server.openai.responses_api import Event as ResponseEvent
+from server.openai.responses_api import CreateResponse, ResponseBuilder, ResponseEvent
 from server.responses_api.store import KeptResponse, ResponseRecord
 
 logger = logging.getLogger("sluice.responses")

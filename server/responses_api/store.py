@@ -26,7 +26,7 @@ import orjson
 from server.generations.ports import StoredResponse
 from server.generations.registry import evictions, past_retention
 from server.generations.run import GenerationRun
-from server.openai.responses_api import Event, ResponseBuilder
+from server.openai.responses_api import ResponseBuilder, ResponseEvent
 
 BUSY_TIMEOUT_S = 5.0  # for another process's write to the same database to end
 
@@ -51,7 +51,7 @@ class ResponseRecord:
     conversation: list[dict[str, Any]]
     run: GenerationRun | None = None
     background: bool = False
-    events: list[Event] = field(default_factory=list)
+    events: list[ResponseEvent] = field(default_factory=list)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # its builder saw the end
 
     @property
@@ -80,7 +80,7 @@ class KeptResponse:
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
-    events: list[Event] | None = None
+    events: list[ResponseEvent] | None = None
     run_id: str | None = None
 
     @property

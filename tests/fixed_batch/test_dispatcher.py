@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.fixed_batch.decisions import CancelStage, Outcome
+from server.fixed_batch.decisions import BatchOutcome, CancelStage
 from server.fixed_batch.dispatcher import BatchDispatcher
 from server.scheduler.types import RejectReason
 
@@ -34,7 +34,7 @@ def test_a_queued_request_expires_as_soon_as_its_deadline_is_out_of_reach() -> N
     core.complete_batch(0, [(n, 0) for n in "ABCD"], 0.1)
     step = core.poll(0.1)
     assert [t.request_id for t in step.dispatches[0].tickets] == list("EFGH")
-    assert [(e.ticket.request_id, e.outcome) for e in step.ended] == [("I", Outcome.EXPIRED)]
+    assert [(e.ticket.request_id, e.outcome) for e in step.ended] == [("I", BatchOutcome.EXPIRED)]
 
 
 def test_results_of_a_failed_attempt_are_fenced_and_each_request_resolves_once() -> None:

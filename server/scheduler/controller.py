@@ -72,9 +72,7 @@ class BulkController:
         self._log_scale = 0.0
         self._spread: deque[float] = deque(maxlen=SPREAD_CHATS)  # median share / aim
         self.next_at = -math.inf  # the next period
-        # The window's median gap was over the target when last read: bulk beyond the cap is
-        # stopped at once rather than left to end by itself.
-        self.chats_over_target = False
+        self.median = 0.0  # the window's median gap share when last read (0: none)
 
     def due(self, now: float) -> bool:
         return self.enabled and now >= self.next_at
@@ -95,10 +93,10 @@ class BulkController:
         if ended:
             self._learn(ended)
         if not bulk_about:
-            self.chats_over_target = False
+            self.median = 0.0
             return False  # (nor is the window read: with no bulk about, nothing to steer)
         median = meter.gap_median(now)
-        self.chats_over_target = median is not None and median > 1.0
+        self.median = median or 0.0
         if median is None or median <= 0.0:
             return False
         error = math.log(self.aim / median)

@@ -21,7 +21,8 @@ the server wrote their tokens (`attainment.py`, fed by the shells).
 Preemption has two causes and one mechanism. The bulk cap drops when chats arrive after a quiet
 spell, or when the controller shrinks it: the bulk running beyond it stops at once when the
 step time it causes is over the gap target as the controller corrects it (the cap itself aims
-under that), or when chats are measured over their target already. And an interactive head that
+under that); under feedback, only when that step or what chats measured is far over the
+target, and otherwise it leaves as it ends. And an interactive head that
 has waited `preempt_bulk_after_s` with no budget room stops just enough bulk to fit, never
 below bulk's minimum share. Victims are those cheapest to resume (the fewest tokens past their
 last full KV block, which an engine with prefix caching must compute again), then the most
@@ -59,8 +60,8 @@ from server.scheduler.types import (
 
 Stage = Literal["queued", "running"]
 
-# Under feedback, a step the model predicts this far over the target stops bulk beyond the cap
-# before chats measure it.
+# Under feedback, a step the model predicts this far over the target, or a window of chats
+# measured this far over it, stops bulk beyond the cap (less far, bulk leaves as it ends).
 FAR_OVER = 1.2
 # Bulk may start this many times as often as the bulk allowed turns over (`_start_share`).
 TURNOVER_PACE = 2.0
@@ -564,9 +565,11 @@ class SchedulerCore:
         # The cap aims under the target; between the two, bulk ends by itself sooner than a
         # resumed request would repay the prefill it must redo. Under feedback the cap moves
         # with every correction, and each preemption costs a prefill that chats wait behind:
-        # bulk is stopped for what chats measure (over their target already), or for a step
-        # the model predicts far over it (bulk grown while no chat was about).
-        if self.controller.chats_over_target:
+        # stopping bulk whenever chats measured over their target made a cycle on a noisy
+        # host (a stop, a prefill, misses, the cap grown back). So bulk beyond the cap leaves
+        # as it ends, unless chats measure far over their target, or the model predicts a
+        # step far over it (bulk grown while no chat was about).
+        if self.controller.median > FAR_OVER:
             return self._victims()[:excess]
         step = self.estimates.steps.at(self._sequences - self._preempting)
         limit = self.bulk_cap.step_limit()

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from server.scheduler.attainment import MIN_GAPS
 from server.scheduler.core import SchedulerCore
 
 from .helpers import BULK, admit, config, core, ids, ticket
@@ -292,6 +293,24 @@ def test_bulk_leaves_room_for_the_chats_that_usually_run_together() -> None:
     s.poll(now)
     # 10 sequences fit the cap's aim; the chat running, and two more expected: 7 for bulk.
     assert s.bulk_allowed(now) == 10 - 1 - 2
+
+
+@pytest.mark.parametrize(("measured", "stopped"), [(1.1, 0), (1.3, 3)])
+def test_under_feedback_bulk_over_the_cap_is_stopped_only_for_chats_measured_far_over(
+    measured: float, stopped: int
+) -> None:
+    s = calibrated(feedback=True)
+    flood(s, 12)  # no chat about: all 12 run
+    for i in range(2 * MIN_GAPS):
+        s.meter.gap(measured, 1, 1.0 - i / 1000)
+    admit(s, ticket("chat", at=1.0))
+    step = s.poll(1.0)
+    assert ids(step.started) == ["chat"]
+    # Room for one chat: 9 bulk. 13 sequences take a predicted 6.5 ms, within 1.2x the 6 ms
+    # target: the model stops nothing. Chats measured a little over their target leave bulk to
+    # end by itself (each stop costs a prefill chats wait behind); far over, it stops at once.
+    assert s.bulk_allowed(1.0) == 9
+    assert len(step.preempted) == stopped
 
 
 def test_under_feedback_the_cap_leaves_room_for_as_many_chats_as_usually_run() -> None:

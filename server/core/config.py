@@ -408,12 +408,23 @@ class SluiceConfig(_Section):
     @field_validator("tenants", mode="before")
     @classmethod
     def _named(cls, raw: Any) -> Any:
+        """A tenant's name is its key; a `name:` inside that says otherwise is an error, not
+        silently overwritten."""
         if not isinstance(raw, Mapping):
             return raw
-        return {
-            str(name): {**(values or {}), "name": str(name)} if _is_mapping(values) else values
-            for name, values in raw.items()
-        }
+        named = {}
+        for key, values in raw.items():
+            name = str(key)
+            if _is_mapping(values):
+                given = (values or {}).get("name", name)
+                if given != name:
+                    raise ValueError(
+                        f"tenant {name!r} has name {given!r}: a tenant's name is its key "
+                        "under tenants (leave name out)"
+                    )
+                values = {**(values or {}), "name": name}
+            named[name] = values
+        return named
 
     @field_validator("classes", mode="before")
     @classmethod

@@ -134,6 +134,11 @@ def test_a_flag_error_names_the_layer() -> None:
             "tenants.t.allowed_classes: must not be empty",
         ),
         ({"budgets": [1, 2]}, "budgets: expected a mapping, got [1, 2]"),
+        (
+            {"tenants": {"acme": {"name": "other"}}},
+            "tenants: tenant 'acme' has name 'other': a tenant's name is its key under tenants "
+            "(leave name out)",
+        ),
     ],
 )
 def test_out_of_range_and_unknown_values_are_named_by_path(raw: dict, message: str) -> None:
@@ -161,6 +166,10 @@ def test_units_are_in_the_names_and_read_in_seconds() -> None:
         parse_config({"budgets": {"preempt_bulk_after_ms": None}}).budgets.preempt_bulk_after_s
         is None
     )
+
+
+def test_a_tenant_may_repeat_its_own_name() -> None:
+    assert parse_config({"tenants": {"acme": {"name": "acme"}}}).tenants["acme"].name == "acme"
 
 
 def test_a_class_given_in_part_keeps_its_own_defaults() -> None:

@@ -79,7 +79,8 @@ def echoed_logprobs(
         else:
             own = next(c for c in candidates if c.token_id == token_id)
             token, logprob = own.token, own.logprob
-            top = {c.token: c.logprob for c in candidates}
+            # The prompt's own token first, whatever its rank, then the likeliest: vLLM's order.
+            top = {own.token: own.logprob} | {c.token: c.logprob for c in candidates}
         for key, value in (
             ("text_offset", offset),
             ("token_logprobs", logprob),

@@ -291,6 +291,10 @@ def test_echo_scores_a_prompt_as_eval_harnesses_ask(
     assert len(logprobs.tokens) == len(ids) and "".join(logprobs.tokens) == prompt
     assert logprobs.token_logprobs is not None and logprobs.token_logprobs[0] is None
     assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
+    # Each scored position's candidates start with the prompt's own token, whatever its rank,
+    # as vLLM orders them (lm-eval reads the first as the token's own).
+    assert logprobs.top_logprobs is not None
+    assert [next(iter(top)) for top in logprobs.top_logprobs[1:]] == logprobs.tokens[1:]
     with_answer = client.completions.create(
         model=MODEL,
         prompt=prompt,

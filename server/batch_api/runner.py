@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from server.batch_api.store import STATUSES, Batch, BatchStore, Line
@@ -63,6 +64,14 @@ def line_result(
         else {"status_code": status, "request_id": f"{batch.id}-{line.index}", "body": body},
         "error": error,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """A line refused for now: offered again after `after_s` (the refusal's Retry-After), or
+    after the runner's own `retry_seconds` when the refusal named none."""
+
+    after_s: float | None
 
 
 class BatchRunner:
@@ -179,7 +188,7 @@ class BatchRunner:
         """Run the claimed batch's lines until none is pending, or it is cancelled or past its
         window; then finalize it."""
         batch_id, expires_at = claimed.id, claimed.expires_at
-        running: dict[asyncio.Task[str], int] = {}  # each line's task, and its index
+        running: dict[asyncio.Task[str | Retry], int] = {}  # each line's task, and its index
         runs: dict[int, GenerationRun] = {}
         wake = self._wake[batch_id]
         retry_at = 0.0  # after a refusal, no line is offered before this
@@ -215,8 +224,10 @@ class BatchRunner:
                 wake.clear()
                 for task in done - {waker}:
                     del running[task]  # type: ignore[arg-type]
-                    if task.result() == "retry":
-                        retry_at = self.clock() + self.retry_seconds
+                    result = task.result()
+                    if isinstance(result, Retry):  # the refusal's Retry-After, if it gave one
+                        after = self.retry_seconds if result.after_s is None else result.after_s
+                        retry_at = max(retry_at, self.clock() + after)
             await self._finalize(claimed)
         except Exception:  # the store failed: let the batch go, for this or another to claim
             logger.exception("batch %s: stopped; it is claimed again at a next beat", batch_id)
@@ -228,8 +239,8 @@ class BatchRunner:
             for task in running:
                 task.cancel()
 
-    async def _line(self, batch: Batch, line: Line, runs: dict[int, GenerationRun]) -> str:
-        """Run one line; write its result. "retry" if the scheduler refused it for now."""
+    async def _line(self, batch: Batch, line: Line, runs: dict[int, GenerationRun]) -> str | Retry:
+        """Run one line; write its result. `Retry` if it was refused for now."""
         kind = KINDS[batch.endpoint]
         timeline = RequestTimeline(
             request_id=f"{batch.id}-{line.index}",
@@ -249,7 +260,7 @@ class BatchRunner:
         except SluiceError as error:
             timeline.fail(error)
             if error.retryable:
-                return "retry"
+                return Retry(error.retry_after)
             await self._write(batch, line, "failed", error.status, error.to_body())
             return "failed"
         runs[line.index] = run
@@ -264,7 +275,7 @@ class BatchRunner:
         failure = last.error
         assert failure is not None
         if failure.retryable and not run.dispatched:
-            return "retry"
+            return Retry(failure.retry_after)
         if isinstance(failure, GenerationCancelled):
             return "cancelled"  # stays pending: cancelled or expired with the batch
         await self._write(batch, line, "failed", failure.status, failure.to_body())

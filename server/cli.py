@@ -6,7 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from server.core import last_exit
 from server.core.settings import ServeOptions, add_arguments
+
+# First: the handler atexit runs last (after every library's), for `sluice serve`.
+last_exit.install()
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import contextlib
 import gc
 import logging
@@ -29,8 +28,6 @@ import os
 import signal
 import socket
 import sqlite3
-import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
@@ -44,6 +41,7 @@ from engine_adapters.protocol import EngineClient
 from server.api.app import SluiceApp, build_app, metrics_app
 from server.batch_api.sqlite_store import SqliteBatchStore
 from server.batch_api.store import BatchStore
+from server.core import last_exit
 from server.core.config import ConfigError, SluiceConfig
 from server.core.settings import config_flags, load_config
 from server.generations.service import Generations
@@ -273,29 +271,8 @@ def serve(args: argparse.Namespace) -> int:
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     status = asyncio.run(serving.run())
-    _exit_before_teardown(status)
+    last_exit.exit_after_handlers(status)
     return status
-
-
-def _exit_before_teardown(status: int) -> None:
-    """With triton loaded (vLLM imports it), end the process here, once it has shut down:
-    every atexit handler run, logging and stdio flushed, then `os._exit`. That skips only the
-    interpreter's teardown of the objects still alive, where triton's nanobind bindings call
-    each of theirs a leak (~30 lines on stderr at every stop: a few `ir.attribute`s that
-    live as long as the process, and every type and function of the module). Threads the
-    interpreter would wait for are waited for first, as it would. Returns (to a normal exit)
-    without triton."""
-    if "triton._C.libtriton" not in sys.modules:
-        return
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(status)
 
 
 def _freeze_start_up() -> None:
@@ -357,6 +334,7 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
         else:
             logger.warning("%s again: stopping now", name)
+            self._loop.call_soon_threadsafe(self.generations.cut)  # streams end, not hang
             self.should_exit = True
 
     def _start_drain(self, signal_name: str) -> None:

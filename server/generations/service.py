@@ -376,22 +376,25 @@ class Generations:
             try:
                 await asyncio.wait_for(self._idle.wait(), seconds)
             except TimeoutError:
-                for run in list(self.live):
-                    if run.shared:  # another replica takes it over at once
-                        run.cancel(
-                            ShuttingDown(
-                                "the server is shutting down; resume the generation (with its "
-                                "last event id), or retry with its idempotency key: another "
-                                "replica continues it",
-                                retry_after=1,
-                            ),
-                            hand_over=True,
-                        )
-                    else:
-                        run.cancel(
-                            ShuttingDown("the server is shutting down; retry", retry_after=1)
-                        )
+                self.cut()
                 await self._idle.wait()
+
+    def cut(self) -> None:
+        """End every running generation now with `shutting_down` (a drain's end, or a
+        second signal): each stream gets its error event, then `[DONE]`."""
+        for run in list(self.live):
+            if run.shared:  # another replica takes it over at once
+                run.cancel(
+                    ShuttingDown(
+                        "the server is shutting down; resume the generation (with its "
+                        "last event id), or retry with its idempotency key: another "
+                        "replica continues it",
+                        retry_after=1,
+                    ),
+                    hand_over=True,
+                )
+            else:
+                run.cancel(ShuttingDown("the server is shutting down; retry", retry_after=1))
 
 
 def _same_body(found: tuple[GenerationRun, str], request_print: str) -> GenerationRun:

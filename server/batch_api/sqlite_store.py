@@ -4,28 +4,26 @@ host.
 One database file in WAL mode with full syncs: every change is one transaction, so a process
 killed at any instant leaves each batch, file and line as it was before or after a change,
 never between. Several processes open the same file (WAL lets readers go on beside a writer;
-a writer waits for another's transaction, for up to `BUSY_TIMEOUT_S`), and a batch is run by
-the one that holds its row in `claims` (owner and lease expiry, on this host's clock). The row
-exists while the batch is active.
+a writer waits for another's transaction, for up to `server.core.sqlite.BUSY_TIMEOUT_S`), and
+a batch is run by the one that holds its row in `claims` (owner and lease expiry, on this
+host's clock). The row exists while the batch is active.
 
-Each call is short (indexed reads, one transaction per write) and runs on the caller's thread.
+Each call is short (indexed reads, one transaction per write) and runs on the store's own
+threads (`server.core.sqlite`): a held write lock or a slow sync never stalls the event loop.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from server.batch_api.store import ACTIVE, CANCELLABLE, Batch, Line, file_object, finished
-
-BUSY_TIMEOUT_S = 10.0  # a writer waits this long for another process's transaction
+from server.core.sqlite import SqliteDatabase, statements
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -49,40 +47,19 @@ SELECT id FROM batches WHERE json_extract(body, '$.status') IN ({})
 
 
 class SqliteBatchStore:
-    """`BatchStore` (`server.batch_api.store`) in `directory/batches.sqlite3`. `clock`: the
-    leases' (wall) clock, which every process of the host shares."""
+    """`BatchStore` (`server.batch_api.store`) in `directory/batches.sqlite3`, its calls on
+    threads of its own (`SqliteDatabase`). `clock`: the leases' (wall) clock, which every process
+    of the host shares."""
 
     def __init__(self, directory: Path, clock: Callable[[], float] = time.time) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.clock = clock
-        self._db = sqlite3.connect(
-            directory / "batches.sqlite3",
-            timeout=BUSY_TIMEOUT_S,
-            isolation_level=None,
-            check_same_thread=False,
-        )
-        self._lock = threading.Lock()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        with self._transaction() as db:  # two processes starting at once: one makes them
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    db.execute(statement)
-            db.execute(CLAIMS_FOR_ACTIVE)
+        self._sql = SqliteDatabase(directory / "batches.sqlite3")
+        # Two processes starting at once: one makes the tables.
+        self._sql.transaction_now(_create)
 
     async def close(self) -> None:
-        self._db.close()
-
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        self._sql.close()
 
     # -- files ------------------------------------------------------------------------------
 
@@ -92,189 +69,217 @@ class SqliteBatchStore:
         file = file_object(
             "file-" + uuid.uuid4().hex, len(content), int(time.time()), filename, purpose
         )
-        with self._transaction() as db:
-            _insert_file(db, tenant, file, content)
+        await self._sql.transaction(_insert_file, tenant, file, content)
         return file
 
     async def file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
-        row = self._db.execute(
-            "SELECT id, bytes, created_at, filename, purpose FROM files WHERE tenant = ? AND "
-            "id = ?",
-            (tenant, file_id),
-        ).fetchone()
+        row = await self._sql.read(_one, FILE, (tenant, file_id))
         return None if row is None else file_object(*row)
 
     async def files(self, tenant: str, purpose: str | None = None) -> list[dict[str, Any]]:
-        rows = self._db.execute(
-            "SELECT id, bytes, created_at, filename, purpose FROM files WHERE tenant = ? AND "
-            "(? IS NULL OR purpose = ?) ORDER BY created_at DESC, id",
-            (tenant, purpose, purpose),
-        ).fetchall()
+        rows = await self._sql.read(_all, FILES, (tenant, purpose, purpose))
         return [file_object(*row) for row in rows]
 
     async def file_content(self, tenant: str, file_id: str) -> bytes | None:
-        row = self._db.execute(
-            "SELECT content FROM files WHERE tenant = ? AND id = ?", (tenant, file_id)
-        ).fetchone()
+        row = await self._sql.read(_one, FILE_CONTENT, (tenant, file_id))
         return None if row is None else bytes(row[0])
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
-        with self._transaction() as db:
-            return (
-                db.execute(
-                    "DELETE FROM files WHERE tenant = ? AND id = ?", (tenant, file_id)
-                ).rowcount
-                > 0
-            )
+        return await self._sql.transaction(_changed, DELETE_FILE, (tenant, file_id)) > 0
 
     # -- batches ----------------------------------------------------------------------------
 
     async def add_batch(self, batch: Batch, lines: list[Line]) -> None:
-        with self._transaction() as db:
-            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
-            db.execute(
-                "INSERT INTO batches VALUES (?, ?, ?, ?)",
-                (batch.id, batch.tenant, seq, batch.to_row()),
-            )
-            db.executemany(
-                "INSERT INTO lines VALUES (?, ?, ?, ?, 'pending', NULL)",
-                [(batch.id, line.index, line.custom_id, json.dumps(line.body)) for line in lines],
-            )
-            if batch.status in ACTIVE:
-                db.execute("INSERT INTO claims (batch_id) VALUES (?)", (batch.id,))
+        await self._sql.transaction(_add_batch, batch, lines)
 
     async def batch(self, tenant: str | None, batch_id: str) -> Batch | None:
-        return _batch(self._db, tenant, batch_id)
+        return await self._sql.read(_batch, tenant, batch_id)
 
     async def batches(self, tenant: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
-        start = None
-        if after is not None:
-            found = self._db.execute(
-                "SELECT seq FROM batches WHERE tenant = ? AND id = ?", (tenant, after)
-            ).fetchone()
-            start = found[0] if found is not None else None
-        rows = self._db.execute(
-            "SELECT body FROM batches WHERE tenant = ? AND (? IS NULL OR seq < ?) "
-            "ORDER BY seq DESC LIMIT ?",
-            (tenant, start, start, limit + 1),
-        ).fetchall()
+        rows = await self._sql.read(_batches, tenant, after, limit + 1)
         return [Batch.from_row(row[0]) for row in rows[:limit]], len(rows) > limit
 
     async def statuses(self) -> list[str]:
-        return [
-            status
-            for (status,) in self._db.execute("SELECT json_extract(body, '$.status') FROM batches")
-        ]
+        rows = await self._sql.read(_all, "SELECT json_extract(body, '$.status') FROM batches", ())
+        return [status for (status,) in rows]
 
     async def cancel(self, tenant: str, batch_id: str, now: int) -> Batch | None:
-        with self._transaction() as db:
-            batch = _batch(db, tenant, batch_id)
-            if batch is not None and batch.status in CANCELLABLE:
-                batch.status, batch.times["cancelling"] = "cancelling", now
-                _save(db, batch)
-            return batch
+        return await self._sql.transaction(_cancel, tenant, batch_id, now)
 
     # -- claims -----------------------------------------------------------------------------
 
     async def claimable(self, owner: str) -> list[str]:
-        rows = self._db.execute(
-            "SELECT batch_id FROM claims WHERE owner IS NULL OR owner = ? OR until < ?",
-            (owner, self.clock()),
-        )
+        rows = await self._sql.read(_all, CLAIMABLE, (owner, self.clock()))
         return [batch_id for (batch_id,) in rows]
 
     async def claim(self, batch_id: str, owner: str, lease_s: float) -> Batch | None:
-        now = self.clock()
-        with self._transaction() as db:
-            taken = db.execute(
-                "UPDATE claims SET owner = ?, until = ? WHERE batch_id = ? AND "
-                "(owner IS NULL OR owner = ? OR until < ?)",
-                (owner, now + lease_s, batch_id, owner, now),
-            ).rowcount
-            return _batch(db, None, batch_id) if taken else None
+        return await self._sql.transaction(_claim, batch_id, owner, self.clock(), lease_s)
 
     async def renew(self, owner: str, batch_ids: Collection[str], lease_s: float) -> dict[str, str]:
         ids = json.dumps(sorted(batch_ids))
-        with self._transaction() as db:
-            db.execute(
-                "UPDATE claims SET until = ? WHERE owner = ? AND batch_id IN "
-                "(SELECT value FROM json_each(?))",
-                (self.clock() + lease_s, owner, ids),
-            )
-            rows = db.execute(
-                "SELECT claims.batch_id, json_extract(batches.body, '$.status') FROM claims "
-                "JOIN batches ON batches.id = claims.batch_id WHERE claims.owner = ? AND "
-                "claims.batch_id IN (SELECT value FROM json_each(?))",
-                (owner, ids),
-            ).fetchall()
-        return dict(rows)
+        return await self._sql.transaction(_renew, owner, ids, self.clock() + lease_s)
 
     async def release(self, batch_id: str, owner: str) -> None:
-        with self._transaction() as db:
-            db.execute(
-                "UPDATE claims SET owner = NULL, until = 0 WHERE batch_id = ? AND owner = ?",
-                (batch_id, owner),
-            )
+        await self._sql.transaction(_changed, RELEASE, (batch_id, owner))
 
     # -- lines ------------------------------------------------------------------------------
 
     async def pending(self, batch_id: str, limit: int, skip: Collection[int] = ()) -> list[Line]:
-        rows = self._db.execute(
-            "SELECT idx, custom_id, body FROM lines WHERE batch_id = ? AND state = 'pending' "
-            "AND idx NOT IN (SELECT value FROM json_each(?)) ORDER BY idx LIMIT ?",
-            (batch_id, json.dumps(sorted(skip)), limit),
-        ).fetchall()
+        rows = await self._sql.read(_all, PENDING, (batch_id, json.dumps(sorted(skip)), limit))
         return [Line(idx, custom_id, json.loads(body)) for idx, custom_id, body in rows]
 
     async def finish_line(
         self, batch_id: str, index: int, state: str, result: dict[str, Any]
     ) -> Batch:
-        with self._transaction() as db:
-            changed = db.execute(
-                "UPDATE lines SET state = ?, result = ? WHERE batch_id = ? AND idx = ? AND "
-                "state = 'pending'",
-                (state, json.dumps(result), batch_id, index),
-            ).rowcount
-            batch = _batch(db, None, batch_id)
-            assert batch is not None
-            if changed:
-                batch.request_counts["completed" if state == "done" else "failed"] += 1
-                _save(db, batch)
-            return batch
+        return await self._sql.transaction(_finish_line, batch_id, index, state, result)
 
     async def results(self, batch_id: str, state: str) -> list[str]:
-        rows = self._db.execute(
-            "SELECT result FROM lines WHERE batch_id = ? AND state = ? ORDER BY idx",
-            (batch_id, state),
-        )
+        rows = await self._sql.read(_all, RESULTS, (batch_id, state))
         return [result for (result,) in rows]
 
     async def finalize(
         self, batch_id: str, status: str, output: bytes, errors: bytes, now: int
     ) -> Batch:
-        with self._transaction() as db:
-            batch = _batch(db, None, batch_id)
-            assert batch is not None
-            if batch.status not in ACTIVE:
-                return batch
-            for content, attribute, name in (
-                (output, "output_file_id", "output"),
-                (errors, "error_file_id", "errors"),
-            ):
-                if content:
-                    file = file_object(
-                        "file-" + uuid.uuid4().hex,
-                        len(content),
-                        now,
-                        f"{batch.id}_{name}.jsonl",
-                        "batch_output",
-                    )
-                    _insert_file(db, batch.tenant, file, content)
-                    setattr(batch, attribute, file["id"])
-            finished(batch, status, now)
-            _save(db, batch)
-            db.execute("DELETE FROM claims WHERE batch_id = ?", (batch_id,))
-            return batch
+        return await self._sql.transaction(_finalize, batch_id, status, output, errors, now)
+
+
+# The statements and transactions, each run on the store's thread.
+
+FILE = "SELECT id, bytes, created_at, filename, purpose FROM files WHERE tenant = ? AND id = ?"
+FILES = (
+    "SELECT id, bytes, created_at, filename, purpose FROM files WHERE tenant = ? AND "
+    "(? IS NULL OR purpose = ?) ORDER BY created_at DESC, id"
+)
+FILE_CONTENT = "SELECT content FROM files WHERE tenant = ? AND id = ?"
+DELETE_FILE = "DELETE FROM files WHERE tenant = ? AND id = ?"
+CLAIMABLE = "SELECT batch_id FROM claims WHERE owner IS NULL OR owner = ? OR until < ?"
+RELEASE = "UPDATE claims SET owner = NULL, until = 0 WHERE batch_id = ? AND owner = ?"
+PENDING = (
+    "SELECT idx, custom_id, body FROM lines WHERE batch_id = ? AND state = 'pending' "
+    "AND idx NOT IN (SELECT value FROM json_each(?)) ORDER BY idx LIMIT ?"
+)
+RESULTS = "SELECT result FROM lines WHERE batch_id = ? AND state = ? ORDER BY idx"
+
+
+def _one(db: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> Any:
+    return db.execute(sql, args).fetchone()
+
+
+def _all(db: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> list[Any]:
+    return db.execute(sql, args).fetchall()
+
+
+def _changed(db: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> int:
+    return db.execute(sql, args).rowcount
+
+
+def _create(db: sqlite3.Connection) -> None:
+    statements(db, SCHEMA)
+    db.execute(CLAIMS_FOR_ACTIVE)
+
+
+def _add_batch(db: sqlite3.Connection, batch: Batch, lines: list[Line]) -> None:
+    seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
+    db.execute(
+        "INSERT INTO batches VALUES (?, ?, ?, ?)", (batch.id, batch.tenant, seq, batch.to_row())
+    )
+    db.executemany(
+        "INSERT INTO lines VALUES (?, ?, ?, ?, 'pending', NULL)",
+        [(batch.id, line.index, line.custom_id, json.dumps(line.body)) for line in lines],
+    )
+    if batch.status in ACTIVE:
+        db.execute("INSERT INTO claims (batch_id) VALUES (?)", (batch.id,))
+
+
+def _batches(db: sqlite3.Connection, tenant: str, after: str | None, limit: int) -> list[Any]:
+    start = None
+    if after is not None:
+        found = db.execute(
+            "SELECT seq FROM batches WHERE tenant = ? AND id = ?", (tenant, after)
+        ).fetchone()
+        start = found[0] if found is not None else None
+    return db.execute(
+        "SELECT body FROM batches WHERE tenant = ? AND (? IS NULL OR seq < ?) "
+        "ORDER BY seq DESC LIMIT ?",
+        (tenant, start, start, limit),
+    ).fetchall()
+
+
+def _cancel(db: sqlite3.Connection, tenant: str, batch_id: str, now: int) -> Batch | None:
+    batch = _batch(db, tenant, batch_id)
+    if batch is not None and batch.status in CANCELLABLE:
+        batch.status, batch.times["cancelling"] = "cancelling", now
+        _save(db, batch)
+    return batch
+
+
+def _claim(
+    db: sqlite3.Connection, batch_id: str, owner: str, now: float, lease_s: float
+) -> Batch | None:
+    taken = db.execute(
+        "UPDATE claims SET owner = ?, until = ? WHERE batch_id = ? AND "
+        "(owner IS NULL OR owner = ? OR until < ?)",
+        (owner, now + lease_s, batch_id, owner, now),
+    ).rowcount
+    return _batch(db, None, batch_id) if taken else None
+
+
+def _renew(db: sqlite3.Connection, owner: str, ids: str, until: float) -> dict[str, str]:
+    db.execute(
+        "UPDATE claims SET until = ? WHERE owner = ? AND batch_id IN "
+        "(SELECT value FROM json_each(?))",
+        (until, owner, ids),
+    )
+    rows = db.execute(
+        "SELECT claims.batch_id, json_extract(batches.body, '$.status') FROM claims "
+        "JOIN batches ON batches.id = claims.batch_id WHERE claims.owner = ? AND "
+        "claims.batch_id IN (SELECT value FROM json_each(?))",
+        (owner, ids),
+    ).fetchall()
+    return dict(rows)
+
+
+def _finish_line(
+    db: sqlite3.Connection, batch_id: str, index: int, state: str, result: dict[str, Any]
+) -> Batch:
+    changed = db.execute(
+        "UPDATE lines SET state = ?, result = ? WHERE batch_id = ? AND idx = ? AND "
+        "state = 'pending'",
+        (state, json.dumps(result), batch_id, index),
+    ).rowcount
+    batch = _batch(db, None, batch_id)
+    assert batch is not None
+    if changed:
+        batch.request_counts["completed" if state == "done" else "failed"] += 1
+        _save(db, batch)
+    return batch
+
+
+def _finalize(
+    db: sqlite3.Connection, batch_id: str, status: str, output: bytes, errors: bytes, now: int
+) -> Batch:
+    batch = _batch(db, None, batch_id)
+    assert batch is not None
+    if batch.status not in ACTIVE:
+        return batch
+    for content, attribute, name in (
+        (output, "output_file_id", "output"),
+        (errors, "error_file_id", "errors"),
+    ):
+        if content:
+            file = file_object(
+                "file-" + uuid.uuid4().hex,
+                len(content),
+                now,
+                f"{batch.id}_{name}.jsonl",
+                "batch_output",
+            )
+            _insert_file(db, batch.tenant, file, content)
+            setattr(batch, attribute, file["id"])
+    finished(batch, status, now)
+    _save(db, batch)
+    db.execute("DELETE FROM claims WHERE batch_id = ?", (batch_id,))
+    return batch
 
 
 def _batch(db: sqlite3.Connection, tenant: str | None, batch_id: str) -> Batch | None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,12 +22,11 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from server.core.sqlite import SqliteDatabase, statements
 from server.generations.ports import StoredResponse
 from server.generations.registry import evictions, past_retention
 from server.generations.run import GenerationRun
 from server.openai.responses_api import ResponseBuilder, ResponseEvent
-
-BUSY_TIMEOUT_S = 5.0  # for another process's write to the same database to end
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -125,7 +123,8 @@ class _Entry(NamedTuple):
 class SqliteResponses:
     """Ended responses in `directory/responses.sqlite3` (in memory with no directory): the
     `ResponseStore` of one host. WAL mode, each write one transaction that waits its turn, so
-    processes sharing the directory share the responses, and none locks the others out."""
+    processes sharing the directory share the responses, and none locks the others out. Its
+    calls run on threads of its own (`SqliteDatabase`), never on the event loop."""
 
     def __init__(
         self,
@@ -137,66 +136,59 @@ class SqliteResponses:
         self.retention_seconds = retention_seconds
         self.max_bytes = max_bytes
         self._clock = clock
-        path = ":memory:"
+        path: Path | str = ":memory:"
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
-            path = str(directory / "responses.sqlite3")
-        self._db = sqlite3.connect(
-            path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
-        self._lock = threading.Lock()  # one connection: one statement at a time
+            path = directory / "responses.sqlite3"
+        self._sql = SqliteDatabase(path)
+        self._sql.transaction_now(statements, SCHEMA)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
+        self._sql.close()
 
     async def put(self, response: StoredResponse) -> None:
-        await asyncio.to_thread(self._put, response)
+        await self._sql.transaction(self._put, response)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        return await asyncio.to_thread(self._get, tenant, response_id)
+        row = await self._sql.read(
+            lambda db: db.execute(
+                "SELECT body, ended_at FROM responses WHERE tenant = ? AND id = ?",
+                (tenant, response_id),
+            ).fetchone()
+        )
+        if row is None:
+            return None
+        stored = StoredResponse(tenant, response_id, bytes(row[0]), row[1])
+        if past_retention(stored, self._clock(), self.retention_seconds):
+            return None  # (dropped by the next write)
+        return stored
 
-    def _put(self, response: StoredResponse) -> None:
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                db.execute(
-                    "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
-                    (
-                        response.tenant,
-                        response.response_id,
-                        response.ended_at,
-                        response.size,
-                        response.body,
-                    ),
-                )
-                self._sweep(response.tenant)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+    def _put(self, db: sqlite3.Connection, response: StoredResponse) -> None:
+        db.execute(
+            "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+            (
+                response.tenant,
+                response.response_id,
+                response.ended_at,
+                response.size,
+                response.body,
+            ),
+        )
+        self._sweep(db, response.tenant)
 
-    def _sweep(self, tenant: str) -> None:
+    def _sweep(self, db: sqlite3.Connection, tenant: str) -> None:
         """Drop every tenant's responses past their retention, then this tenant's oldest
         while its responses hold more than the bound."""
-        self._evict("", (), 0)
-        (total,) = self._db.execute(
+        self._evict(db, "", (), 0)
+        (total,) = db.execute(
             "SELECT COALESCE(SUM(size), 0) FROM responses WHERE tenant = ?", (tenant,)
         ).fetchone()
-        self._evict("WHERE tenant = ?", (tenant,), total)
+        self._evict(db, "WHERE tenant = ?", (tenant,), total)
 
-    def _evict(self, where: str, args: tuple[str, ...], total: int) -> None:
+    def _evict(self, db: sqlite3.Connection, where: str, args: tuple[str, ...], total: int) -> None:
         """Drop what `evictions` says of the responses `where` picks (`total`: their bytes),
         read oldest first, and only as far as it drops."""
-        rows = self._db.execute(
+        rows = db.execute(
             f"SELECT tenant, id, ended_at, size FROM responses {where} ORDER BY ended_at", args
         )
         dropped = [
@@ -210,17 +202,4 @@ class SqliteResponses:
             )
         ]
         rows.close()
-        self._db.executemany("DELETE FROM responses WHERE tenant = ? AND id = ?", dropped)
-
-    def _get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT body, ended_at FROM responses WHERE tenant = ? AND id = ?",
-                (tenant, response_id),
-            ).fetchone()
-        if row is None:
-            return None
-        stored = StoredResponse(tenant, response_id, bytes(row[0]), row[1])
-        if past_retention(stored, self._clock(), self.retention_seconds):
-            return None  # (dropped by the next write)
-        return stored
+        db.executemany("DELETE FROM responses WHERE tenant = ? AND id = ?", dropped)

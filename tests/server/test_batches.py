@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -402,3 +404,55 @@ def test_a_batch_on_the_real_engine(vllm_server: SluiceProcess) -> None:
     lines = output_of(client, batch.output_file_id)
     assert sorted(line["custom_id"] for line in lines) == [f"req-{i}" for i in range(4)]
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 6 for line in lines)
+
+
+HOLD_WRITE_LOCK = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")  # the write lock: every other writer waits for it
+print("locked", flush=True)
+sys.stdin.readline()
+db.execute("COMMIT")
+"""
+
+
+def test_a_held_write_lock_delays_the_batch_not_a_chat(slow_server) -> None:  # type: ignore[no-untyped-def]
+    """Another process holds the batch database's write lock while a batch runs: the batch's
+    writes wait for it (on the store's thread), and a chat streams all its tokens meanwhile.
+    Then the lock goes, and the batch completes with every line."""
+    server, _ = slow_server
+    client = client_for(server)
+    batch_id = start_batch(client, chat_lines(200, max_tokens=60))
+    wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 3, 60)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_WRITE_LOCK, str(server.args.data_dir / "batches.sqlite3")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        held = client.batches.retrieve(batch_id).request_counts.completed
+        # ~2 s of tokens: lines end and the claim is renewed meanwhile, writes that must wait.
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 100,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 100
+        # The chat ended while the batch's write still waited for the lock (a write that
+        # blocked the loop would have held the chat until it gave up: "database is locked",
+        # and the batch let go). Reads went on meanwhile.
+        assert holder.poll() is None
+        assert "claimed again" not in server.log()
+        assert client.batches.retrieve(batch_id).request_counts.completed == held
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        holder.wait(10)
+    batch = wait_for(client, batch_id, {"completed"}, 120)
+    assert batch.request_counts.completed == 200

@@ -13,7 +13,6 @@ would have given them.
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,7 +117,7 @@ class RequestTimeline:
         gaps = self.itl[self._flushed_gaps :]
         if gaps:
             self._flushed_gaps = len(self.itl)
-            observe_all(self.metrics.inter_token_latency.labels(*labels), gaps)
+            self.metrics.inter_token_latency.labels(*labels).observe_many(gaps)
 
     def timings(self) -> dict[str, Any]:
         """The request's own timings, in seconds, for the `timings` object beside `usage`."""
@@ -207,23 +206,6 @@ class RequestTimeline:
                 preemptions=self.generation.preemptions if self.generation is not None else 0,
             )
         )
-
-
-def observe_all(histogram: Any, values: list[float]) -> None:
-    """`histogram.observe(v)` for each of `values`, in one pass: each value counted in the
-    first bucket whose bound it does not exceed, as `observe` counts it.
-
-    (prometheus_client has no call for many observations; this writes its child's bucket
-    and sum values as `Histogram.observe` does, under their own locks.)
-    """
-    bounds = histogram._upper_bounds
-    counts = [0] * len(bounds)
-    for value in values:
-        counts[bisect_left(bounds, value)] += 1
-    for bucket, n in zip(histogram._buckets, counts, strict=True):
-        if n:
-            bucket.inc(n)
-    histogram._sum.inc(sum(values))
 
 
 def _round(value: float | None) -> float | None:

@@ -14,6 +14,7 @@ from functools import partial
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from server.core.errors import OUTCOMES, REJECTION_CODES
+from server.observability.histograms import BatchedHistogram
 
 
 def _by_decade(*decades: tuple[float, ...]) -> tuple[float, ...]:
@@ -108,12 +109,14 @@ class Metrics:
             _BY_CLASS,
             buckets=_LATENCY_BUCKETS,
         )
-        self.inter_token_latency = histogram(
+        # Flushed a stream's second of gaps at a time (hundreds of values in one call).
+        self.inter_token_latency = BatchedHistogram(
             "sluice_inter_token_latency_seconds",
             "Gap between consecutive writes of generated tokens to the client, divided evenly "
             "among the tokens of the later write.",
             _BY_CLASS,
             buckets=_ITL_BUCKETS,
+            registry=registry,
         )
         self.stream_median_gap = histogram(
             "sluice_stream_median_gap_seconds",

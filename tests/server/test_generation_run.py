@@ -12,7 +12,8 @@ import itertools
 import json
 
 import pytest
-from prometheus_client import Histogram
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.utils import floatToGoString
 
 from engine_adapters.sim import SimConfig, SimEngine
 from server.api.app import build_app
@@ -226,9 +227,10 @@ def test_per_token_metrics_are_flushed_as_one_by_one_observations_would_be() -> 
     now = [0.0]
     metrics = Metrics()
     timeline = RequestTimeline("r", "m", "chat", metrics, arrival=0.0, clock=lambda: now[0])
-    reference = Histogram(
-        "reference", "", buckets=metrics.inter_token_latency._upper_bounds, registry=None
-    )
+    # prometheus_client's own histogram, one `observe` a token, with the same buckets.
+    bounds = metrics.inter_token_latency.bounds
+    reference_registry = CollectorRegistry()
+    reference = Histogram("reference", "", buckets=bounds, registry=reference_registry)
     labels = {"model": "m", "traffic_class": "interactive"}
 
     def sample(name: str, **extra: str) -> float | None:
@@ -249,16 +251,13 @@ def test_per_token_metrics_are_flushed_as_one_by_one_observations_would_be() -> 
     timeline.finish("completed")
     assert sample("sluice_generated_tokens_total") == 14
     assert sample("sluice_time_to_first_token_seconds_count") == 1
-    for bound in (*reference._upper_bounds[:-1], float("inf")):
-        le = "+Inf" if bound == float("inf") else repr(bound)
-        expected = sum(
-            reference._buckets[i].get()
-            for i, upper in enumerate(reference._upper_bounds)
-            if upper <= bound
-        )
+    for le in map(floatToGoString, bounds):
+        expected = reference_registry.get_sample_value("reference_bucket", {"le": le})
         assert sample("sluice_inter_token_latency_seconds_bucket", le=le) == expected, le
     assert sample("sluice_inter_token_latency_seconds_count") == 13
-    assert sample("sluice_inter_token_latency_seconds_sum") == pytest.approx(reference._sum.get())
+    assert sample("sluice_inter_token_latency_seconds_sum") == pytest.approx(
+        reference_registry.get_sample_value("reference_sum")
+    )
 
 
 async def test_cancelled_before_its_task_began_it_still_ends_once(sluice: Generations) -> None:

@@ -9,6 +9,11 @@ the frontend's cost: HTTP, SSE, detokenizing, and for Sluice its scheduling too.
 
     python bench/api_cpu.py [--rounds 3] [--streams 64] [--tokens 256]
     python bench/api_cpu.py --old-root /tmp/old   # and an older checkout's Sluice beside them
+    python bench/api_cpu.py --streams 256 --tokens 1 --rounds 5   # per request: short ones
+
+With `--tokens 1` or 2, what is measured is the cost of a request itself (parsing, admission,
+the response's set-up and teardown, the access log), and the figures are also given per
+request.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ def main() -> None:
         median = statistics.median(per_token[name])
         print(
             f"median API-process CPU per token: {name} {median:.1f} µs ({median / vllm:.2f}x vLLM)"
+            f"; per request: {median * args.tokens / 1000:.2f} ms"
         )
 
 

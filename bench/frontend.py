@@ -9,10 +9,9 @@ server process's CPU per token (user and system apart):
 
 * floor: a bare uvicorn ASGI app (same loop and HTTP parser as Sluice) that writes the same
   OpenAI chunks, one per token, yielding to the loop between tokens, and nothing else;
-* framework: the same chunks from a Starlette app, streamed by sse-starlette's
-  `EventSourceResponse` (its task group: the stream, pings, the disconnect and shutdown
-  listeners) and over Starlette's `WebSocket`: what the libraries Sluice is built on cost by
-  themselves, per stream and per event;
+* framework: the same chunks from a Starlette app, streamed by Starlette's `StreamingResponse`
+  (its task group: the stream and the disconnect listener) and over Starlette's `WebSocket`:
+  what the library Sluice is built on costs by itself, per stream and per event;
 * sluice: `sluice serve` on the `sim` engine at near-zero step cost (0.2 ms a step, 512 seats),
   so what is measured is the frontend: scheduler, run, log, encoder, transport. The engine
   keeps its own clock (`--sim-catch-up-steps`, `--catch-up-steps` here: 16), as an engine in
@@ -131,15 +130,15 @@ def floor_app():  # type: ignore[no-untyped-def]
 
 
 def framework_app():  # type: ignore[no-untyped-def]
-    """The floor's chunks through Starlette, sse-starlette and Starlette's WebSocket."""
+    """The floor's chunks through Starlette's StreamingResponse and WebSocket."""
     import orjson
-    from sse_starlette import EventSourceResponse
     from starlette.applications import Starlette
     from starlette.requests import Request
+    from starlette.responses import StreamingResponse
     from starlette.routing import Route, WebSocketRoute
     from starlette.websockets import WebSocket
 
-    async def chat(request: Request) -> EventSourceResponse:
+    async def chat(request: Request) -> StreamingResponse:
         tokens = orjson.loads(await request.body())["max_tokens"]
 
         async def chunks():  # type: ignore[no-untyped-def]
@@ -151,7 +150,7 @@ def framework_app():  # type: ignore[no-untyped-def]
             usage = b'{"completion_tokens":%d}' % tokens
             yield b'data: {"choices":[],"usage":' + usage + b"}\n\ndata: [DONE]\n\n"
 
-        return EventSourceResponse(chunks(), ping=15)
+        return StreamingResponse(chunks(), media_type="text/event-stream")
 
     async def ws(websocket: WebSocket) -> None:
         await websocket.accept()

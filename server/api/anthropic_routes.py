@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp
@@ -67,8 +66,8 @@ async def count_tokens(services: Services, request: Request) -> Response:
     return JSONResponse({"input_tokens": len(tokens)})
 
 
-def _ping() -> ServerSentEvent:
-    return ServerSentEvent(event="ping", data='{"type": "ping"}')
+def _ping() -> bytes:
+    return b'event: ping\ndata: {"type": "ping"}\n\n'
 
 
 class MessageResponse(RunResponse):

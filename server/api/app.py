@@ -23,7 +23,6 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
-from starlette.types import Receive, Scope, Send
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
 from server.api import anthropic_routes, batch_api_routes, responses_routes
@@ -43,7 +42,6 @@ from server.api.openapi import openapi_json
 from server.api.responses_ws import responses_websocket
 from server.api.send_guard import SendGuard
 from server.api.services import BatchServices, Services
-from server.api.sse import RAW_SEND
 from server.api.tokenizer_routes import detokenize, tokenize, version
 from server.api.ws_routes import websocket_endpoint
 from server.batch_api.runner import BatchRunner
@@ -74,14 +72,9 @@ HEALTH_POLL_SECONDS = 1.0
 
 
 class SluiceApp(Starlette):
-    """The Starlette app, with the services its routes were handed. The server's own `send`
-    is kept in each scope (`RAW_SEND`): a stream writes its chunks there."""
+    """The Starlette app, with the services its routes were handed."""
 
     services: Services
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope[RAW_SEND] = send
-        await super().__call__(scope, receive, send)
 
 
 async def health(request: Request) -> Response:

@@ -37,15 +37,12 @@ class Edge:
         self,
         content: AsyncIterator[bytes],
         headers: Mapping[str, str] | None = None,
-        ping_message_factory: Callable[[], Any] | None = None,
+        ping: Callable[[], bytes] | None = None,
     ) -> SSEResponse:
-        """A stream of `content`'s SSE bytes, its sends watched, pinged every `ping_seconds`."""
+        """A stream of `content`'s SSE bytes, its sends watched, pinged every `ping_seconds`
+        (with `ping`'s event, or a comment)."""
         return SSEResponse(
-            content,
-            self.send_guard,
-            headers=headers,
-            ping=self.ping_seconds,
-            ping_message_factory=ping_message_factory,
+            content, self.send_guard, headers=headers, ping_seconds=self.ping_seconds, ping=ping
         )
 
 

@@ -401,7 +401,7 @@ class RunResponse:
     `_events` and `ping`; the reader's lifecycle stays this one.
     """
 
-    ping: Callable[[], Any] | None = None  # sse-starlette's keep-alive event (None: its own)
+    ping: Callable[[], bytes] | None = None  # the keep-alive event (None: an SSE comment)
 
     def __init__(
         self, services: Services, run: GenerationRun, *, after: int = 0, replayed: bool = False

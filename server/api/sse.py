@@ -1,43 +1,115 @@
-"""The SSE response every stream is sent with: sse-starlette's (pings, the disconnect
-listener, one task group per stream), with its sends bounded by the server-wide `SendGuard`
-(no cancel scope per token) and its body chunks written straight to the server.
+"""The SSE response every stream is sent with, on Starlette's public `StreamingResponse`.
 
-Starlette's middlewares wrap `send` to watch a response's start (its status, whether it
-began); a body chunk only passes through them, three wrappers a token. The app keeps the
-server's own `send` in the scope (`RAW_SEND`, set by `SluiceApp`), and a stream's chunks go
-there; its start and its end go through the middlewares as every response's do.
+One task per stream besides the request's own: it waits for the client's `http.disconnect`
+(uvicorn's `send` to a client that left is silently dropped, ASGI 2.3) and then cancels the
+stream, as a disconnect must stop the generation behind it. Keep-alive pings are a timer, not
+a task: every `ping_seconds` one comment (or the API's own ping event) is sent, from a task
+made for that send alone. Every send is bounded by the server-wide `SendGuard` (no cancel
+scope per token): a stalled client's stream is cancelled like one that left.
+
+A stream's chunks may be written from another task than the request's (`write`: a run only
+this reader reads writes its events itself, `GenerationRun.written`); the request's task then
+waits in the content iterator for the run to end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
-from sse_starlette import EventSourceResponse
-from starlette.types import Message, Receive, Scope, Send
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from server.api.send_guard import SendGuard
 
-RAW_SEND = "sluice.send"  # the scope's key for the server's own send
+PING = b": ping\n\n"  # a comment: every SSE client skips it
+HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}  # no proxy buffers it
 
 
-class SSEResponse(EventSourceResponse):
-    def __init__(self, content: Any, guard: SendGuard, **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
+class SSEResponse(StreamingResponse):
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        guard: SendGuard,
+        *,
+        headers: Mapping[str, str] | None = None,
+        ping_seconds: float,
+        ping: Callable[[], bytes] | None = None,
+    ) -> None:
+        super().__init__(content, headers={**HEADERS, **(headers or {})})
         self._guard = guard
+        self._ping_seconds = ping_seconds
+        self._ping = ping
         self._chunk: Send | None = None
+        self._ping_send: Send | None = None
+        self._ended = False
+        self._pinged: asyncio.Task[None] | None = None  # the ping being sent, if any
+        self._timer: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._chunk = self._guard.wrap(scope.get(RAW_SEND, send))
-        await super().__call__(scope, receive, self._guard.wrap(send))
+        chunk = self._chunk = self._guard.wrap(send)
+        self._ping_send = self._guard.wrap(send)  # its own watch: it may overlap a chunk
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        left: list[bool] = []
+
+        def client_left(_: asyncio.Future[None]) -> None:
+            if not self._ended:  # (a callback run after the stream ended: nothing to stop)
+                left.append(True)
+                streaming.cancel()
+
+        gone = asyncio.ensure_future(_disconnect(receive))
+        gone.add_done_callback(client_left)
+        try:
+            await chunk(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            self._arm()
+            async for body in self.body_iterator:
+                await chunk({"type": "http.response.body", "body": body, "more_body": True})
+            await chunk({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left:
+                raise  # not the client's leaving: the guard's, or the server's
+            streaming.uncancel()  # the client left: the stream simply ends
+        finally:
+            self._disarm()  # first, with no await before it: `client_left` cancels no more
+            gone.cancel()
 
     def write(self, chunk: bytes) -> Awaitable[None]:
         """Send `chunk` now, from whichever task (a run's own: `GenerationRun.written`)."""
         assert self._chunk is not None, "the response has begun"
         return self._chunk({"type": "http.response.body", "body": chunk, "more_body": True})
 
-    async def _send_with_timeout(self, send: Send, message: Message) -> None:
-        # sse-starlette's hook for each chunk and ping (its per-send timeout in 3.x): the
-        # guard bounds them instead.
-        assert self._chunk is not None
-        await self._chunk(message)
+    def _arm(self) -> None:
+        if not self._ended:
+            self._timer = asyncio.get_running_loop().call_later(self._ping_seconds, self._ping_now)
+
+    def _disarm(self) -> None:
+        self._ended = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._pinged is not None:
+            self._pinged.cancel()
+
+    def _ping_now(self) -> None:
+        self._pinged = asyncio.ensure_future(self._send_ping())
+
+    async def _send_ping(self) -> None:
+        body = PING if self._ping is None else self._ping()
+        with contextlib.suppress(Exception):  # a failed ping ends nothing: the stream's send will
+            assert self._ping_send is not None
+            await self._ping_send({"type": "http.response.body", "body": body, "more_body": True})
+        self._arm()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -38,8 +38,11 @@ async def serving(
     server = uvicorn.Server(uvicorn.Config(app, log_level="error"))
     task = asyncio.create_task(server.serve(sockets=[listener]))
     try:
-        while not server.started:
+        for _ in range(1000):
+            if server.started:
+                break
             await asyncio.sleep(0.01)  # polling interval, not a stand-in for a condition
+        assert server.started
         yield int(listener.getsockname()[1]), server
     finally:
         server.should_exit = True

@@ -7,10 +7,9 @@ piled up between full passes and the server's memory grew. Each case here runs o
 ending with the collector off, then asks it what it would have had to free.
 
 A real uvicorn server on loopback in this process (the collector must see its objects), the
-sim engine behind it. Only Sluice's per-request objects are counted: sse-starlette's anyio task
-group leaves cycles of its own around a streamed answer's connection (anyio's `task_done` keeps
-a CancelledError in a local of the frame that raised it), and around the whole request when the
-client leaves mid-stream, which is why that case is not here.
+sim engine behind it. Only Sluice's per-request objects are counted. A client that leaves
+mid-stream is not among the cases: its stream ends by a cancellation, whose error's traceback
+holds the frames it passed through.
 """
 
 from __future__ import annotations

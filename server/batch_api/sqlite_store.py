@@ -22,7 +22,15 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from server.batch_api.store import ACTIVE, CANCELLABLE, Batch, Line, file_object, finished
+from server.batch_api.store import (
+    ACTIVE,
+    CANCELLABLE,
+    Batch,
+    Line,
+    file_object,
+    finished,
+    output_files,
+)
 from server.core.sqlite import SqliteDatabase, statements
 
 SCHEMA = """
@@ -262,20 +270,8 @@ def _finalize(
     assert batch is not None
     if batch.status not in ACTIVE:
         return batch
-    for content, attribute, name in (
-        (output, "output_file_id", "output"),
-        (errors, "error_file_id", "errors"),
-    ):
-        if content:
-            file = file_object(
-                "file-" + uuid.uuid4().hex,
-                len(content),
-                now,
-                f"{batch.id}_{name}.jsonl",
-                "batch_output",
-            )
-            _insert_file(db, batch.tenant, file, content)
-            setattr(batch, attribute, file["id"])
+    for file, content in output_files(batch, output, errors, now):
+        _insert_file(db, batch.tenant, file, content)
     finished(batch, status, now)
     _save(db, batch)
     db.execute("DELETE FROM claims WHERE batch_id = ?", (batch_id,))

@@ -19,6 +19,7 @@ the store, and the owner reads it when it renews.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -105,6 +106,29 @@ def file_object(
         "filename": filename,
         "purpose": purpose,
     }
+
+
+def output_files(
+    batch: Batch, output: bytes, errors: bytes, now: int
+) -> list[tuple[dict[str, Any], bytes]]:
+    """The files a batch's end writes, its output's and its errors' (each only if not empty),
+    as (file object, content); each named on the batch (`output_file_id`, `error_file_id`)."""
+    files = []
+    for content, attribute, name in (
+        (output, "output_file_id", "output"),
+        (errors, "error_file_id", "errors"),
+    ):
+        if content:
+            file = file_object(
+                "file-" + uuid.uuid4().hex,
+                len(content),
+                now,
+                f"{batch.id}_{name}.jsonl",
+                "batch_output",
+            )
+            setattr(batch, attribute, file["id"])
+            files.append((file, content))
+    return files
 
 
 def finished(batch: Batch, status: str, now: int) -> str:

@@ -40,6 +40,7 @@ from server.batch_api.store import (
     Line,
     file_object,
     finished,
+    output_files,
 )
 from server.core.errors import StateUnavailable, StoreUnavailable
 from server.state.backend import PROBE_SECONDS, RedisState
@@ -334,21 +335,7 @@ class RedisBatchStore:
             assert batch is not None
             if batch.status not in ACTIVE:
                 return batch
-            files = []
-            for content, attribute, name in (
-                (output, "output_file_id", "output"),
-                (errors, "error_file_id", "errors"),
-            ):
-                if content:
-                    file = file_object(
-                        "file-" + uuid.uuid4().hex,
-                        len(content),
-                        now,
-                        f"{batch.id}_{name}.jsonl",
-                        "batch_output",
-                    )
-                    files.append((file, content))
-                    setattr(batch, attribute, file["id"])
+            files = output_files(batch, output, errors, now)
             finished(batch, status, now)
             # The files first: a batch that names them never lacks them (a round lost to a
             # change made meanwhile leaves them unnamed, and deletes them).

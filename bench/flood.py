@@ -90,6 +90,7 @@ class Measurements:
     bulk_tokens: int = 0
     bulk_failures: int = 0
     samples: dict[str, list[float]] = field(default_factory=dict)  # Sluice's gauges, sampled
+    counted: dict[str, list[float]] = field(default_factory=dict)  # Sluice's counters, sampled
 
     def in_window(self, t: float) -> bool:
         return self.window_start <= t < self.window_end
@@ -317,6 +318,11 @@ SAMPLED = {
     "controller_aim": ("sluice_bulk_controller_aim{", "", 1.0),
     "chat_gap_share": ("sluice_chat_gap_share{", "", 1.0),
 }
+# Sluice counters, reported as their increase over the window: bulk requests stopped, by cause.
+COUNTED = {
+    f"preempted_{cause}": ("sluice_bulk_preemptions_total{", f'cause="{cause}"')
+    for cause in ("chats_far_over", "step_over_target", "waiting_chat")
+}
 
 
 async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asyncio.Event) -> None:
@@ -330,6 +336,9 @@ async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asynci
                             value = scale * float(line.rsplit(" ", 1)[1])
                             if math.isfinite(value):
                                 m.samples.setdefault(key, []).append(value)
+                    for key, (prefix, holds) in COUNTED.items():
+                        if line.startswith(prefix) and holds in line:
+                            m.counted.setdefault(key, []).append(float(line.rsplit(" ", 1)[1]))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 2.0)
 
@@ -449,6 +458,7 @@ def summarise(
             for key, values in m.samples.items()
             if values
         },
+        **{key: round(values[-1] - values[0]) for key, values in m.counted.items()},
     }
     if slo is not None:
         ttft_limit, gap_limit = slo

@@ -14,6 +14,7 @@ from functools import partial
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from server.core.errors import OUTCOMES, REJECTION_CODES
+from server.observability.counters import CounterReadAtScrape
 from server.observability.histograms import BatchedHistogram
 
 
@@ -254,6 +255,15 @@ class Metrics:
             "The median gap share the controller holds chats at, learned so that "
             "slo.attainment_goal of chats keep their targets.",
             ["model"],
+        )
+        self.bulk_preemptions = CounterReadAtScrape(
+            "sluice_bulk_preemptions_total",
+            "Running bulk requests the scheduler named to stop (each resumes later), by cause: "
+            "chats_far_over (bulk over its cap while chats measure far over their gap target), "
+            "step_over_target (bulk over its cap and a step predicted far over the target), "
+            "waiting_chat (a chat waited preempt_bulk_after_s with no budget room).",
+            ["model", "cause"],
+            registry=registry,
         )
         self.resumed_prefill_tokens = counter(
             "sluice_resumed_prefill_tokens",

@@ -52,6 +52,7 @@ from server.scheduler.quotas import TenantQuotas
 from server.scheduler.types import (
     BULK,
     INTERACTIVE,
+    PreemptCause,
     RejectReason,
     SloTargets,
     Ticket,
@@ -146,7 +147,8 @@ class SchedulerCore:
         self._mean_reserved = 1024.0
         self._many_tenants = len(config.tenants) > 1
         self._preempt_considered: str | None = None  # head already judged past its threshold
-        self.preemptions_total = 0
+        self.preemptions_total = 0  # requeued
+        self.preempted_for = dict.fromkeys(PreemptCause, 0)  # named to stop, by cause
 
     # --- admission ---------------------------------------------------------------------
     def submit(self, ticket: Ticket, now: float) -> Admitted | Rejected:
@@ -543,6 +545,10 @@ class SchedulerCore:
                 chosen.append(entry.ticket)
         return chosen
 
+    def _stopping(self, cause: PreemptCause, entries: list[_Running]) -> list[_Running]:
+        self.preempted_for[cause] += len(entries)
+        return entries
+
     def _victims(self) -> list[_Running]:
         """Running preemptible bulk not yet named, the cheapest to resume first."""
         block = self.ledger.limits.block_size
@@ -570,14 +576,14 @@ class SchedulerCore:
         # as it ends, unless chats measure far over their target, or the model predicts a
         # step far over it (bulk grown while no chat was about).
         if self.controller.median > FAR_OVER:
-            return self._victims()[:excess]
+            return self._stopping(PreemptCause.CHATS_FAR_OVER, self._victims()[:excess])
         step = self.estimates.steps.at(self._sequences - self._preempting)
         limit = self.bulk_cap.step_limit()
         if self.controller.enabled:
             limit *= FAR_OVER
         if step <= limit:
             return []
-        return self._victims()[:excess]
+        return self._stopping(PreemptCause.STEP_OVER_TARGET, self._victims()[:excess])
 
     def _for_waiting_chat(self, now: float) -> list[_Running]:
         """Returns [] unless the interactive head has waited its threshold, does not fit, and
@@ -597,7 +603,7 @@ class SchedulerCore:
             if self.ledger.fits(
                 head, bulk_waiting=True, freeing=leaving + [e.ticket for e in chosen]
             ):
-                return chosen
+                return self._stopping(PreemptCause.WAITING_CHAT, chosen)
         return []  # even stopping every bulk request would not make room
 
     def requeue(self, request_id: str, now: float) -> Ticket | None:

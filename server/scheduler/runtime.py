@@ -22,7 +22,7 @@ from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import Calibration, calibrate
 from server.scheduler.core import Rejected, SchedulerCore
 from server.scheduler.refusals import refusal_error
-from server.scheduler.types import Admission, Ticket, TrafficClass
+from server.scheduler.types import Admission, PreemptCause, Ticket, TrafficClass
 from server.scheduler.wakeup import WakeupTimer
 
 
@@ -368,6 +368,10 @@ class SchedulerRuntime:
         )
         metrics.controller_scale.labels(model).set_function(lambda: core.controller.scale)
         metrics.controller_aim.labels(model).set_function(lambda: core.controller.aim)
+        for cause in PreemptCause:
+            metrics.bulk_preemptions.set_function(
+                (model, cause), partial(core.preempted_for.__getitem__, cause)
+            )
 
 
 def _now(

@@ -32,6 +32,14 @@ class RejectReason(StrEnum):
     DUPLICATE_ID = "duplicate_id"
 
 
+class PreemptCause(StrEnum):
+    """Why the scheduler named a running bulk request to stop (it resumes where it was)."""
+
+    CHATS_FAR_OVER = "chats_far_over"  # bulk over its cap, chats measured far over their target
+    STEP_OVER_TARGET = "step_over_target"  # bulk over its cap, the model's step far over it
+    WAITING_CHAT = "waiting_chat"  # a chat waited its threshold with no budget room
+
+
 @dataclass(frozen=True, slots=True)
 class SloTargets:
     """What an interactive request is promised: seconds to its first token, and between

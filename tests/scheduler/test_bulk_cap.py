@@ -10,6 +10,7 @@ import pytest
 
 from server.scheduler.attainment import MIN_GAPS
 from server.scheduler.core import SchedulerCore
+from server.scheduler.types import PreemptCause
 
 from .helpers import BULK, admit, config, core, ids, ticket
 
@@ -69,6 +70,7 @@ def test_a_chat_stops_the_bulk_beyond_the_gap_target_cheapest_to_resume_first() 
     kept = set(cost) - set(victims)
     assert max(cost[v] for v in victims) <= min(cost[k] for k in kept)
     assert s.poll(1.0).preempted == []  # each named once
+    assert s.preempted_for[PreemptCause.STEP_OVER_TARGET] == 23  # (no feedback: the model)
 
 
 def test_paused_bulk_waits_out_the_chats_and_the_hold_then_resumes_first() -> None:
@@ -311,6 +313,7 @@ def test_under_feedback_bulk_over_the_cap_is_stopped_only_for_chats_measured_far
     # end by itself (each stop costs a prefill chats wait behind); far over, it stops at once.
     assert s.bulk_allowed(1.0) == 9
     assert len(step.preempted) == stopped
+    assert s.preempted_for == {**dict.fromkeys(PreemptCause, 0), "chats_far_over": stopped}
 
 
 def test_under_feedback_the_cap_leaves_room_for_as_many_chats_as_usually_run() -> None:

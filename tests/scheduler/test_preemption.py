@@ -8,6 +8,7 @@ import pytest
 
 from server.core.config import ConfigError, parse_config
 from server.scheduler.core import SchedulerCore
+from server.scheduler.types import PreemptCause
 
 from .helpers import BULK, admit, config, core, ids, ticket
 
@@ -40,6 +41,7 @@ def test_a_chat_preempts_the_latest_bulk_once_it_has_waited_the_threshold() -> N
     assert s.poll(1.499).preempted == []
     victims = s.poll(1.5).preempted
     assert ids(victims) == ["bulk3"]  # most recently dispatched, and one is enough
+    assert s.preempted_for[PreemptCause.WAITING_CHAT] == 1
     assert s.poll(1.5).preempted == []  # named once
     assert s.stage("bulk3") == "running"  # holds its budget until the shell requeues it
     s.generated("bulk3", 40, 1.5)

@@ -222,6 +222,10 @@ async def test_preempted_bulk_stream_resumes_and_delivers_every_token() -> None:
             chat_tokens = [token async for delta in generation for token in delta.token_ids]
         assert len(chat_tokens) == 8
         assert runtime.core.preemptions_total == 1
+        stopped = runtime.metrics.registry.get_sample_value(
+            "sluice_bulk_preemptions_total", {"model": "sim", "cause": "waiting_chat"}
+        )
+        assert stopped == 1
         assert not any(s.done() for s in streams)  # the chat did not wait for bulk to end
         assert [len(tokens) for tokens in await asyncio.gather(*streams)] == [400, 400]
         assert runtime.core.is_idle()

@@ -95,8 +95,8 @@ class WebSocketSession:
         try:
             while True:
                 try:
-                    raw = await self.ws.receive_text()
-                except (WebSocketDisconnect, KeyError, RuntimeError):
+                    message = await self.ws.receive()
+                except (WebSocketDisconnect, RuntimeError):
                     return
                 except asyncio.CancelledError:
                     # The writer gave up on a stalled client: end the connection's work now,
@@ -104,6 +104,15 @@ class WebSocketSession:
                     if self.stalled and serving.uncancel() == 0:
                         return
                     raise
+                if message["type"] == "websocket.disconnect":
+                    return
+                raw = message.get("text")
+                if raw is None:  # a binary frame: JSON in UTF-8 is as good
+                    try:
+                        raw = message["bytes"].decode()
+                    except UnicodeDecodeError:
+                        await self.ws.close(1007, "a message is JSON, in UTF-8")
+                        return
                 await self.handle(raw)
         finally:
             self.closing = True

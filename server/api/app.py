@@ -60,7 +60,7 @@ from server.generations.service import Generations
 from server.observability.metrics import Metrics
 from server.responses_api.service import Responses
 from server.responses_api.store import SqliteResponses
-from server.scheduler.types import Dispatcher
+from server.scheduler.types import Dispatcher, TrafficClass
 from server.state.backend import RedisState
 from server.state.responses import RedisResponses
 from server.state.runs import RedisRuns
@@ -287,7 +287,13 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         services.ready = False
-        metrics.initialise(served_model, planner.tenants.metric_labels())
+        tenants = planner.tenants
+        metrics.initialise(served_model, tenants.metric_labels())
+        for label in (*tenants.metric_labels(), "other"):
+            for asked in TrafficClass:
+                metrics.class_downgrades.set_function(
+                    (label, asked), partial(tenants.downgrades.__getitem__, (label, asked))
+                )
         await engine.start()
         if shared is not None:
             await shared.start()

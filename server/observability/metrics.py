@@ -202,6 +202,13 @@ class Metrics:
             "Requests refused before or instead of dispatch, by reason.",
             [*_BY_CLASS, "reason", "tenant"],
         )
+        self.class_downgrades = CounterReadAtScrape(
+            "sluice_traffic_class_downgrades_total",
+            "Requests that asked for a traffic class their tenant may not use, served in the "
+            "tenant's default class instead, by tenant and the class asked for.",
+            ["tenant", "asked"],
+            registry=registry,
+        )
         self.deadline_misses = counter(
             "sluice_deadline_misses",
             "Requests whose deadline passed before they completed (expired queued or aborted "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,6 +107,8 @@ class TenantDirectory:
             name: Tenant(name, tenant_config, configured=True)
             for name, tenant_config in config.tenants.items()
         }
+        # Tickets made in a class other than the one asked for, by (tenant label, asked).
+        self.downgrades: Counter[tuple[str, TrafficClass]] = Counter()
 
     @property
     def is_open(self) -> bool:
@@ -171,6 +173,9 @@ class TenantDirectory:
         n: int = 1,
     ) -> Ticket:
         traffic_class = self.traffic_class(tenant, service_tier, asked_class)
+        wanted = requested_class(service_tier, asked_class)
+        if wanted is not None and wanted is not traffic_class:
+            self.downgrades[tenant.metric_label, wanted] += 1
         timeout = (
             timeout_s if timeout_s is not None else (self._config.classes[traffic_class].deadline_s)
         )

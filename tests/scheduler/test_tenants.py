@@ -125,6 +125,9 @@ def test_class_is_capped_by_what_the_tenant_may_use() -> None:
     d = directory(yaml.safe_load(YAML))
     t = make(d, "sk-batch", traffic_class_header="interactive")
     assert t.traffic_class is BULK  # downgraded to the tenant's default, not refused
+    make(d, "sk-batch", traffic_class_header="bulk")
+    make(d, "sk-acme", traffic_class_header="interactive")
+    assert d.downgrades == {("batchco", CHAT): 1}  # counted, for the metric
 
 
 def test_bad_class_values_are_invalid_requests() -> None:

@@ -28,9 +28,9 @@ from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
 from server.openai.chat import NOT_IN_BATCH
+from server.openai.chunks import DONE, ChunkEncoder, usage
 from server.openai.completion import split_prompts
 from server.openai.requests import parse_request
-from server.openai.responses import DONE, ChunkEncoder, usage
 
 logger = logging.getLogger("sluice.server")
 

@@ -37,8 +37,8 @@ from server.core.errors import (
 )
 from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
+from server.openai.chunks import chat_logprobs, usage
 from server.openai.requests import parse_request
-from server.openai.responses import chat_logprobs, usage
 
 MAX_GENERATIONS_PER_CONNECTION = 256
 _NOT_FINGERPRINTED = ("type", "id", "idempotency_key")

@@ -25,10 +25,11 @@ from server.core.errors import (
     ModelNotFound,
     UnsupportedParameter,
 )
-from server.generations.run import Shape, engine_failure
+from server.generations.assembler import Shape
+from server.generations.run import engine_failure
 from server.generations.timeline import RequestTimeline
+from server.openai.chunks import Echo
 from server.openai.parsed import ParsedRequest
-from server.openai.responses import Echo
 from server.scheduler.types import Dispatcher, Ticket, TrafficClass
 from server.tenancy.tenants import Tenant, TenantDirectory
 
@@ -241,6 +242,7 @@ class Planner:
         response_id: str,
         first_index: int = 0,
         created: int | None = None,
+        chunks: bool = True,
     ) -> Shape:
         prompt_ids = engine_request.prompt_token_ids
         return Shape(
@@ -254,6 +256,7 @@ class Planner:
             prompt_token_ids=prompt_ids if parsed.return_token_ids else None,
             echo=self._echo(parsed, prompt_ids),
             stream_interval=max(self.stream_interval, parsed.stream_interval or 1),
+            chunks=chunks,
         )
 
     def _echo(self, parsed: ParsedRequest, prompt_ids: Sequence[int]) -> Echo | None:

@@ -17,7 +17,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from engine_adapters.protocol import (
@@ -25,8 +24,6 @@ from engine_adapters.protocol import (
     EngineError,
     EngineRequestError,
     EngineUnsupported,
-    OutputParser,
-    TokenDelta,
 )
 from server.core.errors import (
     EngineUnavailable,
@@ -37,12 +34,11 @@ from server.core.errors import (
     StateUnavailable,
     UnsupportedParameter,
 )
+from server.generations.assembler import Shape, StreamAssembler, Unrendered
 from server.generations.log import Event, EventLog, Kind
 from server.generations.ports import LogFollower, LogMirror
 from server.generations.timeline import RequestTimeline
-from server.openai.choices import Choices
-from server.openai.parsed import ParsedRequest
-from server.openai.responses import DONE, ChunkEncoder, Echo, usage, whole_response
+from server.openai.chunks import DONE, ChunkEncoder, whole_response
 from server.scheduler.types import Admission, Generation
 
 logger = logging.getLogger("sluice.server")
@@ -58,22 +54,6 @@ def _joins(first: Event, event: Event) -> bool:
     )
 
 
-def _filled(
-    delta: TokenDelta, held: dict[int, TokenDelta], begun: set[int], interval: int
-) -> TokenDelta | None:
-    """`delta` with the tokens held back before it, once it fills a chunk of `interval`
-    tokens (or is its choice's first or last); None: it is held back too."""
-    before = held.pop(delta.index, None)
-    if before is not None:
-        delta = before.followed_by(delta)
-    if delta.finish_reason is None and delta.index in begun and len(delta.token_ids) < interval:
-        held[delta.index] = delta
-        return None
-    if delta.token_ids:
-        begun.add(delta.index)
-    return delta
-
-
 def engine_failure(exc: EngineError) -> SluiceError:
     """An engine's error as the client's: what it cannot do or refuses is a 400."""
     if isinstance(exc, EngineDeadError):
@@ -85,34 +65,6 @@ def engine_failure(exc: EngineError) -> SluiceError:
     if isinstance(exc, EngineRequestError):
         return InvalidRequest(str(exc), param=exc.param)
     return GenerationFailed(f"generation failed: {exc}")
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """What the client asked the output to look like, fixed when the run is made."""
-
-    parsed: ParsedRequest
-    model: str
-    response_id: str  # after "chatcmpl-"/"cmpl-": the id of its chunks and body
-    stream: bool
-    new_parser: Callable[[], OutputParser] | None = None  # one per choice
-    prompt_token_ids: Sequence[int] | None = None  # with vLLM's return_token_ids
-    echo: Echo | None = None  # what comes before the generated text
-    first_index: int = 0  # its choice 0's index in the response (one of several prompts)
-    created: int | None = None  # its chunks' `created` (None: when its encoder is made)
-    stream_interval: int = 1  # tokens per chunk, but a choice's first and last (vLLM's)
-
-    @property
-    def public_id(self) -> str:
-        return ("chatcmpl-" if self.parsed.kind == "chat" else "cmpl-") + self.response_id
-
-    def choices(self, *, keep: bool) -> Choices:
-        return Choices(
-            self.parsed.n,
-            self.new_parser,
-            keep=keep,
-            logprobs=self.parsed.sampling.get("logprobs") is not None,
-        )
 
 
 Deliver = Callable[[int, list[Event]], Awaitable[None]]  # (number of the last, events)
@@ -171,7 +123,8 @@ class GenerationRun:
         # Nobody can come back for a run that is not resumable: its log holds only what its
         # one reader has not taken.
         self.log = EventLog(stream=shape.stream, keep=resumable)
-        self.encoder: ChunkEncoder | None = None  # a stream's, once it is dispatched here
+        # A stream's, once it is dispatched here (`Unrendered`: its readers render their own).
+        self.encoder: ChunkEncoder | Unrendered | None = None
         self._admission: Admission[Any] | None = admission
         self._on_end = on_end
         self._mirror = mirror
@@ -277,170 +230,26 @@ class GenerationRun:
             self._end()
 
     async def _stream(self, generation: Generation) -> None:
-        shape, timeline, parsed = self.shape, self.timeline, self.shape.parsed
-        encoder = ChunkEncoder(
-            parsed.kind,
-            shape.response_id,
-            shape.model,
-            parsed.include_usage,
-            parsed.continuous_usage,
-            timeline.prompt_tokens,
-            shape.prompt_token_ids,
-            shape.first_index,
-            shape.created,
-        )
-        self.encoder = encoder
-        with_ids = shape.prompt_token_ids is not None  # each chunk carries its token ids
-        echo = shape.echo
-        answer = echo is None or not echo.prompt_only  # whether the text generated is sent
-        choices = shape.choices(keep=False)
-        append = self.log.append
-        if self.log:  # taken over: the earlier replica's events are the stream's beginning
-            sent: dict[int, int] = {}  # characters of text, per choice
-            for event in self.log:
-                sent[event.index] = sent.get(event.index, 0) + len(event.text)
-            encoder.continuing(sent)
-            timeline.generated_tokens = sum(e.tokens for e in self.log)
-            for event in self.log:  # the output parser reads what was sent, sending nothing
-                if event.kind is Kind.PIECE:
-                    choices.replay(
-                        event.index,
-                        event.text,
-                        event.token_ids,
-                        bool(event.fields and "tool_calls" in event.fields),
-                    )
+        """The loop: each engine delta through the assembler into the log, and the log
+        written to a reader that writes in this task (`written`) after each."""
+        timeline, log = self.timeline, self.log
+        assembler = StreamAssembler(self.shape, timeline.prompt_tokens, log.append)
+        self.encoder = assembler.encoder
+        if log:  # taken over: the earlier replica's events are the stream's beginning
+            assembler.resume(log)
+            timeline.generated_tokens = assembler.generated
         else:
-            for index in range(choices.n):
-                if parsed.kind == "chat":
-                    append(Event(Kind.OPEN, encoder.role(index), index))
-                if echo is not None and echo.text:
-                    append(Event(Kind.OPEN, encoder.text(echo.text, 0, None, index), index))
-        last = None  # the choice that finishes last: its chunk ends the stream
-        # Ids and text of deltas with nothing to show (the parser holds the text back), carried
-        # by the next event: the log holds every token, and every character the parser read.
-        unsent: list[int] = []
-        unsent_text = ""
-        interval = shape.stream_interval
-        held: dict[int, TokenDelta] = {}  # per choice: tokens waiting to fill a chunk
-        begun: set[int] = set()  # choices whose first tokens were sent
+            assembler.begin()
+        add = assembler.add
         async for delta in generation:
-            if interval > 1:
-                filled = _filled(delta, held, begun, interval)
-                if filled is None:
-                    continue
-                delta = filled
-            count = len(delta.token_ids)
+            count = add(delta)
             if count:
                 timeline.wrote_tokens(count)
-            choice, fields = choices.add(delta)
-            shown = bool(
-                fields or delta.logprobs or (with_ids and delta.token_ids)
-                if choices.parsed
-                else answer and (delta.text or delta.logprobs or (with_ids and delta.token_ids))
-            )
-            # Tokens with no text of their own ride on the next piece; a choice's last ones
-            # get a piece, so that the pieces' counts add up to the tokens generated.
-            shown = shown or bool(answer and delta.finish_reason is not None and (unsent or count))
-            if shown:
-                sse = (
-                    encoder.delta(
-                        fields or {},
-                        timeline.generated_tokens,
-                        delta.logprobs,
-                        choice.index,
-                        delta.token_ids,
-                    )
-                    if choices.parsed
-                    else encoder.text(
-                        delta.text,
-                        timeline.generated_tokens,
-                        delta.logprobs,
-                        choice.index,
-                        delta.token_ids,
-                    )
-                )
-                # (With return_token_ids every delta with tokens is shown: `unsent` is empty
-                # whenever the ids are rendered.)
-                ids = [*unsent, *delta.token_ids] if unsent else delta.token_ids
-                append(
-                    Event(
-                        Kind.PIECE,
-                        sse,
-                        choice.index,
-                        unsent_text + delta.text,
-                        len(ids),
-                        fields,
-                        delta.logprobs,
-                        ids,
-                    )
-                )
-                unsent, unsent_text = [], ""
-            else:
-                unsent.extend(delta.token_ids)
-                unsent_text += delta.text
-            if delta.finish_reason is not None:
-                if choices.left:  # not the last to finish: its own finishing chunk now
-                    append(
-                        Event(
-                            Kind.FINISH,
-                            encoder.finish(
-                                Choices.finish_reason(choice),
-                                choice.stop_reason,
-                                None,
-                                timeline.generated_tokens,
-                                choice.index,
-                            ),
-                            choice.index,
-                        )
-                    )
-                else:
-                    last = choice
             if self._writer is not None:
                 await self._writer.flush()
-        choices.check_all_finished()
-        assert last is not None
-        finish_reason = Choices.finish_reason(last)
-        summary = {
-            "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
-            "timings": timeline.timings(),
-        }
-        ended = [(c.index, Choices.finish_reason(c)) for c in choices.in_order()]
-        # (vLLM's stop_reason too: the stop string that ended choice 0, read by /v1/messages)
-        final: dict[str, Any] = {
-            "finish_reason": ended[0][1],
-            "stop_reason": choices.in_order()[0].stop_reason,
-        }
-        if choices.n > 1:
-            final["choices"] = [{"index": i, "finish_reason": r} for i, r in ended]
-        final.update(summary)
-        generated = timeline.generated_tokens
-        if parsed.include_usage:
-            append(
-                Event(
-                    Kind.FINISH,
-                    encoder.finish(finish_reason, last.stop_reason, None, generated, last.index),
-                    last.index,
-                    final=final,
-                )
-            )
-            append(Event(Kind.USAGE, encoder.usage_chunk(summary)))
-        else:
-            append(
-                Event(
-                    Kind.FINISH,
-                    encoder.finish(
-                        finish_reason,
-                        last.stop_reason,
-                        {"timings": summary["timings"]},
-                        generated,
-                        last.index,
-                    ),
-                    last.index,
-                    final=final,
-                )
-            )
+        assembler.end(timeline.timings())
         timeline.finish("completed")
-        append(Event(Kind.DONE, DONE))
+        log.append(Event(Kind.DONE, DONE))
 
     async def _whole(self, generation: Generation) -> None:
         shape, timeline = self.shape, self.timeline

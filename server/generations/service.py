@@ -35,6 +35,8 @@ from server.openai.parsed import ParsedRequest
 from server.openai.requests import parse_request
 from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass
 
+CHUNK_APIS = ("chat", "completions")  # whose streams are OpenAI's chunks
+
 
 @dataclass(slots=True)
 class Generations:
@@ -346,6 +348,9 @@ class Generations:
             # A resumable generation's id is found again by it: never the client's.
             response_id=response_id or (uuid.uuid4().hex if resumable else timeline.request_id),
             created=created,
+            # OpenAI's chunks, for the APIs that speak them, and for any transport that may
+            # come back for a resumable run by its id; the other APIs' readers render their own.
+            chunks=resumable or timeline.api in CHUNK_APIS,
         )
         run = GenerationRun(
             shape,

@@ -1,8 +1,6 @@
 """OpenAI's Responses API on the wire: `POST /v1/responses`'s body, translated to the chat
 request Sluice runs, and the response object and its stream events, built from a chat's
-output as it comes (`ResponseBuilder`).
-
-Not `server.openai.responses`, which encodes chat and completion chunks."""
+output as it comes (`ResponseBuilder`)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,8 @@ import orjson
 from pydantic import Discriminator, Field, Tag
 
 from server.openai.chat import REASONING_EFFORTS
+from server.openai.chunks import chat_logprobs
 from server.openai.generation_body import Logprobs, SamplingFields
-from server.openai.responses import chat_logprobs
 from server.openai.wire import OnlyDefault, WireModel
 
 if TYPE_CHECKING:

@@ -26,8 +26,8 @@ from server.generations.run import Event, GenerationRun, Kind
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.observability.metrics import Metrics
+from server.openai.chunks import ChunkEncoder
 from server.openai.requests import parse_request
-from server.openai.responses import ChunkEncoder
 from server.scheduler.runtime import SchedulerRuntime
 
 OPTIMISTIC = {

@@ -1,0 +1,120 @@
+"""Each streamed delta is encoded once, into the wire format its client speaks: OpenAI's chunks
+for the chat API alone; Anthropic's events, the Responses API's and Sluice's WebSocket
+messages rendered from the run's typed events, with no OpenAI chunk made for them."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import websockets
+from conftest import InProcessSluice
+
+from server.anthropic.replies import MessageStream
+from server.api import ws_routes
+from server.openai.chunks import ChunkEncoder
+from server.openai.responses_api import ResponseBuilder
+
+HELLO = [{"role": "user", "content": "Tell me about the sea."}]
+TOKENS = 24
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    """What each API's per-delta encoder rendered, counted, and the chunk encoders made (the
+    in-process server runs this code)."""
+    counted: Counter[str] = Counter()
+
+    def count(name: str, owner: Any, attribute: str) -> None:
+        original: Callable[..., Any] = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            rendered = original(*args, **kwargs)
+            if rendered or attribute == "__init__":
+                counted[name] += 1
+            return rendered
+
+        monkeypatch.setattr(owner, attribute, counting)
+
+    count("chunk encoders", ChunkEncoder, "__init__")
+    count("chunk", ChunkEncoder, "text")
+    count("chunk", ChunkEncoder, "delta")
+    count("anthropic", MessageStream, "text")
+    count("responses", ResponseBuilder, "text")
+    count("ws", ws_routes, "ws_message")
+    yield counted
+
+
+def model(server: InProcessSluice) -> str:
+    return str(httpx.get(server.url + "/v1/models").json()["data"][0]["id"])
+
+
+def sse_data(server: InProcessSluice, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", server.url + path, json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    return [orjson.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+
+
+def test_a_chat_stream_encodes_one_chunk_per_delta(
+    sim_server: InProcessSluice, calls: Counter[str]
+) -> None:
+    body = {"model": model(sim_server), "messages": HELLO, "max_tokens": TOKENS, "stream": True}
+    chunks = sse_data(sim_server, "/v1/chat/completions", body)
+    texts = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert texts
+    assert calls == {"chunk encoders": 1, "chunk": len(texts)}
+
+
+def test_an_anthropic_stream_encodes_its_own_events_and_no_openai_chunk(
+    sim_server: InProcessSluice, calls: Counter[str]
+) -> None:
+    body = {"model": model(sim_server), "messages": HELLO, "max_tokens": TOKENS, "stream": True}
+    events = sse_data(sim_server, "/v1/messages", body)
+    deltas = [e for e in events if e["type"] == "content_block_delta"]
+    assert deltas
+    assert calls == {"anthropic": len(deltas)}
+
+
+def test_a_responses_stream_encodes_its_own_events_and_no_openai_chunk(
+    sim_server: InProcessSluice, calls: Counter[str]
+) -> None:
+    body = {
+        "model": model(sim_server),
+        "input": "Tell me about the sea.",
+        "max_output_tokens": TOKENS,
+        "stream": True,
+        "store": False,
+    }
+    events = sse_data(sim_server, "/v1/responses", body)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas
+    assert calls == {"responses": len(deltas)}
+
+
+def test_a_websocket_stream_encodes_its_own_messages_and_no_openai_chunk(
+    sim_server: InProcessSluice, calls: Counter[str]
+) -> None:
+    request = {"model": model(sim_server), "messages": HELLO, "max_tokens": TOKENS}
+
+    async def stream() -> list[dict[str, Any]]:
+        url = sim_server.url.replace("http", "ws") + "/v1/ws"
+        received = []
+        async with websockets.connect(url) as ws:
+            await ws.send(orjson.dumps({"type": "generate", "id": "a", "request": request}))
+            while True:
+                message = orjson.loads(await ws.recv())
+                received.append(message)
+                if message["type"] in ("final", "error"):
+                    return received
+
+    messages = asyncio.run(stream())
+    assert messages[-1]["type"] == "final"
+    assert calls == {"ws": len(messages)}

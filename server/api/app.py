@@ -14,44 +14,27 @@ import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, PlainTextResponse, Response
-from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.responses import Response
+from starlette.routing import Route
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
-from server.api import anthropic_routes, batch_api_routes, responses_routes
 from server.api.access import AccessLogMiddleware
-from server.api.edge import Edge, context_of
-from server.api.openai_routes import (
-    JSONResponse,
-    chat_completions,
-    chat_completions_batch,
-    completions,
-    error_response,
-    invocations,
-    resume_chat_completion,
-    resume_completion,
-)
-from server.api.openapi import openapi_json
-from server.api.responses_ws import responses_websocket
+from server.api.edge import Edge
+from server.api.openai_routes import error_response
+from server.api.routes import prometheus_metrics, routes, served_parts
 from server.api.send_guard import SendGuard
 from server.api.services import BatchServices, Services
-from server.api.tokenizer_routes import detokenize, tokenize, version
-from server.api.ws_routes import websocket_endpoint
 from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore
 from server.core.config import SluiceConfig
 from server.core.errors import (
-    EngineUnavailable,
     MethodNotAllowed,
     RouteNotFound,
-    ShuttingDown,
     SluiceError,
 )
 from server.generations.planner import Planner
@@ -67,7 +50,6 @@ from server.state.runs import RedisRuns
 from server.tenancy.tenants import TenantDirectory
 
 logger = logging.getLogger("sluice.server")
-STATIC = Path(__file__).parent / "static"
 HEALTH_POLL_SECONDS = 1.0
 
 
@@ -75,53 +57,6 @@ class SluiceApp(Starlette):
     """The Starlette app, with the services its routes were handed."""
 
     services: Services
-
-
-async def health(request: Request) -> Response:
-    return JSONResponse({"status": "alive"})
-
-
-async def ready(services: Services, request: Request) -> Response:
-    if services.generations.draining:
-        return error_response(ShuttingDown("the server is shutting down", retry_after=1))
-    if services.ready and services.engine.is_healthy:
-        return JSONResponse({"status": "ready", "model": services.served_model})
-    return error_response(EngineUnavailable("the engine is not ready", retry_after=5))
-
-
-async def models(services: Services, request: Request) -> Response:
-    services.planner.tenant_of(context_of(request))
-    info = services.engine.model
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": services.served_model,
-                    "object": "model",
-                    "created": services.started,
-                    "owned_by": "sluice",
-                    "root": info.path,
-                    "max_model_len": info.max_model_len,
-                }
-            ],
-        }
-    )
-
-
-async def prometheus_metrics(services: Services, request: Request) -> Response:
-    """The app's own registry (one per app: `Metrics`)."""
-    services.metrics.engine_unfinished_requests.labels(services.served_model).set(
-        services.engine.num_unfinished_requests()
-    )
-    return Response(services.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-
-async def chat_page(request: Request) -> Response:
-    page = STATIC / "index.html"
-    if not page.is_file():
-        return PlainTextResponse("Sluice is running. The chat page is not installed.")
-    return FileResponse(page, media_type="text/html")
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -149,63 +84,6 @@ def metrics_app(services: Services) -> Starlette:
         routes=[Route("/metrics", partial(prometheus_metrics, services))],
         exception_handlers={HTTPException: http_error},
     )
-
-
-def routes(services: Services, *, metrics_route: bool = True) -> list[BaseRoute]:
-    """Every route, each handed `services`."""
-
-    def post(path: str, endpoint: Callable[..., Any]) -> Route:
-        return Route(path, partial(endpoint, services), methods=["POST"])
-
-    def get(path: str, endpoint: Callable[..., Any]) -> Route:
-        return Route(path, partial(endpoint, services))
-
-    batches = batch_api_routes
-    return [
-        Route("/", chat_page),
-        Route("/health", health),
-        get("/ready", ready),
-        *([get("/metrics", prometheus_metrics)] if metrics_route else []),
-        get("/v1/models", models),
-        Route("/version", version),
-        Route("/openapi.json", openapi_json),
-        post("/tokenize", tokenize),
-        post("/detokenize", detokenize),
-        post("/v1/chat/completions", chat_completions),
-        post("/v1/completions", completions),
-        post("/invocations", invocations),
-        post("/v1/chat/completions/batch", chat_completions_batch),
-        post("/v1/messages", anthropic_routes.messages),
-        post("/v1/messages/count_tokens", anthropic_routes.count_tokens),
-        get("/v1/chat/completions/{id}/stream", resume_chat_completion),
-        get("/v1/completions/{id}/stream", resume_completion),
-        *(
-            []
-            if services.responses is None
-            else [
-                post("/v1/responses", responses_routes.create_response),
-                get("/v1/responses/{id}", responses_routes.get_response),
-                post("/v1/responses/{id}/cancel", responses_routes.cancel_response),
-                WebSocketRoute("/v1/responses", partial(responses_websocket, services)),
-            ]
-        ),
-        WebSocketRoute("/v1/ws", partial(websocket_endpoint, services)),
-        *(
-            []
-            if services.batches is None
-            else [
-                post("/v1/files", batches.create_file),
-                get("/v1/files", batches.list_files),
-                get("/v1/files/{id}", batches.get_file),
-                Route("/v1/files/{id}", partial(batches.delete_file, services), methods=["DELETE"]),
-                get("/v1/files/{id}/content", batches.file_content),
-                post("/v1/batches", batches.create_batch),
-                get("/v1/batches", batches.list_batches),
-                get("/v1/batches/{id}", batches.get_batch),
-                post("/v1/batches/{id}/cancel", batches.cancel_batch),
-            ]
-        ),
-    ]
 
 
 def build_app(
@@ -329,7 +207,7 @@ def build_app(
             await engine.stop()
 
     app = SluiceApp(
-        routes=routes(services, metrics_route=metrics_route),
+        routes=routes(services, served_parts(services, metrics_route=metrics_route)),
         exception_handlers={HTTPException: http_error, SluiceError: sluice_error},
         middleware=[Middleware(AccessLogMiddleware, metrics=metrics)],
         lifespan=lifespan,

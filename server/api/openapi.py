@@ -1,91 +1,94 @@
-"""`GET /openapi.json`: the API as OpenAPI 3.1. Every body's schema is its request model's
-(`server.openai`), lifted into `components`; what is written here is only which path takes
-which model, and what it answers. The schemas describe what is well-formed; what the engine
-then accepts (a tool choice needing a parser, logprobs on an engine without them) is answered
-with a 400 naming the field, as everywhere else."""
+"""`/openapi.json`'s operations, one builder per endpoint, and the document made of them.
+
+The route table (`server.api.routes.ENDPOINTS`) names each endpoint's builder; the document
+lists those the app serves. Every body is a model's schema, lifted into `components`: a request
+body is its request model's (`server.openai`, `server.anthropic`); a reply is the model its
+API's own SDK declares (`openai.types`, `anthropic.types`: the wire formats as their makers
+maintain them; Sluice's replies add fields, such as `timings`, that clients ignore), or
+Sluice's own (`server.openai.models`) for what no SDK describes. The SDKs are imported when
+the document is first built, not when the server starts. The schemas describe what is
+well-formed; what the engine then accepts (a tool choice needing a parser, logprobs on an
+engine without them) is answered with a 400 naming the field, as everywhere else.
+"""
 
 from __future__ import annotations
 
 import copy
-import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
-from starlette.requests import Request
-from starlette.responses import Response
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from server.anthropic.messages import CountTokensRequest, MessagesRequest
 from server.anthropic.replies import AnthropicErrorBody
-from server.api.openai_routes import JSONResponse
-from server.api.tokenizer_routes import VERSION
 from server.openai.batch import CreateBatch, FileUpload
 from server.openai.chat import NOT_IN_BATCH, ChatCompletionRequest
 from server.openai.completion import CompletionRequest
 from server.openai.error_body import ErrorBody
+from server.openai.models import ModelList, Ready, Status, VersionReply
 from server.openai.responses_api import CreateResponse
-from server.openai.tokenizer import Detokenize, TokenizeChat, TokenizeText
-
-_MODELS: tuple[type[BaseModel], ...] = (
-    ChatCompletionRequest,
-    CompletionRequest,
-    TokenizeText,
-    TokenizeChat,
+from server.openai.tokenizer import (
     Detokenize,
-    CreateBatch,
-    FileUpload,
-    ErrorBody,
-    CreateResponse,
-    MessagesRequest,
-    CountTokensRequest,
-    AnthropicErrorBody,
+    DetokenizeReply,
+    TokenizeChat,
+    TokenizeReply,
+    TokenizeText,
 )
-_OBJ = {"type": "object"}
+
+Operation = dict[str, Any]  # an OpenAPI operation, by method
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """A model's JSON Schema in a body: the document replaces it with its `$ref`."""
+
+    model: type[BaseModel]
+    mode: JsonSchemaMode = "serialization"
+
+
+def _request(model: type[BaseModel]) -> Schema:
+    return Schema(model, "validation")
+
+
 _STR = {"type": "string"}
+_BATCHED = {"$ref": "#/components/schemas/BatchedChatCompletionRequest"}
 
 
-def _ref(model: type[BaseModel]) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-
-def _components() -> dict[str, Any]:
-    """Every model's JSON Schema, the models they hold included, by name."""
-    _, schema = models_json_schema(
-        [(model, "validation") for model in _MODELS], ref_template="#/components/schemas/{model}"
-    )
-    schemas: dict[str, Any] = schema["$defs"]
-    chat = schemas["ChatCompletionRequest"]
-    batched = copy.deepcopy(chat)
-    for name in (*NOT_IN_BATCH, "stream_options"):  # stream_options: only with stream
-        batched["properties"].pop(name)
-    batched["properties"]["messages"] = {
-        "type": "array",
-        "minItems": 1,
-        "items": chat["properties"]["messages"],
-        "description": "conversations: one choice each, in order",
-    }
-    batched["title"] = "BatchedChatCompletionRequest"
-    schemas["BatchedChatCompletionRequest"] = batched
-    return schemas
-
-
-def _json(schema: dict[str, Any]) -> dict[str, Any]:
+def _json(schema: Any) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-_ERRORS = {
-    status: {"description": description, "content": _json(_ref(ErrorBody))}
-    for status, description in (
-        ("400", "bad input, named in `param`"),
-        ("401", "a missing or unknown key"),
-        ("404", "an unknown model"),
-        ("413", "a body over --max-body-bytes"),
-        ("422", "an idempotency key sent again with another body"),
-        ("429", "over a quota or the queue's bound (Retry-After)"),
-        ("503", "the engine is unavailable (Retry-After)"),
-        ("504", "the deadline passed while queued"),
-    )
-}
+def _list(item: Schema) -> dict[str, Any]:
+    """An OpenAI list object of `item`s."""
+    return {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": item},
+            "has_more": {"type": "boolean"},
+            "first_id": {"type": ["string", "null"]},
+            "last_id": {"type": ["string", "null"]},
+        },
+    }
+
+
+def _errors(body: type[BaseModel] = ErrorBody) -> dict[str, Any]:
+    return {
+        status: {"description": description, "content": _json(Schema(body))}
+        for status, description in (
+            ("400", "bad input, named in `param`"),
+            ("401", "a missing or unknown key"),
+            ("404", "an unknown model or object"),
+            ("413", "a body over --max-body-bytes"),
+            ("422", "an idempotency key sent again with another body"),
+            ("429", "over a quota or the queue's bound (Retry-After)"),
+            ("503", "the engine is unavailable (Retry-After)"),
+            ("504", "the deadline passed while queued"),
+        )
+    }
 
 
 def _param(name: str, where: str, schema: dict[str, Any], description: str = "") -> dict[str, Any]:
@@ -101,160 +104,347 @@ _IDEMPOTENCY_KEY = _param(
     "makes the generation resumable; the same key and body answer with it again "
     "(Idempotent-Replayed: true), another body gets 422",
 )
+_SSE = {"text/event-stream": {"schema": _STR}}
+_SEQUENCE = {"type": "integer", "minimum": 0, "maximum": 10**18 - 1}
 
 
-def _generation(summary: str, body: dict[str, Any], *, idempotent: bool = True) -> dict[str, Any]:
+def _reply(description: str, body: Any, *, stream: bool = False) -> dict[str, Any]:
+    return {"description": description, "content": {**_json(body), **(_SSE if stream else {})}}
+
+
+def _generation(
+    summary: str, body: Any, answer: Any, *, idempotent: bool = True, stream: bool = True
+) -> Operation:
     return {
         "post": {
             "summary": summary,
             "parameters": [_IDEMPOTENCY_KEY] if idempotent else [],
             "requestBody": {"required": True, "content": _json(body)},
             "responses": {
-                "200": {
-                    "description": "a whole response, or with `stream` an SSE stream",
-                    "content": {**_json(_OBJ), "text/event-stream": {"schema": _STR}},
-                },
-                **_ERRORS,
-            },
-        }
-    }
-
-
-def _anthropic(
-    summary: str, body: type[BaseModel], answer: str, *, generates: bool = False
-) -> dict[str, Any]:
-    """An Anthropic route: its errors in Anthropic's shape, with Sluice's statuses. One that
-    `generates` streams with `stream`, and takes an idempotency key."""
-    errors = {
-        status: {**spec, "content": _json(_ref(AnthropicErrorBody))}
-        for status, spec in _ERRORS.items()
-    }
-    content = {**_json(_OBJ), **({"text/event-stream": {"schema": _STR}} if generates else {})}
-    return {
-        "post": {
-            "summary": summary,
-            "parameters": [_IDEMPOTENCY_KEY] if generates else [],
-            "requestBody": {"required": True, "content": _json(_ref(body))},
-            "responses": {"200": {"description": answer, "content": content}, **errors},
-        }
-    }
-
-
-def _resume(kind: str) -> dict[str, Any]:
-    return {
-        "get": {
-            "summary": f"resume a streamed {kind} sent with an Idempotency-Key",
-            "parameters": [
-                _param("id", "path", _STR, "the id of the chunks received"),
-                _param("Last-Event-ID", "header", {"type": "string", "pattern": "^[0-9]{1,18}$"}),
-                _param(
-                    "starting_after",
-                    "query",
-                    {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
+                "200": _reply(
+                    "a whole response, or with `stream` an SSE stream" if stream else "a response",
+                    answer,
+                    stream=stream,
                 ),
-            ],
-            "responses": {
-                "200": {
-                    "description": "the events after the one named, then live",
-                    "content": {"text/event-stream": {"schema": _STR}},
-                },
-                **_ERRORS,
+                **_errors(),
             },
         }
     }
 
 
-def _get(summary: str) -> dict[str, Any]:
-    return {"get": {"summary": summary, "responses": {"200": {"description": summary}}}}
+def _get(summary: str, answer: Any) -> Operation:
+    return {"get": {"summary": summary, "responses": {"200": _reply(summary, answer)}}}
 
 
-def _post_json(summary: str, body: dict[str, Any]) -> dict[str, Any]:
+def _post(summary: str, body: Any, answer: Any) -> Operation:
     return {
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": _json(body)},
-            "responses": {"200": {"description": summary, "content": _json(_OBJ)}, **_ERRORS},
+            "responses": {"200": _reply(summary, answer), **_errors()},
         }
     }
 
 
-def _with_id(operation: dict[str, Any], name: str) -> dict[str, Any]:
-    """`operation` on a path naming one of the tenant's objects."""
+def with_id(operation: Callable[[], Operation], name: str) -> Callable[[], Operation]:
+    """`operation` on a path naming one of the tenant's objects (`{id}`: `name`)."""
+
+    def build() -> Operation:
+        return {
+            method: {
+                **spec,
+                "parameters": [_param("id", "path", _STR, name), *spec.get("parameters", [])],
+                "responses": {**spec["responses"], **_errors()},
+            }
+            for method, spec in operation().items()
+        }
+
+    return build
+
+
+# --- the builders, each named in the route table ---------------------------------------------
+
+
+def health() -> Operation:
+    return _get("200 while the process is alive", Schema(Status))
+
+
+def ready() -> Operation:
+    return _get("200 when the engine is ready, else 503", Schema(Ready))
+
+
+def models() -> Operation:
+    return _get("the served model", Schema(ModelList))
+
+
+def version() -> Operation:
+    return _get("Sluice's version", Schema(VersionReply))
+
+
+def itself() -> Operation:
+    return _get("this document", {"type": "object"})
+
+
+def tokenize() -> Operation:
+    texts = {"anyOf": [_request(TokenizeText), _request(TokenizeChat)]}
+    return _post("token ids of a prompt or chat", texts, Schema(TokenizeReply))
+
+
+def detokenize() -> Operation:
+    return _post("the text of token ids", _request(Detokenize), Schema(DetokenizeReply))
+
+
+def chat() -> Operation:
+    from openai.types.chat import ChatCompletion
+
+    return _generation("a chat completion", _request(ChatCompletionRequest), Schema(ChatCompletion))
+
+
+def completion() -> Operation:
+    from openai.types import Completion
+
+    return _generation("a text completion", _request(CompletionRequest), Schema(Completion))
+
+
+def invocations() -> Operation:
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    return _generation(
+        "SageMaker's: a chat or a text completion, by the body",
+        {"anyOf": [_request(ChatCompletionRequest), _request(CompletionRequest)]},
+        {"anyOf": [Schema(ChatCompletion), Schema(Completion)]},
+    )
+
+
+def chat_batch() -> Operation:
+    from openai.types.chat import ChatCompletion
+
+    return _generation(
+        "vLLM's: one chat completion per conversation (no stream, tools or n)",
+        _BATCHED,
+        Schema(ChatCompletion),
+        idempotent=False,
+        stream=False,
+    )
+
+
+def _anthropic(summary: str, body: type[BaseModel], answer: Any, *, generates: bool) -> Operation:
+    """An Anthropic route: its errors in Anthropic's shape, with Sluice's statuses. One that
+    `generates` streams with `stream`, and takes an idempotency key."""
     return {
-        method: {
-            **spec,
-            "parameters": [_param("id", "path", _STR, name)],
-            "responses": {**spec["responses"], **_ERRORS},
+        "post": {
+            "summary": summary,
+            "parameters": [_IDEMPOTENCY_KEY] if generates else [],
+            "requestBody": {"required": True, "content": _json(_request(body))},
+            "responses": {
+                "200": _reply(summary, answer, stream=generates),
+                **_errors(AnthropicErrorBody),
+            },
         }
-        for method, spec in operation.items()
     }
 
 
-def _batch_api() -> dict[str, Any]:
-    upload = {
+def messages() -> Operation:
+    from anthropic.types import Message
+
+    return _anthropic(
+        "Anthropic's Messages API: a message, or with `stream` Anthropic's SSE events",
+        MessagesRequest,
+        Schema(Message),
+        generates=True,
+    )
+
+
+def count_tokens() -> Operation:
+    from anthropic.types import MessageTokensCount
+
+    return _anthropic(
+        "Anthropic's: the prompt's tokens after the chat template",
+        CountTokensRequest,
+        Schema(MessageTokensCount),
+        generates=False,
+    )
+
+
+def resume(kind: str) -> Callable[[], Operation]:
+    def build() -> Operation:
+        return {
+            "get": {
+                "summary": f"resume a streamed {kind} sent with an Idempotency-Key",
+                "parameters": [
+                    _param("id", "path", _STR, "the id of the chunks received"),
+                    _param(
+                        "Last-Event-ID", "header", {"type": "string", "pattern": "^[0-9]{1,18}$"}
+                    ),
+                    _param("starting_after", "query", _SEQUENCE),
+                ],
+                "responses": {
+                    "200": {"description": "the events after the one named, then live"}
+                    | {"content": _SSE},
+                    **_errors(),
+                },
+            }
+        }
+
+    return build
+
+
+def create_response() -> Operation:
+    from openai.types.responses import Response
+
+    return _generation(
+        "OpenAI's Responses API: a response (whole, streamed, or in the background)",
+        _request(CreateResponse),
+        Schema(Response),
+        idempotent=False,
+    )
+
+
+def get_response() -> Operation:
+    from openai.types.responses import Response
+
+    summary = "a stored response, or with `stream` a background response's events"
+    return {
+        "get": {
+            "summary": summary,
+            "parameters": [
+                _param("stream", "query", {"type": "boolean"}, "a background response's events"),
+                _param(
+                    "starting_after",
+                    "query",
+                    _SEQUENCE,
+                    "with `stream`: the events after this sequence number",
+                ),
+            ],
+            "responses": {"200": _reply(summary, Schema(Response), stream=True)},
+        }
+    }
+
+
+def cancel_response() -> Operation:
+    from openai.types.responses import Response
+
+    summary = "cancel a background response"
+    return {"post": {"summary": summary, "responses": {"200": _reply(summary, Schema(Response))}}}
+
+
+def upload() -> Operation:
+    from openai.types import FileObject
+
+    return {
         "post": {
             "summary": "upload a JSONL file of batch requests",
             "requestBody": {
                 "required": True,
-                "content": {"multipart/form-data": {"schema": _ref(FileUpload)}},
+                "content": {"multipart/form-data": {"schema": _request(FileUpload)}},
             },
-            "responses": {"200": {"description": "the file object"}, **_ERRORS},
+            "responses": {"200": _reply("the file object", Schema(FileObject)), **_errors()},
         }
     }
-    cancel = {
-        "post": {"summary": "cancel a batch", "responses": {"200": {"description": "the batch"}}}
-    }
-    delete = {
-        "delete": {"summary": "delete a file", "responses": {"200": {"description": "deleted"}}}
-    }
+
+
+def list_files() -> Operation:
+    from openai.types import FileObject
+
+    return _get("the tenant's files", _list(Schema(FileObject)))
+
+
+def file() -> Operation:
+    from openai.types import FileObject
+
+    return _get("a file", Schema(FileObject))
+
+
+def delete_file() -> Operation:
+    from openai.types import FileDeleted
+
+    summary = "delete a file"
     return {
-        "/v1/files": {**upload, **_get("the tenant's files")},
-        "/v1/files/{id}": {
-            **_with_id(_get("a file"), "a file id"),
-            **_with_id(delete, "a file id"),
-        },
-        "/v1/files/{id}/content": _with_id(_get("a file's content"), "a file id"),
-        "/v1/batches": {
-            **_post_json("create a batch", _ref(CreateBatch)),
-            **_get("the tenant's batches (after, limit)"),
-        },
-        "/v1/batches/{id}": _with_id(_get("a batch"), "a batch id"),
-        "/v1/batches/{id}/cancel": _with_id(cancel, "a batch id"),
+        "delete": {"summary": summary, "responses": {"200": _reply(summary, Schema(FileDeleted))}}
     }
 
 
-def _responses_api() -> dict[str, Any]:
-    retrieve = _get("a stored response, or with `stream` a background response's events")
-    retrieve["get"]["parameters"] = [
-        _param("stream", "query", {"type": "boolean"}, "a background response's events"),
-        _param(
-            "starting_after",
-            "query",
-            {"type": "integer", "minimum": 0, "maximum": 10**18 - 1},
-            "with `stream`: the events after this sequence number",
-        ),
+def file_content() -> Operation:
+    summary = "a file's content"
+    content = {"application/jsonl": {"schema": _STR}}
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {"200": {"description": summary, "content": content}},
+        }
+    }
+
+
+def create_batch() -> Operation:
+    from openai.types import Batch
+
+    return _post("create a batch", _request(CreateBatch), Schema(Batch))
+
+
+def list_batches() -> Operation:
+    from openai.types import Batch
+
+    operation = _get("the tenant's batches", _list(Schema(Batch)))
+    operation["get"]["parameters"] = [
+        _param("after", "query", _STR, "the batches after this id"),
+        _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 100}),
     ]
-    cancel = {
-        "post": {
-            "summary": "cancel a background response",
-            "responses": {"200": {"description": "the response", "content": _json(_OBJ)}},
-        }
-    }
-    return {
-        "/v1/responses": _generation(
-            "OpenAI's Responses API: a response (whole, streamed, or in the background)",
-            _ref(CreateResponse),
-            idempotent=False,
-        ),
-        "/v1/responses/{id}": _with_id(retrieve, "a response id"),
-        "/v1/responses/{id}/cancel": _with_id(cancel, "a response id"),
-    }
+    return operation
 
 
-@functools.cache
-def document(version: str) -> dict[str, Any]:
-    """The OpenAPI document (built once per process)."""
-    chat, completion = _ref(ChatCompletionRequest), _ref(CompletionRequest)
+def batch() -> Operation:
+    from openai.types import Batch
+
+    return _get("a batch", Schema(Batch))
+
+
+def cancel_batch() -> Operation:
+    from openai.types import Batch
+
+    summary = "cancel a batch"
+    return {"post": {"summary": summary, "responses": {"200": _reply(summary, Schema(Batch))}}}
+
+
+# --- the document ---------------------------------------------------------------------------
+
+
+def _schemas(node: Any, found: dict[tuple[type[BaseModel], JsonSchemaMode], None]) -> None:
+    if isinstance(node, Schema):
+        found[node.model, node.mode] = None
+    elif isinstance(node, dict):
+        for value in node.values():
+            _schemas(value, found)
+    elif isinstance(node, list):
+        for value in node:
+            _schemas(value, found)
+
+
+def _resolved(node: Any, refs: Mapping[tuple[Any, JsonSchemaMode], Any]) -> Any:
+    if isinstance(node, Schema):
+        return refs[node.model, node.mode]
+    if isinstance(node, dict):
+        return {key: _resolved(value, refs) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_resolved(value, refs) for value in node]
+    return node
+
+
+def document(
+    endpoints: Iterable[tuple[str, str, Callable[[], Operation]]], version: str
+) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `endpoints` (method, path, its operation's builder)."""
+    paths: dict[str, Operation] = {}
+    for _, path, build in endpoints:
+        paths.setdefault(path, {}).update(build())
+    found: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {
+        (ChatCompletionRequest, "validation"): None  # the batched request's own
+    }
+    _schemas(paths, found)
+    refs, schema = models_json_schema(list(found), ref_template="#/components/schemas/{model}")
+    schemas: dict[str, Any] = schema["$defs"]
+    chat_ref = refs[ChatCompletionRequest, "validation"]["$ref"]
+    schemas["BatchedChatCompletionRequest"] = _batched(schemas[chat_ref.rsplit("/", 1)[1]])
     return {
         "openapi": "3.1.0",
         "info": {
@@ -262,47 +452,21 @@ def document(version: str) -> dict[str, Any]:
             "version": version,
             "description": "OpenAI-compatible streaming token server with a scheduler",
         },
-        "paths": {
-            "/v1/chat/completions": _generation("a chat completion", chat),
-            "/v1/completions": _generation("a text completion", completion),
-            "/invocations": _generation(
-                "SageMaker's: a chat or a text completion, by the body",
-                {"anyOf": [chat, completion]},
-            ),
-            "/v1/chat/completions/batch": _generation(
-                "vLLM's: one chat completion per conversation (no stream, tools or n)",
-                {"$ref": "#/components/schemas/BatchedChatCompletionRequest"},
-                idempotent=False,
-            ),
-            "/v1/messages": _anthropic(
-                "Anthropic's Messages API: a chat completion in Anthropic's shape",
-                MessagesRequest,
-                "a message, or with `stream` Anthropic's SSE events",
-                generates=True,
-            ),
-            "/v1/messages/count_tokens": _anthropic(
-                "Anthropic's: the prompt's tokens after the chat template",
-                CountTokensRequest,
-                "{input_tokens}",
-            ),
-            "/v1/chat/completions/{id}/stream": _resume("chat completion"),
-            "/v1/completions/{id}/stream": _resume("completion"),
-            "/v1/models": _get("the served model"),
-            "/tokenize": _post_json(
-                "token ids of a prompt or chat",
-                {"anyOf": [_ref(TokenizeText), _ref(TokenizeChat)]},
-            ),
-            "/detokenize": _post_json("the text of token ids", _ref(Detokenize)),
-            "/version": _get("Sluice's version"),
-            "/health": _get("200 while the process is alive"),
-            "/ready": _get("200 when the engine is ready, else 503"),
-            "/openapi.json": _get("this document"),
-            **_batch_api(),
-            **_responses_api(),
-        },
-        "components": {"schemas": _components()},
+        "paths": _resolved(paths, refs),
+        "components": {"schemas": schemas},
     }
 
 
-async def openapi_json(request: Request) -> Response:
-    return JSONResponse(document(VERSION))
+def _batched(chat: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's batched chat request: a chat request whose `messages` are conversations."""
+    batched = copy.deepcopy(chat)
+    for name in (*NOT_IN_BATCH, "stream_options"):  # stream_options: only with stream
+        batched["properties"].pop(name)
+    batched["properties"]["messages"] = {
+        "type": "array",
+        "minItems": 1,
+        "items": chat["properties"]["messages"],
+        "description": "conversations: one choice each, in order",
+    }
+    batched["title"] = "BatchedChatCompletionRequest"
+    return batched

@@ -20,7 +20,14 @@ from server.api.openai_routes import JSONResponse, read_json
 from server.api.services import Services
 from server.generations.planner import check_in_vocabulary
 from server.openai.chat import messages_of
-from server.openai.tokenizer import Detokenize, TokenizeChat, tokenize_body
+from server.openai.models import VersionReply
+from server.openai.tokenizer import (
+    Detokenize,
+    DetokenizeReply,
+    TokenizeChat,
+    TokenizeReply,
+    tokenize_body,
+)
 from server.openai.wire import validated
 
 
@@ -35,7 +42,7 @@ VERSION = _version()
 
 
 async def version(request: Request) -> Response:
-    return JSONResponse({"version": VERSION})
+    return JSONResponse(VersionReply(version=VERSION).model_dump())
 
 
 async def _authorized(services: Services, request: Request) -> Any:
@@ -55,18 +62,19 @@ async def tokenize(services: Services, request: Request) -> Response:
     else:
         tokens = services.engine.tokenize(body.prompt, body.add_special_tokens is not False)
     strings = services.engine.token_strings(tokens) if body.return_token_strs else None
-    return JSONResponse(
-        {
-            "count": len(tokens),
-            "max_model_len": services.engine.model.max_model_len,
-            "tokens": tokens,
-            "token_strs": strings,
-        }
+    reply = TokenizeReply(
+        count=len(tokens),
+        max_model_len=services.engine.model.max_model_len,
+        tokens=tokens,
+        token_strs=strings,
     )
+    return JSONResponse(reply.model_dump())
 
 
 async def detokenize(services: Services, request: Request) -> Response:
     body = validated(Detokenize, await _authorized(services, request))
     services.planner.check_model(body.model)
     check_in_vocabulary(body.tokens, services.engine.model.vocab_size, "tokens")
-    return JSONResponse({"prompt": services.engine.detokenize(body.tokens)})
+    return JSONResponse(
+        DetokenizeReply(prompt=services.engine.detokenize(body.tokens)).model_dump()
+    )

@@ -1,10 +1,10 @@
-"""vLLM's `POST /tokenize` and `POST /detokenize` bodies."""
+"""vLLM's `POST /tokenize` and `POST /detokenize` bodies, and their replies."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from server.openai.chat import Message
 from server.openai.wire import TokenId, WireModel, validated
@@ -27,6 +27,17 @@ class TokenizeChat(WireModel):
 class Detokenize(WireModel):
     model: str | None = None
     tokens: list[TokenId]
+
+
+class TokenizeReply(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeReply(BaseModel):
+    prompt: str
 
 
 def tokenize_body(body: Any) -> TokenizeText | TokenizeChat:

@@ -67,6 +67,43 @@ def test_the_document_lists_every_accepted_field(sim_server: InProcessSluice) ->
         assert schema["additionalProperties"] is False
 
 
+def test_every_reply_has_a_schema_and_replies_match_theirs(sim_server: InProcessSluice) -> None:
+    import jsonschema
+
+    document = httpx.get(sim_server.url + "/openapi.json", timeout=10).json()
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            content = operation["responses"]["200"].get("content", {})
+            assert content, f"{method} {path}: no content"
+            for media, spec in content.items():
+                assert spec["schema"] != {"type": "object"} or path == "/openapi.json", (
+                    f"{method} {path} {media}: no schema"
+                )
+
+    def reply_matches(method: str, path: str, body: dict | None = None) -> None:
+        reply = httpx.request(method, sim_server.url + path, json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        content = document["paths"][path][method.lower()]["responses"]["200"]["content"]
+        schema = {**content["application/json"]["schema"], "components": document["components"]}
+        jsonschema.validate(reply.json(), schema, cls=jsonschema.Draft202012Validator)
+
+    model = httpx.get(sim_server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    reply_matches("GET", "/v1/models")
+    reply_matches("GET", "/health")
+    reply_matches("GET", "/ready")
+    reply_matches("GET", "/version")
+    reply_matches("POST", "/v1/chat/completions", chat)
+    reply_matches("POST", "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 3})
+    reply_matches("POST", "/v1/messages", {**chat, "messages": chat["messages"]})
+    reply_matches(
+        "POST", "/v1/messages/count_tokens", {"model": model, "messages": chat["messages"]}
+    )
+    reply_matches("POST", "/v1/responses", {"model": model, "input": "hi", "max_output_tokens": 3})
+    reply_matches("POST", "/tokenize", {"model": model, "prompt": "hi"})
+    reply_matches("POST", "/detokenize", {"model": model, "tokens": [1, 2]})
+
+
 # The paths /openapi.json lists (schemathesis leaves out the document's own), each fuzzed
 # with well-formed and with malformed input.
 OPERATIONS = [

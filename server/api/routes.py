@@ -1,0 +1,225 @@
+"""Every route, declared once (`ENDPOINTS`): its method, path, handler and OpenAPI operation.
+The app's Starlette routes and `/openapi.json`'s paths are both read from it, so the document
+lists what is served and nothing else. The handlers of no API in particular (health, models,
+metrics, the chat page) are here too."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+
+from server.api import anthropic_routes, batch_api_routes, openapi, responses_routes
+from server.api.edge import context_of
+from server.api.openai_routes import (
+    JSONResponse,
+    chat_completions,
+    chat_completions_batch,
+    completions,
+    error_response,
+    invocations,
+    resume_chat_completion,
+    resume_completion,
+)
+from server.api.responses_ws import responses_websocket
+from server.api.services import Services
+from server.api.tokenizer_routes import VERSION, detokenize, tokenize, version
+from server.api.ws_routes import websocket_endpoint
+from server.core.errors import EngineUnavailable, ShuttingDown
+from server.openai.models import ModelCard, ModelList, Ready, Status
+
+STATIC = Path(__file__).parent / "static"
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse(Status(status="alive").model_dump())
+
+
+async def ready(services: Services, request: Request) -> Response:
+    if services.generations.draining:
+        return error_response(ShuttingDown("the server is shutting down", retry_after=1))
+    if services.ready and services.engine.is_healthy:
+        return JSONResponse(Ready(status="ready", model=services.served_model).model_dump())
+    return error_response(EngineUnavailable("the engine is not ready", retry_after=5))
+
+
+async def models(services: Services, request: Request) -> Response:
+    services.planner.tenant_of(context_of(request))
+    info = services.engine.model
+    card = ModelCard(
+        id=services.served_model,
+        created=services.started,
+        root=info.path,
+        max_model_len=info.max_model_len,
+    )
+    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+async def prometheus_metrics(services: Services, request: Request) -> Response:
+    """The app's own registry (one per app: `Metrics`)."""
+    services.metrics.engine_unfinished_requests.labels(services.served_model).set(
+        services.engine.num_unfinished_requests()
+    )
+    return Response(services.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def chat_page(request: Request) -> Response:
+    page = STATIC / "index.html"
+    if not page.is_file():
+        return PlainTextResponse("Sluice is running. The chat page is not installed.")
+    return FileResponse(page, media_type="text/html")
+
+
+async def openapi_json(services: Services, request: Request) -> Response:
+    return JSONResponse(api_document(served_parts(services)))
+
+
+Method = Literal["GET", "POST", "DELETE", "WEBSOCKET"]
+# Which of the app's parts serves it: "responses" and "batches" only where the app has them.
+Part = Literal["core", "metrics", "responses", "batches"]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    method: Method
+    path: str
+    handler: Callable[..., Any]
+    operation: Callable[[], openapi.Operation] | None = None  # its builder (None: not in the API)
+    part: Part = "core"
+    bare: bool = False  # the handler takes the request alone (no `services`)
+
+
+_BATCH_ID, _FILE_ID, _RESPONSE_ID = "a batch id", "a file id", "a response id"
+b = batch_api_routes
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("GET", "/", chat_page, bare=True),
+    Endpoint("GET", "/health", health, openapi.health, bare=True),
+    Endpoint("GET", "/ready", ready, openapi.ready),
+    Endpoint("GET", "/metrics", prometheus_metrics, part="metrics"),
+    Endpoint("GET", "/v1/models", models, openapi.models),
+    Endpoint("GET", "/version", version, openapi.version, bare=True),
+    Endpoint("GET", "/openapi.json", openapi_json, openapi.itself),
+    Endpoint("POST", "/tokenize", tokenize, openapi.tokenize),
+    Endpoint("POST", "/detokenize", detokenize, openapi.detokenize),
+    Endpoint("POST", "/v1/chat/completions", chat_completions, openapi.chat),
+    Endpoint("POST", "/v1/completions", completions, openapi.completion),
+    Endpoint("POST", "/invocations", invocations, openapi.invocations),
+    Endpoint("POST", "/v1/chat/completions/batch", chat_completions_batch, openapi.chat_batch),
+    Endpoint("POST", "/v1/messages", anthropic_routes.messages, openapi.messages),
+    Endpoint(
+        "POST", "/v1/messages/count_tokens", anthropic_routes.count_tokens, openapi.count_tokens
+    ),
+    Endpoint(
+        "GET",
+        "/v1/chat/completions/{id}/stream",
+        resume_chat_completion,
+        openapi.resume("chat completion"),
+    ),
+    Endpoint("GET", "/v1/completions/{id}/stream", resume_completion, openapi.resume("completion")),
+    Endpoint(
+        "POST",
+        "/v1/responses",
+        responses_routes.create_response,
+        openapi.create_response,
+        "responses",
+    ),
+    Endpoint(
+        "GET",
+        "/v1/responses/{id}",
+        responses_routes.get_response,
+        openapi.with_id(openapi.get_response, _RESPONSE_ID),
+        "responses",
+    ),
+    Endpoint(
+        "POST",
+        "/v1/responses/{id}/cancel",
+        responses_routes.cancel_response,
+        openapi.with_id(openapi.cancel_response, _RESPONSE_ID),
+        "responses",
+    ),
+    Endpoint("WEBSOCKET", "/v1/responses", responses_websocket, part="responses"),
+    Endpoint("WEBSOCKET", "/v1/ws", websocket_endpoint),
+    Endpoint("POST", "/v1/files", b.create_file, openapi.upload, "batches"),
+    Endpoint("GET", "/v1/files", b.list_files, openapi.list_files, "batches"),
+    Endpoint(
+        "GET", "/v1/files/{id}", b.get_file, openapi.with_id(openapi.file, _FILE_ID), "batches"
+    ),
+    Endpoint(
+        "DELETE",
+        "/v1/files/{id}",
+        b.delete_file,
+        openapi.with_id(openapi.delete_file, _FILE_ID),
+        "batches",
+    ),
+    Endpoint(
+        "GET",
+        "/v1/files/{id}/content",
+        b.file_content,
+        openapi.with_id(openapi.file_content, _FILE_ID),
+        "batches",
+    ),
+    Endpoint("POST", "/v1/batches", b.create_batch, openapi.create_batch, "batches"),
+    Endpoint("GET", "/v1/batches", b.list_batches, openapi.list_batches, "batches"),
+    Endpoint(
+        "GET",
+        "/v1/batches/{id}",
+        b.get_batch,
+        openapi.with_id(openapi.batch, _BATCH_ID),
+        "batches",
+    ),
+    Endpoint(
+        "POST",
+        "/v1/batches/{id}/cancel",
+        b.cancel_batch,
+        openapi.with_id(openapi.cancel_batch, _BATCH_ID),
+        "batches",
+    ),
+)
+
+
+def served_parts(services: Services, *, metrics_route: bool = False) -> frozenset[Part]:
+    """The parts of the API the app of `services` serves."""
+    parts: set[Part] = {"core"}
+    if metrics_route:
+        parts.add("metrics")
+    if services.responses is not None:
+        parts.add("responses")
+    if services.batches is not None:
+        parts.add("batches")
+    return frozenset(parts)
+
+
+def routes(services: Services, parts: frozenset[Part]) -> list[BaseRoute]:
+    """The Starlette routes of the endpoints of `parts`, each handler handed `services`."""
+    made: list[BaseRoute] = []
+    for endpoint in ENDPOINTS:
+        if endpoint.part not in parts:
+            continue
+        handler = endpoint.handler if endpoint.bare else partial(endpoint.handler, services)
+        if endpoint.method == "WEBSOCKET":
+            made.append(WebSocketRoute(endpoint.path, handler))
+        else:
+            made.append(Route(endpoint.path, handler, methods=[endpoint.method]))
+    return made
+
+
+@functools.cache
+def api_document(parts: frozenset[Part]) -> dict[str, Any]:
+    """The OpenAPI document of the endpoints of `parts` (built once a process)."""
+    return openapi.document(
+        (
+            (e.method, e.path, e.operation)
+            for e in ENDPOINTS
+            if e.operation is not None and e.part in parts
+        ),
+        VERSION,
+    )

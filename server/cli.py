@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
+        from server.api import terminal
+
+        if terminal.in_terminal() and args.fd is None:
+            return terminal.supervise(sys.argv[1:] if argv is None else argv)
+        terminal.die_with_parent()
         from server.api.serving import serve
 
         return serve(args)

@@ -60,26 +60,6 @@ def evictions(
             total -= record.size
 
 
-def sweep(
-    records: Iterable[K],
-    now: float,
-    retention_seconds: float,
-    max_bytes: int,
-    drop: Callable[[K], None],
-) -> None:
-    """Drop what `evictions` says of `records` (oldest first, in the order they were made:
-    those past their retention may come anywhere, so all are read)."""
-    kept, total = [], 0
-    for record in list(records):
-        if past_retention(record, now, retention_seconds):
-            drop(record)
-        else:
-            kept.append(record)
-            total += record.size
-    for record in list(evictions(kept, total, now, retention_seconds, max_bytes)):
-        drop(record)
-
-
 @dataclass(slots=True)
 class _Record:
     tenant: str
@@ -87,30 +67,36 @@ class _Record:
     fingerprint: str
     run: GenerationRun
     ended_at: float | None = None
+    ended_size: int = 0  # its log's bytes when it ended (it grows no more)
 
     @property
     def size(self) -> int:
-        return self.run.size
+        return self.run.size if self.ended_at is None else self.ended_size
 
 
 class RunStore:
+    """Running records, and ended ones in the order they ended: a sweep reads the running
+    (whose logs still grow) and, of the ended, only those it drops and one more."""
+
     def __init__(
         self, retention_seconds: float, max_bytes: int, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.retention_seconds = retention_seconds
         self.max_bytes = max_bytes
         self._clock = clock
-        self._records: dict[GenerationRun, _Record] = {}  # oldest first
+        self._running: dict[GenerationRun, _Record] = {}
+        self._ended: dict[GenerationRun, _Record] = {}  # oldest first (the clock is monotonic)
+        self._ended_bytes = 0
         self._by_id: dict[tuple[str, str], _Record] = {}
         self._by_key: dict[tuple[str, str], _Record] = {}
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._running) + len(self._ended)
 
     def add(self, tenant: str, key: str | None, print_: str, run: GenerationRun) -> None:
         self.sweep()
         record = _Record(tenant, key, print_, run)
-        self._records[run] = record
+        self._running[run] = record
         self._by_id[(tenant, run.shape.public_id)] = record
         if key is not None:
             self._by_key[(tenant, key)] = record
@@ -125,18 +111,28 @@ class RunStore:
         return None if record is None else record.run
 
     def ended(self, run: GenerationRun) -> None:
-        record = self._records.get(run)
+        record = self._running.get(run)
         if record is None:
             return
         if not run.dispatched:
             self._drop(record)
             return
+        del self._running[run]
+        record.ended_size = run.size
         record.ended_at = self._clock()
+        self._ended[run] = record
+        self._ended_bytes += record.ended_size
         self.sweep()
 
     def sweep(self) -> None:
+        """Drop the ended records past their retention, then the oldest ended ones while all
+        together hold more than `max_bytes`."""
+        total = self._ended_bytes + sum(record.size for record in self._running.values())
         now = self._clock()
-        sweep(self._records.values(), now, self.retention_seconds, self.max_bytes, self._drop)
+        for record in list(
+            evictions(self._ended.values(), total, now, self.retention_seconds, self.max_bytes)
+        ):
+            self._drop(record)
 
     def _live(self, record: _Record | None) -> _Record | None:
         if record is not None and past_retention(record, self._clock(), self.retention_seconds):
@@ -145,7 +141,9 @@ class RunStore:
         return record
 
     def _drop(self, record: _Record) -> None:
-        self._records.pop(record.run, None)
+        if self._ended.pop(record.run, None) is not None:
+            self._ended_bytes -= record.size
+        self._running.pop(record.run, None)
         self._by_id.pop((record.tenant, record.run.shape.public_id), None)
         if record.key is not None:
             self._by_key.pop((record.tenant, record.key), None)

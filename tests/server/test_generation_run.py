@@ -299,6 +299,33 @@ async def test_the_same_key_attaches_and_another_body_is_refused(sluice: Generat
     await read_all(first)
 
 
+def test_a_sweep_reads_only_the_ended_runs_it_drops() -> None:
+    now = [0.0]
+    store = RunStore(retention_seconds=50, max_bytes=10**9, clock=lambda: now[0])
+    reads = [0]
+
+    class Ended:  # a stand-in run whose size counts its reads
+        def __init__(self, public_id: str) -> None:
+            self.shape = type("Shape", (), {"public_id": public_id})()
+            self.dispatched = True
+
+        @property
+        def size(self) -> int:
+            reads[0] += 1
+            return 100
+
+    for i in range(100):
+        now[0] = i / 2  # the last ends at 49.5 s: none past its retention yet
+        run = Ended(f"chatcmpl-{i}")
+        store.add("acme", None, "print", run)  # type: ignore[arg-type]
+        store.ended(run)  # type: ignore[arg-type]
+    now[0], reads[0] = 60.5, 0
+    store.sweep()
+    # Runs 0-20 ended more than 50 s ago: those are dropped, and none of the others is read.
+    assert reads[0] <= 21
+    assert len(store) == 79 and store.by_id("acme", "chatcmpl-20") is None
+
+
 def test_the_store_keeps_ended_runs_within_its_bound() -> None:
     now = [0.0]
     store = RunStore(retention_seconds=10, max_bytes=1000, clock=lambda: now[0])

@@ -209,3 +209,31 @@ async def test_files_and_batches_belong_to_their_tenant(stores: Stores) -> None:
     assert [b.id for b in page] == [made[0]] and not more
     assert await stores.second.batch("beta", made[0]) is None
     assert await stores.second.batches("beta", None, 10) == ([], False)
+
+
+async def test_a_sqlite_store_made_before_the_status_column_and_claims_opens(
+    tmp_path: Path,
+) -> None:
+    import sqlite3
+
+    batch, _ = a_batch()
+    (tmp_path / "data").mkdir()
+    with sqlite3.connect(tmp_path / "data" / "batches.sqlite3") as old:
+        old.execute(
+            "CREATE TABLE batches (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
+            "seq INTEGER NOT NULL, body TEXT NOT NULL)"
+        )
+        old.execute(
+            "INSERT INTO batches VALUES (?, ?, 1, ?)", (batch.id, batch.tenant, batch.to_row())
+        )
+    old.close()
+    store = SqliteBatchStore(tmp_path / "data", Clock())
+    try:
+        assert await store.statuses() == ["in_progress"]
+        assert await store.claimable("me") == [batch.id]  # its claim row was made
+        claimed = await store.claim(batch.id, "me", 10.0)
+        assert claimed is not None and claimed.status == "in_progress"
+        assert await store.cancel(batch.tenant, batch.id, 1) is not None
+        assert await store.statuses() == ["cancelling"]  # the column follows the body
+    finally:
+        await store.close()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine_adapters.protocol import OutputParser, TokenDelta, TokenLogprob
+from engine_adapters.protocol import OutputParser, TokenDelta
 from server.generations.log import Event, Kind
 from server.openai.choices import Choice, Choices
 from server.openai.chunks import ChunkEncoder, Echo, usage
@@ -58,7 +58,7 @@ class Shape:
 
 class Unrendered:
     """`ChunkEncoder`'s calls for a run whose readers render their own wire format from the
-    events' fields: no bytes."""
+    events' fields: each renders no bytes."""
 
     def __init__(self, plain: bool) -> None:
         self.plain = plain
@@ -66,41 +66,10 @@ class Unrendered:
     def continuing(self, sent: dict[int, int]) -> None:
         pass
 
-    def role(self, index: int = 0) -> bytes:
+    def _nothing(self, *args: Any, **kwargs: Any) -> bytes:
         return b""
 
-    def text(
-        self,
-        text: str,
-        completion_tokens: int,
-        logprobs: Sequence[TokenLogprob] | None = None,
-        index: int = 0,
-        token_ids: Sequence[int] = (),
-    ) -> bytes:
-        return b""
-
-    def delta(
-        self,
-        delta: dict[str, Any],
-        completion_tokens: int,
-        logprobs: Sequence[TokenLogprob] | None = None,
-        index: int = 0,
-        token_ids: Sequence[int] = (),
-    ) -> bytes:
-        return b""
-
-    def finish(
-        self,
-        finish_reason: str,
-        stop_reason: Any,
-        last: dict[str, Any] | None,
-        completion_tokens: int,
-        index: int = 0,
-    ) -> bytes:
-        return b""
-
-    def usage_chunk(self, usage_and_timings: dict[str, Any]) -> bytes:
-        return b""
+    role = text = delta = finish = usage_chunk = _nothing
 
 
 def _filled(

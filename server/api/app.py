@@ -164,6 +164,9 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        """Each part started, its stop pushed as it starts: the exit runs them in reverse, so
+        a start that fails stops what had started before it, and a stop that fails still
+        lets the others run."""
         services.ready = False
         tenants = planner.tenants
         metrics.initialise(served_model, tenants.metric_labels())
@@ -172,39 +175,32 @@ def build_app(
                 metrics.class_downgrades.set_function(
                     (label, asked), partial(tenants.downgrades.__getitem__, (label, asked))
                 )
-        await engine.start()
-        if shared is not None:
-            await shared.start()
-        if shared_responses is not None:
-            await shared_responses.start()
-        await dispatcher.start()
-        if services.batches is not None:
-            await services.batches.runner.start()
-        services.ready = True
-        metrics.engine_healthy.labels(served_model).set(1)
-        watchdog = asyncio.create_task(_watch_engine(services, on_engine_death))
-        send_watchdog = asyncio.create_task(services.edge.send_guard.run())
-        logger.info("Sluice ready: model %s", served_model)
-        try:
-            yield
-        finally:
-            services.ready = False
-            for task in (watchdog, send_watchdog):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            if services.batches is not None:
-                await services.batches.runner.stop()
-                await services.batches.store.close()
-            if shared is not None:
-                await shared.stop()
-            await dispatcher.stop()
-            if services.responses is not None:
-                await services.responses.stop()
+        async with contextlib.AsyncExitStack() as stack:
+            await engine.start()
+            stack.push_async_callback(engine.stop)
+            stack.callback(local_responses.close)
             if state is not None:
-                await state.stop()
-            local_responses.close()
-            await engine.stop()
+                stack.push_async_callback(state.stop)  # (started by the parts that use it)
+            if shared_responses is not None:
+                await shared_responses.start()
+            if services.responses is not None:
+                stack.push_async_callback(services.responses.stop)
+            await dispatcher.start()
+            stack.push_async_callback(dispatcher.stop)
+            if shared is not None:
+                await shared.start()
+                stack.push_async_callback(shared.stop)
+            if services.batches is not None:
+                stack.push_async_callback(services.batches.store.close)
+                await services.batches.runner.start()
+                stack.push_async_callback(services.batches.runner.stop)
+            for watch in (_watch_engine(services, on_engine_death), services.edge.send_guard.run()):
+                stack.push_async_callback(_cancel, asyncio.create_task(watch))
+            stack.callback(setattr, services, "ready", False)  # the first thing the exit does
+            services.ready = True
+            metrics.engine_healthy.labels(served_model).set(1)
+            logger.info("Sluice ready: model %s", served_model)
+            yield
 
     app = SluiceApp(
         routes=routes(services, served_parts(services, metrics_route=metrics_route)),
@@ -214,6 +210,12 @@ def build_app(
     )
     app.services = services
     return app
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _watch_engine(services: Services, on_death: asyncio.Event | None) -> None:

@@ -204,14 +204,16 @@ ROWS: tuple[Row, ...] = (
                 ),
             ),
             Panel(
-                "Bulk preempted for chats",
+                "Bulk preempted for chats, by cause",
                 "Running bulk requests stopped (and requeued as continuations) to keep chats "
-                "within their targets, per second.",
+                "within their targets, per second, by cause: chats_far_over (chats measured far "
+                "over their gap target), step_over_target (a step the model predicts far over "
+                "it), waiting_chat (a chat waited with no budget room).",
                 (
                     Target(
-                        "sum by (model) (rate(sluice_engine_aborts_total"
-                        f'{{{MODEL_FILTER}, reason="preempted"}}[$__rate_interval]))',
-                        "{{model}}",
+                        "sum by (model, cause) (rate(sluice_bulk_preemptions_total"
+                        f"{{{MODEL_FILTER}}}[$__rate_interval]))",
+                        "{{cause}} {{model}}",
                     ),
                 ),
                 unit="reqps",

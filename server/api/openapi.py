@@ -37,7 +37,7 @@ from server.openai.tokenizer import (
     TokenizeText,
 )
 
-Operation = dict[str, Any]  # an OpenAPI operation, by method
+Operation = dict[str, Any]  # an OpenAPI operation (the route table names its method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,33 +116,29 @@ def _generation(
     summary: str, body: Any, answer: Any, *, idempotent: bool = True, stream: bool = True
 ) -> Operation:
     return {
-        "post": {
-            "summary": summary,
-            "parameters": [_IDEMPOTENCY_KEY] if idempotent else [],
-            "requestBody": {"required": True, "content": _json(body)},
-            "responses": {
-                "200": _reply(
-                    "a whole response, or with `stream` an SSE stream" if stream else "a response",
-                    answer,
-                    stream=stream,
-                ),
-                **_errors(),
-            },
-        }
+        "summary": summary,
+        "parameters": [_IDEMPOTENCY_KEY] if idempotent else [],
+        "requestBody": {"required": True, "content": _json(body)},
+        "responses": {
+            "200": _reply(
+                "a whole response, or with `stream` an SSE stream" if stream else "a response",
+                answer,
+                stream=stream,
+            ),
+            **_errors(),
+        },
     }
 
 
 def _get(summary: str, answer: Any) -> Operation:
-    return {"get": {"summary": summary, "responses": {"200": _reply(summary, answer)}}}
+    return {"summary": summary, "responses": {"200": _reply(summary, answer)}}
 
 
 def _post(summary: str, body: Any, answer: Any) -> Operation:
     return {
-        "post": {
-            "summary": summary,
-            "requestBody": {"required": True, "content": _json(body)},
-            "responses": {"200": _reply(summary, answer), **_errors()},
-        }
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(body)},
+        "responses": {"200": _reply(summary, answer), **_errors()},
     }
 
 
@@ -150,13 +146,11 @@ def with_id(operation: Callable[[], Operation], name: str) -> Callable[[], Opera
     """`operation` on a path naming one of the tenant's objects (`{id}`: `name`)."""
 
     def build() -> Operation:
+        spec = operation()
         return {
-            method: {
-                **spec,
-                "parameters": [_param("id", "path", _STR, name), *spec.get("parameters", [])],
-                "responses": {**spec["responses"], **_errors()},
-            }
-            for method, spec in operation().items()
+            **spec,
+            "parameters": [_param("id", "path", _STR, name), *spec.get("parameters", [])],
+            "responses": {**spec["responses"], **_errors()},
         }
 
     return build
@@ -233,15 +227,13 @@ def _anthropic(summary: str, body: type[BaseModel], answer: Any, *, generates: b
     """An Anthropic route: its errors in Anthropic's shape, with Sluice's statuses. One that
     `generates` streams with `stream`, and takes an idempotency key."""
     return {
-        "post": {
-            "summary": summary,
-            "parameters": [_IDEMPOTENCY_KEY] if generates else [],
-            "requestBody": {"required": True, "content": _json(_request(body))},
-            "responses": {
-                "200": _reply(summary, answer, stream=generates),
-                **_errors(AnthropicErrorBody),
-            },
-        }
+        "summary": summary,
+        "parameters": [_IDEMPOTENCY_KEY] if generates else [],
+        "requestBody": {"required": True, "content": _json(_request(body))},
+        "responses": {
+            "200": _reply(summary, answer, stream=generates),
+            **_errors(AnthropicErrorBody),
+        },
     }
 
 
@@ -270,21 +262,19 @@ def count_tokens() -> Operation:
 def resume(kind: str) -> Callable[[], Operation]:
     def build() -> Operation:
         return {
-            "get": {
-                "summary": f"resume a streamed {kind} sent with an Idempotency-Key",
-                "parameters": [
-                    _param("id", "path", _STR, "the id of the chunks received"),
-                    _param(
-                        "Last-Event-ID", "header", {"type": "string", "pattern": "^[0-9]{1,18}$"}
-                    ),
-                    _param("starting_after", "query", _SEQUENCE),
-                ],
-                "responses": {
-                    "200": {"description": "the events after the one named, then live"}
-                    | {"content": _SSE},
-                    **_errors(),
+            "summary": f"resume a streamed {kind} sent with an Idempotency-Key",
+            "parameters": [
+                _param("id", "path", _STR, "the id of the chunks received"),
+                _param("Last-Event-ID", "header", {"type": "string", "pattern": "^[0-9]{1,18}$"}),
+                _param("starting_after", "query", _SEQUENCE),
+            ],
+            "responses": {
+                "200": {
+                    "description": "the events after the one named, then live",
+                    "content": _SSE,
                 },
-            }
+                **_errors(),
+            },
         }
 
     return build
@@ -306,19 +296,17 @@ def get_response() -> Operation:
 
     summary = "a stored response, or with `stream` a background response's events"
     return {
-        "get": {
-            "summary": summary,
-            "parameters": [
-                _param("stream", "query", {"type": "boolean"}, "a background response's events"),
-                _param(
-                    "starting_after",
-                    "query",
-                    _SEQUENCE,
-                    "with `stream`: the events after this sequence number",
-                ),
-            ],
-            "responses": {"200": _reply(summary, Schema(Response), stream=True)},
-        }
+        "summary": summary,
+        "parameters": [
+            _param("stream", "query", {"type": "boolean"}, "a background response's events"),
+            _param(
+                "starting_after",
+                "query",
+                _SEQUENCE,
+                "with `stream`: the events after this sequence number",
+            ),
+        ],
+        "responses": {"200": _reply(summary, Schema(Response), stream=True)},
     }
 
 
@@ -326,21 +314,19 @@ def cancel_response() -> Operation:
     from openai.types.responses import Response
 
     summary = "cancel a background response"
-    return {"post": {"summary": summary, "responses": {"200": _reply(summary, Schema(Response))}}}
+    return {"summary": summary, "responses": {"200": _reply(summary, Schema(Response))}}
 
 
 def upload() -> Operation:
     from openai.types import FileObject
 
     return {
-        "post": {
-            "summary": "upload a JSONL file of batch requests",
-            "requestBody": {
-                "required": True,
-                "content": {"multipart/form-data": {"schema": _request(FileUpload)}},
-            },
-            "responses": {"200": _reply("the file object", Schema(FileObject)), **_errors()},
-        }
+        "summary": "upload a JSONL file of batch requests",
+        "requestBody": {
+            "required": True,
+            "content": {"multipart/form-data": {"schema": _request(FileUpload)}},
+        },
+        "responses": {"200": _reply("the file object", Schema(FileObject)), **_errors()},
     }
 
 
@@ -360,20 +346,13 @@ def delete_file() -> Operation:
     from openai.types import FileDeleted
 
     summary = "delete a file"
-    return {
-        "delete": {"summary": summary, "responses": {"200": _reply(summary, Schema(FileDeleted))}}
-    }
+    return {"summary": summary, "responses": {"200": _reply(summary, Schema(FileDeleted))}}
 
 
 def file_content() -> Operation:
     summary = "a file's content"
     content = {"application/jsonl": {"schema": _STR}}
-    return {
-        "get": {
-            "summary": summary,
-            "responses": {"200": {"description": summary, "content": content}},
-        }
-    }
+    return {"summary": summary, "responses": {"200": {"description": summary, "content": content}}}
 
 
 def create_batch() -> Operation:
@@ -386,7 +365,7 @@ def list_batches() -> Operation:
     from openai.types import Batch
 
     operation = _get("the tenant's batches", _list(Schema(Batch)))
-    operation["get"]["parameters"] = [
+    operation["parameters"] = [
         _param("after", "query", _STR, "the batches after this id"),
         _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": 100}),
     ]
@@ -403,7 +382,7 @@ def cancel_batch() -> Operation:
     from openai.types import Batch
 
     summary = "cancel a batch"
-    return {"post": {"summary": summary, "responses": {"200": _reply(summary, Schema(Batch))}}}
+    return {"summary": summary, "responses": {"200": _reply(summary, Schema(Batch))}}
 
 
 # --- the document ---------------------------------------------------------------------------
@@ -434,9 +413,9 @@ def document(
     endpoints: Iterable[tuple[str, str, Callable[[], Operation]]], version: str
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of `endpoints` (method, path, its operation's builder)."""
-    paths: dict[str, Operation] = {}
-    for _, path, build in endpoints:
-        paths.setdefault(path, {}).update(build())
+    paths: dict[str, dict[str, Operation]] = {}
+    for method, path, build in endpoints:
+        paths.setdefault(path, {})[method.lower()] = build()
     found: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {
         (ChatCompletionRequest, "validation"): None  # the batched request's own
     }

@@ -73,30 +73,30 @@ def test_a_chat_stream_encodes_one_chunk_per_delta(
     assert calls == {"chunk encoders": 1, "chunk": len(texts)}
 
 
-def test_an_anthropic_stream_encodes_its_own_events_and_no_openai_chunk(
-    sim_server: InProcessSluice, calls: Counter[str]
-) -> None:
-    body = {"model": model(sim_server), "messages": HELLO, "max_tokens": TOKENS, "stream": True}
-    events = sse_data(sim_server, "/v1/messages", body)
-    deltas = [e for e in events if e["type"] == "content_block_delta"]
-    assert deltas
-    assert calls == {"anthropic": len(deltas)}
+# Anthropic's and the Responses API's SSE streams: (path, body, the delta events' type).
+OWN_EVENTS = {
+    "anthropic": (
+        "/v1/messages",
+        {"messages": HELLO, "max_tokens": TOKENS},
+        "content_block_delta",
+    ),
+    "responses": (
+        "/v1/responses",
+        {"input": "Tell me about the sea.", "max_output_tokens": TOKENS, "store": False},
+        "response.output_text.delta",
+    ),
+}
 
 
-def test_a_responses_stream_encodes_its_own_events_and_no_openai_chunk(
-    sim_server: InProcessSluice, calls: Counter[str]
+@pytest.mark.parametrize("api", OWN_EVENTS)
+def test_a_stream_of_another_api_encodes_its_own_events_and_no_openai_chunk(
+    sim_server: InProcessSluice, calls: Counter[str], api: str
 ) -> None:
-    body = {
-        "model": model(sim_server),
-        "input": "Tell me about the sea.",
-        "max_output_tokens": TOKENS,
-        "stream": True,
-        "store": False,
-    }
-    events = sse_data(sim_server, "/v1/responses", body)
-    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    path, body, delta_type = OWN_EVENTS[api]
+    events = sse_data(sim_server, path, {"model": model(sim_server), **body, "stream": True})
+    deltas = [e for e in events if e["type"] == delta_type]
     assert deltas
-    assert calls == {"responses": len(deltas)}
+    assert calls == {api: len(deltas)}
 
 
 def test_a_websocket_stream_encodes_its_own_messages_and_no_openai_chunk(

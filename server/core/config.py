@@ -275,8 +275,9 @@ class SloConfig(_Section):
     )
     bulk_hold_ms: NonNegative = Field(
         1000.0,
-        description="bulk stays capped this long after the last chat ends, so a trickle of "
-        "chats does not make bulk pay for a preemption each",
+        description="bulk stays capped this long after the last chat ends, and while chats "
+        "arrive more often than once in this long (their rate over the last 10 s), so a "
+        "stream of chats does not make bulk pay for a preemption each",
     )
     knee_share: Fraction = Field(
         0.95,

@@ -205,6 +205,7 @@ class SchedulerCore:
             )
         self._admit(ticket, now)
         if tc is INTERACTIVE:
+            self.estimates.chat_arrived(now)
             self._chats_changed(now)
         return Admitted(ticket, predicted_start)
 
@@ -323,12 +324,19 @@ class SchedulerCore:
 
     def _hold_until(self) -> float | None:
         """While chats are about: None; after the last one: when bulk may grow past the
-        chat cap again."""
+        chat cap again. That is `bulk_hold_s` after the last one ended, and not before chats
+        arrive less often than once in `bulk_hold_s` (their rate, decaying while none comes).
+        Arrivals are memoryless: however long the last quiet has lasted, under a steady
+        stream of chats the next one comes as soon, and meets whatever bulk grew meanwhile:
+        a step the chats' cap would not allow, or the prefill of what is stopped for them."""
         quiet = self._chats_quiet_since
-        return None if quiet is None else quiet + self.config.slo.bulk_hold_s
+        if quiet is None:
+            return None
+        hold = self.config.slo.bulk_hold_s
+        return max(quiet + hold, self.estimates.chats_rarer_than(hold))
 
     def _chats_about(self, now: float) -> bool:
-        """Chats run or wait, or the last one ended less than `bulk_hold_s` ago."""
+        """Chats run or wait, or the bulk hold after the last one has not ended."""
         hold_until = self._hold_until()
         return hold_until is None or now < hold_until
 

@@ -40,6 +40,8 @@ _SAME_RATE = 1.01
 _BINS_PER_OCTAVE = 2
 # Time constant of the average number of chats running or waiting together.
 CHATS_TOGETHER_WINDOW_S = 10.0
+# Time constant of the rate at which chats arrive.
+CHAT_RATE_WINDOW_S = 10.0
 # Prompts shorter than this do not update the prefill rate (see `observe_prefill`).
 PREFILL_SAMPLE_MIN_TOKENS = 256
 # A chat dispatched with at most this many other sequences running saw a nearly idle engine: its
@@ -202,6 +204,9 @@ class RateEstimates:
         self.chats_together = 0.0
         self._chats = 0
         self._chats_at: float | None = None
+        # Chats arrived per second, each counted 1 / window and decaying since `_rate_at`.
+        self._chat_rate = 0.0
+        self._rate_at = -math.inf
 
     def _blend(self, old: float, new: float) -> float:
         return old + self._weight * (new - old)
@@ -249,6 +254,23 @@ class RateEstimates:
             weight = 1.0 - math.exp(-(now - self._chats_at) / CHATS_TOGETHER_WINDOW_S)
             self.chats_together += weight * (self._chats - self.chats_together)
         self._chats, self._chats_at = chats, now
+
+    def chat_arrived(self, now: float) -> None:
+        self._chat_rate = self.chat_rate(now) + 1.0 / CHAT_RATE_WINDOW_S
+        self._rate_at = now
+
+    def chat_rate(self, now: float) -> float:
+        """Chats arriving per second, by recent arrivals (an exponential average)."""
+        if self._chat_rate == 0.0:
+            return 0.0
+        return self._chat_rate * math.exp(-(now - self._rate_at) / CHAT_RATE_WINDOW_S)
+
+    def chats_rarer_than(self, interval_s: float) -> float:
+        """When the chat rate falls to one per `interval_s`, if no chat arrives meanwhile."""
+        expected = self._chat_rate * interval_s  # chats per interval at `_rate_at`
+        if expected <= 1.0:
+            return self._rate_at
+        return self._rate_at + CHAT_RATE_WINDOW_S * math.log(expected)
 
     def prefill_dispatched(self, seconds: float) -> None:
         """A request was dispatched whose prefill will take the engine about `seconds`: its

@@ -1,6 +1,7 @@
 """The bulk cap, in virtual time: bulk fills the engine to its knee while no chat runs, shrinks
 to the interactive gap target when one arrives (preempting the excess, cheapest to resume
-first), holds there for `bulk_hold_ms` after the last chat, then grows back."""
+first), holds there for `bulk_hold_ms` after the last chat and while chats keep arriving
+more often than that, then grows back."""
 
 from __future__ import annotations
 
@@ -109,6 +110,29 @@ def test_the_hold_restarts_with_each_chat() -> None:
     assert s.poll(2.3).started == []
     assert s.poll(3.29).started == []
     assert len(s.poll(3.3).started) == 32 - 9
+
+
+def test_a_steady_stream_of_chats_keeps_bulk_capped_in_the_quiet_between_them() -> None:
+    s = calibrated(bulk_hold_ms=1000)
+    flood(s, 40)
+    for i in range(40):  # four chats a second for ten seconds, each done in 0.1 s
+        at = 1.0 + i / 4
+        admit(s, ticket(f"chat{i}", at=at))
+        for rid in ids(s.poll(at).preempted):
+            s.requeue(rid, at)
+        s.release(f"chat{i}", at + 0.1, completed=True)
+    quiet_from = 1.0 + 39 / 4 + 0.1
+    assert s.estimates.chat_rate(quiet_from) > 2.0  # (4/s, averaged over 10 s from none)
+    # A second after the last chat (the hold), chats are still expected every third of a
+    # second or so: bulk stays at the chats' cap, with nothing to stop when the next comes.
+    step = s.poll(quiet_from + 1.0)
+    assert step.started == []
+    assert s.bulk_allowed(quiet_from + 1.0) == 9
+    # It grows once their rate has decayed to one per hold: 10 s x log(rate x 1 s) later.
+    assert step.wake_at is not None and step.wake_at > quiet_from + 5.0
+    assert s.estimates.chat_rate(step.wake_at) == pytest.approx(1.0)
+    assert s.poll(step.wake_at - 0.01).started == []
+    assert len(s.poll(step.wake_at).started) == 32 - 9
 
 
 def test_bulk_just_over_the_cap_is_left_to_finish_rather_than_preempted() -> None:

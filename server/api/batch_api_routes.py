@@ -15,13 +15,13 @@ from typing import Any, TypeVar
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from server.api.edge import context_of
 from server.api.openai_routes import JSONResponse, read_json
 from server.api.services import BatchServices, Services
 from server.batch_api.runner import KINDS
-from server.batch_api.store import Batch, Line
+from server.batch_api.store import Batch, Line, read_all
 from server.core.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
 from server.openai.batch import CreateBatch
 from server.openai.requests import parse_request
@@ -88,7 +88,7 @@ async def file_content(services: Services, request: Request) -> Response:
     api, tenant = _parts(services, request)
     file_id = request.path_params["id"]
     content = _found(await api.store.file_content(tenant, file_id), "file", file_id)
-    return Response(content, media_type="application/jsonl")
+    return StreamingResponse(content, media_type="application/jsonl")
 
 
 async def delete_file(services: Services, request: Request) -> Response:
@@ -103,7 +103,7 @@ async def create_batch(services: Services, request: Request) -> Response:
     store, runner = api.store, api.runner
     body = validated(CreateBatch, await read_json(request, services.edge.max_body_bytes))
     endpoint, window, file_id = body.endpoint, body.completion_window, body.input_file_id
-    content = _found(await store.file_content(tenant, file_id), "file", file_id)
+    content = await read_all(_found(await store.file_content(tenant, file_id), "file", file_id))
     now = int(time.time())
     batch = Batch(
         id="batch_" + uuid.uuid4().hex,

@@ -304,11 +304,6 @@ class BatchRunner:
                 await self._write(batch, line, "expired", None, None)
         else:
             status = "completed"
-        done = await self.store.results(batch.id, "done")
-        failed = [*await self.store.results(batch.id, "failed")]
-        failed += await self.store.results(batch.id, "expired")
-        output = "".join(r + "\n" for r in done).encode()
-        errors = "".join(r + "\n" for r in failed).encode()
-        ended = await self.store.finalize(batch.id, status, output, errors, now)
+        ended = await self.store.finalize(batch.id, status, now)
         await self.count_batches()
         logger.info("batch %s %s: %s", batch.id, ended.status, json.dumps(ended.request_counts))

@@ -8,6 +8,9 @@ a writer waits for another's transaction, for up to `server.core.sqlite.BUSY_TIM
 a batch is run by the one that holds its row in `claims` (owner and lease expiry, on this
 host's clock). The row exists while the batch is active.
 
+A batch's output and error files are rows in `files` without content, naming the batch and
+the states of its lines they hold; read, they are streamed from `lines`, a page at a time.
+
 Each call is short (indexed reads, one transaction per write) and runs on the store's own
 threads (`server.core.sqlite`): a held write lock or a slow sync never stalls the event loop.
 """
@@ -18,28 +21,35 @@ import json
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from server.batch_api.store import (
     ACTIVE,
     CANCELLABLE,
+    PAGE_LINES,
+    RESULT_FILES,
     Batch,
     Line,
     file_object,
     finished,
-    output_files,
+    one_chunk,
+    result_files,
 )
 from server.core.sqlite import SqliteDatabase, statements
 
 # A batch's status: a column read from its body, where it is written once (indexed, and added
 # to a store made before it).
 STATUS = "status TEXT GENERATED ALWAYS AS (json_extract(body, '$.status')) VIRTUAL"
+# A batch's result file: the batch, and the states of the lines it holds (JSON); its content is
+# empty. Null for an uploaded file. (Added to a store made before it.)
+RESULT_COLUMNS = "batch_id TEXT, states TEXT"
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
-    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, content BLOB NOT NULL);
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, content BLOB NOT NULL,
+    {RESULT_COLUMNS});
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL,
     {STATUS});
@@ -93,9 +103,18 @@ class SqliteBatchStore:
         rows = await self._sql.read(_all, FILES, (tenant, purpose, purpose))
         return [file_object(*row) for row in rows]
 
-    async def file_content(self, tenant: str, file_id: str) -> bytes | None:
+    async def file_content(self, tenant: str, file_id: str) -> AsyncIterator[bytes] | None:
         row = await self._sql.read(_one, FILE_CONTENT, (tenant, file_id))
-        return None if row is None else bytes(row[0])
+        if row is None:
+            return None
+        content, batch_id, states = row
+        return one_chunk(bytes(content)) if batch_id is None else self._results(batch_id, states)
+
+    async def _results(self, batch_id: str, states: str) -> AsyncIterator[bytes]:
+        after = -1
+        while rows := await self._sql.read(_all, RESULTS, (batch_id, after, states, PAGE_LINES)):
+            yield "".join(result + "\n" for _, result in rows).encode()
+            after = rows[-1][0]
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
         return await self._sql.transaction(_changed, DELETE_FILE, (tenant, file_id)) > 0
@@ -146,14 +165,8 @@ class SqliteBatchStore:
     ) -> Batch:
         return await self._sql.transaction(_finish_line, batch_id, index, state, result)
 
-    async def results(self, batch_id: str, state: str) -> list[str]:
-        rows = await self._sql.read(_all, RESULTS, (batch_id, state))
-        return [result for (result,) in rows]
-
-    async def finalize(
-        self, batch_id: str, status: str, output: bytes, errors: bytes, now: int
-    ) -> Batch:
-        return await self._sql.transaction(_finalize, batch_id, status, output, errors, now)
+    async def finalize(self, batch_id: str, status: str, now: int) -> Batch:
+        return await self._sql.transaction(_finalize, batch_id, status, now)
 
 
 # The statements and transactions, each run on the store's thread.
@@ -163,7 +176,7 @@ FILES = (
     "SELECT id, bytes, created_at, filename, purpose FROM files WHERE tenant = ? AND "
     "(? IS NULL OR purpose = ?) ORDER BY created_at DESC, id"
 )
-FILE_CONTENT = "SELECT content FROM files WHERE tenant = ? AND id = ?"
+FILE_CONTENT = "SELECT content, batch_id, states FROM files WHERE tenant = ? AND id = ?"
 DELETE_FILE = "DELETE FROM files WHERE tenant = ? AND id = ?"
 CLAIMABLE = "SELECT batch_id FROM claims WHERE owner IS NULL OR owner = ? OR until < ?"
 RELEASE = "UPDATE claims SET owner = NULL, until = 0 WHERE batch_id = ? AND owner = ?"
@@ -171,7 +184,15 @@ PENDING = (
     "SELECT idx, custom_id, body FROM lines WHERE batch_id = ? AND state = 'pending' "
     "AND idx NOT IN (SELECT value FROM json_each(?)) ORDER BY idx LIMIT ?"
 )
-RESULTS = "SELECT result FROM lines WHERE batch_id = ? AND state = ? ORDER BY idx"
+_IN_STATES = "state IN (SELECT value FROM json_each(?))"
+RESULTS = (
+    f"SELECT idx, result FROM lines WHERE batch_id = ? AND idx > ? AND {_IN_STATES} "
+    "ORDER BY idx LIMIT ?"
+)
+RESULTS_SIZE = (
+    "SELECT COALESCE(SUM(length(CAST(result AS BLOB)) + 1), 0) FROM lines "
+    f"WHERE batch_id = ? AND {_IN_STATES}"
+)
 
 
 def _one(db: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> Any:
@@ -191,6 +212,9 @@ def _create(db: sqlite3.Connection) -> None:
     columns = {row[1] for row in db.execute("PRAGMA table_xinfo(batches)")}
     if "status" not in columns:
         db.execute(f"ALTER TABLE batches ADD COLUMN {STATUS}")
+    if "batch_id" not in {row[1] for row in db.execute("PRAGMA table_info(files)")}:
+        for column in RESULT_COLUMNS.split(", "):
+            db.execute(f"ALTER TABLE files ADD COLUMN {column}")
     db.execute(BY_STATUS)
     db.execute(CLAIMS_FOR_ACTIVE)
 
@@ -273,15 +297,17 @@ def _finish_line(
     return batch
 
 
-def _finalize(
-    db: sqlite3.Connection, batch_id: str, status: str, output: bytes, errors: bytes, now: int
-) -> Batch:
+def _finalize(db: sqlite3.Connection, batch_id: str, status: str, now: int) -> Batch:
     batch = _batch(db, None, batch_id)
     assert batch is not None
     if batch.status not in ACTIVE:
         return batch
-    for file, content in output_files(batch, output, errors, now):
-        _insert_file(db, batch.tenant, file, content)
+    sizes = [
+        db.execute(RESULTS_SIZE, (batch_id, json.dumps(states))).fetchone()[0]
+        for _, _, states in RESULT_FILES
+    ]
+    for file, states in result_files(batch, sizes, now):
+        _insert_file(db, batch.tenant, file, b"", (batch_id, json.dumps(states)))
     finished(batch, status, now)
     _save(db, batch)
     db.execute("DELETE FROM claims WHERE batch_id = ?", (batch_id,))
@@ -300,9 +326,15 @@ def _save(db: sqlite3.Connection, batch: Batch) -> None:
     db.execute("UPDATE batches SET body = ? WHERE id = ?", (batch.to_row(), batch.id))
 
 
-def _insert_file(db: sqlite3.Connection, tenant: str, file: dict[str, Any], content: bytes) -> None:
+def _insert_file(
+    db: sqlite3.Connection,
+    tenant: str,
+    file: dict[str, Any],
+    content: bytes,
+    results: tuple[str, str] | tuple[None, None] = (None, None),
+) -> None:
     db.execute(
-        "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             file["id"],
             tenant,
@@ -311,5 +343,6 @@ def _insert_file(db: sqlite3.Connection, tenant: str, file: dict[str, Any], cont
             file["bytes"],
             file["created_at"],
             content,
+            *results,
         ),
     )

@@ -14,13 +14,18 @@ A claim names its owner (one per runner) and lasts `lease_s`: the owner renews i
 runs the batch; a process that dies stops renewing and, once the lease has passed, another
 claims the batch and goes on from its pending lines. A change made elsewhere (a cancel) is in
 the store, and the owner reads it when it renews.
+
+A batch's output and error files are not written out when it ends: each is its lines' results
+in some states (`RESULT_FILES`), sized then, and read from the lines a page at a time
+whenever the file is read. A batch of any size ends in one short transaction, and its output
+is never whole in memory.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +43,13 @@ STATUSES = (
 )
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 CANCELLABLE = ("validating", "in_progress")
+# The files a batch's end names (the batch's attribute, the file's name), and the states of
+# the lines whose results each holds, in the lines' order.
+RESULT_FILES = (
+    ("output_file_id", "output", ("done",)),
+    ("error_file_id", "errors", ("failed", "expired")),
+)
+PAGE_LINES = 256  # results read at a time, to stream a batch's file
 
 
 @dataclass(slots=True)
@@ -108,27 +120,29 @@ def file_object(
     }
 
 
-def output_files(
-    batch: Batch, output: bytes, errors: bytes, now: int
-) -> list[tuple[dict[str, Any], bytes]]:
-    """The files a batch's end writes, its output's and its errors' (each only if not empty),
-    as (file object, content); each named on the batch (`output_file_id`, `error_file_id`)."""
+def result_files(
+    batch: Batch, sizes: Sequence[int], now: int
+) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """The files a batch's end names (`RESULT_FILES`, each only if not empty), as (file object,
+    the states of the lines whose results it holds); `sizes` are their contents' bytes, each
+    result a line. Each is named on the batch (`output_file_id`, `error_file_id`)."""
     files = []
-    for content, attribute, name in (
-        (output, "output_file_id", "output"),
-        (errors, "error_file_id", "errors"),
-    ):
-        if content:
+    for (attribute, name, states), size in zip(RESULT_FILES, sizes, strict=True):
+        if size:
             file = file_object(
-                "file-" + uuid.uuid4().hex,
-                len(content),
-                now,
-                f"{batch.id}_{name}.jsonl",
-                "batch_output",
+                "file-" + uuid.uuid4().hex, size, now, f"{batch.id}_{name}.jsonl", "batch_output"
             )
             setattr(batch, attribute, file["id"])
-            files.append((file, content))
+            files.append((file, states))
     return files
+
+
+async def one_chunk(content: bytes) -> AsyncIterator[bytes]:
+    yield content
+
+
+async def read_all(content: AsyncIterator[bytes]) -> bytes:
+    return b"".join([chunk async for chunk in content])
 
 
 def finished(batch: Batch, status: str, now: int) -> str:
@@ -162,7 +176,10 @@ class BatchStore(Protocol):
         """The tenant's files, newest first."""
         ...
 
-    async def file_content(self, tenant: str, file_id: str) -> bytes | None: ...
+    async def file_content(self, tenant: str, file_id: str) -> AsyncIterator[bytes] | None:
+        """The file's content, in chunks (a batch's output is read a page of lines at a time,
+        as it is sent); None: no such file."""
+        ...
 
     async def delete_file(self, tenant: str, file_id: str) -> bool: ...
 
@@ -222,14 +239,8 @@ class BatchStore(Protocol):
         batch, together; a line already finished is left as it is. The batch as it now is."""
         ...
 
-    async def results(self, batch_id: str, state: str) -> list[str]:
-        """The results of the lines in `state`, in their order, as stored (JSON)."""
-        ...
-
-    async def finalize(
-        self, batch_id: str, status: str, output: bytes, errors: bytes, now: int
-    ) -> Batch:
-        """End an active batch `status` (see `finished`) with its output and error files, and
-        its claim, together. A batch that has already ended is left as it is. The batch as it
-        now is."""
+    async def finalize(self, batch_id: str, status: str, now: int) -> Batch:
+        """End an active batch `status` (see `finished`), name its output and error files
+        (`result_files`), and drop its claim, together. A batch that has already ended is left
+        as it is. The batch as it now is."""
         ...

@@ -3,8 +3,9 @@ Redis serves the same files and batches, and the replica that claims a batch run
 
 Keys (none expires: a file is kept until deleted and a batch for good, as in SQLite):
 
-- `sluice:bfile:{TENANT}:ID`: a file's hash (its object's fields, and `content`), listed in
-  `sluice:bfiles:{TENANT}` (a sorted set, by `created_at`).
+- `sluice:bfile:{TENANT}:ID`: a file's hash (its object's fields, and `content`; a batch's
+  output or error file has `batch` and `states` instead, and is read from the batch's
+  results), listed in `sluice:bfiles:{TENANT}` (a sorted set, by `created_at`).
 - `sluice:batch:ID`: a hash of the batch's JSON (`body`, `Batch.to_row`) and its lines'
   counts (`completed`, `failed`, which stand for the JSON's); the tenant's batches in
   `sluice:batches:{TENANT}` (by a sequence, `sluice:batches:seq`); every batch's status in the
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from redis.asyncio.client import NEVER_DECODE
@@ -36,11 +37,14 @@ from redis.asyncio.client import NEVER_DECODE
 from server.batch_api.store import (
     ACTIVE,
     CANCELLABLE,
+    PAGE_LINES,
+    RESULT_FILES,
     Batch,
     Line,
     file_object,
     finished,
-    output_files,
+    one_chunk,
+    result_files,
 )
 from server.core.errors import StateUnavailable, StoreUnavailable
 from server.state.backend import PROBE_SECONDS, RedisState
@@ -50,7 +54,7 @@ OPERATION = "batches"  # every call's label in the state backend's metrics
 # No call is on a token's path: each is allowed more than `state.timeout_ms` (which quotas
 # keep), through the state's client without a socket timeout of its own.
 CALL_TIMEOUT_S = 5.0
-FILE_TIMEOUT_S = 30.0  # a file's content: up to --max-file-bytes, or a batch's whole output
+FILE_TIMEOUT_S = 30.0  # a file's content: up to --max-file-bytes, or a page of a batch's
 ATTEMPTS = 8  # compare-and-set rounds before a change gives up (another writes as often)
 STATUSES_KEY = "sluice:batches:status"
 ACTIVE_KEY = "sluice:batches:active"
@@ -79,6 +83,17 @@ if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 end
 return redis.call('HMGET', KEYS[1], 'body', 'completed', 'failed')
+"""
+
+# KEYS: the results of each state a file holds. -> their bytes, each result a line.
+RESULTS_SIZE = """
+local total = 0
+for _, key in ipairs(KEYS) do
+  for _, index in ipairs(redis.call('HKEYS', key)) do
+    total = total + redis.call('HSTRLEN', key, index) + 1
+  end
+end
+return total
 """
 
 # KEYS: claim, active, batch. ARGV: owner, lease ms, id. -> the batch, now held by `owner`;
@@ -160,7 +175,7 @@ class RedisBatchStore:
             "file-" + uuid.uuid4().hex, len(content), int(time.time()), filename, purpose
         )
         pipe = self._client.pipeline(transaction=True)
-        _add_file(pipe, tenant, file, content)
+        _add_file(pipe, tenant, file, content=content)
         await self._call(pipe.execute(), FILE_TIMEOUT_S)
         return file
 
@@ -180,14 +195,39 @@ class RedisBatchStore:
             if file is not None and (purpose is None or file["purpose"] == purpose)
         ]
 
-    async def file_content(self, tenant: str, file_id: str) -> bytes | None:
-        content = await self._call(
+    async def file_content(self, tenant: str, file_id: str) -> AsyncIterator[bytes] | None:
+        content, batch_id, states = await self._call(
             self._client.execute_command(
-                "HGET", _file_key(tenant, file_id), "content", **{NEVER_DECODE: True}
+                "HMGET",
+                _file_key(tenant, file_id),
+                "content",
+                "batch",
+                "states",
+                **{NEVER_DECODE: True},
             ),
             FILE_TIMEOUT_S,
         )
-        return None if content is None else bytes(content)
+        if content is not None:
+            return one_chunk(bytes(content))
+        if batch_id is None:
+            return None
+        return self._results(batch_id.decode(), json.loads(states))
+
+    async def _results(self, batch_id: str, states: list[str]) -> AsyncIterator[bytes]:
+        keys = [_batch_key(batch_id, f":{state}") for state in states]
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hkeys(key)
+        found = await self._call(pipe.execute(), FILE_TIMEOUT_S)
+        lines = sorted(
+            (int(i), key) for key, indices in zip(keys, found, strict=True) for i in indices
+        )
+        for start in range(0, len(lines), PAGE_LINES):
+            pipe = self._client.pipeline(transaction=False)
+            for index, key in lines[start : start + PAGE_LINES]:
+                pipe.hget(key, index)
+            results = await self._call(pipe.execute(), FILE_TIMEOUT_S)
+            yield "".join(result + "\n" for result in results).encode()
 
     async def delete_file(self, tenant: str, file_id: str) -> bool:
         pipe = self._client.pipeline(transaction=True)
@@ -320,28 +360,26 @@ class RedisBatchStore:
         assert batch is not None
         return batch
 
-    async def results(self, batch_id: str, state: str) -> list[str]:
-        found = await self._call(
-            self._client.hgetall(_batch_key(batch_id, f":{state}")), FILE_TIMEOUT_S
-        )
-        return [found[index] for index in sorted(found, key=int)]
-
-    async def finalize(
-        self, batch_id: str, status: str, output: bytes, errors: bytes, now: int
-    ) -> Batch:
+    async def finalize(self, batch_id: str, status: str, now: int) -> Batch:
         for _ in range(ATTEMPTS):
             row = await self._read(batch_id)
             batch = _batch(row, None)
             assert batch is not None
             if batch.status not in ACTIVE:
                 return batch
-            files = output_files(batch, output, errors, now)
+            sizes = [
+                await self._script(
+                    RESULTS_SIZE, [_batch_key(batch_id, f":{state}") for state in states], []
+                )
+                for _, _, states in RESULT_FILES
+            ]
+            files = result_files(batch, sizes, now)
             finished(batch, status, now)
             # The files first: a batch that names them never lacks them (a round lost to a
             # change made meanwhile leaves them unnamed, and deletes them).
             pipe = self._client.pipeline(transaction=True)
-            for file, content in files:
-                _add_file(pipe, batch.tenant, file, content)
+            for file, states in files:
+                _add_file(pipe, batch.tenant, file, batch=batch_id, states=json.dumps(states))
             await self._call(pipe.execute(), FILE_TIMEOUT_S)
             if await self._save(row[0], batch, ended=True):
                 return batch
@@ -350,8 +388,9 @@ class RedisBatchStore:
         raise StoreUnavailable(f"batch {batch_id} changed too often to be finalized")
 
 
-def _add_file(pipe: Any, tenant: str, file: dict[str, Any], content: bytes) -> None:
-    pipe.hset(_file_key(tenant, file["id"]), mapping={**file, "content": content})
+def _add_file(pipe: Any, tenant: str, file: dict[str, Any], **fields: str | bytes) -> None:
+    """`fields`: its `content`, or a batch's result file's `batch` and `states`."""
+    pipe.hset(_file_key(tenant, file["id"]), mapping={**file, **fields})
     pipe.zadd(_files_key(tenant), {file["id"]: file["created_at"]})
 
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import RedisProcess
 
 from server.batch_api.sqlite_store import SqliteBatchStore
-from server.batch_api.store import Batch, BatchStore, Line
+from server.batch_api.store import PAGE_LINES, Batch, BatchStore, Line, read_all
 from server.core.config import StateConfig
 from server.observability.metrics import Metrics
 from server.state.backend import RedisState
@@ -135,7 +135,7 @@ async def test_a_cancel_made_elsewhere_reaches_the_owner_when_it_renews(stores: 
     # A line the owner finishes meanwhile answers the batch as it now is.
     after = await stores.first.finish_line(batch.id, 0, "done", {"custom_id": "req-0"})
     assert after.status == "cancelling" and after.request_counts["completed"] == 1
-    ended = await stores.first.finalize(batch.id, "completed", b"{}\n", b"", 9)
+    ended = await stores.first.finalize(batch.id, "completed", 9)
     assert ended.status == "cancelled" and ended.times["cancelled"] == 9
     again = await stores.second.cancel(batch.tenant, batch.id, 10)
     assert again is not None and again.status == "cancelled"  # left as it was
@@ -158,11 +158,16 @@ async def test_a_line_is_written_once(stores: Stores) -> None:
     )
     failed = await stores.second.finish_line(batch.id, 0, "failed", {"custom_id": "req-0"})
     assert failed.request_counts["failed"] == 1
-    assert [json.loads(r)["n"] for r in await stores.first.results(batch.id, "done")] == [1]
     assert [line.index for line in await stores.first.pending(batch.id, 10)] == [2]
     assert await stores.first.pending(batch.id, 10, skip=[2]) == []
     stored = await stores.second.batch(batch.tenant, batch.id)
     assert stored is not None and stored.request_counts == failed.request_counts
+    await stores.first.finish_line(batch.id, 2, "done", {"custom_id": "req-2", "n": 3})
+    ended = await stores.first.finalize(batch.id, "completed", 9)
+    assert ended.output_file_id is not None
+    output = await stores.second.file_content(batch.tenant, ended.output_file_id)
+    assert output is not None
+    assert [json.loads(r)["n"] for r in (await read_all(output)).splitlines()] == [1, 3]
 
 
 async def test_a_batch_is_finalized_once_with_its_files(stores: Stores) -> None:
@@ -170,13 +175,13 @@ async def test_a_batch_is_finalized_once_with_its_files(stores: Stores) -> None:
     await stores.first.add_batch(batch, lines)
     assert await stores.first.claim(batch.id, "A", stores.lease_s) is not None
     await stores.first.finish_line(batch.id, 0, "done", {"custom_id": "req-0"})
-    ended = await stores.first.finalize(batch.id, "completed", b'{"custom_id": "req-0"}\n', b"", 7)
+    ended = await stores.first.finalize(batch.id, "completed", 7)
     assert ended.status == "completed" and ended.times["finalizing"] == 7
     assert ended.output_file_id is not None and ended.error_file_id is None
     content = await stores.second.file_content(batch.tenant, ended.output_file_id)
-    assert content == b'{"custom_id": "req-0"}\n'
+    assert content is not None and await read_all(content) == b'{"custom_id": "req-0"}\n'
     # Finalized again (a runner that had lost its claim): nothing changes, no second file.
-    again = await stores.second.finalize(batch.id, "completed", b"other\n", b"x\n", 8)
+    again = await stores.second.finalize(batch.id, "completed", 8)
     assert again.output_file_id == ended.output_file_id and again.times["completed"] == 7
     outputs = await stores.second.files(batch.tenant, "batch_output")
     assert [f["id"] for f in outputs] == [ended.output_file_id]
@@ -185,12 +190,45 @@ async def test_a_batch_is_finalized_once_with_its_files(stores: Stores) -> None:
     assert "completed" in await stores.second.statuses()
 
 
+async def test_a_batch_s_files_are_its_results_in_order_read_a_page_at_a_time(
+    stores: Stores,
+) -> None:
+    lines = 2 * PAGE_LINES + 5
+    batch, made = a_batch(lines=lines)
+    await stores.first.add_batch(batch, made)
+    states = ["done", "failed", "done", "expired"]
+    for line in reversed(made):  # written out of order, read in the lines' order
+        state = states[line.index % len(states)]
+        result = {"custom_id": line.custom_id, "n": line.index, "text": "é" * (line.index % 3)}
+        await stores.first.finish_line(batch.id, line.index, state, result)
+    ended = await stores.first.finalize(batch.id, "completed", 5)
+    assert ended.output_file_id is not None and ended.error_file_id is not None
+    for file_id, kept in (
+        (ended.output_file_id, {"done"}),
+        (ended.error_file_id, {"failed", "expired"}),
+    ):
+        content = await stores.second.file_content(batch.tenant, file_id)
+        assert content is not None
+        chunks = [chunk async for chunk in content]
+        assert len(chunks) > 1  # streamed, not built whole
+        data = b"".join(chunks)
+        file = await stores.second.file(batch.tenant, file_id)
+        assert file is not None and file["bytes"] == len(data)
+        wanted = [i for i in range(lines) if states[i % len(states)] in kept]
+        assert [json.loads(row)["n"] for row in data.splitlines()] == wanted
+    # Deleted, the file is gone; the batch's lines are not (the other file still reads).
+    assert await stores.second.delete_file(batch.tenant, ended.output_file_id)
+    assert await stores.first.file_content(batch.tenant, ended.output_file_id) is None
+    assert await stores.first.file_content(batch.tenant, ended.error_file_id) is not None
+
+
 async def test_files_and_batches_belong_to_their_tenant(stores: Stores) -> None:
     content = b'{"a": 1}\n\xff\xfe not UTF-8\n'
     file = await stores.first.add_file("acme", "batch", "in.jsonl", content)
     assert file["bytes"] == len(content) and file["object"] == "file"
     assert await stores.second.file("acme", file["id"]) == file
-    assert await stores.second.file_content("acme", file["id"]) == content
+    stored = await stores.second.file_content("acme", file["id"])
+    assert stored is not None and await read_all(stored) == content
     assert file["id"] in {f["id"] for f in await stores.second.files("acme", "batch")}
     assert await stores.second.file("beta", file["id"]) is None
     assert await stores.second.file_content("beta", file["id"]) is None
@@ -211,7 +249,7 @@ async def test_files_and_batches_belong_to_their_tenant(stores: Stores) -> None:
     assert await stores.second.batches("beta", None, 10) == ([], False)
 
 
-async def test_a_sqlite_store_made_before_the_status_column_and_claims_opens(
+async def test_a_sqlite_store_made_before_the_status_column_claims_and_result_files_opens(
     tmp_path: Path,
 ) -> None:
     import sqlite3
@@ -226,6 +264,21 @@ async def test_a_sqlite_store_made_before_the_status_column_and_claims_opens(
         old.execute(
             "INSERT INTO batches VALUES (?, ?, 1, ?)", (batch.id, batch.tenant, batch.to_row())
         )
+        old.execute(
+            "CREATE TABLE files (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, "
+            "purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL, "
+            "created_at INTEGER NOT NULL, content BLOB NOT NULL)"
+        )
+        old.execute(
+            "INSERT INTO files VALUES ('file-old', ?, 'batch', 'in.jsonl', 3, 1, ?)",
+            (batch.tenant, b"{}\n"),
+        )
+        old.execute(
+            "CREATE TABLE lines (batch_id TEXT NOT NULL, idx INTEGER NOT NULL, "
+            "custom_id TEXT NOT NULL, body TEXT NOT NULL, state TEXT NOT NULL, result TEXT, "
+            "PRIMARY KEY (batch_id, idx))"
+        )
+        old.execute("INSERT INTO lines VALUES (?, 0, 'req-0', '{}', 'pending', NULL)", (batch.id,))
     old.close()
     store = SqliteBatchStore(tmp_path / "data", Clock())
     try:
@@ -235,5 +288,12 @@ async def test_a_sqlite_store_made_before_the_status_column_and_claims_opens(
         assert claimed is not None and claimed.status == "in_progress"
         assert await store.cancel(batch.tenant, batch.id, 1) is not None
         assert await store.statuses() == ["cancelling"]  # the column follows the body
+        uploaded = await store.file_content(batch.tenant, "file-old")
+        assert uploaded is not None and await read_all(uploaded) == b"{}\n"
+        await store.finish_line(batch.id, 0, "done", {"custom_id": "req-0"})
+        ended = await store.finalize(batch.id, "completed", 2)  # a result file in the old table
+        assert ended.output_file_id is not None
+        output = await store.file_content(batch.tenant, ended.output_file_id)
+        assert output is not None and await read_all(output) == b'{"custom_id": "req-0"}\n'
     finally:
         await store.close()

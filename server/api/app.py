@@ -37,6 +37,7 @@ from server.core.errors import (
     RouteNotFound,
     SluiceError,
 )
+from server.core.settings import ServeOptions
 from server.generations.planner import Planner
 from server.generations.registry import RunStore
 from server.generations.service import Generations
@@ -93,25 +94,23 @@ def build_app(
     served_model: str,
     *,
     metrics: Metrics,
-    ping_seconds: float = 15.0,
-    coalesce: bool = True,
-    stream_interval: int = 1,
-    send_timeout_seconds: float = 30.0,
-    max_body_bytes: int = 1 << 20,
+    options: ServeOptions | None = None,
     on_engine_death: asyncio.Event | None = None,
-    metrics_route: bool = True,
     batch_store: BatchStore | None = None,
-    max_file_bytes: int = 100 << 20,
     state: RedisState | None = None,
     responses_dir: Path | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> SluiceApp:
     """`metrics`: the app's registry, which the dispatcher and `state` record into too.
+    `options`: the serve flags the app reads (bodies' and files' limits, the streams' pings,
+    coalescing, interval and send timeout, and whether /metrics is its own, without
+    --metrics-port); None: their defaults.
     `state`: Redis, for quotas (the dispatcher's), and resumable generations and stored
     responses shared by replicas. `responses_dir`: where ended responses are kept (SQLite;
     None: in memory), or, with `state`, kept while Redis does not answer. `clock`: what the
     tenant directory and the run store read (in-process tests in virtual time pass the
     loop's, as they do to the dispatcher)."""
+    options = options or ServeOptions()
     shared = (
         None
         if state is None
@@ -125,7 +124,7 @@ def build_app(
         None if state is None else RedisResponses(state, kept.retention_seconds, kept.max_bytes)
     )
     planner = Planner(
-        engine, TenantDirectory(config, clock), dispatcher, served_model, stream_interval
+        engine, TenantDirectory(config, clock), dispatcher, served_model, options.stream_interval
     )
     generations = Generations(
         planner=planner,
@@ -139,7 +138,12 @@ def build_app(
         engine=engine,
         planner=planner,
         generations=generations,
-        edge=Edge(SendGuard(send_timeout_seconds), ping_seconds, max_body_bytes, coalesce),
+        edge=Edge(
+            SendGuard(options.send_timeout_seconds),
+            options.sse_ping_seconds,
+            options.max_body_bytes,
+            options.stream_coalesce == "on",
+        ),
         metrics=metrics,
         started=int(time.time()),
         batches=None
@@ -153,7 +157,7 @@ def build_app(
                 lease_s=config.state.lease_s,
                 owner=None if state is None else state.replica,
             ),
-            max_file_bytes,
+            options.max_file_bytes,
         ),
         responses=Responses(
             generations,
@@ -203,7 +207,7 @@ def build_app(
             yield
 
     app = SluiceApp(
-        routes=routes(services, served_parts(services, metrics_route=metrics_route)),
+        routes=routes(services, served_parts(services, metrics_route=options.metrics_port is None)),
         exception_handlers={HTTPException: http_error, SluiceError: sluice_error},
         middleware=[Middleware(AccessLogMiddleware, metrics=metrics)],
         lifespan=lifespan,

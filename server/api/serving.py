@@ -43,7 +43,7 @@ from server.batch_api.sqlite_store import SqliteBatchStore
 from server.batch_api.store import BatchStore
 from server.core import last_exit
 from server.core.config import ConfigError, SluiceConfig
-from server.core.settings import config_flags, load_config
+from server.core.settings import ServeOptions, config_flags, load_config
 from server.generations.service import Generations
 from server.observability import redaction
 from server.observability.access_log import install_handler
@@ -66,7 +66,7 @@ class StartRefused(Exception):
 class Assembled:
     """What `sluice serve`'s arguments build, not yet started."""
 
-    args: argparse.Namespace
+    options: ServeOptions
     app: SluiceApp
     scrape_app: Starlette | None  # /metrics alone, with --metrics-port
     engine_died: asyncio.Event
@@ -87,6 +87,7 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
             "--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
             "read vLLM's output: they need --engine vllm"
         )
+    options = ServeOptions.model_validate(vars(args))
     metrics = Metrics()
     engine, dispatcher, name = _build_serving(args, config, metrics)
     state = None
@@ -98,10 +99,10 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         batch_store = RedisBatchStore(state)
     else:
         try:
-            batch_store = SqliteBatchStore(args.data_dir)
+            batch_store = SqliteBatchStore(options.data_dir)
         except (OSError, sqlite3.Error) as exc:
             raise StartRefused(
-                f"the data directory {args.data_dir} cannot be used: {exc}"
+                f"the data directory {options.data_dir} cannot be used: {exc}"
             ) from None
     engine_died = asyncio.Event()
     app = build_app(
@@ -110,20 +111,14 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         config,
         name,
         metrics=metrics,
-        ping_seconds=args.sse_ping_seconds,
-        coalesce=args.stream_coalesce == "on",
-        stream_interval=args.stream_interval,
-        send_timeout_seconds=args.send_timeout_seconds,
-        max_body_bytes=args.max_body_bytes,
+        options=options,
         on_engine_death=engine_died,
-        metrics_route=args.metrics_port is None,
         batch_store=batch_store,
-        max_file_bytes=args.max_file_bytes,
         state=state,
-        responses_dir=args.data_dir,
+        responses_dir=options.data_dir,
     )
-    scrape_app = None if args.metrics_port is None else metrics_app(app.services)
-    return Assembled(args, app, scrape_app, engine_died)
+    scrape_app = None if options.metrics_port is None else metrics_app(app.services)
+    return Assembled(options, app, scrape_app, engine_died)
 
 
 def _build_serving(
@@ -180,33 +175,34 @@ class Serving:
         log_config: dict[str, Any] | None = LOGGING_CONFIG,
         on_started: Callable[[], None] | None = None,
     ) -> None:
-        args = self.args = assembled.args
+        options = self.options = assembled.options
         self.engine_died = assembled.engine_died
         self.api = DrainingServer(
             assembled.app.services.generations,
-            args.drain_seconds,
+            options.drain_seconds,
             uvicorn.Config(
                 assembled.app,
-                host=args.host,
-                port=args.port,
-                fd=args.fd,
-                log_level=args.log_level,
+                host=options.host,
+                port=options.port,
+                fd=options.fd,
+                log_level=options.log_level,
                 log_config=log_config,
                 access_log=False,
                 timeout_graceful_shutdown=10,
-                ws_max_size=args.max_body_bytes,
+                ws_max_size=options.max_body_bytes,
             ),
             on_started=on_started,
         )
+        metrics_port = options.metrics_port  # (the scrape app exists with one)
         self.scraper = (
             None
-            if assembled.scrape_app is None
+            if assembled.scrape_app is None or metrics_port is None
             else QuietServer(
                 uvicorn.Config(
                     assembled.scrape_app,
-                    host=args.metrics_host or args.host,
-                    port=args.metrics_port,
-                    log_level=args.log_level,
+                    host=options.metrics_host or options.host,
+                    port=metrics_port,
+                    log_level=options.log_level,
                     log_config=log_config,
                     access_log=False,
                     lifespan="off",
@@ -226,7 +222,7 @@ class Serving:
         async def stop_on_engine_death() -> None:
             await self.engine_died.wait()
             # Keep answering (/ready 503, new requests 503) so balancers see it, then exit.
-            await asyncio.sleep(self.args.engine_death_exit_seconds)
+            await asyncio.sleep(self.options.engine_death_exit_seconds)
             self.api.should_exit = True
 
         watcher = asyncio.create_task(stop_on_engine_death())

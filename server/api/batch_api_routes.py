@@ -22,8 +22,8 @@ from server.api.openai_routes import JSONResponse, read_json
 from server.api.services import BatchServices, Services
 from server.batch_api.runner import KINDS
 from server.batch_api.store import Batch, Line, read_all
+from server.batch_api.wire import CreateBatch
 from server.core.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
-from server.openai.batch import CreateBatch
 from server.openai.requests import parse_request
 from server.openai.wire import validated
 

@@ -23,12 +23,11 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
 from server.anthropic.messages import CountTokensRequest, MessagesRequest
 from server.anthropic.replies import AnthropicErrorBody
-from server.openai.batch import CreateBatch, FileUpload
+from server.batch_api.wire import CreateBatch, FileUpload
 from server.openai.chat import NOT_IN_BATCH, ChatCompletionRequest
 from server.openai.completion import CompletionRequest
 from server.openai.error_body import ErrorBody
 from server.openai.models import ModelList, Ready, Status, VersionReply
-from server.openai.responses_api import CreateResponse
 from server.openai.tokenizer import (
     Detokenize,
     DetokenizeReply,
@@ -36,6 +35,7 @@ from server.openai.tokenizer import (
     TokenizeReply,
     TokenizeText,
 )
+from server.responses_api.wire import CreateResponse
 
 Operation = dict[str, Any]  # an OpenAPI operation (the route table names its method)
 

@@ -19,10 +19,10 @@ from server.api.openai_routes import (
 from server.api.services import Services
 from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
-from server.openai.responses_api import CreateResponse, ResponseBuilder, ResponseEvent, sse
 from server.openai.wire import validated
 from server.responses_api.service import Responses, feed, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
+from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent, sse
 
 
 def _responses(services: Services) -> Responses:

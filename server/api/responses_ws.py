@@ -24,8 +24,11 @@ from server.api.services import Services
 from server.api.websocket_session import WebSocketSession
 from server.core.errors import GenerationCancelled, InvalidRequest, SluiceError
 from server.generations.run import GenerationRun
-from server.openai.responses_api import CreateResponse, ResponseBuilder, ResponseEvent
-from server.openai.responses_ws import (
+from server.openai.wire import validated
+from server.responses_api.service import Responses, replay
+from server.responses_api.store import KeptResponse, ResponseRecord
+from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent
+from server.responses_api.ws_wire import (
     CancelMessage,
     RetrieveMessage,
     create_message,
@@ -33,9 +36,6 @@ from server.openai.responses_ws import (
     event_message,
     lane_of,
 )
-from server.openai.wire import validated
-from server.responses_api.service import Responses, replay
-from server.responses_api.store import KeptResponse, ResponseRecord
 
 MAX_RESPONSES_PER_CONNECTION = 256  # running or waiting for their lane
 MAX_LANES_HELD = 64  # lanes whose last response the connection holds

@@ -1,5 +1,5 @@
 """OpenAI's chat and completion wire format: stream chunks, whole responses, usage. Built for
-the per-token hot path (the Responses API's is `server.openai.responses_api`).
+the per-token hot path (the Responses API's is `server.responses_api.wire`).
 
 Each stream chunk is the same JSON around a few changing values, so `ChunkEncoder` renders the
 constant prefix once per request and encodes only the token text per chunk (orjson).

@@ -32,8 +32,8 @@ from server.generations.run import GenerationRun
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.openai.requests import parse_request
-from server.openai.responses_api import CreateResponse, ResponseBuilder, ResponseEvent
 from server.responses_api.store import KeptResponse, ResponseRecord
+from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent
 
 logger = logging.getLogger("sluice.responses")
 CANCEL_WAIT_SECONDS = 10.0  # for a cancelled background generation to end

@@ -26,7 +26,7 @@ from server.core.sqlite import SqliteDatabase, statements
 from server.generations.ports import StoredResponse
 from server.generations.registry import evictions, past_retention
 from server.generations.run import GenerationRun
-from server.openai.responses_api import ResponseBuilder, ResponseEvent
+from server.responses_api.wire import ResponseBuilder, ResponseEvent
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (

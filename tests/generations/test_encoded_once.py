@@ -19,7 +19,7 @@ from conftest import InProcessSluice
 from server.anthropic.replies import MessageStream
 from server.api import ws_routes
 from server.openai.chunks import ChunkEncoder
-from server.openai.responses_api import ResponseBuilder
+from server.responses_api.wire import ResponseBuilder
 
 HELLO = [{"role": "user", "content": "Tell me about the sea."}]
 TOKENS = 24

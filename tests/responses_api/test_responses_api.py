@@ -20,9 +20,9 @@ from conftest import InProcessSluice, uncalibrated_config, wait_until
 
 from server.generations.log import Event, Kind
 from server.generations.ports import ResponseStore, StoredResponse
-from server.openai.responses_api import CreateResponse, ResponseBuilder
 from server.responses_api.service import feed
 from server.responses_api.store import SqliteResponses
+from server.responses_api.wire import CreateResponse, ResponseBuilder
 
 # `openai` (~1 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.

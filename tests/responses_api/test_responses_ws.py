@@ -385,7 +385,7 @@ def test_an_error_event_carries_the_status_and_retry_after_as_openais() -> None:
     from openai.types.responses.responses_server_event import ResponseWsError
 
     from server.core.errors import TenantQuotaExceeded
-    from server.openai.responses_ws import error_event
+    from server.responses_api.ws_wire import error_event
 
     event = error_event(TenantQuotaExceeded("over the quota", retry_after=2.4), "lane")
     assert event == {

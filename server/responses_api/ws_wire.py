@@ -14,8 +14,8 @@ import orjson
 from pydantic import Field
 
 from server.core.errors import InvalidRequest, SluiceError
-from server.openai.responses_api import CreateResponse, ResponseEvent
 from server.openai.wire import WireModel, validated
+from server.responses_api.wire import CreateResponse, ResponseEvent
 
 # As the `openai` SDK checks a lane's id.
 StreamId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,256}$")]

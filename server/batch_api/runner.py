@@ -248,12 +248,12 @@ class BatchRunner:
             api="chat" if kind == "chat" else "completions",
             metrics=self.metrics,
         )
-        context = RequestContext(
-            traffic_class=TrafficClass.BULK,
-            tenant=self.generations.planner.tenants.tenant(batch.tenant),
-            timeout_s=max(1.0, batch.expires_at - self.clock()),
-        )
         try:
+            context = RequestContext(
+                traffic_class=TrafficClass.BULK,
+                tenant=self.generations.planner.tenants.tenant(batch.tenant),
+                timeout_s=max(1.0, batch.expires_at - self.clock()),
+            )
             run, _ = await self.generations.generate(
                 parse_request(line.body, kind), line.body, timeline, context, None, stream=False
             )

@@ -115,7 +115,12 @@ class TenantDirectory:
         return self._config.is_open
 
     def tenant(self, name: str) -> Tenant:
-        return self._tenants[name]
+        """The configured tenant `name`. Unauthorized: there is none (a batch or a resumable
+        run made by a tenant since removed from the configuration)."""
+        found = self._tenants.get(name)
+        if found is None:
+            raise Unauthorized(f"tenant {name!r} is no longer in the configuration")
+        return found
 
     def metric_labels(self) -> tuple[str, ...]:
         """Every tenant label a metric may carry, besides "other"."""

@@ -3,9 +3,9 @@
 One engine step serves every running sequence, so a chat's tokens arrive once per step, and a
 step over 96 sequences takes many times as long as a step over one. While interactive requests
 run or wait (and after the last one, for `bulk_hold_s` and while chats still arrive more often
-than that), bulk is capped so that the predicted
-step time stays within the interactive gap target: the most sequences whose step fits `AIM` of
-it (`StepTimes.within`), less the chats (at least one). Otherwise bulk may grow to the knee,
+than that), bulk is capped so that the predicted step time stays within the interactive gap
+target: the most sequences whose step fits `AIM` of it (`StepTimes.within`), less the chats
+(at least one). Otherwise bulk may grow to the knee,
 the fewest sequences that reach `knee_share` of the best tokens/s seen, but not so far that
 one step would leave a chat that arrives in the middle of it less than its TTFT target.
 However many chats run, bulk keeps `bulk_min_share` of the sequences the gap target allows (at

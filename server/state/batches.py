@@ -54,7 +54,7 @@ OPERATION = "batches"  # every call's label in the state backend's metrics
 # No call is on a token's path: each is allowed more than `state.timeout_ms` (which quotas
 # keep), through the state's client without a socket timeout of its own.
 CALL_TIMEOUT_S = 5.0
-FILE_TIMEOUT_S = 30.0  # a file's content: up to --max-file-bytes, or a page of a batch's
+FILE_TIMEOUT_S = 30.0  # a file's content (up to --max-file-bytes), or a page of a batch's results
 ATTEMPTS = 8  # compare-and-set rounds before a change gives up (another writes as often)
 STATUSES_KEY = "sluice:batches:status"
 ACTIVE_KEY = "sluice:batches:active"

@@ -226,10 +226,11 @@ def content_event(api: str, event: dict) -> bool:
 
 
 async def bulk_stream(client, kind, args, window: tuple[float, float], counts: dict) -> None:
-    """One closed-loop bulk stream. Tokens are counted from raw lines (no JSON parsing) so the
-    load generator stays cheap; times are wall-clock (the window is shared across processes)."""
+    """One closed-loop bulk stream, until cancelled. Tokens are counted from raw lines (no JSON
+    parsing) so the load generator stays cheap; times are wall-clock (the window is shared
+    across processes)."""
     start, end = window
-    while time.time() < end:
+    while True:
         body, headers = request_body(kind, args.bulk_tokens, True, "summarise the report " * 8)
         try:
             async with client.stream(
@@ -239,31 +240,38 @@ async def bulk_stream(client, kind, args, window: tuple[float, float], counts: d
                     raise RuntimeError(f"HTTP {r.status_code}")
                 async for line in r.aiter_lines():
                     if '"content":"' in line and '"role"' not in line:
-                        now = time.time()
-                        if start <= now < end:
+                        if start <= time.time() < end:
                             counts["tokens"] += 1
-                        elif now >= end:
-                            return
         except (httpx.HTTPError, RuntimeError):
             if start <= time.time() < end:
                 counts["failures"] += 1
             await asyncio.sleep(0.1)  # back off before reopening a refused stream
 
 
-async def _bulk_load(kind, args, port, window, counts) -> None:
+async def _bulk_load(kind, args, port, window, counts, release) -> None:
+    """The flood runs on past the window until `release` (a wall-clock time the chat side sets
+    once its last chat has ended), then every stream closes at once. Streams that ended one by
+    one at the window's end made the server dispatch, prefill and abort its whole bulk queue in
+    a cascade, under the window's last chats."""
     limits = httpx.Limits(max_connections=args.bulk_streams + 8)
     async with httpx.AsyncClient(
         base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=httpx.Timeout(600.0)
     ) as client:
-        await asyncio.gather(
-            *(bulk_stream(client, kind, args, window, counts) for _ in range(args.bulk_streams))
-        )
+        streams = [
+            asyncio.create_task(bulk_stream(client, kind, args, window, counts))
+            for _ in range(args.bulk_streams)
+        ]
+        while time.time() < release.value:
+            await asyncio.sleep(0.05)
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
 
 
-def bulk_load_process(kind, args, port, window, results) -> None:
+def bulk_load_process(kind, args, port, window, release, results) -> None:
     """The bulk flood, in its own process so that its work cannot delay the chat client."""
     counts = {"tokens": 0, "failures": 0}
-    asyncio.run(_bulk_load(kind, args, port, window, counts))
+    asyncio.run(_bulk_load(kind, args, port, window, counts, release))
     results.put(counts)
 
 
@@ -368,8 +376,11 @@ async def measure(
             if system.bulk:
                 context = multiprocessing.get_context("spawn")
                 results = context.Queue()
+                release = context.Value("d", math.inf)  # when the flood stops: after the chats
                 bulk = context.Process(
-                    target=bulk_load_process, args=(system.kind, args, port, window, results)
+                    target=bulk_load_process,
+                    args=(system.kind, args, port, window, release, results),
+                    daemon=True,  # a run that fails before the release does not outlive it
                 )
                 bulk.start()
             stop = asyncio.Event()
@@ -386,6 +397,7 @@ async def measure(
             if sampler is not None:
                 await sampler
             if bulk is not None:
+                release.value = time.time()
                 counts = await asyncio.to_thread(results.get, True, 120)
                 bulk.join(30)
                 m.bulk_tokens, m.bulk_failures = counts["tokens"], counts["failures"]

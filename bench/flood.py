@@ -60,6 +60,7 @@ import httpx
 import yaml
 
 from server.core.stats import quantile
+from server.scheduler.types import PreemptCause
 
 SERVED_NAME = "sluice-demo"
 SYSTEMS = ("idle", "vllm-fcfs", "vllm-priority", "sluice")
@@ -249,8 +250,8 @@ async def bulk_stream(client, kind, args, window: tuple[float, float], counts: d
 
 
 async def _bulk_load(kind, args, port, window, counts, release) -> None:
-    """The flood runs on past the window until `release` (a wall-clock time the chat side sets
-    once its last chat has ended), then every stream closes at once. Streams that ended one by
+    """The flood runs on past the window until `release` (an event the chat side sets once its
+    last chat has ended), then every stream closes at once. Streams that ended one by
     one at the window's end made the server dispatch, prefill and abort its whole bulk queue in
     a cascade, under the window's last chats."""
     limits = httpx.Limits(max_connections=args.bulk_streams + 8)
@@ -261,8 +262,7 @@ async def _bulk_load(kind, args, port, window, counts, release) -> None:
             asyncio.create_task(bulk_stream(client, kind, args, window, counts))
             for _ in range(args.bulk_streams)
         ]
-        while time.time() < release.value:
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(release.wait)
         for stream in streams:
             stream.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
@@ -329,7 +329,7 @@ SAMPLED = {
 # Sluice counters, reported as their increase over the window: bulk requests stopped, by cause.
 COUNTED = {
     f"preempted_{cause}": ("sluice_bulk_preemptions_total{", f'cause="{cause}"')
-    for cause in ("chats_far_over", "step_over_target", "waiting_chat")
+    for cause in PreemptCause
 }
 
 
@@ -376,7 +376,7 @@ async def measure(
             if system.bulk:
                 context = multiprocessing.get_context("spawn")
                 results = context.Queue()
-                release = context.Value("d", math.inf)  # when the flood stops: after the chats
+                release = context.Event()  # the flood stops after the window's last chat
                 bulk = context.Process(
                     target=bulk_load_process,
                     args=(system.kind, args, port, window, release, results),
@@ -397,7 +397,7 @@ async def measure(
             if sampler is not None:
                 await sampler
             if bulk is not None:
-                release.value = time.time()
+                release.set()
                 counts = await asyncio.to_thread(results.get, True, 120)
                 bulk.join(30)
                 m.bulk_tokens, m.bulk_failures = counts["tokens"], counts["failures"]

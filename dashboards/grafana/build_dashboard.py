@@ -208,7 +208,8 @@ ROWS: tuple[Row, ...] = (
                 "Running bulk requests stopped (and requeued as continuations) to keep chats "
                 "within their targets, per second, by cause: chats_far_over (chats measured far "
                 "over their gap target), step_over_target (a step the model predicts far over "
-                "it), waiting_chat (a chat waited with no budget room).",
+                "it), chat_burst (more chats than usually run together), waiting_chat (a chat "
+                "waited with no budget room).",
                 (
                     Target(
                         "sum by (model, cause) (rate(sluice_bulk_preemptions_total"

@@ -268,6 +268,7 @@ class Metrics:
             "Running bulk requests the scheduler named to stop (each resumes later), by cause: "
             "chats_far_over (bulk over its cap while chats measure far over their gap target), "
             "step_over_target (bulk over its cap and a step predicted far over the target), "
+            "chat_burst (bulk over its cap while more chats run than usually do), "
             "waiting_chat (a chat waited preempt_bulk_after_s with no budget room).",
             ["model", "cause"],
             registry=registry,

@@ -66,6 +66,9 @@ Stage = Literal["queued", "running"]
 FAR_OVER = 1.2
 # Bulk may start this many times as often as the bulk allowed turns over (`_start_share`).
 TURNOVER_PACE = 2.0
+# Under feedback, chats beyond this many more than usually run together are a burst: each
+# one more stops a bulk sequence until the burst has passed (`_burst`).
+BURST_MARGIN = 1
 
 # Made once: formatting an enum runs Python code, and a flood is refused this a million times.
 # For the same reason the paths every request takes compare numbers where min() and max() would
@@ -352,9 +355,19 @@ class SchedulerCore:
         if self._chats_about(now):
             expected = round(self.estimates.chats_together)
             if self.controller.enabled:
-                return self.bulk_cap.with_chats(max(1, expected))
+                return self.bulk_cap.with_chats(max(1, expected) + self._burst())
             return self.bulk_cap.with_chats(max(1, self._chats()) + expected)
         return self.bulk_cap.idle()
+
+    def _burst(self) -> int:
+        """Chats running or waiting beyond `BURST_MARGIN` more than usually run together.
+        The controller's scale holds for the chats there usually are; Poisson arrivals bunch,
+        and a step over twice as many chats as usual is longer by their sequences, for every
+        chat in it: those of a burst miss together. Each chat of a burst leaves room for
+        itself, by a bulk sequence stopped (resumed from the prefix cache, where the engine
+        keeps one, once the burst has passed)."""
+        usual = self.estimates.chats_together
+        return max(0, self._chats() - max(1, round(usual)) - BURST_MARGIN)
 
     def _bulk_running(self) -> int:
         return self._running_per_class[BULK] - self._preempting
@@ -585,6 +598,9 @@ class SchedulerCore:
         # step far over it (bulk grown while no chat was about).
         if self.controller.median > FAR_OVER:
             return self._stopping(PreemptCause.CHATS_FAR_OVER, self._victims()[:excess])
+        burst = self._burst() if self.controller.enabled else 0
+        if burst:
+            return self._stopping(PreemptCause.CHAT_BURST, self._victims()[: min(excess, burst)])
         step = self.estimates.steps.at(self._sequences - self._preempting)
         limit = self.bulk_cap.step_limit()
         if self.controller.enabled:

@@ -37,6 +37,7 @@ class PreemptCause(StrEnum):
 
     CHATS_FAR_OVER = "chats_far_over"  # bulk over its cap, chats measured far over their target
     STEP_OVER_TARGET = "step_over_target"  # bulk over its cap, the model's step far over it
+    CHAT_BURST = "chat_burst"  # bulk over its cap, more chats than usually run together
     WAITING_CHAT = "waiting_chat"  # a chat waited its threshold with no budget room
 
 

@@ -340,20 +340,41 @@ def test_under_feedback_bulk_over_the_cap_is_stopped_only_for_chats_measured_far
     assert s.preempted_for == {**dict.fromkeys(PreemptCause, 0), "chats_far_over": stopped}
 
 
-def test_under_feedback_the_cap_leaves_room_for_as_many_chats_as_usually_run() -> None:
+def test_under_feedback_the_cap_leaves_room_for_the_usual_chats_and_for_each_of_a_burst() -> None:
     s = calibrated(feedback=True)
     flood(s, 20)
     now = two_chats_at_a_time_for_a_minute(s, 1.0)
     assert s.controller.scale == 1.0  # no gap was reported: nothing to correct
-    # However many chats run at the moment, room for the two that usually do: a bulk request
-    # outlives many chats, and a cap that followed each would ratchet up to its highest.
-    for chats in (1, 4):
+    # Room for the two chats that usually run, whether one runs at the moment or one more than
+    # usual: a bulk request outlives many chats, and a cap that followed each would ratchet up
+    # to its highest. Beyond that, a burst: each chat more takes a bulk sequence's room.
+    for chats, allowed in ((1, 8), (3, 8), (4, 7), (6, 5)):
         for i in range(chats):
             admit(s, ticket(f"now{chats}.{i}", at=now))
         s.poll(now)
-        assert s.bulk_allowed(now) == 10 - 2
+        assert s.bulk_allowed(now) == allowed
         for i in range(chats):
             s.release(f"now{chats}.{i}", now, completed=True)
+
+
+def test_under_feedback_a_burst_of_chats_stops_a_bulk_sequence_for_each_chat_beyond_the_usual() -> (
+    None
+):
+    s = calibrated(feedback=True)
+    assert len(flood(s, 8)) == 8  # with two chats about, 8 is the cap: bulk stays at it
+    now = two_chats_at_a_time_for_a_minute(s, 1.0)
+    assert s.running_count(BULK) == 8
+    assert sum(s.preempted_for.values()) == 0
+    for i in range(3):  # one more than usual: not a burst
+        admit(s, ticket(f"three{i}", at=now))
+    assert s.poll(now).preempted == []
+    for i in range(3):
+        s.release(f"three{i}", now, completed=True)
+    for i in range(5):  # two more than that
+        admit(s, ticket(f"five{i}", at=now))
+    step = s.poll(now)
+    assert len(step.preempted) == 2
+    assert s.preempted_for == {**dict.fromkeys(PreemptCause, 0), "chat_burst": 2}
 
 
 def test_a_request_is_named_once_when_both_causes_preempt_in_one_poll() -> None:

@@ -1,2 +1,3 @@
-"""Anthropic's Messages API: its wire models, their translation into the chat request Sluice
-runs, and the replies and stream events rendered back in Anthropic's shape (no Starlette)."""
+"""Anthropic's Messages API: its wire models and their translation into the chat request Sluice
+runs (`messages`), the replies and stream events rendered back in Anthropic's shape
+(`replies`), and its routes (`routes`, the only module here that speaks HTTP)."""

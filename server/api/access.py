@@ -17,8 +17,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.edge import request_id_from
 from server.core.errors import outcome_of
+from server.http.edge import request_id_from
 from server.observability.access_log import HttpRecord, end_trace, log_http, trace_request
 from server.observability.metrics import HTTP_METHODS, UNMATCHED_STATUSES, Metrics
 from server.observability.redaction import redact

@@ -24,11 +24,8 @@ from starlette.routing import Route
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
 from server.api.access import AccessLogMiddleware
-from server.api.edge import Edge
-from server.api.openai_routes import error_response
-from server.api.routes import prometheus_metrics, routes, served_parts
-from server.api.send_guard import SendGuard
-from server.api.services import BatchServices, Services
+from server.api.routes import Parts, prometheus_metrics, routes
+from server.batch_api.routes import BatchServices
 from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore
 from server.core.config import SluiceConfig
@@ -41,6 +38,10 @@ from server.core.settings import ServeOptions
 from server.generations.planner import Planner
 from server.generations.registry import RunStore
 from server.generations.service import Generations
+from server.http.edge import Edge
+from server.http.replies import error_response
+from server.http.send_guard import SendGuard
+from server.http.services import Services
 from server.observability.metrics import Metrics
 from server.responses_api.service import Responses
 from server.responses_api.store import SqliteResponses
@@ -146,6 +147,8 @@ def build_app(
         ),
         metrics=metrics,
         started=int(time.time()),
+    )
+    parts = Parts(
         batches=None
         if batch_store is None
         else BatchServices(
@@ -164,7 +167,9 @@ def build_app(
             local_responses if shared_responses is None else shared_responses,
             None if shared_responses is None else local_responses,
         ),
+        metrics=options.metrics_port is None,
     )
+    services.served = parts.served()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -187,17 +192,17 @@ def build_app(
                 stack.push_async_callback(state.stop)  # (started by the parts that use it)
             if shared_responses is not None:
                 await shared_responses.start()
-            if services.responses is not None:
-                stack.push_async_callback(services.responses.stop)
+            if parts.responses is not None:
+                stack.push_async_callback(parts.responses.stop)
             await dispatcher.start()
             stack.push_async_callback(dispatcher.stop)
             if shared is not None:
                 await shared.start()
                 stack.push_async_callback(shared.stop)
-            if services.batches is not None:
-                stack.push_async_callback(services.batches.store.close)
-                await services.batches.runner.start()
-                stack.push_async_callback(services.batches.runner.stop)
+            if parts.batches is not None:
+                stack.push_async_callback(parts.batches.store.close)
+                await parts.batches.runner.start()
+                stack.push_async_callback(parts.batches.runner.stop)
             for watch in (_watch_engine(services, on_engine_death), services.edge.send_guard.run()):
                 stack.push_async_callback(_cancel, asyncio.create_task(watch))
             stack.callback(setattr, services, "ready", False)  # the first thing the exit does
@@ -207,7 +212,7 @@ def build_app(
             yield
 
     app = SluiceApp(
-        routes=routes(services, served_parts(services, metrics_route=options.metrics_port is None)),
+        routes=routes(services, parts),
         exception_handlers={HTTPException: http_error, SluiceError: sluice_error},
         middleware=[Middleware(AccessLogMiddleware, metrics=metrics)],
         lifespan=lifespan,

@@ -17,24 +17,28 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from server.api import anthropic_routes, batch_api_routes, openapi, responses_routes
-from server.api.edge import context_of
-from server.api.openai_routes import (
-    JSONResponse,
+from server.anthropic import routes as anthropic_routes
+from server.api import openapi
+from server.batch_api import routes as batch_api_routes
+from server.batch_api.routes import BatchServices
+from server.core.errors import EngineUnavailable, ShuttingDown
+from server.http.edge import context_of
+from server.http.replies import JSONResponse, error_response
+from server.http.services import Services
+from server.openai.models import ModelCard, ModelList, Ready, Status
+from server.openai_api.routes import (
     chat_completions,
     chat_completions_batch,
     completions,
-    error_response,
     invocations,
     resume_chat_completion,
     resume_completion,
 )
-from server.api.responses_ws import responses_websocket
-from server.api.services import Services
-from server.api.tokenizer_routes import VERSION, detokenize, tokenize, version
-from server.api.ws_routes import websocket_endpoint
-from server.core.errors import EngineUnavailable, ShuttingDown
-from server.openai.models import ModelCard, ModelList, Ready, Status
+from server.openai_api.tokenizer import VERSION, detokenize, tokenize, version
+from server.responses_api import routes as responses_routes
+from server.responses_api.service import Responses
+from server.responses_api.websocket import responses_websocket
+from server.websocket_api.routes import websocket_endpoint
 
 STATIC = Path(__file__).parent / "static"
 
@@ -79,7 +83,7 @@ async def chat_page(request: Request) -> Response:
 
 
 async def openapi_json(services: Services, request: Request) -> Response:
-    return JSONResponse(api_document(served_parts(services)))
+    return JSONResponse(api_document(services.served))
 
 
 Method = Literal["GET", "POST", "DELETE", "WEBSOCKET"]
@@ -186,25 +190,46 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 )
 
 
-def served_parts(services: Services, *, metrics_route: bool = False) -> frozenset[Part]:
-    """The parts of the API the app of `services` serves."""
-    parts: set[Part] = {"core"}
-    if metrics_route:
-        parts.add("metrics")
-    if services.responses is not None:
-        parts.add("responses")
-    if services.batches is not None:
-        parts.add("batches")
-    return frozenset(parts)
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """The app's optional parts, each with what its routes are handed after the services."""
+
+    responses: Responses | None = None  # OpenAI's Responses API
+    batches: BatchServices | None = None  # OpenAI's Batch API
+    metrics: bool = False  # /metrics on the API's port (no port of its own)
+
+    def served(self) -> frozenset[Part]:
+        parts: set[Part] = {"core"}
+        if self.metrics:
+            parts.add("metrics")
+        if self.responses is not None:
+            parts.add("responses")
+        if self.batches is not None:
+            parts.add("batches")
+        return frozenset(parts)
+
+    def handed(self, part: Part) -> tuple[object, ...]:
+        """What the routes of `part` take after the services."""
+        if part == "responses":
+            return (self.responses,)
+        if part == "batches":
+            return (self.batches,)
+        return ()
 
 
-def routes(services: Services, parts: frozenset[Part]) -> list[BaseRoute]:
-    """The Starlette routes of the endpoints of `parts`, each handler handed `services`."""
+def routes(services: Services, parts: Parts) -> list[BaseRoute]:
+    """The Starlette routes of the endpoints of `parts`, each handler handed `services` (and
+    its part's own)."""
     made: list[BaseRoute] = []
+    served = parts.served()
     for endpoint in ENDPOINTS:
-        if endpoint.part not in parts:
+        if endpoint.part not in served:
             continue
-        handler = endpoint.handler if endpoint.bare else partial(endpoint.handler, services)
+        handler = (
+            endpoint.handler
+            if endpoint.bare
+            else partial(endpoint.handler, services, *parts.handed(endpoint.part))
+        )
         if endpoint.method == "WEBSOCKET":
             made.append(WebSocketRoute(endpoint.path, handler))
         else:
@@ -213,7 +238,7 @@ def routes(services: Services, parts: frozenset[Part]) -> list[BaseRoute]:
 
 
 @functools.cache
-def api_document(parts: frozenset[Part]) -> dict[str, Any]:
+def api_document(parts: frozenset[str]) -> dict[str, Any]:
     """The OpenAPI document of the endpoints of `parts` (built once a process)."""
     return openapi.document(
         (

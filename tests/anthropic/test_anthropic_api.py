@@ -15,7 +15,7 @@ from conftest import InProcessSluice, parse_sse, wait_until
 
 from server.anthropic.messages import parse_count_tokens, parse_messages
 from server.anthropic.replies import ERROR_TYPES, MessageStream, error_type, message_reply
-from server.api.anthropic_routes import anthropic_error
+from server.anthropic.routes import anthropic_error
 from server.core.errors import (
     ERRORS,
     InvalidRequest,

@@ -17,9 +17,9 @@ import websockets
 from conftest import InProcessSluice
 
 from server.anthropic.replies import MessageStream
-from server.api import ws_routes
 from server.openai.chunks import ChunkEncoder
 from server.responses_api.wire import ResponseBuilder
+from server.websocket_api import routes as ws_routes
 
 HELLO = [{"role": "user", "content": "Tell me about the sea."}]
 TOKENS = 24

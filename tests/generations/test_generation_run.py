@@ -17,7 +17,6 @@ from prometheus_client.utils import floatToGoString
 
 from engine_adapters.sim import SimConfig, SimEngine
 from server.api.app import build_app
-from server.api.send_guard import SendGuard
 from server.core.config import parse_config
 from server.core.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
 from server.generations.planner import RequestContext
@@ -25,6 +24,7 @@ from server.generations.registry import RunStore
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
+from server.http.send_guard import SendGuard
 from server.observability.metrics import Metrics
 from server.openai.chunks import ChunkEncoder
 from server.openai.requests import parse_request

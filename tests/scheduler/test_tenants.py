@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.api.edge import context_from_headers
 from server.core.config import ConfigError, key_digest, parse_config
 from server.core.errors import InvalidRequest, TooManyFailedAttempts, Unauthorized
 from server.core.settings import load_config
+from server.http.edge import context_from_headers
 from server.scheduler.types import TrafficClass
 from server.tenancy.tenants import TenantDirectory
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.api.send_guard import SendGuard
+from server.http.send_guard import SendGuard
 
 PING = b": ping\n\n"  # a comment: every SSE client skips it
 HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}  # no proxy buffers it

@@ -19,11 +19,11 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket
 
-from server.api.edge import request_id_from
-from server.api.services import Services
-from server.api.websocket_session import WebSocketSession
 from server.core.errors import GenerationCancelled, InvalidRequest, SluiceError
 from server.generations.run import GenerationRun
+from server.http.edge import request_id_from
+from server.http.services import Services
+from server.http.websocket_session import WebSocketSession
 from server.openai.wire import validated
 from server.responses_api.service import Responses, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
@@ -267,6 +267,7 @@ class ResponsesSession(WebSocketSession):
                 await self.outbox.put(event_message(event, response_id, lane))
 
 
-async def responses_websocket(services: Services, websocket: WebSocket) -> None:
-    assert services.responses is not None
-    await ResponsesSession(websocket, services, services.responses).run()
+async def responses_websocket(
+    services: Services, responses: Responses, websocket: WebSocket
+) -> None:
+    await ResponsesSession(websocket, services, responses).run()

@@ -15,10 +15,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from server.api.edge import context_of
-from server.api.openai_routes import JSONResponse, read_json
-from server.api.services import Services
 from server.generations.planner import check_in_vocabulary
+from server.http.edge import context_of
+from server.http.replies import JSONResponse, read_json
+from server.http.services import Services
 from server.openai.chat import messages_of
 from server.openai.models import VersionReply
 from server.openai.tokenizer import (

@@ -8,18 +8,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-import orjson
 from starlette.requests import Request
-from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.edge import context_of, request_id_from, unless_gone
-from server.api.services import Services
-from server.api.sse import SSEResponse
 from server.core.errors import (
     GenerationCancelled,
     InvalidRequest,
-    PayloadTooLarge,
     ResourceNotFound,
     SluiceError,
     UnsupportedParameter,
@@ -27,49 +21,16 @@ from server.core.errors import (
 from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
+from server.http.edge import context_of, request_id_from, unless_gone
+from server.http.replies import JSONResponse, error_response, read_json
+from server.http.run_response import RunResponse
+from server.http.services import Services
 from server.openai.chat import NOT_IN_BATCH
 from server.openai.chunks import DONE, ChunkEncoder, usage
 from server.openai.completion import split_prompts
 from server.openai.requests import parse_request
 
 logger = logging.getLogger("sluice.server")
-
-
-class JSONResponse(Response):
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
-
-
-def error_response(
-    error: SluiceError, request_id: str | None = None, body: dict[str, Any] | None = None
-) -> JSONResponse:
-    """`error` with its status and headers (Retry-After where it has one); its body OpenAI's
-    unless another API's is given."""
-    headers = error.headers()
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    content = error.to_body() if body is None else body
-    return JSONResponse(content, status_code=error.status, headers=headers)
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
-        raise InvalidRequest("the request body must be sent as 'Content-Type: application/json'")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"the request body exceeds {limit} bytes")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
 async def chat_completions(services: Services, request: Request) -> ASGIApp:
@@ -387,66 +348,3 @@ class BatchResponse:
             each = [body[key] for body in bodies]
             reply[key] = each if any(value is not None for value in each) else None
         await JSONResponse(reply, headers={"X-Request-Id": self.request_id})(scope, receive, send)
-
-
-class RunResponse:
-    """ASGI response: one reader of a run. It waits (watching for the client leaving) for the
-    run's dispatch, then streams its events after `after` under their ids; or, answered
-    whole, for its end, then replies.
-
-    Refusals before dispatch are real HTTP statuses (401/429/503/504 with Retry-After);
-    failures after the stream started end it with an error event and `[DONE]`.
-
-    Another API's reply to a run (Anthropic's) overrides the wire: `error`, `whole`,
-    `_events` and `ping`; the reader's lifecycle stays this one.
-    """
-
-    ping: Callable[[], bytes] | None = None  # the keep-alive event (None: an SSE comment)
-
-    def __init__(
-        self, services: Services, run: GenerationRun, *, after: int = 0, replayed: bool = False
-    ) -> None:
-        self.services = services
-        self.run = run
-        self.after = after
-        self.headers = {"X-Request-Id": run.timeline.request_id}
-        self._response: SSEResponse | None = None  # a stream's, once it has begun
-        if replayed:
-            self.headers["Idempotent-Replayed"] = "true"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        run = self.run
-        with run.reading():
-            stream = run.shape.stream
-            if not await unless_gone(run.started() if stream else run.until_ended(), receive):
-                return  # the client left (the run is cancelled if it was the last reader)
-            failure = run.failure
-            if failure is not None:
-                await self.error(failure)(scope, receive, send)
-                return
-            if stream:
-                self._response = self.services.edge.sse(self._events(), self.headers, self.ping)
-                await self._response(scope, receive, send)
-                return
-            last = run.log[-1]
-            error = last.error
-            response = self.error(error) if error is not None else self.whole(last.body or {})
-            await response(scope, receive, send)
-
-    def error(self, error: SluiceError) -> Response:
-        return error_response(error, self.run.timeline.request_id)
-
-    def whole(self, body: dict[str, Any]) -> Response:
-        return JSONResponse(body, headers=self.headers)
-
-    async def _events(self) -> AsyncIterator[bytes]:
-        """The events after `after`: all that are ready when the reader wakes, in one write
-        (merged into one chunk where they can be: `Edge.coalesce`). A run only this reader
-        can read writes them itself, as it logs them (`GenerationRun.written`)."""
-        run, merge = self.run, self.services.edge.coalesce
-        if run.writable and self._response is not None:
-            write = self._response.write
-            await run.written(lambda last, batch: write(run.sse(last, batch, merge)))
-            return
-        async for last, batch in run.log.batches(self.after):
-            yield run.sse(last, batch, merge)

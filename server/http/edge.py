@@ -13,10 +13,10 @@ from typing import Any
 from starlette.requests import HTTPConnection
 from starlette.types import Receive
 
-from server.api.send_guard import SendGuard
-from server.api.sse import SSEResponse
 from server.core.errors import InvalidRequest
 from server.generations.planner import RequestContext
+from server.http.send_guard import SendGuard
+from server.http.sse import SSEResponse
 from server.scheduler.types import TrafficClass
 
 _REQUEST_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")

@@ -16,8 +16,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Route
 
-from server.api.send_guard import SendGuard
-from server.api.sse import PING, SSEResponse
+from server.http.send_guard import SendGuard
+from server.http.sse import PING, SSEResponse
 
 EVENT_PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 

@@ -10,27 +10,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.edge import context_of, request_id_from, unless_gone
-from server.api.openai_routes import (
-    JSONResponse,
-    error_response,
-    read_json,
-)
-from server.api.services import Services
 from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
+from server.http.edge import context_of, request_id_from, unless_gone
+from server.http.replies import JSONResponse, error_response, read_json
+from server.http.services import Services
 from server.openai.wire import validated
 from server.responses_api.service import Responses, feed, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
 from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent, sse
 
 
-def _responses(services: Services) -> Responses:
-    assert services.responses is not None
-    return services.responses
-
-
-async def create_response(services: Services, request: Request) -> ASGIApp:
+async def create_response(services: Services, responses: Responses, request: Request) -> ASGIApp:
     timeline = services.timeline(request_id_from(request.headers.get("x-request-id")), "responses")
     try:
         if "idempotency-key" in request.headers:
@@ -40,23 +31,24 @@ async def create_response(services: Services, request: Request) -> ASGIApp:
                 param="Idempotency-Key",
             )
         body = validated(CreateResponse, await read_json(request, services.edge.max_body_bytes))
-        record = await _responses(services).create(body, timeline, context_of(request))
+        record = await responses.create(body, timeline, context_of(request))
     except SluiceError as error:
         timeline.fail(error)
         return error_response(error, timeline.request_id)
     headers = {"X-Request-Id": timeline.request_id}
     if record.background:
         if body.stream:
-            return ResponseStream(services, record, record.builder.fresh(), after=-1)
+            return ResponseStream(services, responses, record, record.builder.fresh(), after=-1)
         return JSONResponse(record.builder.snapshot(), headers=headers)
     if body.stream:
-        return ResponseStream(services, record, record.builder, after=-1, owner=True)
-    return WholeResponse(services, record)
+        return ResponseStream(services, responses, record, record.builder, after=-1, owner=True)
+    return WholeResponse(responses, record)
 
 
-async def get_response(services: Services, request: Request) -> Response | ASGIApp:
+async def get_response(
+    services: Services, responses: Responses, request: Request
+) -> Response | ASGIApp:
     try:
-        responses = _responses(services)
         tenant = responses.tenant(context_of(request))
         found = await responses.find(tenant, request.path_params["id"])
         stream = _flag(request, "stream")
@@ -67,18 +59,19 @@ async def get_response(services: Services, request: Request) -> Response | ASGIA
             raise InvalidRequest("only a background response can be streamed again", param="stream")
         if isinstance(found, KeptResponse) and not found.ended:
             followed = await responses.follow(context_of(request), found)
-            return ResponseStream(services, followed, followed.builder, after=after, keeper=True)
+            return ResponseStream(
+                services, responses, followed, followed.builder, after=after, keeper=True
+            )
     except SluiceError as error:
         return error_response(error)
     if isinstance(found, KeptResponse):
         assert found.events is not None
         return StoredStream(services, found.events, after=after)
-    return ResponseStream(services, found, found.builder.fresh(), after=after)
+    return ResponseStream(services, responses, found, found.builder.fresh(), after=after)
 
 
-async def cancel_response(services: Services, request: Request) -> Response:
+async def cancel_response(services: Services, responses: Responses, request: Request) -> Response:
     try:
-        responses = _responses(services)
         tenant = responses.tenant(context_of(request))
         return JSONResponse(await responses.cancel(tenant, request.path_params["id"]))
     except SluiceError as error:
@@ -109,8 +102,8 @@ class WholeResponse:
     """ASGI response: the response object once its generation ended (an error response if it
     was refused or failed); nothing if the client left first (the generation is cancelled)."""
 
-    def __init__(self, services: Services, record: ResponseRecord) -> None:
-        self.services = services
+    def __init__(self, responses: Responses, record: ResponseRecord) -> None:
+        self.responses = responses
         self.record = record
         self.error: SluiceError | None = None
 
@@ -121,7 +114,7 @@ class WholeResponse:
         with run.reading():
             if not await unless_gone(self._read(run), receive):
                 return
-        await _responses(self.services).ended(record)
+        await self.responses.ended(record)
         if self.error is not None:
             await error_response(self.error, request_id)(scope, receive, send)
             return
@@ -150,6 +143,7 @@ class ResponseStream:
     def __init__(
         self,
         services: Services,
+        responses: Responses,
         record: ResponseRecord,
         builder: ResponseBuilder,
         *,
@@ -159,6 +153,7 @@ class ResponseStream:
     ) -> None:
         assert record.run is not None
         self.services = services
+        self.responses = responses
         self.record = record
         self.run = record.run
         self.builder = builder
@@ -186,7 +181,7 @@ class ResponseStream:
             if self.keeper:
                 self.record.events.append(event)
             if stores and self.builder.ended:  # stored before its client sees the end
-                await _responses(self.services).ended(self.record)
+                await self.responses.ended(self.record)
             if event["sequence_number"] > self.after:
                 yield sse(event)
 

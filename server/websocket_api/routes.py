@@ -26,9 +26,6 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket
 
-from server.api.edge import api_key_from, timeout_from, traffic_class_from
-from server.api.services import Services
-from server.api.websocket_session import WebSocketSession
 from server.core.errors import (
     GenerationCancelled,
     InvalidRequest,
@@ -37,6 +34,9 @@ from server.core.errors import (
 )
 from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
+from server.http.edge import api_key_from, timeout_from, traffic_class_from
+from server.http.services import Services
+from server.http.websocket_session import WebSocketSession
 from server.openai.chunks import chat_logprobs, usage
 from server.openai.requests import parse_request
 

@@ -16,10 +16,10 @@ from typing import Any
 import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from server.api.edge import api_key_from, client_address
-from server.api.services import Services
 from server.core.errors import SluiceError
 from server.generations.planner import RequestContext
+from server.http.edge import api_key_from, client_address
+from server.http.services import Services
 
 logger = logging.getLogger("sluice.ws")
 

@@ -1,29 +1,18 @@
-"""What the routes are handed when the app is built (`build_app`): each route takes its
-services as its first argument, and nothing is fetched from `app.state`."""
+"""What the routes are handed when the app is built (`build_app`): each route takes these
+services as its first argument (and an API's own after them: the Responses API's, the Batch
+API's), and nothing is fetched from `app.state`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from engine_adapters.protocol import EngineClient
-from server.api.edge import Edge
-from server.batch_api.runner import BatchRunner
-from server.batch_api.store import BatchStore
 from server.generations.planner import Planner
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
+from server.http.edge import Edge
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
-from server.responses_api.service import Responses
-
-
-@dataclass(frozen=True, slots=True)
-class BatchServices:
-    """The Batch API's: its files and batches, and the runner that runs their lines."""
-
-    store: BatchStore
-    runner: BatchRunner
-    max_file_bytes: int = 100 << 20
 
 
 @dataclass(slots=True)
@@ -34,9 +23,8 @@ class Services:
     edge: Edge
     metrics: Metrics
     started: int  # when the app was built (the models list's `created`)
-    batches: BatchServices | None = None
-    responses: Responses | None = None  # OpenAI's Responses API
     ready: bool = False  # the engine and the scheduler are up, and the engine is healthy
+    served: frozenset[str] = frozenset()  # the parts of the API the app serves (`Parts`)
 
     @property
     def served_model(self) -> str:

@@ -11,19 +11,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from server.api.edge import context_of
-from server.api.openai_routes import JSONResponse, read_json
-from server.api.services import BatchServices, Services
-from server.batch_api.runner import KINDS
-from server.batch_api.store import Batch, Line, read_all
+from server.batch_api.runner import KINDS, BatchRunner
+from server.batch_api.store import Batch, BatchStore, Line, read_all
 from server.batch_api.wire import CreateBatch
 from server.core.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
+from server.http.edge import context_of
+from server.http.replies import JSONResponse, read_json
+from server.http.services import Services
 from server.openai.requests import parse_request
 from server.openai.wire import validated
 
@@ -34,6 +35,16 @@ MAX_ERRORS = 100  # errors listed for a batch that failed validation
 T = TypeVar("T")
 
 
+@dataclass(frozen=True, slots=True)
+class BatchServices:
+    """The Batch API's, handed to its routes after the services: its files and batches, and
+    the runner that runs their lines."""
+
+    store: BatchStore
+    runner: BatchRunner
+    max_file_bytes: int = 100 << 20
+
+
 def _found(value: T | None, what: str, object_id: str) -> T:
     """`value`, or the 404 that an unknown object and another tenant's both get."""
     if value is None:
@@ -41,14 +52,13 @@ def _found(value: T | None, what: str, object_id: str) -> T:
     return value
 
 
-def _parts(services: Services, request: Request) -> tuple[BatchServices, str]:
-    """The Batch API's services, and the caller's tenant."""
-    assert services.batches is not None  # (its routes exist only with them)
-    return services.batches, services.planner.tenant_of(context_of(request)).name
+def _tenant(services: Services, request: Request) -> str:
+    """The caller's tenant."""
+    return services.planner.tenant_of(context_of(request)).name
 
 
-async def create_file(services: Services, request: Request) -> Response:
-    api, tenant = _parts(services, request)
+async def create_file(services: Services, api: BatchServices, request: Request) -> Response:
+    tenant = _tenant(services, request)
     limit = api.max_file_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit + 65536:
@@ -72,34 +82,34 @@ async def create_file(services: Services, request: Request) -> Response:
     )
 
 
-async def list_files(services: Services, request: Request) -> Response:
-    api, tenant = _parts(services, request)
+async def list_files(services: Services, api: BatchServices, request: Request) -> Response:
+    tenant = _tenant(services, request)
     files = await api.store.files(tenant, request.query_params.get("purpose"))
     return JSONResponse({"object": "list", "data": files, "has_more": False})
 
 
-async def get_file(services: Services, request: Request) -> Response:
-    api, tenant = _parts(services, request)
+async def get_file(services: Services, api: BatchServices, request: Request) -> Response:
+    tenant = _tenant(services, request)
     file_id = request.path_params["id"]
     return JSONResponse(_found(await api.store.file(tenant, file_id), "file", file_id))
 
 
-async def file_content(services: Services, request: Request) -> Response:
-    api, tenant = _parts(services, request)
+async def file_content(services: Services, api: BatchServices, request: Request) -> Response:
+    tenant = _tenant(services, request)
     file_id = request.path_params["id"]
     content = _found(await api.store.file_content(tenant, file_id), "file", file_id)
     return StreamingResponse(content, media_type="application/jsonl")
 
 
-async def delete_file(services: Services, request: Request) -> Response:
-    api, tenant = _parts(services, request)
+async def delete_file(services: Services, api: BatchServices, request: Request) -> Response:
+    tenant = _tenant(services, request)
     file_id = request.path_params["id"]
     _found(await api.store.delete_file(tenant, file_id) or None, "file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-async def create_batch(services: Services, request: Request) -> Response:
-    api, tenant = _parts(services, request)
+async def create_batch(services: Services, api: BatchServices, request: Request) -> Response:
+    tenant = _tenant(services, request)
     store, runner = api.store, api.runner
     body = validated(CreateBatch, await read_json(request, services.edge.max_body_bytes))
     endpoint, window, file_id = body.endpoint, body.completion_window, body.input_file_id
@@ -193,8 +203,8 @@ def _lines(content: bytes, endpoint: str, model: str) -> tuple[list[Line], list[
     return lines, errors
 
 
-async def list_batches(services: Services, request: Request) -> Response:
-    api, tenant = _parts(services, request)
+async def list_batches(services: Services, api: BatchServices, request: Request) -> Response:
+    tenant = _tenant(services, request)
     raw_limit = request.query_params.get("limit", "20")
     if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
         raise InvalidRequest("'limit' must be between 1 and 100", param="limit")
@@ -213,14 +223,14 @@ async def list_batches(services: Services, request: Request) -> Response:
     )
 
 
-async def get_batch(services: Services, request: Request) -> Response:
-    api, tenant = _parts(services, request)
+async def get_batch(services: Services, api: BatchServices, request: Request) -> Response:
+    tenant = _tenant(services, request)
     batch_id = request.path_params["id"]
     return JSONResponse(_found(await api.store.batch(tenant, batch_id), "batch", batch_id).to_api())
 
 
-async def cancel_batch(services: Services, request: Request) -> Response:
-    api, tenant = _parts(services, request)
+async def cancel_batch(services: Services, api: BatchServices, request: Request) -> Response:
+    tenant = _tenant(services, request)
     batch_id = request.path_params["id"]
     batch = _found(await api.runner.cancel(tenant, batch_id), "batch", batch_id)
     if batch.status not in ("cancelling", "cancelled"):

@@ -18,12 +18,13 @@ from starlette.types import ASGIApp
 
 from server.anthropic.messages import parse_count_tokens, parse_messages
 from server.anthropic.replies import MessageStream, error_body, message_reply
-from server.api.edge import context_of, request_id_from
-from server.api.openai_routes import JSONResponse, RunResponse, error_response, read_json
-from server.api.services import Services
 from server.core.errors import SluiceError
 from server.generations.log import Kind
 from server.generations.run import GenerationRun
+from server.http.edge import context_of, request_id_from
+from server.http.replies import JSONResponse, error_response, read_json
+from server.http.run_response import RunResponse
+from server.http.services import Services
 
 
 def anthropic_error(error: SluiceError, request_id: str | None = None) -> JSONResponse:

@@ -595,19 +595,20 @@ class SchedulerCore:
         # stopping bulk whenever chats measured over their target made a cycle on a noisy
         # host (a stop, a prefill, misses, the cap grown back). So bulk beyond the cap leaves
         # as it ends, unless chats measure far over their target, or the model predicts a
-        # step far over it (bulk grown while no chat was about).
+        # step far over it (bulk grown while no chat was about); under feedback, a burst of
+        # chats stops as much bulk as the burst has chats.
         if self.controller.median > FAR_OVER:
             return self._stopping(PreemptCause.CHATS_FAR_OVER, self._victims()[:excess])
-        burst = self._burst() if self.controller.enabled else 0
-        if burst:
-            return self._stopping(PreemptCause.CHAT_BURST, self._victims()[: min(excess, burst)])
         step = self.estimates.steps.at(self._sequences - self._preempting)
         limit = self.bulk_cap.step_limit()
         if self.controller.enabled:
             limit *= FAR_OVER
-        if step <= limit:
-            return []
-        return self._stopping(PreemptCause.STEP_OVER_TARGET, self._victims()[:excess])
+        if step > limit:
+            return self._stopping(PreemptCause.STEP_OVER_TARGET, self._victims()[:excess])
+        burst = self._burst() if self.controller.enabled else 0
+        if burst:
+            return self._stopping(PreemptCause.CHAT_BURST, self._victims()[: min(excess, burst)])
+        return []
 
     def _for_waiting_chat(self, now: float) -> list[_Running]:
         """Returns [] unless the interactive head has waited its threshold, does not fit, and

@@ -377,6 +377,19 @@ def test_under_feedback_a_burst_of_chats_stops_a_bulk_sequence_for_each_chat_bey
     assert s.preempted_for == {**dict.fromkeys(PreemptCause, 0), "chat_burst": 2}
 
 
+def test_under_feedback_a_burst_onto_bulk_grown_far_over_the_cap_stops_all_that_is_over() -> None:
+    s = calibrated(feedback=True)
+    assert len(flood(s, 20)) == 20  # no chat about: bulk grew
+    for i in range(4):  # a burst: room for 7 bulk, and 24 sequences are a step far over
+        admit(s, ticket(f"chat{i}", at=1.0))
+    step = s.poll(1.0)
+    assert s.bulk_allowed(1.0) == 7
+    # The model's step far over the target stops all that is over the cap, not only a
+    # sequence for each chat of the burst.
+    assert len(step.preempted) == 13
+    assert s.preempted_for == {**dict.fromkeys(PreemptCause, 0), "step_over_target": 13}
+
+
 def test_a_request_is_named_once_when_both_causes_preempt_in_one_poll() -> None:
     # One bulk sequence budget beyond the chats', no reserve, preemption for a waiting chat
     # after 0 ms: a chat arriving when bulk fills every seat is over the cap and waiting.

@@ -91,6 +91,7 @@ class Measurements:
     bulk_tokens: int = 0
     bulk_failures: int = 0
     samples: dict[str, list[float]] = field(default_factory=dict)  # Sluice's gauges, sampled
+    course: list[dict[str, float]] = field(default_factory=list)  # each scrape's, timed
     counted: dict[str, list[float]] = field(default_factory=dict)  # Sluice's counters, sampled
 
     def in_window(self, t: float) -> bool:
@@ -338,15 +339,18 @@ async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asynci
         if m.in_window(time.monotonic()):
             with contextlib.suppress(httpx.HTTPError):
                 text = (await client.get("/metrics", timeout=2.0)).text
+                scrape = {"at": time.monotonic()}
                 for line in text.splitlines():
                     for key, (prefix, holds, scale) in SAMPLED.items():
                         if line.startswith(prefix) and holds in line:
                             value = scale * float(line.rsplit(" ", 1)[1])
                             if math.isfinite(value):
                                 m.samples.setdefault(key, []).append(value)
+                                scrape[key] = value
                     for key, (prefix, holds) in COUNTED.items():
                         if line.startswith(prefix) and holds in line:
                             m.counted.setdefault(key, []).append(float(line.rsplit(" ", 1)[1]))
+                m.course.append(scrape)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 2.0)
 
@@ -685,6 +689,10 @@ def compare(args: argparse.Namespace, run: int) -> dict[str, Any]:
             with (Path(args.log_dir) / f"{prefix}{system.name}.chats.jsonl").open("w") as out:
                 for chat in m.chats:
                     out.write(json.dumps(vars(chat)) + "\n")
+            if m.course:  # the gauges through the window, to read a controller's course by
+                with (Path(args.log_dir) / f"{prefix}{system.name}.gauges.jsonl").open("w") as out:
+                    for scrape in m.course:
+                        out.write(json.dumps(scrape) + "\n")
         if system.kind == "idle" and slo is None:
             slo = idle_slo(m, args.slo_factor)
         elif system.kind == "idle" and slo is not None:

@@ -14,19 +14,28 @@ is from what chats get on this host, now. The controller moves two numbers:
 Gaps steer the scale, in two loops, one inside the other:
 
 * inner, every `PERIOD_S`: the median gap share of the last second against the `aim`;
-  log(scale) moves by `GAIN` x log(aim / median). The model maps a budget to the sequences
-  whose step fits it, so the gaps chats get grow about in proportion to the scale (less, by
-  the frontend's fixed share): the loop's own gain is at most `GAIN` per period, and an
+  log(scale) moves by `GAIN` x log(aim / median) when the median is over the aim, by
+  `GROWTH_GAIN` (half that) when under it. The model maps a budget to the sequences whose
+  step fits it, so the gaps chats get grow about in proportion to the scale (less, by the
+  frontend's fixed share): the loop's own gain is at most `GAIN` per period, and an
   integrator with that gain over a measurement about 2.5 periods old converges without
   overshoot (a delayed integrator x' = -g x(t - d) does so for g d < 1/e). A step cost that
-  doubles is undone within about two seconds.
+  doubles is undone within about two seconds; one that halves is taken up within about four.
+  Growth is the slower because on a host whose speed wanders from second to second (a noisy
+  neighbour), the window's median is mostly that noise: a loop as quick to grow as to shrink
+  chases it, and the bulk it lets start in a calm second is still running in the next slow
+  one. Half the gain for growth halves that chase, and costs only slack left unused for a
+  few seconds (docs/scheduler.md has what it bought in virtual time).
 * outer, as chats end: the aim, the window's median that leaves `goal` of chats within their
   gap target. Each chat that ends is a ratio: its own median gap share over the aim it lived
   under. It holds all that the inner loop does not: how far one chat strays from what chats
   got together (its prefills, its neighbours', the host's noise) and how closely the loop
   held its aim. The aim is one over the goal's quantile of the last `SPREAD_CHATS` ratios (a
   chat there lands on its target), so that spread, which differs by host and by load, is
-  measured rather than assumed; until `MIN_SPREAD` chats have ended it is `AIM_START`.
+  measured rather than assumed; until `MIN_SPREAD` chats have ended it is `AIM_START`. The
+  goal's quantile is a tail: of 100 chats at a goal of 97%, the third highest, and from one
+  hundred to the next it moves the aim, and bulk with it, by more than the spread itself
+  changes. 250 chats (a minute at 4 chats/s) hold it still enough.
 
 First tokens steer the pace, by attainment: a chat whose first token was late *in the engine*
 (more than `ENGINE_SHARE` of its TTFT target from its dispatch on, where bulk's prefills and
@@ -50,11 +59,12 @@ from collections import deque
 from server.scheduler.attainment import ChatMeter, Ended
 
 PERIOD_S = 0.2
-GAIN = 0.12
+GAIN = 0.12  # while chats' gaps are over the aim
+GROWTH_GAIN = 0.06  # under it
 SCALE_BOUNDS = (0.1, 8.0)
 AIM_START = 0.75
 AIM_BOUNDS = (0.4, 0.9)
-SPREAD_CHATS = 100  # the last chats whose spread sets the aim
+SPREAD_CHATS = 250  # the last chats whose spread sets the aim
 MIN_SPREAD = 20  # chats ended before it does
 PACE_STEP = 0.2  # of log(pace), per first token late in the engine
 ENGINE_SHARE = 0.5  # of a TTFT target, from dispatch to first token: late in the engine
@@ -103,7 +113,8 @@ class BulkController:
         if (error > 0 and not may_grow) or (error < 0 and not may_shrink):
             return False
         low, high = SCALE_BOUNDS
-        self._log_scale = min(math.log(high), max(math.log(low), self._log_scale + GAIN * error))
+        gain = GROWTH_GAIN if error > 0 else GAIN
+        self._log_scale = min(math.log(high), max(math.log(low), self._log_scale + gain * error))
         self.scale = math.exp(self._log_scale)
         self.steps += 1
         return True

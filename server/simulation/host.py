@@ -4,14 +4,16 @@ a slower one.
 The `sim` timing model is an engine alone, and the start-up calibration sees only that. On a
 real host a chat's token also waits for the server's event loop, which writes every output of
 a step, one after another; the engine may share the CPU with that loop and wait for it; steps
-vary from one to the next; and the machine may slow down mid-run (a noisy neighbour, a
-thermal limit). A `Host` turns an engine step's duration into the host's, and says when each of
+vary from one to the next; a noisy neighbour makes the whole host slower or faster for a
+second or two at a time; and the machine may slow down mid-run (a thermal limit, a neighbour
+that stays). A `Host` turns an engine step's duration into the host's, and says when each of
 a step's outputs is written to its client, where the server measures what chats get.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,6 +50,15 @@ class HostConfig(BaseModel):
     slowdown: float = Field(
         2.0, gt=0, description="how many times as long steps and writes take after the slowdown"
     )
+    drift: float = Field(
+        0.0,
+        ge=0,
+        description="a noisy neighbour: the host's speed wanders, steps and writes together, "
+        "by a log-normal factor of this sigma that changes over --host-drift-s",
+    )
+    drift_s: float = Field(
+        1.0, gt=0, description="see --host-drift: how long the host's speed takes to change"
+    )
     seed: int = Field(0, description="the jitter's random seed")
 
     @classmethod
@@ -61,11 +72,26 @@ class Host:
         self._random = random.Random(config.seed)
         self._sigma = config.jitter
         self._writes_until = 0.0  # when the loop has written what it was given
+        self._drift = 0.0  # the log of the neighbour's factor at `_drift_at`
+        self._drift_at = 0.0
 
     def factor(self, now: float) -> float:
         """How many times as long than the engine alone things take on the host at `now`."""
         at = self.config.slowdown_at_s
-        return self.config.slowdown if at is not None and now >= at else 1.0
+        slowdown = self.config.slowdown if at is not None and now >= at else 1.0
+        return slowdown * self._neighbour(now) if self.config.drift else slowdown
+
+    def _neighbour(self, now: float) -> float:
+        """The noisy neighbour's factor at `now`: its log an Ornstein-Uhlenbeck process (mean
+        0, sigma `drift`, correlation time `drift_s`), drawn exactly over any interval, so
+        that it does not depend on how often it is read; mean 1."""
+        sigma = self.config.drift
+        if now > self._drift_at:
+            keep = math.exp((self._drift_at - now) / self.config.drift_s)
+            fresh = sigma * math.sqrt(1.0 - keep * keep) * self._random.gauss(0.0, 1.0)
+            self._drift = self._drift * keep + fresh
+            self._drift_at = now
+        return math.exp(self._drift - sigma * sigma / 2)
 
     def request_s(self, now: float) -> float:
         """The time until a request arriving at `now` reaches the scheduler."""

@@ -85,6 +85,13 @@ CASES = {
     "cpu line": Case(CPU, SHARED_CPU),
     "gpu knee": Case(GPU, OWN_CORES),
     "this host's curve": Case(THIS_HOST, SHARED_CPU),
+    # As the flood's ladder rows measured this host (2026-12-03): chats' median gaps at a fixed
+    # cap spread by a log sigma of 0.15-0.26, their 97th percentile 0.27-0.48 (log) above their
+    # median, and a second's gaps correlated with the next one's. A neighbour whose slowing
+    # has a log sigma of 0.2 and changes over a second gives the simulator the same.
+    "this host's curve, a noisy neighbour": Case(
+        THIS_HOST, SHARED_CPU.model_copy(update={"drift": 0.2, "drift_s": 1.0})
+    ),
     # An SLO of 4x, since at 3x a host twice as slow leaves no room for bulk at all; two
     # minutes, so that the chats caught in the second the slowdown takes to undo (its cost,
     # whatever the run's length) are weighed against a minute either side, as a host that

@@ -4,7 +4,8 @@ Each case is the flood benchmark's load (96 closed-loop bulk streams, chats Pois
 on one simulated host: an engine's step curve (a CPU's line, a GPU's knee, or this project's
 own machine as its calibration read it) and what the host adds to it (the server's loop
 writing every token, the engine waiting for that loop's CPU, steps that vary, requests that
-take the frontend time to read). The SLO is the benchmark's: 3x the TTFT p99 and the median
+take the frontend time to read, a neighbour that slows the whole host for a second or two at a
+time). The SLO is the benchmark's: 3x the TTFT p99 and the median
 gap of chats alone on the same host. Then, as `bench/flood.py` does:
 
 * the ladder: bulk at each fixed cap (`slo.bulk_cap_sequences`), and the frontier, the most

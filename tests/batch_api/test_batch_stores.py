@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +46,14 @@ class Clock:
         return self.now
 
 
+@pytest.fixture(scope="module")
+def stores_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """A Redis of these tests' own. Not the session's: the servers on that one run Batch API
+    runners, and a runner claims any batch whose lease lapsed, these tests' included."""
+    with RedisProcess(tmp_path_factory.mktemp("stores-redis")) as server:
+        yield server
+
+
 @pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.system)])
 async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
     if request.param == "sqlite":
@@ -60,7 +68,7 @@ async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
         await first.close()
         await second.close()
         return
-    redis: RedisProcess = request.getfixturevalue("session_redis")
+    redis: RedisProcess = request.getfixturevalue("stores_redis")
     replicas = [
         RedisState(StateConfig(url=redis.url, lease_seconds=REDIS_LEASE_S), Metrics())
         for _ in range(2)
@@ -81,7 +89,7 @@ async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 
 
 def a_batch(tenant: str | None = None, lines: int = 3) -> tuple[Batch, list[Line]]:
-    """A batch in progress, of a tenant of its own unless named (Redis is the session's)."""
+    """A batch in progress, of a tenant of its own unless named (Redis is the module's)."""
     now = int(time.time())
     tenant = tenant or f"acme-{uuid.uuid4().hex}"
     batch = Batch(
@@ -235,7 +243,7 @@ async def test_files_and_batches_belong_to_their_tenant(stores: Stores) -> None:
     assert not await stores.second.delete_file("beta", file["id"])
     assert await stores.second.delete_file("acme", file["id"])
     assert await stores.first.file("acme", file["id"]) is None
-    tenant = f"acme-{uuid.uuid4().hex}"  # (Redis is the session's: a tenant of its own)
+    tenant = f"acme-{uuid.uuid4().hex}"  # (a tenant of its own, as in `a_batch`)
     made = []
     for _ in range(3):
         batch, lines = a_batch(tenant, lines=1)

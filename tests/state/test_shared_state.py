@@ -21,6 +21,10 @@ pytestmark = pytest.mark.system
 Replica = SluiceProcess | InProcessSluice
 KEY = {"Authorization": "Bearer acme-key"}
 LEASE_SECONDS = 2
+# A Redis call slower than this counts as Redis down (250 ms by default). With both cores busy
+# beside the suite, calls took longer, and replicas that thought Redis down each kept their
+# own share of the limits: these tests are about what replicas share, not how fast.
+STATE_TIMEOUT_MS = 1000
 # The replica killed below takes longer leases, so that "still held" is checked well within
 # them on a loaded machine; the leases' length is the taker's.
 DOOMED_LEASE_SECONDS = 6
@@ -42,7 +46,7 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 tenants:
   acme: {{api_keys: [acme-key], max_concurrent: 4}}
   beta: {{api_keys: [beta-key], tokens_per_minute: 100}}
-state: {{lease_seconds: {LEASE_SECONDS}}}
+state: {{lease_seconds: {LEASE_SECONDS}, timeout_ms: {STATE_TIMEOUT_MS}}}
 estimates: {{calibrate: false, decode_tokens_per_s: 400}}
 """)
     return path

@@ -22,8 +22,8 @@ Replica = SluiceProcess | InProcessSluice
 KEY = {"Authorization": "Bearer acme-key"}
 LEASE_SECONDS = 2
 # A Redis call slower than this counts as Redis down (250 ms by default). With both cores busy
-# beside the suite, calls took longer, and replicas that thought Redis down each kept their
-# own share of the limits: these tests are about what replicas share, not how fast.
+# beside the suite, calls took longer, replicas marked Redis down, and a tenant's limit did
+# not hold across them: these tests are about what replicas share, not how fast Redis is.
 STATE_TIMEOUT_MS = 1000
 # The replica killed below takes longer leases, so that "still held" is checked well within
 # them on a loaded machine; the leases' length is the taker's.

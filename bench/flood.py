@@ -104,7 +104,7 @@ class System:
     kind: str  # idle | vllm-fcfs | vllm-priority | sluice
     sluice_config: dict[str, Any] | None = None
     chat_api: str = "chat"  # the API the chats speak (CHAT_APIS)
-    ladder: bool = False  # a fixed cap of the frontier's ladder
+    ladder: int | None = None  # the fixed cap of a rung of the frontier's ladder
     stated_slo: bool = False  # told the idle run's SLO in ms (`slo.interactive`)
 
     def configured(self, slo: tuple[float, float] | None) -> System:
@@ -549,10 +549,7 @@ def plan(args: argparse.Namespace) -> list[System]:
     if any(s.kind == "sluice" for s in systems):
         systems += [System(f"sluice[{api}]", "sluice", None, api) for api in apis if api != "chat"]
     if any(s.kind == "sluice" for s in systems):
-        systems += [
-            System(f"sluice[cap {n}]", "sluice", {"slo": {"bulk_cap_sequences": n}}, ladder=True)
-            for n in args.ladder
-        ]
+        systems += [rung(n) for n in args.ladder]
         if args.stated_slo:
             systems.append(System("sluice[SLO in ms]", "sluice", stated_slo=True))
     if args.tradeoff:
@@ -569,6 +566,24 @@ def plan(args: argparse.Namespace) -> list[System]:
         # host), the two idle rows disagree, and the run says so.
         systems.append(System("idle (again)", "idle"))
     return systems
+
+
+def rung(cap: int) -> System:
+    """The ladder's row at a fixed bulk cap."""
+    return System(f"sluice[cap {cap}]", "sluice", {"slo": {"bulk_cap_sequences": cap}}, ladder=cap)
+
+
+def next_rung(systems: list[System], row: dict[str, Any], args: argparse.Namespace) -> int | None:
+    """The cap to climb to after the row just measured: when it was the ladder's top rung and
+    still kept the frontier's share of chats, the frontier may lie above the ladder (a fast
+    host), so the ladder climbs by half again, up to the bulk streams; else None."""
+    cap = row["ladder"]
+    if not args.climb or cap is None or cap < max(s.ladder or 0 for s in systems):
+        return None
+    if row["within_slo"] is None or row["within_slo"] < args.frontier_share:
+        return None
+    higher = max(cap + 1, math.ceil(1.5 * cap))
+    return higher if higher <= args.bulk_streams else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -598,6 +613,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N,N,...",
         help="fixed bulk caps (slo.bulk_cap_sequences) whose best that keeps "
         "--frontier-share of chats within the SLO is the frontier ('' for none)",
+    )
+    p.add_argument(
+        "--climb",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="while the ladder's top rung keeps --frontier-share of chats, add a rung half "
+        "again as high",
     )
     p.add_argument(
         "--frontier-share",
@@ -682,7 +704,8 @@ def compare(args: argparse.Namespace, run: int) -> dict[str, Any]:
     slo: tuple[float, float] | None = None
     drift = None
     prefix = f"r{run}-" if args.repeat > 1 else ""
-    for planned in plan(args):
+    systems = plan(args)
+    for at, planned in enumerate(systems):  # (a rung climbed to joins the plan as it runs)
         system = planned.configured(slo)
         m = run_system(system, args, prefix)
         if args.log_dir:
@@ -700,6 +723,9 @@ def compare(args: argparse.Namespace, run: int) -> dict[str, Any]:
             drift = (again[0] / slo[0] - 1, again[1] / slo[1] - 1)
         rows.append({**summarise(system, m, args, slo), "ladder": system.ladder})
         print(f"# run {run}, {system.name}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+        higher = next_rung(systems, rows[-1], args)
+        if higher is not None:
+            systems.insert(at + 1, rung(higher))
     fcfs = next((r["bulk_tokens_per_s"] for r in rows if r["system"] == "vllm-fcfs"), None)
     point = frontier(rows, args.frontier_share)
     for row in rows:

@@ -573,17 +573,26 @@ def rung(cap: int) -> System:
     return System(f"sluice[cap {cap}]", "sluice", {"slo": {"bulk_cap_sequences": cap}}, ladder=cap)
 
 
-def next_rung(systems: list[System], row: dict[str, Any], args: argparse.Namespace) -> int | None:
-    """The cap to climb to after the row just measured: when it was the ladder's top rung and
-    still kept the frontier's share of chats, the frontier may lie above the ladder (a fast
-    host), so the ladder climbs by half again, up to the bulk streams; else None."""
+def next_rung(
+    systems: list[System], rows: list[dict[str, Any]], args: argparse.Namespace
+) -> int | None:
+    """The cap to measure after the row just measured (`rows[-1]`), when it was the ladder's
+    top rung; else None. If it kept the frontier's share of chats, the frontier may lie above
+    the ladder (a fast host): the ladder climbs by half again, up to the bulk streams. If it
+    did not, and the rung that did with the most bulk is 3 or more below, the frontier lies
+    between the two: one rung halfway, unless the ladder has it."""
+    row = rows[-1]
     cap = row["ladder"]
     if not args.climb or cap is None or cap < max(s.ladder or 0 for s in systems):
         return None
-    if row["within_slo"] is None or row["within_slo"] < args.frontier_share:
+    if row["within_slo"] is not None and row["within_slo"] >= args.frontier_share:
+        higher = max(cap + 1, math.ceil(1.5 * cap))
+        return higher if higher <= args.bulk_streams else None
+    below = frontier(rows, args.frontier_share)
+    if below is None or cap - below["ladder"] < 3:
         return None
-    higher = max(cap + 1, math.ceil(1.5 * cap))
-    return higher if higher <= args.bulk_streams else None
+    halfway = (cap + below["ladder"]) // 2
+    return None if any(s.ladder == halfway for s in systems) else halfway
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -619,7 +628,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="while the ladder's top rung keeps --frontier-share of chats, add a rung half "
-        "again as high",
+        "again as high; when one misses it, one between it and the highest that kept it",
     )
     p.add_argument(
         "--frontier-share",
@@ -680,6 +689,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (`kill`, `pkill`) ends a run as Ctrl-C does, through each server's stop: else the
+    # server running then outlives the bench, and spoils whatever runs next on the machine.
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     # The same KV cache for every system (vLLM's CPU default is larger than this machine holds).
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.model is None:
@@ -723,9 +735,9 @@ def compare(args: argparse.Namespace, run: int) -> dict[str, Any]:
             drift = (again[0] / slo[0] - 1, again[1] / slo[1] - 1)
         rows.append({**summarise(system, m, args, slo), "ladder": system.ladder})
         print(f"# run {run}, {system.name}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
-        higher = next_rung(systems, rows[-1], args)
-        if higher is not None:
-            systems.insert(at + 1, rung(higher))
+        cap = next_rung(systems, rows, args)
+        if cap is not None:
+            systems.insert(at + 1, rung(cap))
     fcfs = next((r["bulk_tokens_per_s"] for r in rows if r["system"] == "vllm-fcfs"), None)
     point = frontier(rows, args.frontier_share)
     for row in rows:

@@ -157,8 +157,11 @@ async def measure(phase: str, args: argparse.Namespace, log: Any) -> Phase:
             if phase in ("bulk", "flood"):
                 context = multiprocessing.get_context("spawn")
                 results = context.Queue()
+                release = context.Event()  # the flood stops after the window's last chat
                 bulk = context.Process(
-                    target=bulk_load_process, args=("sluice", args, args.port, window, results)
+                    target=bulk_load_process,
+                    args=("sluice", args, args.port, window, release, results),
+                    daemon=True,  # a phase that fails before the release does not outlive it
                 )
                 bulk.start()
             stop = asyncio.Event()
@@ -181,6 +184,7 @@ async def measure(phase: str, args: argparse.Namespace, log: Any) -> Phase:
             if batch is not None:
                 result.batch_lines_done = await batch
             if bulk is not None:
+                release.set()
                 counts = await asyncio.to_thread(results.get, True, 120)
                 bulk.join(30)
                 m.bulk_tokens, m.bulk_failures = counts["tokens"], counts["failures"]

@@ -54,28 +54,28 @@ class TenantQuotas:
         self._active: dict[str, int] = {}
         self._windows: dict[str, TokenWindow] = {}
 
-    def check(self, ticket: Ticket, now: float) -> QuotaRefusal | None:
+    def check(self, ticket: Ticket, now: float, *, share: int = 1) -> QuotaRefusal | None:
+        """A refusal if admitting `ticket` would pass `1 / share` of a limit (at least 1)."""
         tenant = self._tenants.get(ticket.tenant)
         if tenant is None:
             return None
         if tenant.max_concurrent is not None:
+            limit = max(1, tenant.max_concurrent // share)
             active = self._active.get(ticket.tenant, 0)
-            if active >= tenant.max_concurrent:
+            if active >= limit:
                 return QuotaRefusal(
                     f"tenant {ticket.tenant!r} has {active} requests in flight, "
-                    f"its limit is {tenant.max_concurrent}",
+                    f"its limit is {limit}",
                     retry_after=1.0,
                 )
         if tenant.tokens_per_minute is not None:
+            limit = max(1, tenant.tokens_per_minute // share)
             window = self._windows.setdefault(ticket.tenant, TokenWindow())
             window.trim(now)
-            if window.total + ticket.reserved_tokens > tenant.tokens_per_minute:
-                wait = window.seconds_until_room(
-                    now, ticket.reserved_tokens, tenant.tokens_per_minute
-                )
+            if window.total + ticket.reserved_tokens > limit:
+                wait = window.seconds_until_room(now, ticket.reserved_tokens, limit)
                 return QuotaRefusal(
-                    f"tenant {ticket.tenant!r} exceeded "
-                    f"{tenant.tokens_per_minute} tokens per minute",
+                    f"tenant {ticket.tenant!r} exceeded {limit} tokens per minute",
                     retry_after=max(1.0, wait),
                 )
         return None
@@ -84,7 +84,9 @@ class TenantQuotas:
         self._active[ticket.tenant] = self._active.get(ticket.tenant, 0) + 1
         tenant = self._tenants.get(ticket.tenant)
         if tenant is not None and tenant.tokens_per_minute is not None:
-            self._windows.setdefault(ticket.tenant, TokenWindow()).add(now, ticket.reserved_tokens)
+            window = self._windows.setdefault(ticket.tenant, TokenWindow())
+            window.trim(now)  # (admissions may come without checks: kept to the minute)
+            window.add(now, ticket.reserved_tokens)
 
     def ended(self, ticket: Ticket) -> None:
         left = self._active[ticket.tenant] - 1

@@ -15,9 +15,11 @@ Both are checked and taken by one Lua script, atomically, on Redis' clock. Relea
 is sent without waiting for the answer.
 
 If Redis does not answer (down, or slower than `state.timeout_ms`), the replica enforces
-1/replicas of each limit by itself (at least 1), counting in process as with one replica, and
-probes Redis every second until it answers again. Requests admitted or running through the
-outage are not counted in Redis again.
+1/replicas of each limit by itself (at least 1), and probes Redis every second until it answers
+again. Against that share it counts every request it admitted, through Redis or not: one that
+holds a Redis lease from before the outage is still in flight on this replica, and the tokens it
+was admitted for are still in its minute, so an outage never admits more than the share on top
+of them. Requests admitted or running through the outage are not counted in Redis again.
 """
 
 from __future__ import annotations
@@ -111,8 +113,7 @@ class SharedQuotas:
             for name, t in tenants.items()
             if t.max_concurrent is not None or t.tokens_per_minute is not None
         }
-        self._fallback: TenantQuotas | None = None
-        self._fallback_holds = 0
+        self._admitted = TenantQuotas(self.tenants)  # by this replica, through Redis or not
         self._releases: set[asyncio.Task[None]] = set()
         self._acquire: Any = None
 
@@ -158,15 +159,14 @@ class SharedQuotas:
             else:
                 if answer[0] == 1:
                     state.quota_leases[lease] = _keys(tenant.name)[0]
+                    self._admitted.admitted(ticket, time.monotonic())
                     return Hold(ticket, lease)
                 raise _refusal(tenant, answer[1], int(answer[2]))
         return self._hold_locally(ticket)
 
     def release(self, hold: Hold) -> None:
+        self._admitted.ended(hold.ticket)
         if hold.lease is None:
-            assert self._fallback is not None
-            self._fallback.ended(hold.ticket)
-            self._fallback_holds -= 1
             return
         key = self.state.quota_leases.pop(hold.lease, None)
         if key is None or not self.state.up:
@@ -182,37 +182,19 @@ class SharedQuotas:
             pass
 
     def _hold_locally(self, ticket: Ticket) -> Hold:
-        if self._fallback is None or not self._fallback_holds:
-            share = max(1, self.state.replicas)
-            self._fallback = TenantQuotas(
-                {
-                    name: t.model_copy(
-                        update={
-                            "max_concurrent": _share(t.max_concurrent, share),
-                            "tokens_per_minute": _share(t.tokens_per_minute, share),
-                        }
-                    )
-                    for name, t in self.tenants.items()
-                }
-            )
         now = time.monotonic()
-        refusal = self._fallback.check(ticket, now)
+        refusal = self._admitted.check(ticket, now, share=max(1, self.state.replicas))
         if refusal is not None:
             raise TenantQuotaExceeded(
                 f"{refusal.message} (this replica's share: the shared state is unavailable)",
                 retry_after=refusal.retry_after,
             )
-        self._fallback.admitted(ticket, now)
-        self._fallback_holds += 1
+        self._admitted.admitted(ticket, now)
         return Hold(ticket, None)
 
 
 def _limit(value: int | None) -> int:
     return -1 if value is None else value
-
-
-def _share(limit: int | None, replicas: int) -> int | None:
-    return None if limit is None else max(1, limit // replicas)
 
 
 def _refusal(tenant: TenantConfig, limit: str, amount: int) -> TenantQuotaExceeded:

@@ -135,8 +135,9 @@ class EventLog(Sequence[Event]):
 
     def wake(self) -> None:
         """Tell the waiters the log (or what of it readers may see) changed."""
-        waiters, self._waiters = self._waiters, []
-        _release(waiters)
+        if self._waiters:  # (a run's own writer waits on none: nothing to allocate per event)
+            waiters, self._waiters = self._waiters, []
+            _release(waiters)
 
     # -- readers ----------------------------------------------------------------------------
 
@@ -168,15 +169,16 @@ class EventLog(Sequence[Event]):
         """The events after number `after` that readers may see (the last is numbered
         `self.visible`), taken by the reader that asks: a log that does not keep its events
         holds only the last of them from now on."""
-        visible = self.visible
+        dropped, events = self._dropped, self._events
+        visible = dropped + len(events) if self.durable is None else self.durable  # `visible`
         if after >= visible:
             return []
-        start = after - self._dropped
+        start = after - dropped
         if start < 0:
             raise IndexError("the events were dropped once read")
-        batch = self._events[start : visible - self._dropped]
+        batch = events[start : visible - dropped]
         if not self.keep:  # its one reader has them now: hold the last alone
-            del self._events[: len(batch) + start - 1]
+            del events[: len(batch) + start - 1]
             self._dropped = visible - 1
         return batch
 

@@ -72,7 +72,9 @@ class ChatMeter:
         """`tokens` written together at `now`, each `share` of its gap target after the
         stream's previous token."""
         gaps = self._gaps
-        if gaps and gaps[0][0] < now - self.window_s:  # what left the window, kept no longer
+        # What left the window is kept no longer than another window: trimmed a window's
+        # worth at a time, not at every write (`gap_median` trims to the window itself).
+        if gaps and gaps[0][0] < now - 2 * self.window_s:
             self._trim(now)
         gaps.append((now, share, tokens))
         self._tokens += tokens

@@ -318,13 +318,19 @@ async def chat_arrivals(client, system: System, args, m: Measurements, stop: asy
 
 
 # Sluice gauges sampled through the window: what the bulk cap allowed, what bulk ran, and the
-# interactive gap target the cap aimed at (ms): (the line's start, what it must hold, scale).
+# interactive targets the cap aimed at (ms): (the line's start, what it must hold, scale).
 SAMPLED = {
     "bulk_cap": ("sluice_bulk_cap_sequences{", "", 1.0),
     "bulk_running": ('sluice_running_requests{model="sluice-demo",traffic_class="bulk"}', "", 1.0),
     "itl_target_ms": ("sluice_slo_target_seconds{", 'target="itl"', 1e3),
+    "ttft_target_ms": (
+        "sluice_slo_target_seconds{",
+        'target="ttft",traffic_class="interactive"',
+        1e3,
+    ),
     "controller_scale": ("sluice_bulk_controller_scale{", "", 1.0),
     "controller_aim": ("sluice_bulk_controller_aim{", "", 1.0),
+    "controller_pace": ("sluice_bulk_controller_pace{", "", 1.0),
     "chat_gap_share": ("sluice_chat_gap_share{", "", 1.0),
 }
 # Sluice counters, reported as their increase over the window: bulk requests stopped, by cause.

@@ -191,7 +191,8 @@ ROWS: tuple[Row, ...] = (
                 "scale: its correction of the step-time model (the cap's step budgets are "
                 "multiplied by it; below 1, chats get slower gaps than the model predicts). aim: "
                 "the median gap, as a share of the target, it holds chats at, learned so that "
-                "slo.attainment_goal of them keep their targets.",
+                "slo.attainment_goal of them keep their targets. pace: the speed at which bulk "
+                "may start (below 1 when chats' first tokens come late behind bulk's prefills).",
                 (
                     Target(
                         f"max by (model) (sluice_bulk_controller_scale{{{MODEL_FILTER}}})",
@@ -200,6 +201,10 @@ ROWS: tuple[Row, ...] = (
                     Target(
                         f"max by (model) (sluice_bulk_controller_aim{{{MODEL_FILTER}}})",
                         "aim {{model}}",
+                    ),
+                    Target(
+                        f"max by (model) (sluice_bulk_controller_pace{{{MODEL_FILTER}}})",
+                        "pace {{model}}",
                     ),
                 ),
             ),

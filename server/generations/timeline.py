@@ -181,14 +181,7 @@ class RequestTimeline:
             self.metrics.slo_requests.labels(model, traffic_class, *verdict).inc()
             if self.meter is not None:
                 assert self.slo is not None
-                engine_ttft = None
-                if self.first_token_at is not None and self.dispatched_at is not None:
-                    engine_ttft = self.first_token_at - self.dispatched_at
-                self.meter.ended(
-                    Ended.of(
-                        self.slo, median_gap_s=median_itl, ttft_s=ttft, engine_ttft_s=engine_ttft
-                    )
-                )
+                self.meter.ended(Ended.of(self.slo, median_gap_s=median_itl))
         log_request(
             AccessRecord(
                 request_id=self.request_id,

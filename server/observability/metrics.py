@@ -263,6 +263,12 @@ class Metrics:
             "slo.attainment_goal of chats keep their targets.",
             ["model"],
         )
+        self.controller_pace = gauge(
+            "sluice_bulk_controller_pace",
+            "The speed at which bulk may start (at most 1), slowed when chats' first tokens are "
+            "late behind bulk's prefills in the engine.",
+            ["model"],
+        )
         self.bulk_preemptions = CounterReadAtScrape(
             "sluice_bulk_preemptions_total",
             "Running bulk requests the scheduler named to stop (each resumes later), by cause: "

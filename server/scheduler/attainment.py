@@ -1,11 +1,10 @@
 """What chats got against their targets, measured where the server writes their tokens.
 
 The shells report every interactive token's gap as a share of its request's own gap target
-(1.0: exactly on it), and every interactive request that ends: its own median gap share, and
-its time to first token as a share of its TTFT target, whole and from its dispatch on (the
-part the engine, and so bulk, had a hand in). Written at the transport, not at the engine, a
-gap includes the frontend's own time, a noisy neighbour and the real shape of the step curve:
-what a person sees. The bulk controller (`controller.py`) reads them; nothing here decides anything.
+(1.0: exactly on it), and every interactive request that ends: its own median gap share.
+Written at the transport, not at the engine, a gap includes the frontend's own time, a noisy
+neighbour and the real shape of the step curve: what a person sees. The bulk controller
+(`controller.py`) reads them; nothing here decides anything.
 
 Reporting a write costs one append: the window is trimmed and sorted only when read.
 """
@@ -25,27 +24,14 @@ MIN_GAPS = 16
 
 
 class Ended(NamedTuple):
-    """A chat that ended, against its own targets (None: not measured, no first token or
-    fewer than two tokens)."""
+    """A chat that ended: its own median gap as a share of its gap target (None: fewer than
+    two tokens)."""
 
     median_gap_share: float | None
-    ttft_share: float | None
-    engine_ttft_share: float | None  # from its dispatch to its first token
 
     @classmethod
-    def of(
-        cls,
-        targets: SloTargets,
-        *,
-        median_gap_s: float | None,
-        ttft_s: float | None,
-        engine_ttft_s: float | None,
-    ) -> Ended:
-        return cls(
-            None if median_gap_s is None else median_gap_s / targets.itl_s,
-            None if ttft_s is None else ttft_s / targets.ttft_s,
-            None if engine_ttft_s is None else engine_ttft_s / targets.ttft_s,
-        )
+    def of(cls, targets: SloTargets, *, median_gap_s: float | None) -> Ended:
+        return cls(None if median_gap_s is None else median_gap_s / targets.itl_s)
 
 
 class SloWatch(NamedTuple):

@@ -101,7 +101,7 @@ def seed(estimates: RateEstimates, probe: Probe) -> Calibration:
             step_s[n] = statistics.median(gaps)
     for n, step in sorted(step_s.items()):
         estimates.steps.observe(n, step)
-    estimates.observe_idle_ttft(ttft)
+    estimates.observe_engine_ttft(ttft)
     rate = None
     if probe.long_prompt is not None:
         tokens, long_ttft = probe.long_prompt

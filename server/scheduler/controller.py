@@ -37,13 +37,15 @@ Gaps steer the scale, in two loops, one inside the other:
   hundred to the next it moves the aim, and bulk with it, by more than the spread itself
   changes. 250 chats (a minute at 4 chats/s) hold it still enough.
 
-First tokens steer the pace, by attainment: a chat whose first token was late *in the engine*
-(more than `ENGINE_SHARE` of its TTFT target from its dispatch on, where bulk's prefills and
-steps are what it waits behind) slows the pace by `PACE_STEP` (in log); each other chat speeds
-it back by a share of that, so that half the goal's misses at most are such first tokens (a
-stochastic approximation of that share). A first token late before its dispatch (the frontend,
-a queue) is no lever of bulk's, and moves nothing. Fewer bulk starts mean fewer prefills in the
-steps a chat's first token waits for, and, where bulk's requests are long to prefill, less bulk.
+First tokens steer the pace: a chat whose first token came late behind bulk's prefills (the
+scheduler judges that as it sees the token: `SchedulerCore._late_behind_bulk`) slows the pace
+by `PACE_STEP` (in log); each other first token speeds it back by a share of that, so that
+half the goal's misses at most are such first tokens (a stochastic approximation). Fewer bulk
+starts mean fewer prefills in the steps a chat's first token waits for, and, where bulk's
+requests are long to prefill, less bulk. A first token late for any other reason (the
+frontend, a queue, a step that would be as long without bulk's starts) is no lever of the
+pace's, and moves nothing: counted, it would sink the pace to its floor for first tokens that
+no pace brings in.
 
 The scale only grows while bulk waits at its cap (a cap nobody uses teaches nothing), and only
 shrinks while bulk runs above its floor and within the cap: an integrator that cannot move what
@@ -66,8 +68,7 @@ AIM_START = 0.75
 AIM_BOUNDS = (0.4, 0.9)
 SPREAD_CHATS = 250  # the last chats whose spread sets the aim
 MIN_SPREAD = 20  # chats ended before it does
-PACE_STEP = 0.2  # of log(pace), per first token late in the engine
-ENGINE_SHARE = 0.5  # of a TTFT target, from dispatch to first token: late in the engine
+PACE_STEP = 0.2  # of log(pace), per first token late behind bulk's prefills
 PACE_MIN = 0.05
 
 
@@ -83,6 +84,8 @@ class BulkController:
         self._spread: deque[float] = deque(maxlen=SPREAD_CHATS)  # median share / aim
         self.next_at = -math.inf  # the next period
         self.median = 0.0  # the window's median gap share when last read (0: none)
+        self._first_tokens = 0  # chats' first tokens since the last period
+        self._late = False  # whether one of them came late behind bulk's prefills
 
     def due(self, now: float) -> bool:
         return self.enabled and now >= self.next_at
@@ -96,12 +99,14 @@ class BulkController:
         may_shrink: bool,
         bulk_about: bool = True,
     ) -> bool:
-        """One period: the aim and the pace from the chats that ended since the last, then the
-        scale from the window's median gap. Returns whether the scale moved."""
+        """One period: the pace from the first tokens since the last, the aim from the chats
+        that ended, then the scale from the window's median gap. Returns whether the scale moved."""
         self.next_at = now + PERIOD_S
+        if self._first_tokens:
+            self._learn_pace()
         ended = meter.take_ended()
         if ended:
-            self._learn(ended)
+            self._learn_aim(ended)
         if not bulk_about:
             self.median = 0.0
             return False  # (nor is the window read: with no bulk about, nothing to steer)
@@ -119,19 +124,22 @@ class BulkController:
         self.steps += 1
         return True
 
-    def _learn(self, ended: list[Ended]) -> None:
-        late = 0
+    def first_token(self, *, late: bool) -> None:
+        """A chat's first token, and whether it came late behind bulk's prefills."""
+        self._first_tokens += 1
+        self._late = self._late or late
+
+    def _learn_pace(self) -> None:
+        allowed = (1.0 - self.goal) / 2  # of first tokens late behind bulk's prefills
+        # Chats late together were late behind the same prefill: one slowing for them all.
+        move = PACE_STEP * (allowed * self._first_tokens - self._late) / (1.0 - allowed)
+        self.pace = min(1.0, max(PACE_MIN, self.pace * math.exp(move)))
+        self._first_tokens, self._late = 0, False
+
+    def _learn_aim(self, ended: list[Ended]) -> None:
         for chat in ended:
-            late += (chat.ttft_share or 0.0) > 1.0 and (
-                chat.engine_ttft_share or 0.0
-            ) > ENGINE_SHARE
             if chat.median_gap_share is not None:
                 self._spread.append(chat.median_gap_share / self.aim)
-        allowed = (1.0 - self.goal) / 2  # of first tokens late in the engine
-        # Chats late together were late behind the same prefill: one slowing for them all.
-        late = min(late, 1)
-        move = PACE_STEP * (allowed * len(ended) - late) / (1.0 - allowed)
-        self.pace = min(1.0, max(PACE_MIN, self.pace * math.exp(move)))
         if len(self._spread) >= MIN_SPREAD:
             ordered = sorted(self._spread)
             # The k-th of n ratios leaves (n - k + 1) / (n + 1) of the next chats above it, on

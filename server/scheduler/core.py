@@ -69,6 +69,9 @@ TURNOVER_PACE = 2.0
 # Under feedback, chats beyond this many more than usually run together are a burst: each
 # one more stops a bulk sequence until the burst has passed (`_burst`).
 BURST_MARGIN = 1
+# Of a chat's TTFT target: a first token later than this after its dispatch waited in the
+# engine, where bulk's prefills and steps are (the rest is the frontend's, or a queue's).
+ENGINE_SHARE = 0.5
 
 # Made once: formatting an enum runs Python code, and a flood is refused this a million times.
 # For the same reason the paths every request takes compare numbers where min() and max() would
@@ -147,6 +150,7 @@ class SchedulerCore:
         )
         self._chats_quiet_since: float | None = -math.inf  # None while chats run or wait
         self._pacer = PrefillPacer()  # bulk prefill per engine step
+        self._bulk_started_at = -math.inf  # the last bulk start
         self._mean_reserved = 1024.0
         self._many_tenants = len(config.tenants) > 1
         self._preempt_considered: str | None = None  # head already judged past its threshold
@@ -208,6 +212,7 @@ class SchedulerCore:
             )
         self._admit(ticket, now)
         if tc is INTERACTIVE:
+            self.estimates.observe_lead_in(now - ticket.arrival)
             self.estimates.chat_arrived(now)
             self._chats_changed(now)
         return Admitted(ticket, predicted_start)
@@ -425,6 +430,7 @@ class SchedulerCore:
                     self._start_share(bulk_head, now),
                     self._prefill_steps(bulk_head),
                 )
+                self._bulk_started_at = now
                 started.append(self._start(bulk_head, now))
                 continue
             return started
@@ -702,8 +708,27 @@ class SchedulerCore:
             self.estimates.observe_prefill(
                 ticket.prompt_tokens, now - entry.dispatched_at, entry.others_at_dispatch
             )
-        if ticket.traffic_class is INTERACTIVE and entry.others_at_dispatch <= NEARLY_IDLE_OTHERS:
-            self.estimates.observe_idle_ttft(now - ticket.arrival)
+        if ticket.traffic_class is INTERACTIVE:
+            if entry.others_at_dispatch <= NEARLY_IDLE_OTHERS:
+                self.estimates.observe_engine_ttft(now - entry.dispatched_at)
+            if self.controller.enabled:
+                self.controller.first_token(late=self._late_behind_bulk(entry, now))
+
+    def _late_behind_bulk(self, entry: _Running, now: float) -> bool:
+        """Whether a chat's first token came late behind bulk's prefills: past its TTFT target,
+        more than `ENGINE_SHARE` of it after its dispatch (where bulk's prefills and steps are
+        what it waits behind), and with a bulk request started while it waited in the engine,
+        or as long before its dispatch (in the step it joined). Judged where the scheduler sees
+        the token, the frontend's writing of it aside."""
+        targets = self.targets_for(entry.ticket)
+        if targets is None:
+            return False
+        in_engine = now - entry.dispatched_at
+        return (
+            now - entry.ticket.arrival > targets.ttft_s
+            and in_engine > ENGINE_SHARE * targets.ttft_s
+            and self._bulk_started_at >= entry.dispatched_at - in_engine
+        )
 
     def release(self, request_id: str, now: float, *, completed: bool = False) -> Stage | None:
         """End a ticket wherever it is; returns where it was (None: already ended). A completed

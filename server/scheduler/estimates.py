@@ -194,7 +194,13 @@ class RateEstimates:
         self.steps = StepTimes(1.0 / config.decode_tokens_per_s, config.smoothing)
         self.output_fraction = 1.0  # generated tokens / max_tokens, of completed requests
         self.open_ended_output_tokens = config.open_ended_output_tokens
-        self.idle_ttft_s: float | None = None  # arrival to first token on a nearly idle engine
+        # A chat's time to first token on an idle server, in two parts: the frontend's
+        # lead-in (from its arrival to the scheduler's seeing it: reading, parsing, tokenizing;
+        # observed on every chat) and the engine's (from its dispatch to its first token on a
+        # nearly idle engine: the calibration's, then observed). The engine's alone, the
+        # calibration's probe, would hold a chat to what no chat gets, even on an idle server.
+        self.engine_ttft_s: float | None = None
+        self.lead_in_s = 0.0
         self._running = 0
         self._changed_at: float | None = None
         self._window = _Window()
@@ -300,9 +306,19 @@ class RateEstimates:
             rate = prompt_tokens / prefill_s
             self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, rate)
 
-    def observe_idle_ttft(self, ttft_s: float) -> None:
-        old = self.idle_ttft_s
-        self.idle_ttft_s = ttft_s if old is None else self._blend(old, ttft_s)
+    @property
+    def idle_ttft_s(self) -> float | None:
+        """A chat's time to first token on an idle server (None: the engine's not known yet)."""
+        return None if self.engine_ttft_s is None else self.lead_in_s + self.engine_ttft_s
+
+    def observe_engine_ttft(self, ttft_s: float) -> None:
+        """Dispatch to first token on a nearly idle engine."""
+        old = self.engine_ttft_s
+        self.engine_ttft_s = ttft_s if old is None else self._blend(old, ttft_s)
+
+    def observe_lead_in(self, seconds: float) -> None:
+        """A chat's arrival to its submission to the scheduler."""
+        self.lead_in_s = self._blend(self.lead_in_s, seconds) if self.lead_in_s else seconds
 
     def observe_completion(self, output_tokens: int, ticket: Ticket) -> None:
         if ticket.open_ended:

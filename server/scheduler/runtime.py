@@ -368,6 +368,7 @@ class SchedulerRuntime:
         )
         metrics.controller_scale.labels(model).set_function(lambda: core.controller.scale)
         metrics.controller_aim.labels(model).set_function(lambda: core.controller.aim)
+        metrics.controller_pace.labels(model).set_function(lambda: core.controller.pace)
         for cause in PreemptCause:
             metrics.bulk_preemptions.set_function(
                 (model, cause), partial(core.preempted_for.__getitem__, cause)

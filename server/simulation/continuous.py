@@ -416,17 +416,7 @@ class ContinuousSimulation:
         )
         timeline.slo = None if verdict is None else _slo_key(verdict)
         if verdict is not None and targets is not None and timeline.traffic_class == "interactive":
-            engine_ttft = None
-            if timeline.first_token is not None and timeline.dispatched is not None:
-                engine_ttft = timeline.first_token - timeline.dispatched
-            self.core.meter.ended(
-                Ended.of(
-                    targets,
-                    median_gap_s=timeline.median_gap,
-                    ttft_s=ttft,
-                    engine_ttft_s=engine_ttft,
-                )
-            )
+            self.core.meter.ended(Ended.of(targets, median_gap_s=timeline.median_gap))
         self.tally.add(timeline)
         if stream is not None:
             assert self._bulk_streams is not None

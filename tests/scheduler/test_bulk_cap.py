@@ -31,7 +31,7 @@ def calibrated(steps_ms: dict[int, float] = CPU_STEPS_MS, **slo: object) -> Sche
     s = core(config(slo=slo), tokens=10**6, kv_blocks=10**6, sequences=100, block_size=BLOCK)
     for n, step_ms in steps_ms.items():
         s.estimates.steps.observe(n, step_ms / 1000)
-    s.estimates.observe_idle_ttft(IDLE_TTFT_S)
+    s.estimates.observe_engine_ttft(IDLE_TTFT_S)
     return s
 
 
@@ -190,8 +190,40 @@ def test_the_ttft_target_bounds_how_far_bulk_grows_with_no_chat_about() -> None:
     # A slow first token on an idle engine (2 ms): TTFT target 6 ms, so a step may take 4 ms at
     # most, 8 sequences, though the knee is 32: a chat arriving mid-step still starts in time.
     s = calibrated()
-    s.estimates.idle_ttft_s = 0.002
+    s.estimates.engine_ttft_s = 0.002
     assert s.bulk_cap.idle() == 8
+
+
+def test_the_default_ttft_target_counts_the_frontends_lead_in() -> None:
+    # Chats read for 5 ms before the scheduler sees them: on an idle server their first token
+    # comes 5 ms before the engine's 10 ms, and the target is 3x both, not 3x the engine's.
+    s = calibrated()
+    assert s.bulk_cap.targets().ttft_s == pytest.approx(0.030)
+    admit(s, ticket("chat", at=1.0), 1.005)
+    assert s.bulk_cap.targets().ttft_s == pytest.approx(0.045)
+    # A later chat read faster moves it part of the way (the estimates' smoothing, 0.2).
+    admit(s, ticket("chat2", at=2.0), 2.0)
+    assert s.bulk_cap.targets().ttft_s == pytest.approx(3 * (0.010 + 0.8 * 0.005))
+
+
+def test_only_first_tokens_late_behind_a_bulk_start_slow_the_pace() -> None:
+    # TTFT target 30 ms (3x the idle 10 ms); a first token 40 ms after the chat's dispatch is
+    # late in the engine. Behind a bulk start it slows bulk's pace; with none in its wait,
+    # slowing bulk's starts could not have brought it in, and it counts as on time.
+    s = calibrated(feedback=True)
+    assert s.bulk_cap.targets().ttft_s == pytest.approx(0.030)
+    assert len(flood(s, 2, now=1.0)) == 2
+    admit(s, ticket("behind bulk", at=1.0))
+    assert ids(s.poll(1.0).started) == ["behind bulk"]
+    s.generated("behind bulk", 1, 1.04)
+    s.poll(1.5)  # the controller's next period
+    slowed = s.controller.pace
+    assert slowed < 1.0
+    admit(s, ticket("no bulk start", at=5.0))
+    assert ids(s.poll(5.0).started) == ["no bulk start"]
+    s.generated("no bulk start", 1, 5.04)
+    s.poll(5.5)
+    assert s.controller.pace > slowed
 
 
 def test_on_a_gpu_shaped_engine_chats_cap_nothing() -> None:
@@ -199,7 +231,7 @@ def test_on_a_gpu_shaped_engine_chats_cap_nothing() -> None:
     # the budget allows, and the knee lies beyond it.
     gpu = {1: 20.0, 8: 20.5, 32: 21.0, 64: 22.0, 128: 30.0, 256: 58.0}
     s = calibrated(gpu)
-    s.estimates.idle_ttft_s = 0.040  # a step and a prefill
+    s.estimates.engine_ttft_s = 0.040  # a step and a prefill
     assert s.bulk_cap.idle() == 80
     assert s.bulk_cap.with_chats(5) == 80
     flood(s, 80)
@@ -263,7 +295,7 @@ def test_bulk_that_ends_together_restarts_one_step_apart_while_chats_are_about()
     )
     for n, step_ms in CPU_STEPS_MS.items():
         s.estimates.steps.observe(n, step_ms / 1000)
-    s.estimates.observe_idle_ttft(IDLE_TTFT_S)
+    s.estimates.observe_engine_ttft(IDLE_TTFT_S)
     admit(s, ticket("chat", at=0.0, max_tokens=10_000))
     assert ids(s.poll(0.0).started) == ["chat"]
     cohort = s.bulk_allowed(0.0)
@@ -408,7 +440,7 @@ def test_a_request_is_named_once_when_both_causes_preempt_in_one_poll() -> None:
     )
     for n, step_ms in CPU_STEPS_MS.items():
         s.estimates.steps.observe(n, step_ms / 1000)
-    s.estimates.observe_idle_ttft(IDLE_TTFT_S)
+    s.estimates.observe_engine_ttft(IDLE_TTFT_S)
     assert len(flood(s, 32)) == 32
     admit(s, ticket("chat", at=1.0))
     victims = ids(s.poll(1.0).preempted)

@@ -117,16 +117,16 @@ def test_a_write_of_several_tokens_counts_each() -> None:
     assert meter.gap_median(0.0) == 0.5
 
 
-def end_chats(meter: ChatMeter, shares: list[float | None], **figures: float) -> None:
+def end_chats(meter: ChatMeter, shares: list[float | None]) -> None:
     for share in shares:
         meter.ended(
-            Ended.of(
-                TARGETS,
-                median_gap_s=None if share is None else share * TARGETS.itl_s,
-                ttft_s=figures.get("ttft_s", 0.01),
-                engine_ttft_s=figures.get("engine_ttft_s", 0.01),
-            )
+            Ended.of(TARGETS, median_gap_s=None if share is None else share * TARGETS.itl_s)
         )
+
+
+def first_tokens(controller: BulkController, count: int, *, late: bool = False) -> None:
+    for _ in range(count):
+        controller.first_token(late=late)
 
 
 def test_the_aim_is_one_over_the_goals_quantile_of_how_far_chats_stray() -> None:
@@ -141,24 +141,22 @@ def test_the_aim_is_one_over_the_goals_quantile_of_how_far_chats_stray() -> None
     assert controller.aim == pytest.approx(1 / 1.25)
 
 
-def test_first_tokens_late_in_the_engine_slow_bulk_starts_and_late_before_it_do_not() -> None:
+def test_first_tokens_late_behind_bulk_slow_its_starts_and_come_back_as_others_keep_time() -> None:
     controller, meter = BulkController(0.97, enabled=True), ChatMeter()
-    # Chats of one token (no gap): only their first tokens move the pace, not the aim.
-    # Late before dispatch (a queue, the frontend): bulk could not have helped.
-    end_chats(meter, [None] * 10, ttft_s=0.2, engine_ttft_s=0.01)
+    first_tokens(controller, 10)  # on time: the pace stays at the model's
     controller.steer(0.0, meter, may_grow=True, may_shrink=True)
     assert controller.pace == 1.0
-    # Late in the engine, three in one period: late behind the same prefill, one slowing.
-    end_chats(meter, [None] * 3, ttft_s=0.2, engine_ttft_s=0.15)
+    # Late behind bulk's prefills, three in one period: behind the same prefill, one slowing.
+    first_tokens(controller, 3, late=True)
     controller.steer(0.2, meter, may_grow=True, may_shrink=True)
     assert controller.pace == pytest.approx(math.exp(-PACE_STEP), rel=0.02)
-    assert controller.aim == AIM_START
-    end_chats(meter, [None] * 2000)  # on time: the pace comes back, no further than 1
+    assert controller.aim == AIM_START  # first tokens move the pace, not the aim
+    first_tokens(controller, 2000)  # on time: the pace comes back, no further than 1
     controller.steer(0.4, meter, may_grow=True, may_shrink=True)
     assert controller.pace == 1.0
     # However many periods are late, bulk still starts, at PACE_MIN of the model's pace.
     for i in range(200):
-        end_chats(meter, [None], ttft_s=0.2, engine_ttft_s=0.15)
+        first_tokens(controller, 1, late=True)
         controller.steer(0.6 + i * PERIOD_S, meter, may_grow=True, may_shrink=True)
     assert controller.pace == pytest.approx(PACE_MIN)
 

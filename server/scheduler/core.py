@@ -150,7 +150,7 @@ class SchedulerCore:
         )
         self._chats_quiet_since: float | None = -math.inf  # None while chats run or wait
         self._pacer = PrefillPacer()  # bulk prefill per engine step
-        self._bulk_started_at = -math.inf  # the last bulk start
+        self._bulk_prefill_until = -math.inf  # when the last bulk prefill started should end
         self._mean_reserved = 1024.0
         self._many_tenants = len(config.tenants) > 1
         self._preempt_considered: str | None = None  # head already judged past its threshold
@@ -430,7 +430,9 @@ class SchedulerCore:
                     self._start_share(bulk_head, now),
                     self._prefill_steps(bulk_head),
                 )
-                self._bulk_started_at = now
+                self._bulk_prefill_until = max(
+                    self._bulk_prefill_until, now + self._prefill_s(bulk_head)
+                )
                 started.append(self._start(bulk_head, now))
                 continue
             return started
@@ -717,9 +719,9 @@ class SchedulerCore:
     def _late_behind_bulk(self, entry: _Running, now: float) -> bool:
         """Whether a chat's first token came late behind bulk's prefills: past its TTFT target,
         more than `ENGINE_SHARE` of it after its dispatch (where bulk's prefills and steps are
-        what it waits behind), and with a bulk request started while it waited in the engine,
-        or as long before its dispatch (in the step it joined). Judged where the scheduler sees
-        the token, the frontend's writing of it aside."""
+        what it waits behind), and with a bulk prefill (as predicted from its start) under way
+        while it waited in the engine, or as long before its dispatch (in the step it joined).
+        Judged where the scheduler sees the token, the frontend's writing of it aside."""
         targets = self.targets_for(entry.ticket)
         if targets is None:
             return False
@@ -727,7 +729,7 @@ class SchedulerCore:
         return (
             now - entry.ticket.arrival > targets.ttft_s
             and in_engine > ENGINE_SHARE * targets.ttft_s
-            and self._bulk_started_at >= entry.dispatched_at - in_engine
+            and self._bulk_prefill_until >= entry.dispatched_at - in_engine
         )
 
     def release(self, request_id: str, now: float, *, completed: bool = False) -> Stage | None:

@@ -206,10 +206,10 @@ def test_the_default_ttft_target_counts_the_frontends_lead_in() -> None:
     assert s.bulk_cap.targets().ttft_s == pytest.approx(3 * (0.010 + 0.8 * 0.005))
 
 
-def test_only_first_tokens_late_behind_a_bulk_start_slow_the_pace() -> None:
+def test_only_first_tokens_late_behind_a_bulk_prefill_slow_the_pace() -> None:
     # TTFT target 30 ms (3x the idle 10 ms); a first token 40 ms after the chat's dispatch is
-    # late in the engine. Behind a bulk start it slows bulk's pace; with none in its wait,
-    # slowing bulk's starts could not have brought it in, and it counts as on time.
+    # late in the engine. Behind a bulk prefill it slows bulk's pace; with none under way in
+    # its wait, slowing bulk's starts could not have brought it in, and it counts as on time.
     s = calibrated(feedback=True)
     assert s.bulk_cap.targets().ttft_s == pytest.approx(0.030)
     assert len(flood(s, 2, now=1.0)) == 2

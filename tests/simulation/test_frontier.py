@@ -1,12 +1,12 @@
 """The bulk controller against the frontier, in virtual time, on several hosts.
 
 Each case is the flood benchmark's load (96 closed-loop bulk streams, chats Poisson at 4/s)
-on one simulated host: an engine's step curve (a CPU's line, a GPU's knee, or this project's
-own machine as its calibration read it) and what the host adds to it (the server's loop
-writing every token, the engine waiting for that loop's CPU, steps that vary, requests that
-take the frontend time to read, a neighbour that slows the whole host for a second or two at a
-time). The SLO is the benchmark's: 3x the TTFT p99 and the median
-gap of chats alone on the same host. Then, as `bench/flood.py` does:
+on one simulated host: an engine's step curve (a CPU's line, a GPU's knee, this project's
+machines as their calibrations read them, one steep and one nearly flat) and what the host
+adds to it (the server's loop writing every token, the engine waiting for that loop's CPU,
+steps that vary, requests that take the frontend time to read, a neighbour that slows the
+whole host for a second or two at a time). The SLO is the benchmark's: 3x the TTFT p99 and
+the median gap of chats alone on the same host. Then, as `bench/flood.py` does:
 
 * the ladder: bulk at each fixed cap (`slo.bulk_cap_sequences`), and the frontier, the most
   bulk of a cap that keeps 95% of chats within the SLO;
@@ -63,6 +63,16 @@ THIS_HOST = SimConfig(
     prefill_ms_per_token=0.45,
     kv_blocks=4096,
 )
+# The demo model on vLLM on an Intel Xeon with AVX-512 (the start-up calibration of the flood of
+# 2026-12-04 22:32): nearly flat to 16 sequences, so bulk moves chats' gaps little there.
+FLAT = SimConfig(
+    step_curve_ms=SimConfig.parse_curve(
+        "1: 2.0 ms, 2: 2.3 ms, 4: 2.5 ms, 8: 2.9 ms, 16: 3.7 ms, 32: 5.4 ms, 64: 8.3 ms, "
+        "128: 12.6 ms"
+    ),
+    prefill_ms_per_token=0.05,
+    kv_blocks=4096,
+)
 # The frontend shares the engine's CPU (two cores: every write delays the next step).
 SHARED_CPU = HostConfig(
     event_ms=0.1, contention=1.0, jitter=0.2, request_ms=8.0, request_jitter=0.6
@@ -86,6 +96,7 @@ CASES = {
     "cpu line": Case(CPU, SHARED_CPU),
     "gpu knee": Case(GPU, OWN_CORES),
     "this host's curve": Case(THIS_HOST, SHARED_CPU),
+    "a flat curve": Case(FLAT, SHARED_CPU),
     # As the flood's ladder rows measured this host (2026-12-03): chats' median gaps at a fixed
     # cap spread by a log sigma of 0.15-0.26, their 97th percentile 0.27-0.48 (log) above their
     # median, and a second's gaps correlated with the next one's. A neighbour whose slowing
@@ -165,8 +176,23 @@ def stated(slo: tuple[float, float]) -> dict[str, Any]:
     return {"interactive": {"ttft_ms": 1000 * slo[0], "itl_ms": 1000 * slo[1]}}
 
 
+# Known short (docs/scheduler.md, "The flat curve"): on a curve this flat the model's first
+# guess lets bulk fill the engine before the first chat, the chats of that first second set the
+# aim for the next minute, and bulk stays at 0.6-0.9x the best fixed cap. Strict: a controller
+# that meets it turns this into a failure to remove.
+SHORT = {"a flat curve": "the first second's chats hold the aim down for a minute"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=SHORT[name]))
+        if name in SHORT
+        else name
+        for name in CASES
+    ],
+)
 def test_told_the_slo_the_controller_keeps_it_with_the_frontiers_bulk(name: str) -> None:
     case = CASES[name]
     slo = benchmark_slo(case)

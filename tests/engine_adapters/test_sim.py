@@ -414,13 +414,12 @@ async def test_with_catch_up_a_busy_loop_gets_the_steps_it_missed_as_one_delta(
         stream = sim.generate(request("a", max_tokens=200, ignore_eos=True))
         first = await asyncio.wait_for(anext(stream), 5)  # prefilled, its first token taken
         time.sleep(0.03)  # noqa: ASYNC251  (the point: the loop busy with other work, 15 steps long)
-        # On a busy host the engine's task may have run a step between the first delta and the
-        # block (before this task resumed): that step's delta comes first, the caught-up one next.
-        after = [await asyncio.wait_for(anext(stream), 5) for _ in range(2)]
-        assert max(len(d.token_ids) for d in after) == (1 if catch_up == 0 else catch_up + 1)
+        # On a busy host the engine's task may have run steps between the first delta and the
+        # block (before this task resumed), and the loop may fall behind again later: the
+        # caught-up delta is somewhere after the block, and no delta carries more than it.
         rest = await asyncio.wait_for(collect_rest(stream), 10)
-        taken = [first, *after, *rest]
-        assert sum(len(d.token_ids) for d in taken) == 200
+        assert max(len(d.token_ids) for d in rest) == (1 if catch_up == 0 else catch_up + 1)
+        assert sum(len(d.token_ids) for d in [first, *rest]) == 200
     finally:
         await sim.stop()
 

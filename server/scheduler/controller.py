@@ -32,17 +32,10 @@ Gaps steer the scale, in two loops, one inside the other:
   got together (its prefills, its neighbours', the host's noise) and how closely the loop
   held its aim. The aim is one over the goal's quantile of the last `SPREAD_CHATS` ratios (a
   chat there lands on its target), so that spread, which differs by host and by load, is
-  measured rather than assumed. The goal's quantile is a tail: of 100 chats at a goal of 97%,
-  the third highest, and from one hundred to the next it moves the aim, and bulk with it, by
-  more than the spread itself changes. So the aim is `AIM_START` until `MIN_SPREAD` chats
-  have counted, and no higher than that until `CONFIDENT_SPREAD` have (a tail of a few calm
-  chats promises more than the host keeps); it reads the last 400 (a minute and a half).
-  A chat counts once the inner loop has first held its aim (a window's median at or under
-  it, with bulk about): before that, on a fresh server, chats measure the model's first
-  guess, not the host's spread. On a host whose step barely grows with bulk, that guess lets
-  bulk fill the engine before the first chat, the first second's chats get 1.2-1.8x their
-  target, and counted, they held the aim near 0.45 for the next minute, bulk at 0.6-0.9x
-  the best fixed cap (docs/scheduler.md, "The flat curve").
+  measured rather than assumed; until `MIN_SPREAD` chats have ended it is `AIM_START`. The
+  goal's quantile is a tail: of 100 chats at a goal of 97%, the third highest, and from one
+  hundred to the next it moves the aim, and bulk with it, by more than the spread itself
+  changes. 250 chats (a minute at 4 chats/s) hold it still enough.
 
 First tokens steer the pace: a chat whose first token came late behind bulk's prefills (the
 scheduler judges that as it sees the token: `SchedulerCore._late_behind_bulk`) slows the pace
@@ -73,9 +66,8 @@ GROWTH_GAIN = 0.06  # under it
 SCALE_BOUNDS = (0.1, 8.0)
 AIM_START = 0.75
 AIM_BOUNDS = (0.4, 0.9)
-SPREAD_CHATS = 400  # the last chats whose spread sets the aim
-MIN_SPREAD = 20  # chats counted before it does
-CONFIDENT_SPREAD = 125  # chats counted before it may rise above AIM_START
+SPREAD_CHATS = 250  # the last chats whose spread sets the aim
+MIN_SPREAD = 20  # chats ended before it does
 PACE_STEP = 0.2  # of log(pace), per first token late behind bulk's prefills
 PACE_MIN = 0.05
 
@@ -94,7 +86,6 @@ class BulkController:
         self.median = 0.0  # the window's median gap share when last read (0: none)
         self._first_tokens = 0  # chats' first tokens since the last period
         self._late = False  # whether one of them came late behind bulk's prefills
-        self._held = False  # whether the inner loop has held its aim yet (chats count from then)
 
     def due(self, now: float) -> bool:
         return self.enabled and now >= self.next_at
@@ -123,7 +114,6 @@ class BulkController:
         self.median = median or 0.0
         if median is None or median <= 0.0:
             return False
-        self._held = self._held or median <= self.aim
         error = math.log(self.aim / median)
         if (error > 0 and not may_grow) or (error < 0 and not may_shrink):
             return False
@@ -147,8 +137,6 @@ class BulkController:
         self._first_tokens, self._late = 0, False
 
     def _learn_aim(self, ended: list[Ended]) -> None:
-        if not self._held:
-            return
         for chat in ended:
             if chat.median_gap_share is not None:
                 self._spread.append(chat.median_gap_share / self.aim)
@@ -158,6 +146,4 @@ class BulkController:
             # average: k = goal x (n + 1) leaves 1 - goal of them to miss.
             rank = round(self.goal * (len(ordered) + 1))
             low, high = AIM_BOUNDS
-            if len(ordered) < CONFIDENT_SPREAD:
-                high = AIM_START
             self.aim = min(high, max(low, 1.0 / ordered[min(len(ordered), max(1, rank)) - 1]))

@@ -176,13 +176,11 @@ def stated(slo: tuple[float, float]) -> dict[str, Any]:
     return {"interactive": {"ttft_ms": 1000 * slo[0], "itl_ms": 1000 * slo[1]}}
 
 
-# Known short (docs/scheduler.md, "The flat curve"): on this seed, a slow second 15 s in meets
-# the bulk grown in the calm before it; the chats of that second pull the aim to 0.40-0.46 for
-# the rest of the minute, and bulk runs at 0.74x the best fixed cap (96.4% of chats within).
-# Over seeds 1-8 the case falls short in 4 (it did in 1 while a fresh server's first chats set
-# the aim, which cost the flat curve 6 of 8). Strict: a controller that meets it turns this
-# into a failure to remove.
-SHORT = {"this host's curve, a noisy neighbour": "one slow second sets the aim for a minute"}
+# Known short (docs/scheduler.md, "The flat curve"): on a curve this flat the model's first
+# guess lets bulk fill the engine before the first chat, the chats of that first second set the
+# aim for the next minute, and bulk stays at 0.6-0.9x the best fixed cap. Strict: a controller
+# that meets it turns this into a failure to remove.
+SHORT = {"a flat curve": "the first second's chats hold the aim down for a minute"}
 
 
 @pytest.mark.slow

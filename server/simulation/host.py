@@ -59,6 +59,13 @@ class HostConfig(BaseModel):
     drift_s: float = Field(
         1.0, gt=0, description="see --host-drift: how long the host's speed takes to change"
     )
+    drift_per_output: float = Field(
+        0.0,
+        ge=0,
+        description="the neighbour's sigma grows by this much per output of the last step: on "
+        "a small host the load generators and the server's loop share the engine's cores, and "
+        "the more tokens a step writes, the more their work jostles the next steps",
+    )
     seed: int = Field(0, description="the jitter's random seed")
 
     @classmethod
@@ -74,6 +81,7 @@ class Host:
         self._writes_until = 0.0  # when the loop has written what it was given
         self._drift = 0.0  # the log of the neighbour's factor at `_drift_at`
         self._drift_at = 0.0
+        self._outputs = 0  # the last step's outputs
 
     def factor(self, now: float) -> float:
         """How many times as long than the engine alone things take on the host at `now`."""
@@ -91,7 +99,10 @@ class Host:
             fresh = sigma * math.sqrt(1.0 - keep * keep) * self._random.gauss(0.0, 1.0)
             self._drift = self._drift * keep + fresh
             self._drift_at = now
-        return math.exp(self._drift - sigma * sigma / 2)
+        if not self.config.drift_per_output:
+            return math.exp(self._drift - sigma * sigma / 2)
+        loaded = sigma + self.config.drift_per_output * self._outputs
+        return math.exp(self._drift * loaded / sigma - loaded * loaded / 2)
 
     def request_s(self, now: float) -> float:
         """The time until a request arriving at `now` reaches the scheduler."""
@@ -111,6 +122,7 @@ class Host:
     def write(self, outputs: int, now: float) -> tuple[float, float, float]:
         """A step's `outputs` handed to the loop at `now`: (when it starts writing them, the
         time each takes, when the engine may start its next step)."""
+        self._outputs = outputs
         event_s = self.config.event_ms / 1000.0 * self.factor(now)
         start = now if now > self._writes_until else self._writes_until
         self._writes_until = start + outputs * event_s

@@ -97,6 +97,18 @@ CASES = {
     "gpu knee": Case(GPU, OWN_CORES),
     "this host's curve": Case(THIS_HOST, SHARED_CPU),
     "a flat curve": Case(FLAT, SHARED_CPU),
+    # The same machine as the flood's ladder rows measured it (2026-12-04 and -05): chats' median
+    # gaps at a fixed cap spread more the more bulk runs (their 97th percentile 1.12-1.19x the
+    # median with no bulk, 1.21-1.31x at cap 4, 1.23-1.53x at caps 9 and 11, 1.54-1.76x at
+    # 14), and cap 11 keeps 97-99% of chats, cap 14 90-94%. A neighbour whose slowing grows
+    # with the outputs of each step (the load generators and the server's loop share the two
+    # cores) and a lighter loop than the steep host's give the simulator the same.
+    "a flat curve, this machine's noise": Case(
+        FLAT,
+        SHARED_CPU.model_copy(
+            update={"event_ms": 0.06, "drift": 0.07, "drift_per_output": 0.013, "drift_s": 0.5}
+        ),
+    ),
     # As the flood's ladder rows measured this host (2026-12-03): chats' median gaps at a fixed
     # cap spread by a log sigma of 0.15-0.26, their 97th percentile 0.27-0.48 (log) above their
     # median, and a second's gaps correlated with the next one's. A neighbour whose slowing
@@ -178,9 +190,13 @@ def stated(slo: tuple[float, float]) -> dict[str, Any]:
 
 # Known short (docs/scheduler.md, "The flat curve"): on a curve this flat the model's first
 # guess lets bulk fill the engine before the first chat, the chats of that first second set the
-# aim for the next minute, and bulk stays at 0.6-0.9x the best fixed cap. Strict: a controller
-# that meets it turns this into a failure to remove.
-SHORT = {"a flat curve": "the first second's chats hold the aim down for a minute"}
+# aim for the next minute, and bulk stays at 0.6-0.9x the best fixed cap (with this machine's
+# noise, 0.45-0.89x: more timid than the real flood's 0.77-1.04x, so that case does not yet
+# stand in for it). Strict: a controller that meets them turns this into a failure to remove.
+SHORT = {
+    "a flat curve": "the first second's chats hold the aim down for a minute",
+    "a flat curve, this machine's noise": "the first second's chats hold the aim down",
+}
 
 
 @pytest.mark.slow

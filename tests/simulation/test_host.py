@@ -45,3 +45,14 @@ def test_a_neighbour_slows_a_host_that_slowed_down_as_much_again() -> None:
     calm = Host(HostConfig(drift=0.2, seed=7))
     slowed = Host(HostConfig(drift=0.2, seed=7, slowdown_at_s=0.0, slowdown=2.0))
     assert [slowed.factor(t) for t in (1.0, 2.0)] == [2 * calm.factor(t) for t in (1.0, 2.0)]
+
+
+def test_a_neighbour_that_grows_with_the_load_wanders_more_behind_steps_that_write_more() -> None:
+    def wander(outputs: int) -> float:
+        host = Host(HostConfig(drift=0.05, drift_per_output=0.01, drift_s=1.0, seed=11))
+        host.write(outputs, 0.0)  # each step writes this many outputs
+        return statistics.pstdev(log_factors(host, 0.1, 20_000))
+
+    # The sigma is 0.05 with nothing written, and 0.01 more per output of the last step.
+    for outputs, sigma in ((0, 0.05), (5, 0.10), (15, 0.20)):
+        assert 0.85 * sigma < wander(outputs) < 1.15 * sigma

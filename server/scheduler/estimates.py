@@ -200,7 +200,7 @@ class RateEstimates:
         # nearly idle engine: the calibration's, then observed). The engine's alone, the
         # calibration's probe, would hold a chat to what no chat gets, even on an idle server.
         self.engine_ttft_s: float | None = None
-        self.lead_in_s = 0.0
+        self._lead_in_s: float | None = None
         self._running = 0
         self._changed_at: float | None = None
         self._window = _Window()
@@ -214,8 +214,9 @@ class RateEstimates:
         self._chat_rate = 0.0
         self._rate_at = -math.inf
 
-    def _blend(self, old: float, new: float) -> float:
-        return old + self._weight * (new - old)
+    def _blend(self, old: float | None, new: float) -> float:
+        """`new` smoothed into `old` (None: nothing observed yet, so `new` itself)."""
+        return new if old is None else old + self._weight * (new - old)
 
     # --- observations --------------------------------------------------------------------
     def running_changed(self, running: int, now: float) -> None:
@@ -309,16 +310,17 @@ class RateEstimates:
     @property
     def idle_ttft_s(self) -> float | None:
         """A chat's time to first token on an idle server (None: the engine's not known yet)."""
-        return None if self.engine_ttft_s is None else self.lead_in_s + self.engine_ttft_s
+        if self.engine_ttft_s is None:
+            return None
+        return (self._lead_in_s or 0.0) + self.engine_ttft_s
 
     def observe_engine_ttft(self, ttft_s: float) -> None:
         """Dispatch to first token on a nearly idle engine."""
-        old = self.engine_ttft_s
-        self.engine_ttft_s = ttft_s if old is None else self._blend(old, ttft_s)
+        self.engine_ttft_s = self._blend(self.engine_ttft_s, ttft_s)
 
     def observe_lead_in(self, seconds: float) -> None:
         """A chat's arrival to its submission to the scheduler."""
-        self.lead_in_s = self._blend(self.lead_in_s, seconds) if self.lead_in_s else seconds
+        self._lead_in_s = self._blend(self._lead_in_s, seconds)
 
     def observe_completion(self, output_tokens: int, ticket: Ticket) -> None:
         if ticket.open_ended:

@@ -17,7 +17,12 @@ median gap between tokens, the whole answer) and what the flood gets (bulk token
 The bulk flood runs in its own process and counts tokens without parsing JSON, so the chat
 client's stopwatch measures the server, not a load generator busy with 96 streams. Only what
 starts in the measurement window (after `--warmup` seconds, for `--duration` seconds) counts.
-Gaps are between streamed content chunks (one token each for these servers).
+Gaps are between streamed content chunks (one token each for these servers). On a machine
+the client shares (2 cores here, with the flood's generator), it reads some tokens later than
+they were written, so each Sluice row also gives its own verdict: the share of chats that
+ended in the window within the targets it holds, timed where it wrote their tokens
+(`sluice_slo_requests_total`). The row told the SLO holds the bench's targets, so the two
+shares differ only by what happened after Sluice's writes; the others hold their own.
 
 `--chat-apis chat,responses,messages` runs Sluice's flood once per API the chats speak (the
 bulk flood always uses Chat Completions): `/v1/chat/completions`, OpenAI's `/v1/responses` or
@@ -60,6 +65,7 @@ import httpx
 import yaml
 
 from server.core.stats import quantile
+from server.observability.metrics import SLO_RESULTS
 from server.scheduler.types import PreemptCause
 
 SERVED_NAME = "sluice-demo"
@@ -333,10 +339,22 @@ SAMPLED = {
     "controller_pace": ("sluice_bulk_controller_pace{", "", 1.0),
     "chat_gap_share": ("sluice_chat_gap_share{", "", 1.0),
 }
-# Sluice counters, reported as their increase over the window: bulk requests stopped, by cause.
+# Chats' verdicts by Sluice's own measure: times at its writes, against the targets it holds.
+VERDICTS = {
+    f"slo_{result}_{reason}": (
+        "sluice_slo_requests_total{",
+        f'reason="{reason}",result="{result}",traffic_class="interactive"',  # (labels sorted)
+    )
+    for result, reason in SLO_RESULTS["interactive"]
+}
+# Sluice counters, reported as their increase over the window: bulk requests stopped, by
+# cause, and the chats that ended, by verdict.
 COUNTED = {
-    f"preempted_{cause}": ("sluice_bulk_preemptions_total{", f'cause="{cause}"')
-    for cause in PreemptCause
+    **{
+        f"preempted_{cause}": ("sluice_bulk_preemptions_total{", f'cause="{cause}"')
+        for cause in PreemptCause
+    },
+    **VERDICTS,
 }
 
 
@@ -491,6 +509,11 @@ def summarise(
         )
         total = len(m.chats) + m.chat_failures
         row["within_slo"] = round(met / total, 4) if total else None
+    # The same chats as Sluice judged them: where the bench's client shares the host, it reads
+    # tokens later than Sluice writes them, and the difference is the client's, not Sluice's.
+    ended = sum(row.get(key, 0) for key in VERDICTS)
+    if ended:
+        row["within_slo_by_sluice"] = round(row.get("slo_met_none", 0) / ended, 4)
     return row
 
 
@@ -519,6 +542,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ("e2e_p50_ms", "chat e2e p50 ms"),
         ("e2e_p99_ms", "chat e2e p99 ms"),
         ("within_slo", "chats within SLO"),
+        ("within_slo_by_sluice", "by Sluice's measure"),
         ("bulk_tokens_per_s", "bulk tok/s"),
         ("bulk_vs_fcfs", "bulk / vLLM FCFS"),
         ("bulk_vs_frontier", "bulk / frontier"),
@@ -526,8 +550,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [" | ".join(title for _, title in columns), " | ".join("---" for _ in columns)]
     for row in rows:
         values = dict(row)
-        if values.get("within_slo") is not None:
-            values["within_slo"] = f"{100 * values['within_slo']:.1f}%"
+        for share in ("within_slo", "within_slo_by_sluice"):
+            if values.get(share) is not None:
+                values[share] = f"{100 * values[share]:.1f}%"
         for ratio in ("bulk_vs_fcfs", "bulk_vs_frontier"):
             if values.get(ratio) is not None:
                 values[ratio] = f"{values[ratio]:.2f}x"

@@ -27,7 +27,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from engine_adapters.sim_model import (
     SPECIAL_TOKENS,
@@ -540,6 +540,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         tenants = arrival_tenants(args)
         arrivals = build_arrivals(args)
+        host = HostConfig.from_args(args)
+    except ValidationError as exc:  # (a ValueError, and one per broken rule)
+        print(f"sluice simulate: {exc.errors()[0]['msg']}", file=sys.stderr)
+        return 2
     except (TraceError, ValueError) as exc:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2
@@ -547,7 +551,7 @@ def run(args: argparse.Namespace) -> int:
     simulation = ContinuousSimulation(
         config,
         SimConfig.from_args(args),
-        host=HostConfig.from_args(args),
+        host=host,
         keep_timelines=args.json,
     )
     simulation.add_arrivals(arrivals)

@@ -16,7 +16,7 @@ import argparse
 import math
 import random
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class HostConfig(BaseModel):
@@ -67,6 +67,12 @@ class HostConfig(BaseModel):
         "the more tokens a step writes, the more their work jostles the next steps",
     )
     seed: int = Field(0, description="the jitter's random seed")
+
+    @model_validator(mode="after")
+    def _growth_needs_a_neighbour(self) -> HostConfig:
+        if self.drift_per_output and not self.drift:
+            raise ValueError("drift_per_output grows the neighbour's sigma: set drift too")
+        return self
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> HostConfig:

@@ -277,6 +277,14 @@ def test_cli_generated_mixed_workload(capsys: pytest.CaptureFixture[str]) -> Non
     assert summary["classes"]["bulk"]["requests"] > 0
 
 
+def test_cli_refuses_a_host_whose_options_contradict_each_other(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["simulate", "--mode", "continuous", "--host-drift-per-output", "0.01"])
+    assert code == 2
+    assert "set drift too" in capsys.readouterr().err
+
+
 def test_simulated_tenants_come_in_one_order_whatever_the_hash_seed() -> None:
     # The tenants named by --tenants arrive as a set; the bulk streams take the first of
     # them, so an order that followed the set's (the hash seed's) made runs differ.

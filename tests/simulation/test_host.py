@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 import statistics
 
+import pytest
+from pydantic import ValidationError
+
 from server.simulation.host import Host, HostConfig
 
 
@@ -56,3 +59,8 @@ def test_a_neighbour_that_grows_with_the_load_wanders_more_behind_steps_that_wri
     # The sigma is 0.05 with nothing written, and 0.01 more per output of the last step.
     for outputs, sigma in ((0, 0.05), (5, 0.10), (15, 0.20)):
         assert 0.85 * sigma < wander(outputs) < 1.15 * sigma
+
+
+def test_a_neighbour_that_grows_with_the_load_needs_a_neighbour() -> None:
+    with pytest.raises(ValidationError, match="set drift too"):
+        HostConfig(drift_per_output=0.01)

@@ -30,6 +30,14 @@ Anthropic's `/v1/messages`, each streamed, so the rows show whether the API a pe
 speaks changes what the scheduler gives them. The idle SLO is set by chats over Chat
 Completions.
 
+`--repeat N` runs the whole comparison N times in a row, each row on a server started for it.
+With `--keep-servers`, Sluice's own rows (the default, the SLO told, variants; not the ladder's
+fixed caps, which learn nothing) keep one server from the first run to the last: the first run
+meets it freshly started, the next ones as the last run left it, as the same load repeated on
+one deployment would. Every run is then judged by the SLO of the first run's idle row (the SLO
+the kept row was told); each run's idle rows still measure the host, against that one. A kept
+server idles while the other rows run (about 0.7% of a core, measured here).
+
 `--variant 'LABEL=YAML'` (repeatable) adds a Sluice run with that scheduler configuration, and
 `--tradeoff` adds a ladder of interactive gap targets: bulk tokens/s against chat end-to-end
 time as the target varies. Usage:
@@ -37,6 +45,7 @@ time as the target varies. Usage:
     python bench/flood.py                                  # idle, vLLM FCFS, vLLM priority, Sluice
     python bench/flood.py --tradeoff                       # ... and the trade-off curve
     python bench/flood.py --systems idle,sluice --duration 5 --bulk-streams 4
+    python bench/flood.py --repeat 3 --ladder 4,6,9 --keep-servers  # #32's three runs in a row
     python bench/flood.py --systems idle,vllm-fcfs,sluice --chat-apis chat,responses,messages
 """
 
@@ -129,6 +138,12 @@ class System:
     @property
     def is_sluice(self) -> bool:
         return self.kind in ("idle", "sluice")
+
+    @property
+    def keeps_server(self) -> bool:
+        """Whether `--keep-servers` keeps its server from run to run: Sluice's own rows, whose
+        controller learns as it runs; the ladder's fixed caps learn nothing."""
+        return self.kind == "sluice" and self.ladder is None
 
 
 def server_command(
@@ -379,9 +394,24 @@ async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asynci
             await asyncio.wait_for(stop.wait(), 2.0)
 
 
-async def measure(
-    system: System, args: argparse.Namespace, port: int, config_path: str | None, log: Any
-) -> Measurements:
+async def start_server(
+    system: System,
+    args: argparse.Namespace,
+    port: int,
+    log_name: str,
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    """Starts `system`'s server on `port` and returns once it is ready; closing `stack` (an
+    `AsyncExitStack`) stops it. Its output goes to `log_name`.log in `--log-dir`."""
+    config_path = None
+    if system.sluice_config:
+        config_file = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
+        yaml.safe_dump(system.sluice_config, config_file)
+        config_file.flush()
+        config_path = config_file.name
+    log = None
+    if args.log_dir:
+        log = stack.enter_context((Path(args.log_dir) / f"{log_name}.log").open("wb"))
     env = {**os.environ, "SLUICE_API_KEYS": ""} if system.is_sluice else dict(os.environ)
     process = await asyncio.create_subprocess_exec(
         *server_command(system, args, port, config_path),
@@ -390,47 +420,48 @@ async def measure(
         stderr=subprocess.STDOUT,
         process_group=0,
     )
+    stack.push_async_callback(stop_group, process)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        await wait_ready(client, process, args.ready_timeout)
+
+
+async def measure(system: System, args: argparse.Namespace, port: int) -> Measurements:
+    """The load on the server ready on `port`: the flood (unless idle) and the chats."""
     limits = httpx.Limits(max_connections=args.bulk_streams + 256)
     m = Measurements()
-    try:
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=httpx.Timeout(600.0)
-        ) as client:
-            await wait_ready(client, process, args.ready_timeout)
-            now, wall = time.monotonic(), time.time()
-            m.window_start, m.window_end = now + args.warmup, now + args.warmup + args.duration
-            window = (wall + args.warmup, wall + args.warmup + args.duration)
-            bulk = None
-            if system.bulk:
-                context = multiprocessing.get_context("spawn")
-                results = context.Queue()
-                release = context.Event()  # the flood stops after the window's last chat
-                bulk = context.Process(
-                    target=bulk_load_process,
-                    args=(system.kind, args, port, window, release, results),
-                    daemon=True,  # a run that fails before the release does not outlive it
-                )
-                bulk.start()
-            stop = asyncio.Event()
-            chats = asyncio.create_task(chat_arrivals(client, system, args, m, stop))
-            sampler = (
-                asyncio.create_task(sample_gauges(client, m, stop))
-                if system.kind == "sluice"
-                else None
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=httpx.Timeout(600.0)
+    ) as client:
+        now, wall = time.monotonic(), time.time()
+        m.window_start, m.window_end = now + args.warmup, now + args.warmup + args.duration
+        window = (wall + args.warmup, wall + args.warmup + args.duration)
+        bulk = None
+        if system.bulk:
+            context = multiprocessing.get_context("spawn")
+            results = context.Queue()
+            release = context.Event()  # the flood stops after the window's last chat
+            bulk = context.Process(
+                target=bulk_load_process,
+                args=(system.kind, args, port, window, release, results),
+                daemon=True,  # a run that fails before the release does not outlive it
             )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), args.warmup + args.duration)
-            stop.set()
-            await chats
-            if sampler is not None:
-                await sampler
-            if bulk is not None:
-                release.set()
-                counts = await asyncio.to_thread(results.get, True, 120)
-                bulk.join(30)
-                m.bulk_tokens, m.bulk_failures = counts["tokens"], counts["failures"]
-    finally:
-        await stop_group(process)
+            bulk.start()
+        stop = asyncio.Event()
+        chats = asyncio.create_task(chat_arrivals(client, system, args, m, stop))
+        sampler = (
+            asyncio.create_task(sample_gauges(client, m, stop)) if system.kind == "sluice" else None
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), args.warmup + args.duration)
+        stop.set()
+        await chats
+        if sampler is not None:
+            await sampler
+        if bulk is not None:
+            release.set()
+            counts = await asyncio.to_thread(results.get, True, 120)
+            bulk.join(30)
+            m.bulk_tokens, m.bulk_failures = counts["tokens"], counts["failures"]
     return m
 
 
@@ -456,20 +487,29 @@ async def stop_group(process: asyncio.subprocess.Process) -> None:
     await process.wait()
 
 
-def run_system(system: System, args: argparse.Namespace, prefix: str = "") -> Measurements:
-    """One system's run: its configuration file and log around `measure`."""
-    with contextlib.ExitStack() as stack:
-        config_path = None
-        if system.sluice_config:
-            config_file = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
-            yaml.safe_dump(system.sluice_config, config_file)
-            config_file.flush()
-            config_path = config_file.name
-        log = None
-        if args.log_dir:
-            path = Path(args.log_dir) / f"{prefix}{system.name}.log"
-            log = stack.enter_context(path.open("wb"))
-        return asyncio.run(measure(system, args, args.port, config_path, log))
+@dataclass
+class KeptServers:
+    """With `--keep-servers`, Sluice's own rows (not the ladder's fixed caps) keep one server
+    from run to run: the first run meets it freshly started, the next ones as it was left, as
+    the same load repeated on one deployment would. Each gets a port of its own."""
+
+    stack: contextlib.AsyncExitStack
+    ports: dict[str, int] = field(default_factory=dict)
+
+
+async def run_system(
+    system: System, args: argparse.Namespace, prefix: str, kept: KeptServers | None
+) -> Measurements:
+    """One system's run, on a server started for it (and stopped after) or on its kept one."""
+    if kept is not None and system.keeps_server:
+        if system.name not in kept.ports:
+            port = args.port + 1 + len(kept.ports)
+            await start_server(system, args, port, system.name, kept.stack)
+            kept.ports[system.name] = port
+        return await measure(system, args, kept.ports[system.name])
+    async with contextlib.AsyncExitStack() as stack:
+        await start_server(system, args, args.port, f"{prefix}{system.name}", stack)
+        return await measure(system, args, args.port)
 
 
 def summarise(
@@ -676,6 +716,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--repeat", type=int, default=1, help="run the whole comparison this many times in a row"
     )
+    p.add_argument(
+        "--keep-servers",
+        action="store_true",
+        help="Sluice's own rows (not the ladder's) keep one server from the first run to the "
+        "last, and every run is judged by the first run's SLO",
+    )
     p.add_argument("--bulk-streams", type=int, default=96)
     p.add_argument("--bulk-tokens", type=int, default=512)
     p.add_argument("--chat-rate", type=float, default=4.0, help="chats per second (Poisson)")
@@ -733,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(build_demo_model(default_cache_dir() / "demo-model"))
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    runs = [compare(args, n) for n in range(1, args.repeat + 1)]
+    runs = asyncio.run(compare_all(args))
     if args.json:
         print(json.dumps(runs, indent=2))
     elif args.repeat > 1:
@@ -741,16 +787,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def compare(args: argparse.Namespace, run: int) -> dict[str, Any]:
-    """One whole comparison: every system of the plan in turn, each on a server of its own."""
+async def compare_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`--repeat` comparisons in a row. With `--keep-servers`, Sluice's own rows keep their
+    servers from the first run to the last, and every run is judged by the SLO the first run's
+    idle row set (the SLO those servers were told)."""
+    async with contextlib.AsyncExitStack() as stack:
+        kept = KeptServers(stack) if args.keep_servers else None
+        runs = [await compare(args, 1, kept)]
+        first = runs[0]["slo_ms"]
+        first_slo = (first[0] / 1000, first[1] / 1000) if kept is not None and first else None
+        for n in range(2, args.repeat + 1):
+            runs.append(await compare(args, n, kept, first_slo))
+    return runs
+
+
+async def compare(
+    args: argparse.Namespace,
+    run: int,
+    kept: KeptServers | None = None,
+    slo: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """One whole comparison: every system of the plan in turn, each on a server of its own (or
+    its kept one), judged by the SLO its idle row sets, or by `slo` where one is given."""
     rows: list[dict[str, Any]] = []
-    slo: tuple[float, float] | None = None
+    given = slo is not None
     drift = None
     prefix = f"r{run}-" if args.repeat > 1 else ""
     systems = plan(args)
     for at, planned in enumerate(systems):  # (a rung climbed to joins the plan as it runs)
         system = planned.configured(slo)
-        m = run_system(system, args, prefix)
+        m = await run_system(system, args, prefix, kept)
         if args.log_dir:
             with (Path(args.log_dir) / f"{prefix}{system.name}.chats.jsonl").open("w") as out:
                 for chat in m.chats:
@@ -763,7 +829,7 @@ def compare(args: argparse.Namespace, run: int) -> dict[str, Any]:
             slo = idle_slo(m, args.slo_factor)
         elif system.kind == "idle" and slo is not None:
             again = idle_slo(m, args.slo_factor)
-            drift = (again[0] / slo[0] - 1, again[1] / slo[1] - 1)
+            drift = (again[0] / slo[0] - 1, again[1] / slo[1] - 1)  # (given: against run 1)
         rows.append({**summarise(system, m, args, slo), "ladder": system.ladder})
         print(f"# run {run}, {system.name}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
         cap = next_rung(systems, rows, args)
@@ -782,11 +848,13 @@ def compare(args: argparse.Namespace, run: int) -> dict[str, Any]:
     if slo is not None:
         lines.append(
             f"SLO: TTFT <= {1000 * slo[0]:.1f} ms and median gap <= {1000 * slo[1]:.2f} ms "
-            f"({args.slo_factor:g} x the idle TTFT p99 and median gap)"
+            f"({args.slo_factor:g} x the idle TTFT p99 and median gap"
+            + (" of run 1: the kept servers hold it)" if given else ")")
         )
     if drift is not None:
         lines.append(
-            f"Idle at the end against the start: TTFT p99 {drift[0]:+.0%}, median gap "
+            f"Idle at the end against {'run 1' if given else 'the start'}: TTFT p99 "
+            f"{drift[0]:+.0%}, median gap "
             f"{drift[1]:+.0%}"
             + (
                 "  (the machine's speed drifted: compare with care)"

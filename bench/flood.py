@@ -14,9 +14,8 @@ median gap between tokens, the whole answer) and what the flood gets (bulk token
 * chats: a Poisson process at `--chat-rate` per second (4), each for `--chat-tokens` (32),
   read to the end (vLLM priority: `priority: -10`).
 
-The bulk flood runs in its own process, at a lower CPU priority (`--bulk-nice`, 10), and counts
-tokens without parsing JSON, so the chat client's stopwatch measures the server, not a load
-generator busy with 96 streams. Only what
+The bulk flood runs in its own process and counts tokens without parsing JSON, so the chat
+client's stopwatch measures the server, not a load generator busy with 96 streams. Only what
 starts in the measurement window (after `--warmup` seconds, for `--duration` seconds) counts.
 Gaps are between streamed content chunks (one token each for these servers). On a machine
 the client shares (2 cores here, with the flood's generator), it reads some tokens later than
@@ -291,11 +290,8 @@ async def _bulk_load(kind, args, port, window, counts, release) -> None:
         await asyncio.gather(*streams, return_exceptions=True)
 
 
-def bulk_load_process(kind, args, port, window, release, results, nice: int = 0) -> None:
-    """The bulk flood, in its own process so that its work cannot delay the chat client, and
-    at `nice` so that, where the host has no core to spare, it yields one to the server and to
-    the client whose stopwatch it would otherwise hold up."""
-    os.nice(nice)
+def bulk_load_process(kind, args, port, window, release, results) -> None:
+    """The bulk flood, in its own process so that its work cannot delay the chat client."""
     counts = {"tokens": 0, "failures": 0}
     asyncio.run(_bulk_load(kind, args, port, window, counts, release))
     results.put(counts)
@@ -446,7 +442,7 @@ async def measure(system: System, args: argparse.Namespace, port: int) -> Measur
             release = context.Event()  # the flood stops after the window's last chat
             bulk = context.Process(
                 target=bulk_load_process,
-                args=(system.kind, args, port, window, release, results, args.bulk_nice),
+                args=(system.kind, args, port, window, release, results),
                 daemon=True,  # a run that fails before the release does not outlive it
             )
             bulk.start()
@@ -728,13 +724,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--bulk-streams", type=int, default=96)
     p.add_argument("--bulk-tokens", type=int, default=512)
-    p.add_argument(
-        "--bulk-nice",
-        type=int,
-        default=10,
-        help="the flood's generator runs at this nice value: on a host with no core to spare "
-        "it yields the CPU to the server and to the chats' client (0: as they do)",
-    )
     p.add_argument("--chat-rate", type=float, default=4.0, help="chats per second (Poisson)")
     p.add_argument("--chat-tokens", type=int, default=32)
     p.add_argument(

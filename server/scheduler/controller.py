@@ -35,7 +35,13 @@ Gaps steer the scale, in two loops, one inside the other:
   measured rather than assumed; until `MIN_SPREAD` chats have ended it is `AIM_START`. The
   goal's quantile is a tail: of 100 chats at a goal of 97%, the third highest, and from one
   hundred to the next it moves the aim, and bulk with it, by more than the spread itself
-  changes. 250 chats (a minute at 4 chats/s) hold it still enough.
+  changes. 250 chats (a minute at 4 chats/s) hold it still enough. A spread learnt at one
+  bulk understates the spread at the more bulk its aim then lets in, so misses are also
+  counted where they happen: once the inner loop has first held its aim (before, a miss is
+  the model's first guess), each chat over its gap target lowers a ceiling on the aim by
+  `CEILING_STEP` (in log), and each within it raises the ceiling by a share of that, so that
+  at most half the goal's misses are gaps (a stochastic approximation, as the pace's: first
+  tokens have the other half). The aim is the lower of the two.
 
 First tokens steer the pace: a chat whose first token came late behind bulk's prefills (the
 scheduler judges that as it sees the token: `SchedulerCore._late_behind_bulk`) slows the pace
@@ -68,6 +74,7 @@ AIM_START = 0.75
 AIM_BOUNDS = (0.4, 0.9)
 SPREAD_CHATS = 250  # the last chats whose spread sets the aim
 MIN_SPREAD = 20  # chats ended before it does
+CEILING_STEP = 0.03  # of log(ceiling), per chat over its gap target
 PACE_STEP = 0.2  # of log(pace), per first token late behind bulk's prefills
 PACE_MIN = 0.05
 
@@ -82,6 +89,9 @@ class BulkController:
         self.steps = 0  # inner-loop moves, for metrics and tests
         self._log_scale = 0.0
         self._spread: deque[float] = deque(maxlen=SPREAD_CHATS)  # median share / aim
+        self._quantile = AIM_START  # the aim the spread sets
+        self._ceiling = AIM_BOUNDS[1]  # the aim the misses allow
+        self._held = False  # whether the inner loop has held its aim yet
         self.next_at = -math.inf  # the next period
         self.median = 0.0  # the window's median gap share when last read (0: none)
         self._first_tokens = 0  # chats' first tokens since the last period
@@ -114,6 +124,7 @@ class BulkController:
         self.median = median or 0.0
         if median is None or median <= 0.0:
             return False
+        self._held = self._held or median <= self.aim
         error = math.log(self.aim / median)
         if (error > 0 and not may_grow) or (error < 0 and not may_shrink):
             return False
@@ -137,13 +148,21 @@ class BulkController:
         self._first_tokens, self._late = 0, False
 
     def _learn_aim(self, ended: list[Ended]) -> None:
+        allowed = (1.0 - self.goal) / 2  # of chats over their gap target (the pace has the rest)
         for chat in ended:
-            if chat.median_gap_share is not None:
-                self._spread.append(chat.median_gap_share / self.aim)
+            if chat.median_gap_share is None:
+                continue
+            self._spread.append(chat.median_gap_share / self.aim)
+            if self._held:  # (before, a miss is the model's first guess, not the aim's)
+                missed = chat.median_gap_share > 1.0
+                move = CEILING_STEP * (allowed - missed) / (1.0 - allowed)
+                low, high = AIM_BOUNDS  # (bounded, so that it cannot wind up)
+                self._ceiling = min(high, max(low, self._ceiling * math.exp(move)))
         if len(self._spread) >= MIN_SPREAD:
             ordered = sorted(self._spread)
             # The k-th of n ratios leaves (n - k + 1) / (n + 1) of the next chats above it, on
             # average: k = goal x (n + 1) leaves 1 - goal of them to miss.
             rank = round(self.goal * (len(ordered) + 1))
-            low, high = AIM_BOUNDS
-            self.aim = min(high, max(low, 1.0 / ordered[min(len(ordered), max(1, rank)) - 1]))
+            self._quantile = 1.0 / ordered[min(len(ordered), max(1, rank)) - 1]
+        low, high = AIM_BOUNDS
+        self.aim = min(high, max(low, min(self._quantile, self._ceiling)))

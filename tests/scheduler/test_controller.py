@@ -9,7 +9,9 @@ import pytest
 
 from server.scheduler.attainment import MIN_GAPS, ChatMeter, Ended
 from server.scheduler.controller import (
+    AIM_BOUNDS,
     AIM_START,
+    CEILING_STEP,
     MIN_SPREAD,
     PACE_MIN,
     PACE_STEP,
@@ -139,6 +141,34 @@ def test_the_aim_is_one_over_the_goals_quantile_of_how_far_chats_stray() -> None
     end_chats(meter, [AIM_START] * 94 + [1.25 * AIM_START] * 6)
     controller.steer(0.2, meter, may_grow=True, may_shrink=True)
     assert controller.aim == pytest.approx(1 / 1.25)
+
+
+def test_once_the_loop_holds_each_chat_over_its_target_lowers_a_ceiling_on_the_aim() -> None:
+    """The quantile learns a spread at the bulk that ran; the bulk its aim then lets in may
+    spread chats wider. Misses are counted at that bulk: once the inner loop has held its aim,
+    each chat over its gap target lowers a ceiling on the aim, and chats within it raise it
+    back, so that at most half the goal's misses are gaps (first tokens have the other half)."""
+    controller, meter = BulkController(0.97, enabled=True), ChatMeter()
+    # Before the loop first holds, misses are the model's first guess: the ceiling ignores them.
+    end_chats(meter, [AIM_START] * 100 + [1.5] * 10)
+    controller.steer(0.0, meter, may_grow=True, may_shrink=True)
+    quantile = controller.aim
+    assert quantile == pytest.approx(1 / 2)  # 1.5 / 0.75: the spread's tail
+    # 250 calm chats, at 0.8 of that aim: the quantile says 1 / 0.8, the aim's bound holds it;
+    # then the inner loop holds its aim.
+    end_chats(meter, [0.8 * quantile] * 250)
+    write_gaps(meter, 0.5 * AIM_BOUNDS[1], 0.2)
+    controller.steer(0.2, meter, may_grow=True, may_shrink=True)
+    assert controller.aim == AIM_BOUNDS[1]
+    # Five chats over their target: the ceiling falls by CEILING_STEP (about) each.
+    end_chats(meter, [1.1] * 5)
+    controller.steer(0.4, meter, may_grow=True, may_shrink=True)
+    assert controller.aim == pytest.approx(AIM_BOUNDS[1] * math.exp(-5 * CEILING_STEP), rel=0.01)
+    lowered = controller.aim
+    # Chats within their target raise it back, 1.5% of a miss's fall each.
+    end_chats(meter, [0.5] * 66)
+    controller.steer(0.6, meter, may_grow=True, may_shrink=True)
+    assert lowered < controller.aim == pytest.approx(lowered * math.exp(CEILING_STEP), rel=0.02)
 
 
 def test_first_tokens_late_behind_bulk_slow_its_starts_and_come_back_as_others_keep_time() -> None:

@@ -149,6 +149,7 @@ class BulkController:
 
     def _learn_aim(self, ended: list[Ended]) -> None:
         allowed = (1.0 - self.goal) / 2  # of chats over their gap target (the pace has the rest)
+        low, high = AIM_BOUNDS  # (the ceiling too, so that it cannot wind up)
         for chat in ended:
             if chat.median_gap_share is None:
                 continue
@@ -156,7 +157,6 @@ class BulkController:
             if self._held:  # (before, a miss is the model's first guess, not the aim's)
                 missed = chat.median_gap_share > 1.0
                 move = CEILING_STEP * (allowed - missed) / (1.0 - allowed)
-                low, high = AIM_BOUNDS  # (bounded, so that it cannot wind up)
                 self._ceiling = min(high, max(low, self._ceiling * math.exp(move)))
         if len(self._spread) >= MIN_SPREAD:
             ordered = sorted(self._spread)
@@ -164,5 +164,4 @@ class BulkController:
             # average: k = goal x (n + 1) leaves 1 - goal of them to miss.
             rank = round(self.goal * (len(ordered) + 1))
             self._quantile = 1.0 / ordered[min(len(ordered), max(1, rank)) - 1]
-        low, high = AIM_BOUNDS
-        self.aim = min(high, max(low, min(self._quantile, self._ceiling)))
+        self.aim = min(self._ceiling, max(low, min(high, self._quantile)))

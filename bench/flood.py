@@ -351,6 +351,8 @@ SAMPLED = {
     ),
     "controller_scale": ("sluice_bulk_controller_scale{", "", 1.0),
     "controller_aim": ("sluice_bulk_controller_aim{", "", 1.0),
+    "aim_by_spread": ("sluice_bulk_controller_aim_limit{", 'source="spread"', 1.0),
+    "aim_by_misses": ("sluice_bulk_controller_aim_limit{", 'source="misses"', 1.0),
     "controller_pace": ("sluice_bulk_controller_pace{", "", 1.0),
     "chat_gap_share": ("sluice_chat_gap_share{", "", 1.0),
 }

@@ -191,7 +191,9 @@ ROWS: tuple[Row, ...] = (
                 "scale: its correction of the step-time model (the cap's step budgets are "
                 "multiplied by it; below 1, chats get slower gaps than the model predicts). aim: "
                 "the median gap, as a share of the target, it holds chats at, learned so that "
-                "slo.attainment_goal of them keep their targets. pace: the speed at which bulk "
+                "slo.attainment_goal of them keep their targets: the lower of its two limits, "
+                "spread (from how far the last chats strayed around the aim) and misses (a "
+                "ceiling that chats over their gap target lower). pace: the speed at which bulk "
                 "may start (below 1 when chats' first tokens come late behind bulk's prefills).",
                 (
                     Target(
@@ -201,6 +203,11 @@ ROWS: tuple[Row, ...] = (
                     Target(
                         f"max by (model) (sluice_bulk_controller_aim{{{MODEL_FILTER}}})",
                         "aim {{model}}",
+                    ),
+                    Target(
+                        "max by (model, source) "
+                        f"(sluice_bulk_controller_aim_limit{{{MODEL_FILTER}}})",
+                        "aim limit, {{source}} {{model}}",
                     ),
                     Target(
                         f"max by (model) (sluice_bulk_controller_pace{{{MODEL_FILTER}}})",

@@ -263,6 +263,14 @@ class Metrics:
             "slo.attainment_goal of chats keep their targets.",
             ["model"],
         )
+        self.controller_aim_limit = gauge(
+            "sluice_bulk_controller_aim_limit",
+            "What limits the aim, by source: spread (the aim that the last chats' spread around "
+            "it leaves slo.attainment_goal of them within their targets) and misses (the ceiling "
+            "that chats over their gap target lower and chats within it raise). The aim is the "
+            "lower of the two.",
+            ["model", "source"],
+        )
         self.controller_pace = gauge(
             "sluice_bulk_controller_pace",
             "The speed at which bulk may start (at most 1), slowed when chats' first tokens are "

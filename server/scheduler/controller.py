@@ -37,11 +37,12 @@ Gaps steer the scale, in two loops, one inside the other:
   hundred to the next it moves the aim, and bulk with it, by more than the spread itself
   changes. 250 chats (a minute at 4 chats/s) hold it still enough. A spread learnt at one
   bulk understates the spread at the more bulk its aim then lets in, so misses are also
-  counted where they happen: once the inner loop has first held its aim (before, a miss is
-  the model's first guess), each chat over its gap target lowers a ceiling on the aim by
-  `CEILING_STEP` (in log), and each within it raises the ceiling by a share of that, so that
-  at most half the goal's misses are gaps (a stochastic approximation, as the pace's: first
-  tokens have the other half). The aim is the lower of the two.
+  counted where they happen: once the inner loop has first held its aim (the window's median
+  back to it after being over it; before, a miss is the model's first guess, or a fresh
+  engine's first steps at each batch shape), each chat over its gap target lowers a ceiling
+  on the aim by `CEILING_STEP` (in log), and each within it raises the ceiling by a share of
+  that, so that at most half the goal's misses are gaps (a stochastic approximation, as the
+  pace's: first tokens have the other half). The aim is the lower of the two.
 
 First tokens steer the pace: a chat whose first token came late behind bulk's prefills (the
 scheduler judges that as it sees the token: `SchedulerCore._late_behind_bulk`) slows the pace
@@ -89,9 +90,10 @@ class BulkController:
         self.steps = 0  # inner-loop moves, for metrics and tests
         self._log_scale = 0.0
         self._spread: deque[float] = deque(maxlen=SPREAD_CHATS)  # median share / aim
-        self._quantile = AIM_START  # the aim the spread sets
-        self._ceiling = AIM_BOUNDS[1]  # the aim the misses allow
-        self._held = False  # whether the inner loop has held its aim yet
+        self.spread_limit = AIM_START  # the aim the spread sets (within the bounds)
+        self.ceiling = AIM_BOUNDS[1]  # the aim the misses allow
+        self._over = False  # whether chats' median gap share has been over the aim yet
+        self._held = False  # whether the inner loop has since brought it back to the aim
         self.next_at = -math.inf  # the next period
         self.median = 0.0  # the window's median gap share when last read (0: none)
         self._first_tokens = 0  # chats' first tokens since the last period
@@ -124,7 +126,10 @@ class BulkController:
         self.median = median or 0.0
         if median is None or median <= 0.0:
             return False
-        self._held = self._held or median <= self.aim
+        # Held: the window's median came back to the aim after being over it, so the loop has
+        # corrected its first guess (and a fresh engine's first steps at each new batch shape).
+        self._held = self._held or (self._over and median <= self.aim)
+        self._over = self._over or median > self.aim
         error = math.log(self.aim / median)
         if (error > 0 and not may_grow) or (error < 0 and not may_shrink):
             return False
@@ -157,11 +162,12 @@ class BulkController:
             if self._held:  # (before, a miss is the model's first guess, not the aim's)
                 missed = chat.median_gap_share > 1.0
                 move = CEILING_STEP * (allowed - missed) / (1.0 - allowed)
-                self._ceiling = min(high, max(low, self._ceiling * math.exp(move)))
+                self.ceiling = min(high, max(low, self.ceiling * math.exp(move)))
         if len(self._spread) >= MIN_SPREAD:
             ordered = sorted(self._spread)
             # The k-th of n ratios leaves (n - k + 1) / (n + 1) of the next chats above it, on
             # average: k = goal x (n + 1) leaves 1 - goal of them to miss.
             rank = round(self.goal * (len(ordered) + 1))
-            self._quantile = 1.0 / ordered[min(len(ordered), max(1, rank)) - 1]
-        self.aim = min(self._ceiling, max(low, min(high, self._quantile)))
+            quantile = 1.0 / ordered[min(len(ordered), max(1, rank)) - 1]
+            self.spread_limit = max(low, min(high, quantile))
+        self.aim = min(self.ceiling, self.spread_limit)

@@ -368,6 +368,9 @@ class SchedulerRuntime:
         )
         metrics.controller_scale.labels(model).set_function(lambda: core.controller.scale)
         metrics.controller_aim.labels(model).set_function(lambda: core.controller.aim)
+        limit = metrics.controller_aim_limit
+        limit.labels(model, "spread").set_function(lambda: core.controller.spread_limit)
+        limit.labels(model, "misses").set_function(lambda: core.controller.ceiling)
         metrics.controller_pace.labels(model).set_function(lambda: core.controller.pace)
         for cause in PreemptCause:
             metrics.bulk_preemptions.set_function(

@@ -106,5 +106,11 @@ def test_a_tenants_own_targets_judge_its_chats_and_bulk_is_judged_by_its_own(
             )
         # No bulk ran beside a chat: the controller has had nothing to steer.
         assert server.metric("sluice_bulk_controller_scale") == 1.0
-        assert 0 < server.metric("sluice_bulk_controller_aim") < 1
+        aim = server.metric("sluice_bulk_controller_aim")
+        assert 0 < aim < 1
+        limits = [
+            server.metric("sluice_bulk_controller_aim_limit", source=s)
+            for s in ("spread", "misses")
+        ]
+        assert aim == min(limits)
         assert server.metric("sluice_bulk_controller_pace") == 1.0

@@ -154,20 +154,29 @@ def test_once_the_loop_holds_each_chat_over_its_target_lowers_a_ceiling_on_the_a
     controller.steer(0.0, meter, may_grow=True, may_shrink=True)
     quantile = controller.aim
     assert quantile == pytest.approx(1 / 2)  # 1.5 / 0.75: the spread's tail
-    # 250 calm chats, at 0.8 of that aim: the quantile says 1 / 0.8, the aim's bound holds it;
-    # then the inner loop holds its aim.
+    # 250 calm chats, at 0.8 of that aim: the quantile says 1 / 0.8, the aim's bound holds it.
+    # Chats' median gap share under the aim from the start is no hold yet: the loop has
+    # corrected nothing, and a miss may still be its first guess.
     end_chats(meter, [0.8 * quantile] * 250)
     write_gaps(meter, 0.5 * AIM_BOUNDS[1], 0.2)
     controller.steer(0.2, meter, may_grow=True, may_shrink=True)
-    assert controller.aim == AIM_BOUNDS[1]
+    assert controller.aim == AIM_BOUNDS[1] == controller.ceiling
+    end_chats(meter, [1.1] * 2)  # (two: with the five below, too few to move the quantile)
+    controller.steer(0.4, meter, may_grow=True, may_shrink=True)
+    assert controller.aim == AIM_BOUNDS[1] == controller.ceiling
+    # Over the aim, then back to it (a window apart): the loop has held.
+    for now, share in ((2.0, 1.5 * AIM_BOUNDS[1]), (4.0, 0.5 * AIM_BOUNDS[1])):
+        write_gaps(meter, share, now)
+        controller.steer(now, meter, may_grow=True, may_shrink=True)
     # Five chats over their target: the ceiling falls by CEILING_STEP (about) each.
     end_chats(meter, [1.1] * 5)
-    controller.steer(0.4, meter, may_grow=True, may_shrink=True)
+    controller.steer(4.2, meter, may_grow=True, may_shrink=True)
     assert controller.aim == pytest.approx(AIM_BOUNDS[1] * math.exp(-5 * CEILING_STEP), rel=0.01)
+    assert controller.spread_limit == AIM_BOUNDS[1]
     lowered = controller.aim
     # Chats within their target raise it back, 1.5% of a miss's fall each.
     end_chats(meter, [0.5] * 66)
-    controller.steer(0.6, meter, may_grow=True, may_shrink=True)
+    controller.steer(4.4, meter, may_grow=True, may_shrink=True)
     assert lowered < controller.aim == pytest.approx(lowered * math.exp(CEILING_STEP), rel=0.02)
 
 

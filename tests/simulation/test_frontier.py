@@ -162,15 +162,19 @@ def judged(simulation: Any, slo: tuple[float, float], seconds: float) -> tuple[f
     """(share of chats within the SLO, bulk tokens/s), of what arrived after the warm-up."""
     timelines = simulation.timelines.values()
     chats = [t for t in timelines if t.traffic_class == "interactive" and t.arrival >= WARMUP]
-    met = sum(
-        t.outcome == "completed"
-        and t.first_token is not None
-        and t.first_token - t.arrival <= slo[0]
-        and (t.median_gap or 0.0) <= slo[1]
-        for t in chats
-    )
+    met = sum(within(chat, slo) for chat in chats)
     bulk = sum(t.output_tokens for t in timelines if t.traffic_class == TrafficClass.BULK.value)
     return met / len(chats), bulk / seconds
+
+
+def within(chat: Any, slo: tuple[float, float]) -> bool:
+    """Whether a chat's timeline kept the SLO: completed, its first token and median gap in time."""
+    return (
+        chat.outcome == "completed"
+        and chat.first_token is not None
+        and chat.first_token - chat.arrival <= slo[0]
+        and (chat.median_gap or 0.0) <= slo[1]
+    )
 
 
 def frontier(case: Case, slo: tuple[float, float]) -> float:

@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.simulation import test_frontier as frontier
 
 
-def judged_minute(simulation: Any, slo: tuple[float, float], start: float, seconds: float):
+def judged_minute(
+    simulation: Any, slo: tuple[float, float], start: float, seconds: float
+) -> tuple[float, float]:
     """`frontier.judged` for the minute from `start`: chats that arrived in it after the
     warm-up, and bulk by the requests that ended in it."""
     timelines = simulation.timelines.values()

@@ -42,7 +42,13 @@ Gaps steer the scale, in two loops, one inside the other:
   engine's first steps at each batch shape), each chat over its gap target lowers a ceiling
   on the aim by `CEILING_STEP` (in log), and each within it raises the ceiling by a share of
   that, so that at most half the goal's misses are gaps (a stochastic approximation, as the
-  pace's: first tokens have the other half). The aim is the lower of the two.
+  pace's: first tokens have the other half). The aim is the lower of the two. The ceiling
+  must not wind up where it holds nothing: it starts, at the hold, `CEILING_MARGIN` above
+  the aim, and a chat within its target raises it only while it is less than that above the
+  spread's limit (a chat under an aim the ceiling did not set says nothing of the ceiling).
+  So when the spread's limit jumps (the start-up's chats leave the last 250; a calm minute),
+  the aim follows it no faster than chats at each new aim show that it holds, instead of
+  jumping to a ceiling that a long calm run left at its bound.
 
 First tokens steer the pace: a chat whose first token came late behind bulk's prefills (the
 scheduler judges that as it sees the token: `SchedulerCore._late_behind_bulk`) slows the pace
@@ -76,6 +82,7 @@ AIM_BOUNDS = (0.4, 0.9)
 SPREAD_CHATS = 250  # the last chats whose spread sets the aim
 MIN_SPREAD = 20  # chats ended before it does
 CEILING_STEP = 0.03  # of log(ceiling), per chat over its gap target
+CEILING_MARGIN = 0.05  # of log(ceiling), the most it rises above the spread's limit
 PACE_STEP = 0.2  # of log(pace), per first token late behind bulk's prefills
 PACE_MIN = 0.05
 
@@ -128,7 +135,9 @@ class BulkController:
             return False
         # Held: the window's median came back to the aim after being over it, so the loop has
         # corrected its first guess (and a fresh engine's first steps at each new batch shape).
-        self._held = self._held or (self._over and median <= self.aim)
+        if self._over and median <= self.aim and not self._held:
+            self._held = True
+            self.ceiling = min(self.ceiling, self.aim * math.exp(CEILING_MARGIN))
         self._over = self._over or median > self.aim
         error = math.log(self.aim / median)
         if (error > 0 and not may_grow) or (error < 0 and not may_shrink):
@@ -159,8 +168,10 @@ class BulkController:
             if chat.median_gap_share is None:
                 continue
             self._spread.append(chat.median_gap_share / self.aim)
-            if self._held:  # (before, a miss is the model's first guess, not the aim's)
-                missed = chat.median_gap_share > 1.0
+            if not self._held:  # (before, a miss is the model's first guess, not the aim's)
+                continue
+            missed = chat.median_gap_share > 1.0
+            if missed or self.ceiling < self.spread_limit * math.exp(CEILING_MARGIN):
                 move = CEILING_STEP * (allowed - missed) / (1.0 - allowed)
                 self.ceiling = min(high, max(low, self.ceiling * math.exp(move)))
         if len(self._spread) >= MIN_SPREAD:

@@ -11,6 +11,7 @@ from server.scheduler.attainment import MIN_GAPS, ChatMeter, Ended
 from server.scheduler.controller import (
     AIM_BOUNDS,
     AIM_START,
+    CEILING_MARGIN,
     CEILING_STEP,
     MIN_SPREAD,
     PACE_MIN,
@@ -178,6 +179,37 @@ def test_once_the_loop_holds_each_chat_over_its_target_lowers_a_ceiling_on_the_a
     end_chats(meter, [0.5] * 66)
     controller.steer(4.4, meter, may_grow=True, may_shrink=True)
     assert lowered < controller.aim == pytest.approx(lowered * math.exp(CEILING_STEP), rel=0.02)
+
+
+def test_the_ceiling_does_not_wind_up_above_an_aim_it_does_not_set() -> None:
+    """The ceiling starts at the hold just above the aim, and chats within their target raise
+    it only while it is near the spread's limit: after a long calm run under an aim the spread
+    set, a spread's limit that jumps moves the aim no further than the ceiling allows, and the
+    ceiling then rises only as chats at each new aim keep their targets."""
+    controller, meter = BulkController(0.97, enabled=True), ChatMeter()
+    end_chats(meter, [AIM_START] * 100 + [1.5] * 10)
+    controller.steer(0.0, meter, may_grow=True, may_shrink=True)
+    assert controller.aim == pytest.approx(1 / 2)  # the spread's tail
+    for now, share in ((2.0, 1.5 * controller.aim), (4.0, 0.5 * controller.aim)):
+        write_gaps(meter, share, now)
+        controller.steer(now, meter, may_grow=True, may_shrink=True)
+    assert controller.ceiling == pytest.approx(controller.aim * math.exp(CEILING_MARGIN))
+    # A long calm run of chats just within their target, at the aim the spread sets.
+    end_chats(meter, [0.99] * 2000)
+    controller.steer(4.2, meter, may_grow=True, may_shrink=True)
+    limit = controller.spread_limit
+    assert limit == pytest.approx(1 / 1.98)
+    assert controller.aim == limit < controller.ceiling <= limit * math.exp(CEILING_MARGIN) * 1.001
+    # The spread's limit jumps to the bound (chats at half their target): the aim stops at the
+    # ceiling, and chats within their target raise it from there, 1.5% of a miss's fall each.
+    end_chats(meter, [0.5 * limit] * 250)
+    controller.steer(4.4, meter, may_grow=True, may_shrink=True)
+    assert controller.spread_limit == AIM_BOUNDS[1]
+    ceiling = controller.ceiling
+    assert controller.aim == ceiling <= limit * math.exp(CEILING_MARGIN) * 1.001
+    end_chats(meter, [0.5] * 66)
+    controller.steer(4.6, meter, may_grow=True, may_shrink=True)
+    assert controller.aim == pytest.approx(ceiling * math.exp(CEILING_STEP), rel=0.02)
 
 
 def test_first_tokens_late_behind_bulk_slow_its_starts_and_come_back_as_others_keep_time() -> None:

@@ -234,6 +234,7 @@ class GenerationRun:
         written to a reader that writes in this task (`written`) after each."""
         timeline, log = self.timeline, self.log
         assembler = StreamAssembler(self.shape, timeline.prompt_tokens, log.append)
+        timeline.chunk_tokens = self.shape.stream_interval
         self.encoder = assembler.encoder
         if log:  # taken over: the earlier replica's events are the stream's beginning
             assembler.resume(log)

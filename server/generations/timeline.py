@@ -50,7 +50,10 @@ class RequestTimeline:
     first_token_at: float | None = None
     last_write_at: float | None = None
     generated_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # per token: a chunk's gap over its tokens
+    # Per chunk, what the gap targets judge: its wait, over the tokens a chunk is meant to hold.
+    gaps: list[float] = field(default_factory=list)
+    chunk_tokens: int = 1  # the stream's tokens per chunk (its stream interval)
     slo: SloTargets | None = None  # its latency targets when it arrived (None: none)
     meter: ChatMeter | None = None  # where its writes are reported, for the bulk controller
     ended: bool = False
@@ -93,14 +96,19 @@ class RequestTimeline:
             )
         else:
             assert self.last_write_at is not None
-            gap = (now - self.last_write_at) / count
+            gap = now - self.last_write_at
             if count == 1:
                 self.itl.append(gap)
             else:
-                self.itl.extend([gap] * count)
+                self.itl.extend([gap / count] * count)
+                # A reader waits the whole gap for this chunk: a token whose text waited for
+                # the next (the detokenizer holds a piece of a character) is two steps' wait,
+                # not two tokens of one step each.
+                gap /= min(count, self.chunk_tokens)
+            self.gaps.append(gap)
             if self.meter is not None:
                 assert self.slo is not None
-                self.meter.gap(gap / self.slo.itl_s, count, now)
+                self.meter.gap(gap / self.slo.itl_s, now)
         self.last_write_at = now
         self.generated_tokens += count
         if now - self._flushed_at >= FLUSH_SECONDS:
@@ -166,22 +174,22 @@ class RequestTimeline:
             reason = "client_cancelled" if outcome == "cancelled" else "deadline"
             self.metrics.engine_aborts.labels(model, reason).inc()
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
-        median_itl = median(self.itl)
-        if median_itl is not None:
-            self.metrics.stream_median_gap.labels(model, traffic_class).observe(median_itl)
+        median_gap = median(self.gaps)
+        if median_gap is not None:
+            self.metrics.stream_median_gap.labels(model, traffic_class).observe(median_gap)
         verdict = slo_result(
             outcome,
             error is not None and error.capacity,
             now - self.arrival,
             ttft,
-            median_itl,
+            median_gap,
             self.slo,
         )
         if verdict is not None:
             self.metrics.slo_requests.labels(model, traffic_class, *verdict).inc()
             if self.meter is not None:
                 assert self.slo is not None
-                self.meter.ended(Ended.of(self.slo, median_gap_s=median_itl))
+                self.meter.ended(Ended.of(self.slo, median_gap_s=median_gap))
         log_request(
             AccessRecord(
                 request_id=self.request_id,
@@ -191,7 +199,7 @@ class RequestTimeline:
                 outcome=outcome,
                 status=status,
                 ttft_s=ttft,
-                median_itl_s=median_itl,
+                median_itl_s=median(self.itl),
                 duration_s=now - self.arrival,
                 prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens,

@@ -1,9 +1,12 @@
 """What chats got against their targets, measured where the server writes their tokens.
 
-The shells report every interactive token's gap as a share of its request's own gap target
-(1.0: exactly on it), and every interactive request that ends: its own median gap share.
-Written at the transport, not at the engine, a gap includes the frontend's own time, a noisy
-neighbour and the real shape of the step curve: what a person sees. The bulk controller
+The shells report every interactive chunk's gap (the time since the stream's previous
+chunk) as a share of its request's own gap target (1.0: exactly on it), and every interactive
+request that ends: its own median gap share. Written at the transport, not at the engine, a
+gap includes the frontend's own time, a noisy neighbour and the real shape of the step curve:
+what a person sees. A gap is a chunk's, as a client reads it, not a token's: a token whose
+text waits for the next (the detokenizer holds a piece of a character) arrives with it, after
+two steps, and the reader waits the two (`RequestTimeline.wrote_tokens`). The bulk controller
 (`controller.py`) reads them; nothing here decides anything.
 
 Reporting a write costs one append: the window is trimmed and sorted only when read.
@@ -45,8 +48,7 @@ class SloWatch(NamedTuple):
 class ChatMeter:
     def __init__(self, window_s: float = WINDOW_S) -> None:
         self.window_s = window_s
-        self._gaps: deque[tuple[float, float, int]] = deque()  # (time, share, tokens)
-        self._tokens = 0  # in `_gaps`
+        self._gaps: deque[tuple[float, float]] = deque()  # (time, share)
         # Chats that ended since the controller last took them.
         self._ended: list[Ended] = []
 
@@ -54,22 +56,20 @@ class ChatMeter:
     def has_gaps(self) -> bool:
         return bool(self._gaps)
 
-    def gap(self, share: float, tokens: int, now: float) -> None:
-        """`tokens` written together at `now`, each `share` of its gap target after the
-        stream's previous token."""
+    def gap(self, share: float, now: float) -> None:
+        """A chunk written at `now`, `share` of its gap target after the stream's previous."""
         gaps = self._gaps
         # What left the window is kept no longer than another window: trimmed a window's
         # worth at a time, not at every write (`gap_median` trims to the window itself).
         if gaps and gaps[0][0] < now - 2 * self.window_s:
             self._trim(now)
-        gaps.append((now, share, tokens))
-        self._tokens += tokens
+        gaps.append((now, share))
 
     def _trim(self, now: float) -> None:
         gaps = self._gaps
         since = now - self.window_s
         while gaps and gaps[0][0] < since:
-            self._tokens -= gaps.popleft()[2]
+            gaps.popleft()
 
     def ended(self, chat: Ended) -> None:
         """A chat ended (completed, or refused or expired for capacity)."""
@@ -81,18 +81,9 @@ class ChatMeter:
         return ended
 
     def gap_median(self, now: float) -> float | None:
-        """The median share of the tokens written in the last `window_s` (None: too few to
+        """The median share of the chunks written in the last `window_s` (None: too few to
         tell)."""
         self._trim(now)
-        if self._tokens < MIN_GAPS:
+        if len(self._gaps) < MIN_GAPS:
             return None
-        half = self._tokens / 2
-        for _, share, tokens in sorted(self._gaps, key=_share):
-            half -= tokens
-            if half <= 0:
-                return share
-        raise AssertionError("the tokens counted are the tokens kept")
-
-
-def _share(gap: tuple[float, float, int]) -> float:
-    return gap[1]
+        return sorted(share for _, share in self._gaps)[(len(self._gaps) - 1) // 2]

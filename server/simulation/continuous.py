@@ -348,7 +348,7 @@ class ContinuousSimulation:
                     live.gaps.append(gap)
                 if live.metered:
                     assert live.targets is not None
-                    meter.gap(gap / live.targets.itl_s, 1, written)
+                    meter.gap(gap / live.targets.itl_s, written)
             live.last_token_at = written
             timeline.output_tokens += 1
             if reason is None:

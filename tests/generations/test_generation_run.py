@@ -28,7 +28,9 @@ from server.http.send_guard import SendGuard
 from server.observability.metrics import Metrics
 from server.openai.chunks import ChunkEncoder
 from server.openai.requests import parse_request
+from server.scheduler.attainment import ChatMeter
 from server.scheduler.runtime import SchedulerRuntime
+from server.scheduler.types import SloTargets
 
 OPTIMISTIC = {
     "estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9, "calibrate": False}
@@ -258,6 +260,26 @@ def test_per_token_metrics_are_flushed_as_one_by_one_observations_would_be() -> 
     assert sample("sluice_inter_token_latency_seconds_sum") == pytest.approx(
         reference_registry.get_sample_value("reference_sum")
     )
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 2])
+def test_the_gap_targets_judge_each_chunks_wait_as_its_reader_waits_it(chunk_tokens: int) -> None:
+    """A token whose text waited for the next (a piece of a character) reaches the reader with
+    it, two steps after the last: the SLO's gap is that chunk's whole wait, over the tokens a
+    chunk is meant to hold (the stream interval); the inter-token histogram keeps its tokens."""
+    now = [0.0]
+    meter = ChatMeter()
+    timeline = RequestTimeline("r", "m", "chat", Metrics(), arrival=0.0, clock=lambda: now[0])
+    timeline.slo, timeline.meter = SloTargets(ttft_s=1.0, itl_s=0.01), meter
+    timeline.chunk_tokens = chunk_tokens
+    for at, count in [(0.0, 1), (0.01, 1), (0.03, 2), (0.04, 1)]:
+        now[0] = at
+        timeline.wrote_tokens(count)
+    assert timeline.itl == pytest.approx([0.01] * 4)
+    assert timeline.gaps == pytest.approx([0.01, 0.02 / chunk_tokens, 0.01])
+    timeline.finish("completed")
+    (ended,) = meter.take_ended()
+    assert ended.median_gap_share == pytest.approx(1.0)
 
 
 async def test_cancelled_before_its_task_began_it_still_ends_once(sluice: Generations) -> None:

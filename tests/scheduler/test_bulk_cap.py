@@ -360,7 +360,7 @@ def test_under_feedback_bulk_over_the_cap_is_stopped_only_for_chats_measured_far
     s = calibrated(feedback=True)
     flood(s, 12)  # no chat about: all 12 run
     for i in range(2 * MIN_GAPS):
-        s.meter.gap(measured, 1, 1.0 - i / 1000)
+        s.meter.gap(measured, 1.0 - i / 1000)
     admit(s, ticket("chat", at=1.0))
     step = s.poll(1.0)
     assert ids(step.started) == ["chat"]

@@ -25,9 +25,9 @@ from server.scheduler.types import SloTargets
 TARGETS = SloTargets(ttft_s=0.1, itl_s=0.01)
 
 
-def write_gaps(meter: ChatMeter, share: float, now: float, tokens: int = 2 * MIN_GAPS) -> None:
-    for i in range(tokens):
-        meter.gap(share, 1, now - PERIOD_S * i / tokens)
+def write_gaps(meter: ChatMeter, share: float, now: float, chunks: int = 2 * MIN_GAPS) -> None:
+    for i in range(chunks):
+        meter.gap(share, now - PERIOD_S * i / chunks)
 
 
 def run_plant(
@@ -101,7 +101,7 @@ def test_the_scale_stays_within_its_bounds() -> None:
 
 def test_too_few_gaps_move_nothing() -> None:
     controller, meter = BulkController(0.97, enabled=True), ChatMeter()
-    write_gaps(meter, 5.0, 0.0, tokens=MIN_GAPS - 1)
+    write_gaps(meter, 5.0, 0.0, chunks=MIN_GAPS - 1)
     assert not controller.steer(0.0, meter, may_grow=True, may_shrink=True)
     assert controller.scale == 1.0
 
@@ -111,13 +111,6 @@ def test_gaps_older_than_the_window_are_forgotten() -> None:
     write_gaps(meter, 5.0, 0.0)
     assert meter.gap_median(0.0) == 5.0
     assert meter.gap_median(1.5) is None
-
-
-def test_a_write_of_several_tokens_counts_each() -> None:
-    meter = ChatMeter()
-    meter.gap(0.5, MIN_GAPS, 0.0)  # one write, MIN_GAPS tokens
-    meter.gap(2.0, 1, 0.0)
-    assert meter.gap_median(0.0) == 0.5
 
 
 def end_chats(meter: ChatMeter, shares: list[float | None]) -> None:

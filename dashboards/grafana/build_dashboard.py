@@ -149,9 +149,9 @@ ROWS: tuple[Row, ...] = (
             ),
             Panel(
                 "Stream median gap against its target",
-                "Each stream's median gap between tokens written to the client (the figure the "
-                "inter-token target judges), p50 and p95 over the streams that ended, per "
-                "class, beside the class's target in effect.",
+                "Each stream's median gap between chunks written to the client, as its reader "
+                "waits them (the figure the inter-token target judges), p50 and p95 over the "
+                "streams that ended, per class, beside the class's target in effect.",
                 (
                     *(
                         Target(

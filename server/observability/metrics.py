@@ -121,8 +121,8 @@ class Metrics:
         )
         self.stream_median_gap = histogram(
             "sluice_stream_median_gap_seconds",
-            "Each stream's median gap between tokens written to the client, observed once as it "
-            "ends: the figure an inter-token target judges.",
+            "Each stream's median gap between chunks written to the client (as its reader waits "
+            "them), observed once as it ends: the figure an inter-token target judges.",
             _BY_CLASS,
             buckets=_ITL_BUCKETS,
         )

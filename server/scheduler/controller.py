@@ -32,14 +32,10 @@ Gaps steer the scale, in two loops, one inside the other:
   got together (its prefills, its neighbours', the host's noise) and how closely the loop
   held its aim. The aim is one over the goal's quantile of the last `SPREAD_CHATS` ratios (a
   chat there lands on its target), so that spread, which differs by host and by load, is
-  measured rather than assumed; until `MIN_SPREAD` chats have ended it is `AIM_START`. Before
-  the inner loop first holds its aim (below), a chat over its target is no part of the spread:
-  it measured the model's first guess, or a fresh engine's first steps, not how chats stray
-  under a loop that holds; kept, the handful of a fresh server's first second would set the
-  aim for the minute they stay among the last 250. The goal's quantile is a tail: of 100
-  chats at a goal of 97%, the third highest, and from one hundred to the next it moves the
-  aim, and bulk with it, by more than the spread itself changes. 250 chats (a minute at 4
-  chats/s) hold it still enough. A spread learnt at one
+  measured rather than assumed; until `MIN_SPREAD` chats have ended it is `AIM_START`. The
+  goal's quantile is a tail: of 100 chats at a goal of 97%, the third highest, and from one
+  hundred to the next it moves the aim, and bulk with it, by more than the spread itself
+  changes. 250 chats (a minute at 4 chats/s) hold it still enough. A spread learnt at one
   bulk understates the spread at the more bulk its aim then lets in, so misses are also
   counted where they happen: once the inner loop has first held its aim (the window's median
   back to it after being over it; before, a miss is the model's first guess, or a fresh
@@ -171,12 +167,10 @@ class BulkController:
         for chat in ended:
             if chat.median_gap_share is None:
                 continue
-            missed = chat.median_gap_share > 1.0
-            if not self._held:  # (before, a miss is the model's first guess, not the aim's)
-                if not missed:
-                    self._spread.append(chat.median_gap_share / self.aim)
-                continue
             self._spread.append(chat.median_gap_share / self.aim)
+            if not self._held:  # (before, a miss is the model's first guess, not the aim's)
+                continue
+            missed = chat.median_gap_share > 1.0
             if missed or self.ceiling < self.spread_limit * math.exp(CEILING_MARGIN):
                 move = CEILING_STEP * (allowed - missed) / (1.0 - allowed)
                 self.ceiling = min(high, max(low, self.ceiling * math.exp(move)))

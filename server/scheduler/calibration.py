@@ -6,9 +6,13 @@ step time at each concurrency. Learned only online, a server that starts into a 
 never see its engine idle, and would meet its first chats with priors that fit no hardware. So
 the runtime runs a short probe first: one request to warm the engine up, then one request alone
 `SOLO_RUNS` times, then 2, 4, 8, ... requests together up to the sequence budget, each `tokens`
-long, then one alone with a long prompt. The idle references are the fastest of the solo runs:
-on a shared machine interference only ever slows a run down, and one disturbed run would
-otherwise loosen every target. A level's step time is the median gap between a stream's tokens
+long, then one alone with a long prompt, then one alone `SOLO_RUNS` times again. The idle
+references are the fastest of the solo runs: on a shared machine interference only ever slows a
+run down, and one disturbed run would otherwise loosen every target. The solo runs come both
+before and after the rest, over a second apart, because a host's slow phases outlast a run: on
+the 2-core Xeon here, the first five runs' fastest step ranged 1.71-2.04 ms over twelve probes
+on three engine starts, with the five after 1.68-1.81 ms (`docs/scheduler.md`); the default gap
+target is 3x that step. A level's step time is the median gap between a stream's tokens
 (one gap per token), so the steps that prefill the other streams' prompts do not count. The
 prefill rate is the long prompt's extra time to first token over the short one's. The online
 estimates go on from these values.
@@ -168,4 +172,5 @@ async def probe(
     if long_ids is not None:
         long_ttft, _ = await run("sluice-calibration-prefill", long_ids)
         long_result = (len(long_ids), long_ttft)
+    solo += [await run(f"sluice-calibration-1-{SOLO_RUNS + i}") for i in range(SOLO_RUNS)]
     return Probe(solo, together, len(prompt), long_result)

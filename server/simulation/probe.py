@@ -33,7 +33,7 @@ def probe_timing_model(sim: SimConfig, *, max_sequences: int, tokens: int = 16) 
                 deltas[request_id].append((now, 1))
         return [stream_timing(0.0, stream) for stream in deltas.values()]
 
-    solo = run(1, prompt) * SOLO_RUNS  # deterministic: every solo run is the same
+    solo = run(1, prompt) * (2 * SOLO_RUNS)  # before and after: deterministic, all the same
     together = {
         n: [gap for _, gaps in run(n, prompt) for gap in gaps] for n in levels(max_sequences)[1:]
     }

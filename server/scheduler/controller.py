@@ -32,7 +32,14 @@ Gaps steer the scale, in two loops, one inside the other:
   got together (its prefills, its neighbours', the host's noise) and how closely the loop
   held its aim. The aim is one over the goal's quantile of the last `SPREAD_CHATS` ratios (a
   chat there lands on its target), so that spread, which differs by host and by load, is
-  measured rather than assumed; until `MIN_SPREAD` chats have ended it is `AIM_START`. The
+  measured rather than assumed; until `MIN_SPREAD` chats have ended it is `AIM_START`. Before
+  the inner loop first holds its aim (below), a chat over its target is no part of the spread:
+  it measured the model's first guess, or a fresh engine's first steps, not how chats stray
+  under a loop that holds; kept, the handful of a fresh server's first second would set the
+  aim for the minute they stay among the last 250 (on the real flood, 0.47-0.67 where 0.7-0.8
+  holds). Without them, a fresh server's aim is the start's and the ceiling's, set at the
+  hold: `AIM_START` is below where the loop settles on the hosts measured, because on a fresh
+  server nothing yet says how much wider chats stray at the bulk a higher aim lets in. The
   goal's quantile is a tail: of 100 chats at a goal of 97%, the third highest, and from one
   hundred to the next it moves the aim, and bulk with it, by more than the spread itself
   changes. 250 chats (a minute at 4 chats/s) hold it still enough. A spread learnt at one
@@ -77,7 +84,7 @@ PERIOD_S = 0.2
 GAIN = 0.12  # while chats' gaps are over the aim
 GROWTH_GAIN = 0.06  # under it
 SCALE_BOUNDS = (0.1, 8.0)
-AIM_START = 0.75
+AIM_START = 0.65
 AIM_BOUNDS = (0.4, 0.9)
 SPREAD_CHATS = 250  # the last chats whose spread sets the aim
 MIN_SPREAD = 20  # chats ended before it does
@@ -167,10 +174,12 @@ class BulkController:
         for chat in ended:
             if chat.median_gap_share is None:
                 continue
-            self._spread.append(chat.median_gap_share / self.aim)
-            if not self._held:  # (before, a miss is the model's first guess, not the aim's)
-                continue
             missed = chat.median_gap_share > 1.0
+            if not self._held:  # (before, a miss is the model's first guess, not the aim's)
+                if not missed:
+                    self._spread.append(chat.median_gap_share / self.aim)
+                continue
+            self._spread.append(chat.median_gap_share / self.aim)
             if missed or self.ceiling < self.spread_limit * math.exp(CEILING_MARGIN):
                 move = CEILING_STEP * (allowed - missed) / (1.0 - allowed)
                 self.ceiling = min(high, max(low, self.ceiling * math.exp(move)))

@@ -143,11 +143,12 @@ def test_once_the_loop_holds_each_chat_over_its_target_lowers_a_ceiling_on_the_a
     each chat over its gap target lowers a ceiling on the aim, and chats within it raise it
     back, so that at most half the goal's misses are gaps (first tokens have the other half)."""
     controller, meter = BulkController(0.97, enabled=True), ChatMeter()
-    # Before the loop first holds, misses are the model's first guess: the ceiling ignores them.
-    end_chats(meter, [AIM_START] * 100 + [1.5] * 10)
+    # Before the loop first holds, misses are the model's first guess: the ceiling ignores them
+    # (and so does the spread: its tail here is chats just on their target).
+    end_chats(meter, [AIM_START] * 100 + [1.0] * 10 + [1.5] * 10)
     controller.steer(0.0, meter, may_grow=True, may_shrink=True)
     quantile = controller.aim
-    assert quantile == pytest.approx(1 / 2)  # 1.5 / 0.75: the spread's tail
+    assert quantile == pytest.approx(AIM_START / 1.0)  # the spread's tail
     # 250 calm chats, at 0.8 of that aim: the quantile says 1 / 0.8, the aim's bound holds it.
     # Chats' median gap share under the aim from the start is no hold yet: the loop has
     # corrected nothing, and a miss may still be its first guess.
@@ -180,9 +181,9 @@ def test_the_ceiling_does_not_wind_up_above_an_aim_it_does_not_set() -> None:
     set, a spread's limit that jumps moves the aim no further than the ceiling allows, and the
     ceiling then rises only as chats at each new aim keep their targets."""
     controller, meter = BulkController(0.97, enabled=True), ChatMeter()
-    end_chats(meter, [AIM_START] * 100 + [1.5] * 10)
+    end_chats(meter, [AIM_START] * 100 + [0.9] * 10)
     controller.steer(0.0, meter, may_grow=True, may_shrink=True)
-    assert controller.aim == pytest.approx(1 / 2)  # the spread's tail
+    assert controller.aim == pytest.approx(AIM_START / 0.9)  # the spread's tail
     for now, share in ((2.0, 1.5 * controller.aim), (4.0, 0.5 * controller.aim)):
         write_gaps(meter, share, now)
         controller.steer(now, meter, may_grow=True, may_shrink=True)
@@ -191,7 +192,7 @@ def test_the_ceiling_does_not_wind_up_above_an_aim_it_does_not_set() -> None:
     end_chats(meter, [0.99] * 2000)
     controller.steer(4.2, meter, may_grow=True, may_shrink=True)
     limit = controller.spread_limit
-    assert limit == pytest.approx(1 / 1.98)
+    assert limit == pytest.approx(AIM_START / 0.9 / 0.99)
     assert controller.aim == limit < controller.ceiling <= limit * math.exp(CEILING_MARGIN) * 1.001
     # The spread's limit jumps to the bound (chats at half their target): the aim stops at the
     # ceiling, and chats within their target raise it from there, 1.5% of a miss's fall each.
@@ -203,6 +204,29 @@ def test_the_ceiling_does_not_wind_up_above_an_aim_it_does_not_set() -> None:
     end_chats(meter, [0.5] * 66)
     controller.steer(4.6, meter, may_grow=True, may_shrink=True)
     assert controller.aim == pytest.approx(ceiling * math.exp(CEILING_STEP), rel=0.02)
+
+
+def test_before_the_loop_holds_a_chat_over_its_target_is_no_part_of_the_spread() -> None:
+    """A fresh server's first chats live under the model's first guess, before the loop has
+    corrected it: those over their target measure that guess's error, not the spread the aim
+    must leave room for. Kept, a handful of them would set the aim for the minute they stay
+    among the last 250. Chats within their target are the spread's, before the hold and after,
+    and so are misses once the loop holds."""
+    controller, meter = BulkController(0.97, enabled=True), ChatMeter()
+    end_chats(meter, [2 * AIM_START] * 10 + [0.6] * (MIN_SPREAD - 10))
+    controller.steer(0.0, meter, may_grow=True, may_shrink=True)
+    assert controller.aim == AIM_START  # the misses aside, too few chats yet
+    end_chats(meter, [0.6] * 10)
+    controller.steer(0.2, meter, may_grow=True, may_shrink=True)
+    # Chats at 0.6 of their target under the start's aim: the bound holds the aim.
+    assert controller.spread_limit == controller.aim == AIM_BOUNDS[1]
+    for now, share in ((2.0, 1.5 * AIM_BOUNDS[1]), (4.0, 0.5 * AIM_BOUNDS[1])):
+        write_gaps(meter, share, now)
+        controller.steer(now, meter, may_grow=True, may_shrink=True)
+    # Held: chats over their target are the spread's now (1.2 / 0.9: a limit of 0.75).
+    end_chats(meter, [1.2] * 10)
+    controller.steer(4.2, meter, may_grow=True, may_shrink=True)
+    assert controller.spread_limit == pytest.approx(0.75)
 
 
 def test_first_tokens_late_behind_bulk_slow_its_starts_and_come_back_as_others_keep_time() -> None:

@@ -192,14 +192,16 @@ def stated(slo: tuple[float, float]) -> dict[str, Any]:
     return {"interactive": {"ttft_ms": 1000 * slo[0], "itl_ms": 1000 * slo[1]}}
 
 
-# Known short (docs/scheduler.md, "The flat curve"): on a curve this flat the model's first
-# guess lets bulk fill the engine before the first chat, the chats of that first second set the
-# aim for the next minute, and bulk stays at 0.6-0.9x the best fixed cap (with this machine's
-# noise, 0.45-0.89x: more timid than the real flood's 0.77-1.04x, so that case does not yet
-# stand in for it). Strict: a controller that meets them turns this into a failure to remove.
+# Known short (docs/scheduler.md, "The flat curve" and "A fresh server's aim"). A fresh server's
+# aim starts at 0.65, below where the loop settles, and until chats show how they stray it rises
+# only with the ceiling: on the flat curves that is 0.78-0.95x the best fixed cap over seeds 1-4
+# (the real flood on such a host: 0.96-1.16x told the SLO, which is what the start was set by).
+# With a noisy neighbour, seed 1's slow second 15 s in meets bulk grown in the calm before it
+# (0.89x). Strict: a controller that meets them turns this into a failure to remove.
 SHORT = {
-    "a flat curve": "the first second's chats hold the aim down for a minute",
-    "a flat curve, this machine's noise": "the first second's chats hold the aim down",
+    "a flat curve": "a fresh server's aim starts below what this curve keeps",
+    "a flat curve, this machine's noise": "a slow second's chats hold the aim down",
+    "this host's curve, a noisy neighbour": "a slow second meets bulk grown in the calm",
 }
 
 

@@ -175,11 +175,10 @@ class BulkController:
             if chat.median_gap_share is None:
                 continue
             missed = chat.median_gap_share > 1.0
+            if self._held or not missed:
+                self._spread.append(chat.median_gap_share / self.aim)
             if not self._held:  # (before, a miss is the model's first guess, not the aim's)
-                if not missed:
-                    self._spread.append(chat.median_gap_share / self.aim)
                 continue
-            self._spread.append(chat.median_gap_share / self.aim)
             if missed or self.ceiling < self.spread_limit * math.exp(CEILING_MARGIN):
                 move = CEILING_STEP * (allowed - missed) / (1.0 - allowed)
                 self.ceiling = min(high, max(low, self.ceiling * math.exp(move)))

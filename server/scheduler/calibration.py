@@ -11,7 +11,7 @@ references are the fastest of the solo runs: on a shared machine interference on
 run down, and one disturbed run would otherwise loosen every target. The solo runs come both
 before and after the rest, over a second apart, because a host's slow phases outlast a run: on
 the 2-core Xeon here, the first five runs' fastest step ranged 1.71-2.04 ms over twelve probes
-on three engine starts, with the five after 1.68-1.81 ms (`docs/scheduler.md`); the default gap
+on three engine starts, the fastest of all ten 1.68-1.81 ms (`docs/scheduler.md`); the default gap
 target is 3x that step. A level's step time is the median gap between a stream's tokens
 (one gap per token), so the steps that prefill the other streams' prompts do not count. The
 prefill rate is the long prompt's extra time to first token over the short one's. The online

@@ -6,7 +6,12 @@ step time at each concurrency. Learned only online, a server that starts into a 
 never see its engine idle, and would meet its first chats with priors that fit no hardware. So
 the runtime runs a short probe first: one request to warm the engine up, then one request alone
 `SOLO_RUNS` times, then 2, 4, 8, ... requests together up to the sequence budget, each `tokens`
-long, then one alone with a long prompt, then one alone `SOLO_RUNS` times again. The idle
+long, then one alone with a long prompt, then one alone `SOLO_RUNS` times again. Each run alone
+waits `IDLE_S` first, as a chat on an idle server finds its engine: an engine that has just
+served is quicker to its first token than one left idle (the demo model on the 2-core Xeon
+here: 3.9 ms from dispatch to first token back to back, 6.3 ms after 0.1 s idle, 7.2 ms after
+0.25 s, 7.4 ms after 1 s, at the median), and the online estimate, from chats that found the
+engine nearly empty, measures the idle one. The idle
 references are the fastest of the solo runs: on a shared machine interference only ever slows a
 run down, and one disturbed run would otherwise loosen every target. The solo runs come both
 before and after the rest, over a second apart, because a host's slow phases outlast a run: on
@@ -27,7 +32,7 @@ import asyncio
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 
 from engine_adapters.protocol import EngineClient, GenerationRequest, SamplingOptions
@@ -37,6 +42,7 @@ logger = logging.getLogger("sluice.calibration")
 
 PROMPT = "Calibrating: one short prompt, about as long as a chat's first message."
 SOLO_RUNS = 5
+IDLE_S = 0.25  # before each solo run: the engine idle, as between chats at 4 a second
 LONG_PROMPT_TOKENS = 512
 
 # One stream's timing: seconds to its first token, then the gap before each later token.
@@ -145,6 +151,7 @@ async def probe(
     max_sequences: int,
     tokens: int,
     clock: Callable[[], float],
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> Probe:
     prompt = engine.tokenize(PROMPT)
     request = GenerationRequest(
@@ -161,8 +168,12 @@ async def probe(
         ]
         return stream_timing(sent, deltas)
 
+    async def alone(i: int) -> StreamTiming:
+        await sleep(IDLE_S)
+        return await run(f"sluice-calibration-1-{i}")
+
     await run("sluice-calibration-warmup")
-    solo = [await run(f"sluice-calibration-1-{i}") for i in range(SOLO_RUNS)]
+    solo = [await alone(i) for i in range(SOLO_RUNS)]
     together: dict[int, list[float]] = {}
     for n in levels(max_sequences)[1:]:
         timings = await asyncio.gather(*(run(f"sluice-calibration-{n}-{i}") for i in range(n)))
@@ -170,7 +181,8 @@ async def probe(
     long_ids = long_prompt(prompt, engine.model.max_model_len)
     long_result = None
     if long_ids is not None:
+        await sleep(IDLE_S)  # (its first token against the solo runs': idle, like theirs)
         long_ttft, _ = await run("sluice-calibration-prefill", long_ids)
         long_result = (len(long_ids), long_ttft)
-    solo += [await run(f"sluice-calibration-1-{SOLO_RUNS + i}") for i in range(SOLO_RUNS)]
+    solo += [await alone(SOLO_RUNS + i) for i in range(SOLO_RUNS)]
     return Probe(solo, together, len(prompt), long_result)

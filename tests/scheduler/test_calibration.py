@@ -1,5 +1,7 @@
-"""The start-up probe, against an engine on a virtual clock whose host is in a slow phase when
-the probe begins: the idle step it reports is the host's usual one, not the slow phase's."""
+"""The start-up probe, against an engine on a virtual clock: a host in a slow phase when the
+probe begins still gives its usual idle step, and the idle time to first token is the one a chat
+gets from an engine left idle, not from one that has just served (and the prefill rate compares
+like with like)."""
 
 from __future__ import annotations
 
@@ -11,41 +13,79 @@ import pytest
 
 from engine_adapters.protocol import GenerationRequest
 from server.core.config import parse_config
-from server.scheduler.calibration import SOLO_RUNS, probe, seed
+from server.scheduler.calibration import IDLE_S, SOLO_RUNS, Probe, probe, seed
 from server.scheduler.estimates import RateEstimates
 
 USUAL_STEP_S = 0.0017
 SLOW_STEP_S = 1.2 * USUAL_STEP_S
+WARM_TTFT_S = 0.004  # from dispatch to first token, the engine busy until just before
+COLD_TTFT_S = 0.007  # the same after it idled `COLD_AFTER_S` or longer
+COLD_AFTER_S = 0.1
+PREFILL_TOKENS_PER_S = 100_000.0
 TOKENS = 16
 
 
-class SlowPhaseEngine:
-    """Every stream's tokens come one step apart; the host is 20% slower until `slow_until`."""
+class VirtualEngine:
+    """Every stream's tokens come one step apart, the host 20% slower until `slow_until`; a
+    stream's first token comes later when the engine has idled since its last token."""
 
-    def __init__(self, slow_until: float) -> None:
+    def __init__(self, slow_until: float = 0.0) -> None:
         self.now = 0.0
         self.slow_until = slow_until
+        self.busy_until = 0.0
         self.model = SimpleNamespace(max_model_len=2048)
 
     def clock(self) -> float:
         return self.now
 
+    async def idle(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [7] * 14
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[SimpleNamespace]:
-        for _ in range(request.sampling.max_tokens):
-            self.now += SLOW_STEP_S if self.now < self.slow_until else USUAL_STEP_S
+        cold = self.now - self.busy_until >= COLD_AFTER_S
+        self.now += COLD_TTFT_S if cold else WARM_TTFT_S
+        self.now += len(request.prompt_token_ids) / PREFILL_TOKENS_PER_S
+        for i in range(request.sampling.max_tokens):
+            if i:
+                self.now += SLOW_STEP_S if self.now < self.slow_until else USUAL_STEP_S
+            self.busy_until = self.now
             await asyncio.sleep(0)
             yield SimpleNamespace(token_ids=[7])
 
 
+def run_probe(engine: VirtualEngine) -> Probe:
+    return asyncio.run(
+        probe(engine, max_sequences=8, tokens=TOKENS, clock=engine.clock, sleep=engine.idle)  # type: ignore[arg-type]
+    )
+
+
 def test_a_slow_phase_at_the_start_does_not_loosen_the_idle_step() -> None:
-    # Slow through the first solo runs (the warm-up's and theirs: about 0.2 s of virtual time).
-    engine = SlowPhaseEngine(slow_until=(SOLO_RUNS + 1) * TOKENS * SLOW_STEP_S)
-    timings = asyncio.run(probe(engine, max_sequences=8, tokens=TOKENS, clock=engine.clock))  # type: ignore[arg-type]
+    # Slow through the warm-up and the first solo runs (each after its idle wait), no further.
+    prefill_s = 14 / PREFILL_TOKENS_PER_S
+    run_s = COLD_TTFT_S + prefill_s + (TOKENS - 1) * SLOW_STEP_S
+    warm_up_s = WARM_TTFT_S + prefill_s + (TOKENS - 1) * SLOW_STEP_S
+    engine = VirtualEngine(slow_until=warm_up_s + SOLO_RUNS * (IDLE_S + run_s) + USUAL_STEP_S / 2)
+    timings = run_probe(engine)
     assert len(timings.solo) == 2 * SOLO_RUNS
     first = [gaps for _, gaps in timings.solo[:SOLO_RUNS]]
     assert all(gap == pytest.approx(SLOW_STEP_S) for gaps in first for gap in gaps)
     calibration = seed(RateEstimates(parse_config({}).estimates), timings)
     assert calibration.step_s[1] == pytest.approx(USUAL_STEP_S)
+
+
+def test_the_idle_time_to_first_token_is_an_idle_engines() -> None:
+    engine = VirtualEngine()
+    timings = run_probe(engine)
+    calibration = seed(RateEstimates(parse_config({}).estimates), timings)
+    # Every solo run found the engine idle, as a chat on an idle server does; run back to back,
+    # the fastest would have been the warm engine's.
+    idle_ttft_s = COLD_TTFT_S + 14 / PREFILL_TOKENS_PER_S
+    assert [ttft for ttft, _ in timings.solo] == pytest.approx([idle_ttft_s] * (2 * SOLO_RUNS))
+    assert calibration.idle_ttft_s == pytest.approx(idle_ttft_s)
+    # The long prompt's first token, against theirs, also from an idle engine: the difference
+    # is its prefill alone.
+    assert calibration.prefill_tokens_per_s == pytest.approx(PREFILL_TOKENS_PER_S)

@@ -153,7 +153,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def uncalibrated_config(directory: Path, more: str = "") -> Path:
     """A configuration file (`more` is further YAML) for a server started without its engine
-    calibration (`estimates.calibrate: false`): the probe costs ~1.6 s at the sim's default
+    calibration (`estimates.calibrate: false`): the probe costs ~4 s at the sim's default
     speed and seconds at 20-40 ms a step, and the scheduler starts from its priors and learns
     online. For tests whose subject does not depend on the engine's measured speed."""
     config = directory / "sluice.yaml"

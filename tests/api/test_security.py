@@ -43,7 +43,7 @@ def tenants_args(root: Path) -> list[str]:
         "tenants:\n"
         f"  acme: {{api_keys: [{ACME_KEY}]}}\n"
         f"  hashed: {{api_key_sha256: [{key_digest(DIGEST_KEY)}]}}\n"
-        # No start-up calibration (~2 s): nothing here depends on the engine's measured speed.
+        # No start-up calibration (~4 s): nothing here depends on the engine's measured speed.
         "estimates: {calibrate: false}\n"
     )
     return ["--engine", "sim", "--config", str(config), "--log-level", "info"]

@@ -37,7 +37,7 @@ METRICS_TIMEOUT_S = 15.0
 @pytest.fixture
 def slow_sluice(tmp_path: Path) -> Iterator[InProcessSluice]:
     # One engine step per token at 40 ms: a 1,500-token answer would take a minute.
-    # Uncalibrated (the probe would take ~10 s at 40 ms a step): the page sets its own deadline.
+    # Uncalibrated (the probe would take ~13 s at 40 ms a step): the page sets its own deadline.
     config = uncalibrated_config(tmp_path)
     with run_sluice(
         tmp_path,

@@ -8,19 +8,18 @@ the runtime runs a short probe first: one request to warm the engine up, then on
 `SOLO_RUNS` times, then 2, 4, 8, ... requests together up to the sequence budget, each `tokens`
 long, then one alone with a long prompt, then one alone `SOLO_RUNS` times again. Each run alone
 waits `IDLE_S` first, as a chat on an idle server finds its engine: an engine that has just
-served is quicker to its first token than one left idle (the demo model on the 2-core Xeon
-here: 3.9 ms from dispatch to first token back to back, 6.3 ms after 0.1 s idle, 7.2 ms after
-0.25 s, 7.4 ms after 1 s, at the median), and the online estimate, from chats that found the
-engine nearly empty, measures the idle one. The idle
-references are the fastest of the solo runs: on a shared machine interference only ever slows a
-run down, and one disturbed run would otherwise loosen every target. The solo runs come both
-before and after the rest, over a second apart, because a host's slow phases outlast a run: on
-the 2-core Xeon here, the first five runs' fastest step ranged 1.71-2.04 ms over twelve probes
-on three engine starts, the fastest of all ten 1.68-1.81 ms (`docs/scheduler.md`); the default gap
-target is 3x that step. A level's step time is the median gap between a stream's tokens
-(one gap per token), so the steps that prefill the other streams' prompts do not count. The
-prefill rate is the long prompt's extra time to first token over the short one's. The online
-estimates go on from these values.
+served is quicker to its first token than one left idle (the demo model on a 2-core Xeon, CPU
+model 167: 3.9 ms from dispatch to first token back to back, 6.3 ms after 0.1 s idle, 7.2 ms
+after 0.25 s, 7.4 ms after 1 s, at the median), and the online estimate, from chats that found
+the engine nearly empty, measures the idle one. The idle references are the fastest of the solo
+runs: on a shared machine interference only ever slows a run down, and one disturbed run would
+otherwise loosen every target. The solo runs come both before and after the rest, over a second
+apart, because a host's slow phases outlast a run: on another 2-core Xeon, the first five runs'
+fastest step ranged 1.71-2.04 ms over twelve probes on three engine starts, the fastest of all
+ten 1.68-1.81 ms (`docs/scheduler.md`); the default gap target is 3x that step. A level's step
+time is the median gap between a stream's tokens (one gap per token), so the steps that prefill
+the other streams' prompts do not count. The prefill rate is the long prompt's extra time to
+first token over the short one's. The online estimates go on from these values.
 
 `probe` drives a real engine; the simulator runs the same probe on its timing model in virtual
 time; `seed` turns either's timings into estimates.
@@ -42,7 +41,7 @@ logger = logging.getLogger("sluice.calibration")
 
 PROMPT = "Calibrating: one short prompt, about as long as a chat's first message."
 SOLO_RUNS = 5
-IDLE_S = 0.25  # before each solo run: the engine idle, as between chats at 4 a second
+IDLE_S = 0.25  # before each run alone and the long prompt: idle, as between chats at 4 a second
 LONG_PROMPT_TOKENS = 512
 
 # One stream's timing: seconds to its first token, then the gap before each later token.

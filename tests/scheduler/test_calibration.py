@@ -22,6 +22,7 @@ WARM_TTFT_S = 0.004  # from dispatch to first token, the engine busy until just 
 COLD_TTFT_S = 0.007  # the same after it idled `COLD_AFTER_S` or longer
 COLD_AFTER_S = 0.1
 PREFILL_TOKENS_PER_S = 100_000.0
+PROMPT_TOKENS = 14  # the calibration prompt, as `tokenize` below makes it
 TOKENS = 16
 
 
@@ -43,7 +44,7 @@ class VirtualEngine:
         await asyncio.sleep(0)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [7] * 14
+        return [7] * PROMPT_TOKENS
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[SimpleNamespace]:
         cold = self.now - self.busy_until >= COLD_AFTER_S
@@ -65,7 +66,7 @@ def run_probe(engine: VirtualEngine) -> Probe:
 
 def test_a_slow_phase_at_the_start_does_not_loosen_the_idle_step() -> None:
     # Slow through the warm-up and the first solo runs (each after its idle wait), no further.
-    prefill_s = 14 / PREFILL_TOKENS_PER_S
+    prefill_s = PROMPT_TOKENS / PREFILL_TOKENS_PER_S
     run_s = COLD_TTFT_S + prefill_s + (TOKENS - 1) * SLOW_STEP_S
     warm_up_s = WARM_TTFT_S + prefill_s + (TOKENS - 1) * SLOW_STEP_S
     engine = VirtualEngine(slow_until=warm_up_s + SOLO_RUNS * (IDLE_S + run_s) + USUAL_STEP_S / 2)
@@ -83,7 +84,7 @@ def test_the_idle_time_to_first_token_is_an_idle_engines() -> None:
     calibration = seed(RateEstimates(parse_config({}).estimates), timings)
     # Every solo run found the engine idle, as a chat on an idle server does; run back to back,
     # the fastest would have been the warm engine's.
-    idle_ttft_s = COLD_TTFT_S + 14 / PREFILL_TOKENS_PER_S
+    idle_ttft_s = COLD_TTFT_S + PROMPT_TOKENS / PREFILL_TOKENS_PER_S
     assert [ttft for ttft, _ in timings.solo] == pytest.approx([idle_ttft_s] * (2 * SOLO_RUNS))
     assert calibration.idle_ttft_s == pytest.approx(idle_ttft_s)
     # The long prompt's first token, against theirs, also from an idle engine: the difference

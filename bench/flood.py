@@ -36,7 +36,10 @@ fixed caps, which learn nothing) keep one server from the first run to the last:
 meets it freshly started, the next ones as the last run left it, as the same load repeated on
 one deployment would. Every run is then judged by the SLO of the first run's idle row (the SLO
 the kept row was told); each run's idle rows still measure the host, against that one. A kept
-server idles while the other rows run (about 0.7% of a core, measured here).
+server idles while the other rows run (about 0.7% of a core, measured here). Runs in a row
+also report the steady frontier: the ladder's rung that kept the frontier's share of chats in
+every run, with the most bulk over them (`steady`). `--report FILE` prints the every-run table of
+a saved `--json` output again.
 
 `--variant 'LABEL=YAML'` (repeatable) adds a Sluice run with that scheduler configuration, and
 `--tradeoff` adds a ladder of interactive gap targets: bulk tokens/s against chat end-to-end
@@ -763,11 +766,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep each server's output here, and each chat's timings (JSON lines)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE",
+        help="run nothing: print the every-run table of a saved --repeat --json output",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:  # a saved run's table again, with what was added to the report since
+        runs = json.loads(Path(args.report).read_text())
+        steady(runs, args.frontier_share)
+        print(format_repeats(runs))
+        return 0
     # SIGTERM (`kill`, `pkill`) ends a run as Ctrl-C does, through each server's stop: else the
     # server running then outlives the bench, and spoils whatever runs next on the machine.
     signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
@@ -800,6 +814,7 @@ async def compare_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         first_slo = (first[0] / 1000, first[1] / 1000) if kept is not None and first else None
         for n in range(2, args.repeat + 1):
             runs.append(await compare(args, n, kept, first_slo))
+    steady(runs, args.frontier_share)
     return runs
 
 
@@ -894,12 +909,49 @@ def frontier(rows: list[dict[str, Any]], share: float) -> dict[str, Any] | None:
     return max(kept, key=lambda r: r["bulk_tokens_per_s"], default=None)
 
 
+def steady(runs: list[dict[str, Any]], share: float) -> str | None:
+    """The steady frontier of runs in a row: the ladder's rung that kept `share` of the chats
+    within the SLO in every run, with the most bulk over them all (None: none did). Each run's
+    frontier is chosen in hindsight of that run, from rows a few minutes apart on a host whose
+    speed wanders, so the rung at the edge passes in one run and fails in the next: it is the
+    most that luck gives a fixed cap. The steady one is the fixed cap an operator could have
+    chosen ahead on this host. Each run gets `steady_frontier` (its name) and each row with
+    bulk `bulk_vs_steady`, against that rung's bulk in the same run."""
+    rungs = [r["system"] for r in runs[0]["rows"] if r["ladder"]]
+
+    def row(run: dict[str, Any], name: str) -> dict[str, Any] | None:
+        return next((r for r in run["rows"] if r["system"] == name), None)
+
+    def kept(name: str) -> bool:
+        rows = [row(run, name) for run in runs]
+        return all(r is not None and (r["within_slo"] or 0.0) >= share for r in rows)
+
+    name = max(
+        filter(kept, rungs),
+        key=lambda n: sum(row(run, n)["bulk_tokens_per_s"] for run in runs),  # type: ignore[index]
+        default=None,
+    )
+    for run in runs:
+        run["steady_frontier"] = name
+        point = None if name is None else row(run, name)
+        for r in run["rows"]:
+            if point and r["bulk_tokens_per_s"] is not None:
+                r["bulk_vs_steady"] = round(r["bulk_tokens_per_s"] / point["bulk_tokens_per_s"], 3)
+    return name
+
+
 def format_repeats(runs: list[dict[str, Any]]) -> str:
     """Each Sluice row that is not on the ladder, run by run: chats within the SLO and bulk
-    against the frontier."""
+    against the frontier, and against the steady one."""
     names = [r["system"] for r in runs[0]["rows"] if not r["ladder"]]
+    name = runs[0].get("steady_frontier")
     lines = [
         "## Every run",
+        f"Steady frontier: {name}, the fixed cap that kept the frontier's share of chats in "
+        "every run"
+        if name
+        else "Steady frontier: none (no fixed cap kept the frontier's share of chats in every run)",
+        "",
         "system | " + " | ".join(f"run {run['run']}" for run in runs),
         " | ".join("---" for _ in range(len(runs) + 1)),
     ]
@@ -913,6 +965,8 @@ def format_repeats(runs: list[dict[str, Any]]) -> str:
             cell = f"{100 * row['within_slo']:.1f}%"
             if row.get("bulk_vs_frontier") is not None:
                 cell += f", {row['bulk_vs_frontier']:.2f}x frontier"
+            if row.get("bulk_vs_steady") is not None:
+                cell += f", {row['bulk_vs_steady']:.2f}x steady"
             cells.append(cell)
         lines.append(f"{name} | " + " | ".join(cells))
     return "\n".join(lines)

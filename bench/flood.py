@@ -38,8 +38,8 @@ one deployment would. Every run is then judged by the SLO of the first run's idl
 the kept row was told); each run's idle rows still measure the host, against that one. A kept
 server idles while the other rows run (about 0.7% of a core, measured here). Runs in a row
 also report the steady frontier: the ladder's rung that kept the frontier's share of chats in
-every run, with the most bulk over them (`steady`). `--report FILE` prints the every-run table of
-a saved `--json` output again.
+every run, with the most bulk over them (`steady`). `--report FILE...` prints the every-run table
+of saved `--json` outputs again, several as one series.
 
 `--variant 'LABEL=YAML'` (repeatable) adds a Sluice run with that scheduler configuration, and
 `--tradeoff` adds a ladder of interactive gap targets: bulk tokens/s against chat end-to-end
@@ -768,9 +768,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--report",
+        nargs="+",
         default=None,
         metavar="FILE",
-        help="run nothing: print the every-run table of a saved --repeat --json output",
+        help="run nothing: print the every-run table of saved --repeat --json outputs (of "
+        "several: their runs in turn, as one series)",
     )
     return p.parse_args(argv)
 
@@ -778,7 +780,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report:  # a saved run's table again, with what was added to the report since
-        runs = json.loads(Path(args.report).read_text())
+        runs = [run for path in args.report for run in json.loads(Path(path).read_text())]
         steady(runs, args.frontier_share)
         print(format_repeats(runs))
         return 0
@@ -952,7 +954,7 @@ def format_repeats(runs: list[dict[str, Any]]) -> str:
         if name
         else "Steady frontier: none (no fixed cap kept the frontier's share of chats in every run)",
         "",
-        "system | " + " | ".join(f"run {run['run']}" for run in runs),
+        "system | " + " | ".join(f"run {n}" for n in range(1, len(runs) + 1)),
         " | ".join("---" for _ in range(len(runs) + 1)),
     ]
     for name in names:
@@ -964,9 +966,9 @@ def format_repeats(runs: list[dict[str, Any]]) -> str:
                 continue
             cell = f"{100 * row['within_slo']:.1f}%"
             if row.get("bulk_vs_frontier") is not None:
-                cell += f", {row['bulk_vs_frontier']:.2f}x frontier"
+                cell += f", {row['bulk_vs_frontier']:.3f}x frontier"
             if row.get("bulk_vs_steady") is not None:
-                cell += f", {row['bulk_vs_steady']:.2f}x steady"
+                cell += f", {row['bulk_vs_steady']:.3f}x steady"
             cells.append(cell)
         lines.append(f"{name} | " + " | ".join(cells))
     return "\n".join(lines)

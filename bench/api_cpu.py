@@ -14,12 +14,19 @@ the frontend's cost: HTTP, SSE, detokenizing, and for Sluice its scheduling too.
 With `--tokens 1` or 2, what is measured is the cost of a request itself (parsing, admission,
 the response's set-up and teardown, the access log), and the figures are also given per
 request.
+
+A third system is the engine's floor (`bench/engine_floor.py`): a bare ASGI app on uvicorn that
+renders the chat template, tokenizes, and streams what vLLM's `AsyncLLM` yields, with nothing
+else. `AsyncLLM` runs its output processing, detokenizing and IPC in the API process, so no
+server on it costs less than that floor; each row is also given above it, against vLLM's
+server's distance above it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import sys
@@ -52,9 +59,16 @@ def commands(
     ]  # fmt: skip
     for key, value in ENGINE_SETTINGS.items():
         sluice += ["--engine-arg", f"{key}={value}"]
+    floor = [
+        sys.executable, str(ROOT / "bench" / "engine_floor.py"), "--model", str(model),
+        "--served-model-name", MODEL_NAME, "--port", str(sluice_port + 2),
+    ]  # fmt: skip
+    for key, value in ENGINE_SETTINGS.items():
+        floor += ["--engine-arg", f"{key}={value}"]
     systems = {
         "vllm": (vllm_port, vllm, "/health", ROOT),
         "sluice": (sluice_port, sluice, "/ready", ROOT),
+        "floor": (sluice_port + 2, floor, "/health", ROOT),
     }
     if old is not None:
         port = sluice_port + 1
@@ -115,12 +129,14 @@ def main() -> None:
     finally:
         for proc in procs.values():
             stop(proc)
-    vllm = statistics.median(per_token["vllm"])
+    vllm, floor = (statistics.median(per_token[name]) for name in ("vllm", "floor"))
     for name in systems:
         median = statistics.median(per_token[name])
+        above = (median - floor) / (vllm - floor) if vllm > floor else math.nan
         print(
-            f"median API-process CPU per token: {name} {median:.1f} µs ({median / vllm:.2f}x vLLM)"
-            f"; per request: {median * args.tokens / 1000:.2f} ms"
+            f"median API-process CPU per token: {name} {median:.1f} µs ({median / vllm:.2f}x vLLM"
+            f", above the floor {above:.2f}x vLLM's); per request: "
+            f"{median * args.tokens / 1000:.2f} ms"
         )
 
 

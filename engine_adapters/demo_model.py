@@ -15,6 +15,10 @@ differently. With the margin, greedy text and top logprobs are the same on any h
 is what the tests that compare them rely on (`tests/engine_adapters/test_demo_model.py` checks
 the margin on the engine itself). Sampling at temperature 1 stays varied: the successor has
 about half the probability (48% here), the rest is spread over the vocabulary.
+
+Its LoRA adapters (`build_demo_adapter`) are built the same way: a PEFT adapter on the output
+layer that gives every token another likeliest successor, as decisive as the model's own, so a
+request for the adapter visibly answers otherwise, and as steadily.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 DEMO_MODEL_NAME = "sluice-demo"
+DEMO_ADAPTER_NAME = "sluice-demo-lora"
+DEMO_ADAPTER_RANK = 256  # the hidden size: the adapter replaces the output layer's rows whole
 # Bumped when the weights change, so that a cached model of an older build is rebuilt.
 DEMO_MODEL_VERSION = 2
 VERSION_FILE = "sluice-demo-model.json"
@@ -167,6 +173,99 @@ def _build(path: Path) -> None:
     staging.rename(path)
 
 
+def is_demo_adapter(path: Path, variant: int = 1) -> bool:
+    """A complete build of this version and variant of the demo adapter is at `path`."""
+    try:
+        stamp = json.loads((path / VERSION_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        stamp.get("version") == DEMO_MODEL_VERSION
+        and stamp.get("variant") == variant
+        and (path / "adapter_config.json").is_file()
+        and (path / "adapter_model.safetensors").is_file()
+    )
+
+
+def build_demo_adapter(path: Path, model: Path, *, variant: int = 1, force: bool = False) -> Path:
+    """Build a LoRA adapter of the demo model at `model` at `path` (no-op if one of this
+    `variant` is already there, unless `force`); each variant has successors of its own.
+
+    A PEFT adapter (`adapter_config.json`, `adapter_model.safetensors`) on the output layer,
+    of rank equal to the hidden size, whose update replaces the model's successor of each
+    token with another (a second random cycle through the ordinary tokens, as decisive as the
+    model's own: `_successor_rows`). So its greedy text differs from the base model's from the
+    first token, and holds across batch shapes and CPUs as the base model's does. vLLM serves
+    it with `max_lora_rank` 256 (`sluice serve --demo-lora` builds and serves variant 1).
+    """
+    path, model = Path(path), Path(model)
+    if is_demo_adapter(path, variant) and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_demo_adapter(path, variant) and not force:
+            return path
+        _build_adapter(path, model, variant)
+    return path
+
+
+def _build_adapter(path: Path, model: Path, variant: int) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    weights = load_file(str(model / "model.safetensors"))
+    embeddings = weights["model.embed_tokens.weight"].float()
+    base = weights["lm_head.weight"].float()
+    hidden = embeddings.shape[1]
+    special = set(AutoTokenizer.from_pretrained(model).all_special_ids)
+    rows = _successor_rows(embeddings, special, torch.Generator().manual_seed(1 + variant))
+    staging = path.with_name(path.name + ".building")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    # W' = W + B A (PEFT's scaling lora_alpha / r = 1): A the identity, B the rows' change.
+    prefix = "base_model.model.lm_head"
+    tensors = {
+        f"{prefix}.lora_A.weight": torch.eye(hidden, dtype=torch.bfloat16),
+        f"{prefix}.lora_B.weight": (rows - base).to(torch.bfloat16).contiguous(),
+    }
+    save_file(tensors, str(staging / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": DEMO_MODEL_NAME,
+        "r": hidden,
+        "lora_alpha": hidden,
+        "lora_dropout": 0.0,
+        "target_modules": ["lm_head"],
+        "bias": "none",
+        "fan_in_fan_out": False,
+    }
+    (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    stamp = {"version": DEMO_MODEL_VERSION, "variant": variant}
+    (staging / VERSION_FILE).write_text(json.dumps(stamp))
+    shutil.rmtree(path, ignore_errors=True)
+    staging.rename(path)
+
+
+def _successor_rows(embeddings: Any, special_ids: set[int], generator: Any) -> Any:
+    """The output layer that gives each token one likely successor (see `_make_decisive`)."""
+    import torch
+
+    vocab, hidden = embeddings.shape
+    normalised = embeddings / embeddings.pow(2).mean(dim=1, keepdim=True).sqrt()
+    ordinary = [i for i in range(vocab) if i not in special_ids]
+    cycle = [ordinary[int(i)] for i in torch.randperm(len(ordinary), generator=generator)]
+    successor = {token: cycle[(k + 1) % len(cycle)] for k, token in enumerate(cycle)}
+    for k, token in enumerate(sorted(special_ids)):
+        successor[token] = cycle[(k * 97) % len(cycle)]
+    output = torch.zeros(vocab, hidden)
+    for token, following in successor.items():
+        output[following] += normalised[token]
+    return output * (SUCCESSOR_LOGIT / hidden)
+
+
 def _make_decisive(model: Any, special_ids: set[int]) -> None:
     """Give each token one likely successor (see the module's docstring).
 
@@ -185,13 +284,4 @@ def _make_decisive(model: Any, special_ids: set[int]) -> None:
         embeddings = model.model.embed_tokens.weight
         vocab, hidden = embeddings.shape
         embeddings.copy_(torch.randn(vocab, hidden, generator=generator))
-        normalised = embeddings / embeddings.pow(2).mean(dim=1, keepdim=True).sqrt()
-        ordinary = [i for i in range(vocab) if i not in special_ids]
-        cycle = [ordinary[int(i)] for i in torch.randperm(len(ordinary), generator=generator)]
-        successor = {token: cycle[(k + 1) % len(cycle)] for k, token in enumerate(cycle)}
-        for k, token in enumerate(sorted(special_ids)):
-            successor[token] = cycle[(k * 97) % len(cycle)]
-        output = torch.zeros(vocab, hidden)
-        for token, following in successor.items():
-            output[following] += normalised[token]
-        model.lm_head.weight.copy_(output * (SUCCESSOR_LOGIT / hidden))
+        model.lm_head.weight.copy_(_successor_rows(embeddings, special_ids, generator))

@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup-venv.sh
 	touch $@
 
 run: setup
-	$(BIN)/sluice serve --host $(HOST) --port $(PORT)
+	$(BIN)/sluice serve --host $(HOST) --port $(PORT) --demo-lora
 
 run-sim: setup
 	$(BIN)/sluice serve --engine sim --host $(HOST) --port $(PORT)

@@ -7,7 +7,7 @@ continuous-batching model `sim`, the fixed-batch model `sim-batch`) implements `
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -120,6 +120,7 @@ class GenerationRequest:
     sampling: SamplingOptions
     resumed_tokens: int = 0
     prompt_embeds: PromptEmbeds | None = None
+    adapter: str | None = None  # the LoRA adapter that generates it (one of `ModelInfo.adapters`)
 
     @property
     def prompt_length(self) -> int:
@@ -141,6 +142,7 @@ class GenerationRequest:
             prompt_token_ids=[*self.prompt_token_ids, *generated],
             sampling=sampling,
             resumed_tokens=self.resumed_tokens + len(generated),
+            adapter=self.adapter,
         )
 
 
@@ -218,7 +220,8 @@ class ModelInfo:
     name). `limits`: what the scheduler plans with. `vocab_size` 0: the engine does not say, so
     token ids reach it unchecked. `engine` names the engine in errors; `logprobs`: whether it
     can return them; `choices`: whether it can sample n > 1 choices of one prompt;
-    `beam_search`: whether it can search beams."""
+    `beam_search`: whether it can search beams. `adapters`: the LoRA adapters it serves as
+    models of their own, by name, with the path each was loaded from."""
 
     name: str
     path: str
@@ -229,6 +232,7 @@ class ModelInfo:
     logprobs: bool = True
     choices: bool = True
     beam_search: bool = True
+    adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,29 @@ def parse_engine_args(pairs: Sequence[str]) -> dict[str, Any]:
     return parsed
 
 
+def parse_lora_modules(items: Sequence[str]) -> dict[str, str]:
+    """vLLM's `--lora-modules` forms, NAME=PATH or a JSON object with `name` and `path`, into
+    name -> path (a name given twice is an error)."""
+    modules: dict[str, str] = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = str(spec["name"]), str(spec["path"])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(
+                    f"LoRA module {item!r} is not JSON with 'name' and 'path'"
+                ) from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"LoRA module {item!r} is not NAME=PATH")
+        if name in modules:
+            raise ValueError(f"LoRA module {name!r} is given twice")
+        modules[name] = path
+    return modules
+
+
 def to_sampling_params(options: SamplingOptions) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -143,11 +166,16 @@ class VLLMEngine:
         served_model_name: str,
         engine_args: dict[str, Any] | None = None,
         parsers: ParserOptions | None = None,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
+        """`adapters`: LoRA adapters served as models, name to path (the engine's arguments
+        must enable LoRA for them: `enable_lora`, and a `max_lora_rank` that holds them)."""
         self._model_path = model
         self._served_name = served_model_name
         self._engine_args = dict(engine_args or {})
         self._parsers = parsers or ParserOptions()
+        self._adapters = dict(adapters or {})
+        self._loras: dict[str, Any] = {}  # name -> vLLM's LoRARequest
         self._llm: Any = None
         self._tokenizer: Any = None
         self._planner: VLLMOutputPlanner | None = None
@@ -186,11 +214,26 @@ class VLLMEngine:
                 kv_cache=KVCacheInfo(block_size=cache.block_size, num_blocks=cache.num_gpu_blocks),
             ),
             vocab_size=config.model_config.get_vocab_size(),
+            adapters=dict(self._adapters),
         )
+        await self._load_adapters()
         self._tokenizer = self._llm.get_tokenizer()
         self._planner = VLLMOutputPlanner(self._parsers, self._tokenizer, config)
         await self._warm_up()
         logger.info("vLLM engine up: %s", self._info)
+
+    async def _load_adapters(self) -> None:
+        """Each adapter loaded now, as vLLM's server loads its `--lora-modules`: a bad one
+        stops the start with vLLM's reason, not a user's first request."""
+        from vllm.lora.request import LoRARequest
+
+        for number, (name, path) in enumerate(self._adapters.items(), start=1):
+            lora = LoRARequest(name, number, path, base_model_name=self._served_name)
+            try:
+                await self._llm.add_lora(lora)
+            except Exception as exc:
+                raise EngineError(f"LoRA adapter {name!r} at {path!r}: {exc}") from exc
+            self._loras[name] = lora
 
     async def _warm_up(self) -> None:
         """vLLM sets up logprobs on the first request that asks for them (about 150 ms here on
@@ -261,7 +304,12 @@ class VLLMEngine:
             self._beam_search(request)
             if request.sampling.beam_search
             else (
-                self._llm.generate(prompt, to_sampling_params(request.sampling), request.request_id)
+                self._llm.generate(
+                    prompt,
+                    to_sampling_params(request.sampling),
+                    request.request_id,
+                    lora_request=self._lora(request),
+                )
             )
         )
         first = True
@@ -338,8 +386,14 @@ class VLLMEngine:
             skip_special_tokens=s.skip_special_tokens,
         )
         return Search().beam_search(
-            tokens_input(list(request.prompt_token_ids)), request.request_id, params
+            tokens_input(list(request.prompt_token_ids)),
+            request.request_id,
+            params,
+            lora_request=self._lora(request),
         )
+
+    def _lora(self, request: GenerationRequest) -> Any:
+        return None if request.adapter is None else self._loras[request.adapter]
 
     def load_prompt_embeds(self, data: str) -> PromptEmbeds:
         """vLLM's own loader, with its checks (base64, a tensor saved with weights only, the

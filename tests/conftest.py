@@ -80,7 +80,7 @@ VLLM_OUTPUT_FLAGS = [
 
 # Fixtures that start the real vLLM engine: a test that uses one is marked `vllm`, so that
 # `pytest -m "not vllm"` runs the pure and sim tests alone.
-VLLM_FIXTURES = {"vllm_server", "demo_model_dir"}
+VLLM_FIXTURES = {"vllm_server", "lora_server", "demo_model_dir", "demo_adapters"}
 
 
 # The tiers (docs/testing.md): `unit` runs no server; `service` serves an app in this process on
@@ -101,6 +101,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         # Under pytest-xdist (`--dist loadgroup`), the tests of the session's vLLM server all
         # run in one worker, so that one engine starts, not one per worker.
         item.add_marker(pytest.mark.xdist_group("vllm_server"))
+    if "lora_server" in fixtures:
+        item.add_marker(pytest.mark.xdist_group("lora_server"))
     marked = {marker.name for marker in item.iter_markers()}
     if marked & {"unit", "service", "system"}:
         return
@@ -530,6 +532,41 @@ def vllm_server(
         tmp_path_factory.mktemp("vllm") / "server.log",
         env=VLLM_ENV,
     )
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+LORA_ADAPTERS = ("tenant-a", "tenant-b")  # the lora server's adapters: demo variants 1 and 2
+
+
+@pytest.fixture(scope="session")
+def demo_adapters(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    from engine_adapters.demo_model import build_demo_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: build_demo_adapter(root / name, demo_model_dir, variant=number)
+        for number, name in enumerate(LORA_ADAPTERS, start=1)
+    }
+
+
+@pytest.fixture(scope="session")
+def lora_server(
+    demo_model_dir: Path, demo_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SluiceProcess]:
+    """Sluice on vLLM with the demo model and two demo adapters (`LORA_ADAPTERS`), in float32:
+    an engine of its own, so that the session's server runs without LoRA."""
+    modules = [f"{name}={path}" for name, path in demo_adapters.items()]
+    args = [
+        "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
+        "--lora-modules", *modules, "--max-lora-rank", "256", "--engine-arg", "dtype=float32",
+    ]  # fmt: skip
+    server = SluiceProcess(args, tmp_path_factory.mktemp("lora") / "server.log", env=VLLM_ENV)
     try:
         server.wait_ready()
         yield server

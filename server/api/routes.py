@@ -64,7 +64,11 @@ async def models(services: Services, request: Request) -> Response:
         root=info.path,
         max_model_len=info.max_model_len,
     )
-    return JSONResponse(ModelList(data=[card]).model_dump())
+    adapters = [
+        card.model_copy(update={"id": name, "root": path, "parent": card.id})
+        for name, path in info.adapters.items()
+    ]
+    return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
 
 
 async def prometheus_metrics(services: Services, request: Request) -> Response:

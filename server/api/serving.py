@@ -87,6 +87,8 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
             "--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
             "read vLLM's output: they need --engine vllm"
         )
+    if args.engine != "vllm" and args.lora_modules:
+        raise SystemExit("--lora-modules are served by vLLM's engine: they need --engine vllm")
     options = ServeOptions.model_validate(vars(args))
     metrics = Metrics()
     engine, dispatcher, name = _build_serving(args, config, metrics)
@@ -141,10 +143,36 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
 
         name = args.served_model_name or "sim"
         return SimEngine(SimConfig.from_args(args), model_name=name), name
-    from engine_adapters.vllm_adapter import VLLMEngine, parse_engine_args
+    from engine_adapters.vllm_adapter import VLLMEngine, parse_engine_args, parse_lora_modules
     from engine_adapters.vllm_output import ParserOptions
 
-    engine_args = parse_engine_args(args.engine_arg)
+    try:
+        engine_args = parse_engine_args(args.engine_arg)
+        adapters = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        raise StartRefused(str(exc)) from None
+    if args.demo_lora:
+        from engine_adapters.demo_model import (
+            DEMO_ADAPTER_NAME,
+            DEMO_ADAPTER_RANK,
+            build_demo_adapter,
+            build_demo_model,
+        )
+
+        if args.model is not None:
+            raise StartRefused("--demo-lora is the demo model's adapter: it needs no --model")
+        demo = build_demo_model(args.cache_dir / "demo-model")
+        adapters[DEMO_ADAPTER_NAME] = str(build_demo_adapter(args.cache_dir / "demo-lora", demo))
+        engine_args.setdefault("dtype", "float32")
+        args.max_lora_rank = max(args.max_lora_rank or 0, DEMO_ADAPTER_RANK)
+    if adapters:
+        # Every adapter in a slot of its own, and one slot more that none takes: vLLM 0.32's
+        # CPU LoRA ops read a base-model token's slot index, -1, as the last slot, and so add
+        # that slot's adapter to the base model's output (vllm-project/vllm#48421). Slots are
+        # taken first free, so with one more than there are adapters the last stays empty.
+        engine_args.update(enable_lora=True, max_loras=len(adapters) + 1)
+        if args.max_lora_rank is not None:
+            engine_args["max_lora_rank"] = args.max_lora_rank
     if args.model is None:
         from engine_adapters.demo_model import DEMO_MODEL_NAME, build_demo_model
 
@@ -156,7 +184,9 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
     parsers = ParserOptions(
         args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser
     )
-    return VLLMEngine(model, name, engine_args, parsers), name
+    if name in adapters:
+        raise StartRefused(f"LoRA module {name!r} has the served model's name")
+    return VLLMEngine(model, name, engine_args, parsers, adapters), name
 
 
 class Serving:

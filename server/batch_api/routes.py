@@ -125,7 +125,8 @@ async def create_batch(services: Services, api: BatchServices, request: Request)
         expires_at=now + WINDOWS[window],
         metadata=body.metadata,
     )
-    lines, errors = _lines(content, endpoint, services.served_model)
+    models = (services.served_model, *services.engine.model.adapters)
+    lines, errors = _lines(content, endpoint, models)
     batch.request_counts["total"] = len(lines)
     if errors or not lines:
         batch.status = "failed"
@@ -151,7 +152,9 @@ async def create_batch(services: Services, api: BatchServices, request: Request)
     return JSONResponse(batch.to_api())
 
 
-def _lines(content: bytes, endpoint: str, model: str) -> tuple[list[Line], list[dict[str, Any]]]:
+def _lines(
+    content: bytes, endpoint: str, models: tuple[str, ...]
+) -> tuple[list[Line], list[dict[str, Any]]]:
     """The input file's requests, and an error per line that is not one."""
     lines: list[Line] = []
     errors: list[dict[str, Any]] = []
@@ -183,10 +186,9 @@ def _lines(content: bytes, endpoint: str, model: str) -> tuple[list[Line], list[
             error(
                 "invalid_url", f"each line must be a POST to the batch's endpoint {endpoint}", "url"
             )
-        elif not isinstance(body, dict) or body.get("model", model) != model:
-            error(
-                "model_not_found", f"'body.model' must be the served model '{model}'", "body.model"
-            )
+        elif not isinstance(body, dict) or body.get("model", models[0]) not in models:
+            served = ", ".join(f"'{name}'" for name in models)
+            error("model_not_found", f"'body.model' must be a served model: {served}", "body.model")
         else:
             try:
                 if parse_request(body, kind).stream:

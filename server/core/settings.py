@@ -85,6 +85,24 @@ class ServeOptions(BaseModel):
         "tensor_parallel_size=8 (repeatable)",
         json_schema_extra={"metavar": "KEY=VALUE"},
     )
+    lora_modules: list[str] = Field(
+        [],
+        description="LoRA adapters served as models of their own, as vLLM's server takes "
+        'them: NAME=PATH, or JSON {"name": ..., "path": ...} (several after the flag, '
+        "or the flag again); a request's model names one",
+        json_schema_extra={"metavar": "NAME=PATH", "nargs": "+"},
+    )
+    demo_lora: bool = Field(
+        False,
+        description="with the demo model: also serve its LoRA adapter, as 'sluice-demo-lora' "
+        "(built in the cache directory on first use), in float32 (vLLM 0.32's CPU LoRA in "
+        "bfloat16 dies on some hosts and shapes)",
+    )
+    max_lora_rank: int | None = Field(
+        None,
+        description="the largest adapter rank the engine holds (vLLM's: 8, 16, 32, 64, 128, "
+        "256, 320 or 512; default 16; the demo adapter's is 256)",
+    )
     tool_call_parser: str | None = Field(
         None,
         description="vLLM's tool-call parser for the model's output (e.g. hermes, pythonic), "
@@ -187,11 +205,13 @@ def _argument(field: FieldInfo, options: type[BaseModel]) -> dict[str, Any]:
         return {**kwargs, "action": "store_true"}
     if typing.get_origin(annotation) is list:
         (item,) = typing.get_args(annotation)
+        several = {"action": "extend", "nargs": "+"} if extra.get("nargs") else {}
         return {
             **kwargs,
             "action": "append",
             "default": list(default),
             "type": _parser(item, options),
+            **several,
         }
     if typing.get_origin(annotation) is Literal:
         return {**kwargs, "default": default, "choices": typing.get_args(annotation)}

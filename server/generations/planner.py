@@ -92,7 +92,8 @@ class Planner:
         timeline.traffic_class = str(
             self.tenants.traffic_class(tenant, parsed.service_tier, context.traffic_class)
         )
-        self.check_model(parsed.model)
+        adapter = self.check_model(parsed.model)
+        timeline.model = adapter or self.served_model
         for key in ("logprobs", "prompt_logprobs"):
             if key in parsed.sampling and not self.engine.model.logprobs:
                 raise UnsupportedParameter(
@@ -158,6 +159,7 @@ class Planner:
             prompt_token_ids=prompt_ids,
             sampling=parsed.sampling_options(max_tokens, plan.constraint),
             prompt_embeds=embeds,
+            adapter=adapter,
         )
         return ticket, request, plan
 
@@ -172,12 +174,18 @@ class Planner:
         except EngineRequestError as exc:
             raise engine_failure(exc) from None
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model:
-            raise ModelNotFound(
-                f"the model '{model}' does not exist; this server serves '{self.served_model}'",
-                param="model",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model, or none named); any other
+        model is a 404."""
+        if model is None or model == self.served_model:
+            return None
+        adapters = self.engine.model.adapters
+        if model in adapters:
+            return model
+        served = ", ".join(f"'{name}'" for name in (self.served_model, *adapters))
+        raise ModelNotFound(
+            f"the model '{model}' does not exist; this server serves {served}", param="model"
+        )
 
     def check_token_ids(self, parsed: ParsedRequest) -> None:
         """Token ids from the client must be in the vocabulary: a 400 here, not an engine error."""
@@ -247,7 +255,7 @@ class Planner:
         prompt_ids = engine_request.prompt_token_ids
         return Shape(
             parsed=parsed,
-            model=self.served_model,
+            model=engine_request.adapter or self.served_model,
             stream=stream,
             response_id=response_id,
             first_index=first_index,

@@ -1,5 +1,5 @@
 """Sluice's replies that no SDK declares: `/v1/models` (OpenAI's model object, with vLLM's
-`root` and `max_model_len`), `/health`, `/ready` and `/version`. The handlers build their
+`root`, `parent` and `max_model_len`), `/health`, `/ready` and `/version`. The handlers build their
 replies from these models, and `/openapi.json` documents them by the same models."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "sluice"
     root: str  # where the weights were read from (vLLM's)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
     max_model_len: int
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 from conftest import (
+    LORA_ADAPTERS,
     InProcessSluice,
     RedisProcess,
     SluiceProcess,
@@ -469,6 +470,24 @@ def test_a_batch_on_the_real_engine(vllm_server: SluiceProcess) -> None:
     lines = output_of(client, batch.output_file_id)
     assert sorted(line["custom_id"] for line in lines) == [f"req-{i}" for i in range(4)]
     assert all(line["response"]["body"]["usage"]["completion_tokens"] == 6 for line in lines)
+
+
+@pytest.mark.vllm
+def test_a_batch_names_adapters_line_by_line(lora_server: SluiceProcess) -> None:
+    """Lines for the base model and for each adapter in one batch: each answered by the model
+    its line named (an unknown one refuses the file, naming the served models)."""
+    client = client_for(lora_server)
+    models = ["sluice-demo", *LORA_ADAPTERS]
+    lines = [
+        {**line, "body": {**line["body"], "model": models[i % 3], "temperature": 0}}
+        for i, line in enumerate(chat_lines(6, max_tokens=6))
+    ]
+    batch = wait_for(client, start_batch(client, lines), {"completed"}, 120)
+    answers = {
+        line["custom_id"]: line["response"]["body"]
+        for line in output_of(client, batch.output_file_id)
+    }
+    assert [answers[f"req-{i}"]["model"] for i in range(6)] == models * 2
 
 
 HOLD_WRITE_LOCK = """

@@ -121,6 +121,8 @@ class GenerationRequest:
     resumed_tokens: int = 0
     prompt_embeds: PromptEmbeds | None = None
     adapter: str | None = None  # the LoRA adapter that generates it (one of `ModelInfo.adapters`)
+    # Prefix-cache blocks are shared only among requests with the same salt (vLLM's).
+    cache_salt: str | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -143,6 +145,7 @@ class GenerationRequest:
             sampling=sampling,
             resumed_tokens=self.resumed_tokens + len(generated),
             adapter=self.adapter,
+            cache_salt=self.cache_salt,
         )
 
 

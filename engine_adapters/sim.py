@@ -254,6 +254,7 @@ class SimEngine:
                 min_tokens=sampling.min_tokens,
                 ignore_eos=sampling.ignore_eos,
                 seed=sampling.seed,
+                cache_salt=request.cache_salt,
             )
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from exc

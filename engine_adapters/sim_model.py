@@ -348,6 +348,7 @@ class _Sequence:
     next_cached: int = sys.maxsize
     block_hash: int = 0  # the hash chain up to them
     cache_hit: int = 0  # prompt tokens found in the prefix cache when first admitted
+    salt: int = 0  # where its hash chain starts: its cache salt's hash (0: none)
 
     @property
     def generated(self) -> int:
@@ -414,8 +415,11 @@ class SimTimingModel:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         seed: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request at the back of the waiting queue; ValueError if it can never run."""
+        """Queue a request at the back of the waiting queue; ValueError if it can never run.
+        Its prompt's blocks are cached for, and found cached by, requests of the same
+        `cache_salt` only (as vLLM's)."""
         cfg = self.config
         if request_id in self._by_id:
             raise ValueError(f"request {request_id!r} is already in the engine")
@@ -456,6 +460,8 @@ class SimTimingModel:
         )
         if cfg.prefix_caching:
             seq.next_cached = cfg.block_size
+        if cache_salt is not None:
+            seq.salt = seq.block_hash = stable_hash(cache_salt)
         self._by_id[request_id] = seq
         self._waiting.append(seq)
 
@@ -612,7 +618,7 @@ class SimTimingModel:
         if seq.length <= size:
             return 0  # no whole block short of its last token
         tokens = self._tokens(seq)
-        digest, blocks = 0, 0
+        digest, blocks = seq.salt, 0
         while (blocks + 1) * size < len(tokens):
             digest = hash((digest, *tokens[blocks * size : (blocks + 1) * size]))
             if digest not in cache:

@@ -300,6 +300,8 @@ class VLLMEngine:
             if request.prompt_embeds is None
             else {"prompt_embeds": request.prompt_embeds.value}
         )
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
         stream = (
             self._beam_search(request)
             if request.sampling.beam_search
@@ -386,7 +388,7 @@ class VLLMEngine:
             skip_special_tokens=s.skip_special_tokens,
         )
         return Search().beam_search(
-            tokens_input(list(request.prompt_token_ids)),
+            tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt),
             request.request_id,
             params,
             lora_request=self._lora(request),

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from enum import StrEnum
 from functools import cached_property
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -119,6 +119,13 @@ class TenantConfig(_Section):
         None,
         description="the tenant's own interactive targets, each over slo.interactive's "
         "(null: the class's)",
+    )
+    prefix_cache: Literal["own", "shared"] = Field(
+        "own",
+        description="own: the engine's prefix cache reuses a prompt's blocks only for this "
+        "tenant's later prompts (a cache salt of its own), so another tenant cannot learn from "
+        "how fast its answer starts whether this one sent the same text; shared: with every "
+        "other tenant whose cache is shared too",
     )
 
     @field_validator("api_key_sha256")

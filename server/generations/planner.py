@@ -160,6 +160,7 @@ class Planner:
             sampling=parsed.sampling_options(max_tokens, plan.constraint),
             prompt_embeds=embeds,
             adapter=adapter,
+            cache_salt=tenant.cache_salt,
         )
         return ticket, request, plan
 

@@ -190,6 +190,7 @@ class RequestTimeline:
             if self.meter is not None:
                 assert self.slo is not None
                 self.meter.ended(Ended.of(self.slo, median_gap_s=median_gap))
+        generation = self.generation
         log_request(
             AccessRecord(
                 request_id=self.request_id,
@@ -204,7 +205,8 @@ class RequestTimeline:
                 prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens,
                 api=self.api,
-                preemptions=self.generation.preemptions if self.generation is not None else 0,
+                preemptions=generation.preemptions if generation is not None else 0,
+                cached_tokens=generation.cached_tokens if generation is not None else None,
             )
         )
 

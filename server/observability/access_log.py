@@ -44,6 +44,7 @@ class AccessRecord:
     generated_tokens: int
     api: Api
     preemptions: int = 0  # times the scheduler stopped it for a chat and resumed it
+    cached_tokens: int | None = None  # prompt tokens found in the engine's prefix cache
 
     def to_json(self, now: datetime | None = None) -> str:
         when = now if now is not None else datetime.now(UTC)
@@ -62,6 +63,7 @@ class AccessRecord:
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "preemptions": self.preemptions,
+            "cached_tokens": self.cached_tokens,
         }
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 

@@ -50,6 +50,7 @@ class RunningGeneration:
         self.completed = False  # every choice finished
         self._choices_left = request.sampling.n
         self.preemptions = 0
+        self.cached_tokens: int | None = None  # of the first engine request's prompt
         # The tokens to resume from, kept only by what the scheduler may preempt (preemptible
         # bulk: one choice only); a chat keeps no token of its own here.
         self._generated: list[int] | None = (
@@ -156,10 +157,12 @@ class RunningGeneration:
         return False
 
     def _count(self, delta: TokenDelta, request: GenerationRequest) -> None:
-        if request.resumed_tokens and delta.num_cached_tokens is not None:
-            self._runtime.resumed_prefill_tokens.inc(
-                request.prompt_length - delta.num_cached_tokens
-            )
+        cached = delta.num_cached_tokens  # (on an engine request's first delta only)
+        if cached is not None:
+            if request.resumed_tokens:
+                self._runtime.resumed_prefill_tokens.inc(request.prompt_length - cached)
+            else:
+                self.cached_tokens = cached
         if delta.token_ids:
             self._runtime.core.generated(
                 self._ticket.request_id, len(delta.token_ids), self._runtime.clock()

@@ -98,6 +98,11 @@ class Generation(Protocol):
         """Times the scheduler stopped it to make room for a chat, then resumed it."""
         ...
 
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the engine found in its prefix cache (None: it did not say)."""
+        ...
+
     def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
 
 

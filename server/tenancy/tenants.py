@@ -40,6 +40,13 @@ class Tenant:
     def metric_label(self) -> str:
         return self.name if self.configured else "other"
 
+    @property
+    def cache_salt(self) -> str | None:
+        """vLLM's `cache_salt` for the tenant's requests: its own prefix cache (None: shared)."""
+        if self.config.prefix_cache == "shared":
+            return None
+        return hashlib.sha256(f"sluice-tenant:{self.name}".encode()).hexdigest()[:32]
+
 
 def requested_class(service_tier: str | None, asked: TrafficClass | None) -> TrafficClass | None:
     """The class the client asked for, or None when it did not say."""

@@ -166,6 +166,20 @@ def test_a_prompt_held_whole_in_the_cache_still_computes_its_last_block() -> Non
     assert model.step().prefill_tokens == 4
 
 
+def test_a_salted_prompt_shares_cached_blocks_with_its_salt_only() -> None:
+    """As vLLM's `cache_salt`: blocks cached under one salt are found under that salt alone."""
+
+    def prefill(model: SimTimingModel, name: str, salt: str | None) -> int:
+        model.add(name, PROMPT, max_tokens=1, cache_salt=salt)
+        return sum(r.prefill_tokens for r in run_to_completion(model))
+
+    model = SimTimingModel(SimConfig(block_size=4))
+    assert prefill(model, "a", "tenant-a") == 8
+    assert prefill(model, "b", "tenant-b") == 8  # another salt: nothing cached
+    assert prefill(model, "c", None) == 8  # no salt: nothing cached either
+    assert prefill(model, "a2", "tenant-a") == 4  # its own: all but the last block
+
+
 def test_a_new_sequence_waits_until_its_blocks_fit() -> None:
     model = SimTimingModel(SimConfig(block_size=4, kv_blocks=8, max_model_len=32))
     model.add("big", [7] * 28, max_tokens=2)  # 7 blocks

@@ -74,6 +74,7 @@ def test_record_renders_every_field_as_one_json_object() -> None:
         "prompt_tokens": 12,
         "generated_tokens": 34,
         "preemptions": 0,
+        "cached_tokens": None,
     }
 
 

@@ -283,6 +283,11 @@ class OutputPlan:
 PLAIN_TEXT = OutputPlan()
 
 
+def no_adapters(engine: str) -> EngineUnsupported:
+    """The refusal of an engine that serves no LoRA adapters."""
+    return EngineUnsupported(f"the {engine} engine serves no LoRA adapters", param="lora_name")
+
+
 def no_prompt_embeds(engine: str) -> EngineUnsupported:
     """The refusal of an engine that only takes token prompts."""
     return EngineUnsupported(
@@ -369,6 +374,17 @@ class EngineClient(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Stream deltas. Closing or cancelling the iterator aborts the engine request."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at `path` as the model `name` (in `model.adapters` once
+        loaded); EngineRequestError that says why it cannot (EngineUnsupported: this engine
+        serves no adapters)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving the adapter `name` (one of `model.adapters`): it leaves `model.adapters`
+        at once, and the engine once the requests that run on it have ended."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

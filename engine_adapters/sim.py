@@ -21,6 +21,7 @@ from engine_adapters.protocol import (
     PromptLogprob,
     TokenDelta,
     TokenLogprob,
+    no_adapters,
     no_prompt_embeds,
     plain_text_only,
     token_id_name,
@@ -172,6 +173,12 @@ class SimEngine:
 
     def load_prompt_embeds(self, data: str) -> PromptEmbeds:
         raise no_prompt_embeds(self.model.engine)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise no_adapters(self.model.engine)
+
+    async def unload_adapter(self, name: str) -> None:
+        raise no_adapters(self.model.engine)
 
     def render_chat(
         self,

@@ -31,6 +31,7 @@ from engine_adapters.protocol import (
     OutputRequest,
     PromptEmbeds,
     TokenDelta,
+    no_adapters,
     no_prompt_embeds,
     plain_text_only,
 )
@@ -223,6 +224,12 @@ class SimBatchEngine:
 
     def load_prompt_embeds(self, data: str) -> PromptEmbeds:
         raise no_prompt_embeds(self.model.engine)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise no_adapters(self.model.engine)
+
+    async def unload_adapter(self, name: str) -> None:
+        raise no_adapters(self.model.engine)
 
     def render_chat(
         self,

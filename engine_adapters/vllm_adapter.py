@@ -9,10 +9,13 @@ its generator is cancelled or closed; `abort()` is also exposed for explicit use
 from __future__ import annotations
 
 import binascii
+import itertools
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from engine_adapters.protocol import (
@@ -167,15 +170,22 @@ class VLLMEngine:
         engine_args: dict[str, Any] | None = None,
         parsers: ParserOptions | None = None,
         adapters: Mapping[str, str] | None = None,
+        adapter_room: int = 0,
     ) -> None:
-        """`adapters`: LoRA adapters served as models, name to path (the engine's arguments
-        must enable LoRA for them: `enable_lora`, and a `max_lora_rank` that holds them)."""
+        """`adapters`: LoRA adapters served as models, name to path; `adapter_room`: the most
+        adapters served at once, these and those loaded at runtime (the engine's arguments
+        must enable LoRA for them: `enable_lora`, `max_loras`, and a `max_lora_rank` that holds
+        them)."""
         self._model_path = model
         self._served_name = served_model_name
         self._engine_args = dict(engine_args or {})
         self._parsers = parsers or ParserOptions()
-        self._adapters = dict(adapters or {})
-        self._loras: dict[str, Any] = {}  # name -> vLLM's LoRARequest
+        self._adapters = dict(adapters or {})  # served now: name -> path
+        self._adapter_room = max(adapter_room, len(self._adapters))
+        self._loras: dict[str, Any] = {}  # name -> vLLM's LoRARequest, until it leaves vLLM
+        self._lora_ids = itertools.count(1)
+        self._using: Counter[str] = Counter()  # engine requests running on each adapter
+        self._unloading: set[str] = set()  # unloaded, waiting for those requests to end
         self._llm: Any = None
         self._tokenizer: Any = None
         self._planner: VLLMOutputPlanner | None = None
@@ -214,7 +224,7 @@ class VLLMEngine:
                 kv_cache=KVCacheInfo(block_size=cache.block_size, num_blocks=cache.num_gpu_blocks),
             ),
             vocab_size=config.model_config.get_vocab_size(),
-            adapters=dict(self._adapters),
+            adapters=MappingProxyType(self._adapters),
         )
         await self._load_adapters()
         self._tokenizer = self._llm.get_tokenizer()
@@ -225,15 +235,55 @@ class VLLMEngine:
     async def _load_adapters(self) -> None:
         """Each adapter loaded now, as vLLM's server loads its `--lora-modules`: a bad one
         stops the start with vLLM's reason, not a user's first request."""
-        from vllm.lora.request import LoRARequest
-
-        for number, (name, path) in enumerate(self._adapters.items(), start=1):
-            lora = LoRARequest(name, number, path, base_model_name=self._served_name)
+        for name, path in list(self._adapters.items()):
             try:
-                await self._llm.add_lora(lora)
+                await self._add_lora(name, path)
             except Exception as exc:
                 raise EngineError(f"LoRA adapter {name!r} at {path!r}: {exc}") from exc
-            self._loras[name] = lora
+
+    async def _add_lora(self, name: str, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest(name, next(self._lora_ids), path, base_model_name=self._served_name)
+        await self._llm.add_lora(lora)
+        self._loras[name] = lora
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        if self._llm is None or self._llm.errored:
+            raise EngineDeadError("vLLM engine is not running")
+        if name == self._served_name or name in self._adapters or name in self._unloading:
+            raise EngineRequestError(f"the adapter '{name}' is already loaded", param="lora_name")
+        if not self._adapter_room:
+            raise EngineUnsupported(
+                "this server serves no LoRA adapters: start it with --enable-lora",
+                param="lora_name",
+            )
+        if len(self._loras) >= self._adapter_room:
+            raise EngineRequestError(
+                f"{len(self._loras)} adapters are loaded, the most --max-loras allows: unload one "
+                "first",
+                param="lora_name",
+            )
+        try:
+            await self._add_lora(name, path)
+        except Exception as exc:  # vLLM's reason: no adapter there, a rank over the largest
+            raise EngineRequestError(
+                f"loading the adapter '{name}' from '{path}' failed: {exc}", param="lora_path"
+            ) from exc
+        self._adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        if self._adapters.pop(name, None) is None:
+            raise EngineRequestError(f"the adapter '{name}' is not loaded", param="lora_name")
+        self._unloading.add(name)
+        if not self._using[name]:
+            await self._remove_lora(name)
+
+    async def _remove_lora(self, name: str) -> None:
+        self._unloading.discard(name)
+        lora = self._loras.pop(name)
+        if self._llm is not None and not self._llm.errored:
+            await self._llm.remove_lora(lora.lora_int_id)
 
     async def _warm_up(self) -> None:
         """vLLM sets up logprobs on the first request that asks for them (about 150 ms here on
@@ -295,6 +345,7 @@ class VLLMEngine:
 
         if self._llm is None or self._llm.errored:
             raise EngineDeadError("vLLM engine is not running")
+        adapter, lora = request.adapter, self._lora(request)
         prompt: dict[str, Any] = (
             {"prompt_token_ids": list(request.prompt_token_ids)}
             if request.prompt_embeds is None
@@ -310,7 +361,7 @@ class VLLMEngine:
                     prompt,
                     to_sampling_params(request.sampling),
                     request.request_id,
-                    lora_request=self._lora(request),
+                    lora_request=lora,
                 )
             )
         )
@@ -322,6 +373,8 @@ class VLLMEngine:
                 request.prompt_token_ids[-request.resumed_tokens :],
                 skip_special_tokens=request.sampling.skip_special_tokens,
             )
+        if adapter is not None:
+            self._using[adapter] += 1
         try:
             async for out in stream:
                 for completion in out.outputs:  # the choices with news (n > 1: several)
@@ -365,6 +418,10 @@ class VLLMEngine:
         finally:
             # Closing vLLM's generator aborts the request if it has not finished.
             await stream.aclose()
+            if adapter is not None:
+                self._using[adapter] -= 1
+                if not self._using[adapter] and adapter in self._unloading:
+                    await self._remove_lora(adapter)
 
     def _beam_search(self, request: GenerationRequest) -> AsyncGenerator[Any, None]:
         """vLLM's own online beam search (what its server runs for `use_beam_search`): one
@@ -395,7 +452,16 @@ class VLLMEngine:
         )
 
     def _lora(self, request: GenerationRequest) -> Any:
-        return None if request.adapter is None else self._loras[request.adapter]
+        """The request's adapter as vLLM names it (None: the base model); EngineRequestError
+        if it has left vLLM (a preempted request resumed after its adapter was unloaded)."""
+        if request.adapter is None:
+            return None
+        try:
+            return self._loras[request.adapter]
+        except KeyError:
+            raise EngineRequestError(
+                f"the adapter '{request.adapter}' was unloaded", param="model"
+            ) from None
 
     def load_prompt_embeds(self, data: str) -> PromptEmbeds:
         """vLLM's own loader, with its checks (base64, a tensor saved with weights only, the

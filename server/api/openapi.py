@@ -27,7 +27,14 @@ from server.batch_api.wire import CreateBatch, FileUpload
 from server.openai.chat import NOT_IN_BATCH, ChatCompletionRequest
 from server.openai.completion import CompletionRequest
 from server.openai.error_body import ErrorBody
-from server.openai.models import ModelList, Ready, Status, VersionReply
+from server.openai.models import (
+    LoadLoRAAdapter,
+    ModelList,
+    Ready,
+    Status,
+    UnloadLoRAAdapter,
+    VersionReply,
+)
 from server.openai.tokenizer import (
     Detokenize,
     DetokenizeReply,
@@ -168,7 +175,33 @@ def ready() -> Operation:
 
 
 def models() -> Operation:
-    return _get("the served model", Schema(ModelList))
+    return _get("the served model and its LoRA adapters", Schema(ModelList))
+
+
+def load_lora_adapter() -> Operation:
+    return _admin(
+        _post(
+            "load a LoRA adapter, served as a model (an admin key's)",
+            _request(LoadLoRAAdapter),
+            {"type": "string"},
+        )
+    )
+
+
+def unload_lora_adapter() -> Operation:
+    return _admin(
+        _post(
+            "unload a LoRA adapter (an admin key's); its running requests finish",
+            _request(UnloadLoRAAdapter),
+            {"type": "string"},
+        )
+    )
+
+
+def _admin(operation: Operation) -> Operation:
+    """An operation only an admin key may call: 403 for any other."""
+    forbidden = {"description": "a key that is not an admin's", "content": _json(Schema(ErrorBody))}
+    return {**operation, "responses": {**operation["responses"], "403": forbidden}}
 
 
 def version() -> Operation:

@@ -17,15 +17,30 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
+from engine_adapters.protocol import EngineRequestError
 from server.anthropic import routes as anthropic_routes
 from server.api import openapi
 from server.batch_api import routes as batch_api_routes
 from server.batch_api.routes import BatchServices
-from server.core.errors import EngineUnavailable, ShuttingDown
+from server.core.errors import (
+    EngineUnavailable,
+    Forbidden,
+    InvalidRequest,
+    ModelNotFound,
+    ShuttingDown,
+)
 from server.http.edge import context_of
-from server.http.replies import JSONResponse, error_response
+from server.http.replies import JSONResponse, error_response, read_json
 from server.http.services import Services
-from server.openai.models import ModelCard, ModelList, Ready, Status
+from server.openai.models import (
+    LoadLoRAAdapter,
+    ModelCard,
+    ModelList,
+    Ready,
+    Status,
+    UnloadLoRAAdapter,
+)
+from server.openai.wire import validated
 from server.openai_api.routes import (
     chat_completions,
     chat_completions_batch,
@@ -71,6 +86,39 @@ async def models(services: Services, request: Request) -> Response:
     return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
 
 
+async def _admin_body(services: Services, request: Request) -> Any:
+    """The JSON body of a request only an admin key may make (403 for any other)."""
+    tenant = services.planner.tenant_of(context_of(request))
+    if not tenant.config.admin:
+        raise Forbidden("loading and unloading adapters needs an admin key (tenants.NAME.admin)")
+    return await read_json(request, services.edge.max_body_bytes)
+
+
+async def load_lora_adapter(services: Services, request: Request) -> Response:
+    """vLLM's runtime loading: the adapter served as a model from now on."""
+    body = validated(LoadLoRAAdapter, await _admin_body(services, request))
+    name = body.lora_name
+    if name == services.served_model or name in services.engine.model.adapters:
+        raise InvalidRequest(
+            f"The lora adapter '{name}' has already been loaded.", param="lora_name"
+        )
+    try:
+        await services.engine.load_adapter(name, body.lora_path)
+    except EngineRequestError as exc:
+        raise InvalidRequest(str(exc), param=exc.param) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(services: Services, request: Request) -> Response:
+    """New requests for the adapter get the 404 at once; those running on it finish."""
+    body = validated(UnloadLoRAAdapter, await _admin_body(services, request))
+    name = body.lora_name
+    if name not in services.engine.model.adapters:
+        raise ModelNotFound(f"The lora adapter '{name}' cannot be found.", param="lora_name")
+    await services.engine.unload_adapter(name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
 async def prometheus_metrics(services: Services, request: Request) -> Response:
     """The app's own registry (one per app: `Metrics`)."""
     services.metrics.engine_unfinished_requests.labels(services.served_model).set(
@@ -114,6 +162,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/ready", ready, openapi.ready),
     Endpoint("GET", "/metrics", prometheus_metrics, part="metrics"),
     Endpoint("GET", "/v1/models", models, openapi.models),
+    Endpoint("POST", "/v1/load_lora_adapter", load_lora_adapter, openapi.load_lora_adapter),
+    Endpoint("POST", "/v1/unload_lora_adapter", unload_lora_adapter, openapi.unload_lora_adapter),
     Endpoint("GET", "/version", version, openapi.version, bare=True),
     Endpoint("GET", "/openapi.json", openapi_json, openapi.itself),
     Endpoint("POST", "/tokenize", tokenize, openapi.tokenize),

@@ -165,12 +165,16 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
         adapters[DEMO_ADAPTER_NAME] = str(build_demo_adapter(args.cache_dir / "demo-lora", demo))
         engine_args.setdefault("dtype", "float32")
         args.max_lora_rank = max(args.max_lora_rank or 0, DEMO_ADAPTER_RANK)
-    if adapters:
+    room = 0  # the most adapters served at once
+    if adapters or args.enable_lora:
+        room = args.max_loras or len(adapters) or 1
+        if room < len(adapters):
+            raise StartRefused(f"--max-loras {room} is fewer than the {len(adapters)} adapters")
         # Every adapter in a slot of its own, and one slot more that none takes: vLLM 0.32's
         # CPU LoRA ops read a base-model token's slot index, -1, as the last slot, and so add
         # that slot's adapter to the base model's output (vllm-project/vllm#48421). Slots are
-        # taken first free, so with one more than there are adapters the last stays empty.
-        engine_args.update(enable_lora=True, max_loras=len(adapters) + 1)
+        # taken first free, so with one more than are ever loaded the last stays empty.
+        engine_args.update(enable_lora=True, max_loras=room + 1)
         if args.max_lora_rank is not None:
             engine_args["max_lora_rank"] = args.max_lora_rank
     if args.model is None:
@@ -186,7 +190,7 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
     )
     if name in adapters:
         raise StartRefused(f"LoRA module {name!r} has the served model's name")
-    return VLLMEngine(model, name, engine_args, parsers, adapters), name
+    return VLLMEngine(model, name, engine_args, parsers, adapters, room), name
 
 
 class Serving:

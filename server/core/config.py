@@ -120,6 +120,11 @@ class TenantConfig(_Section):
         description="the tenant's own interactive targets, each over slo.interactive's "
         "(null: the class's)",
     )
+    admin: bool = Field(
+        False,
+        description="the tenant's keys may also load and unload LoRA adapters "
+        "(/v1/load_lora_adapter, /v1/unload_lora_adapter)",
+    )
     prefix_cache: Literal["own", "shared"] = Field(
         "own",
         description="own: the engine's prefix cache reuses a prompt's blocks only for this "

@@ -84,6 +84,13 @@ class Unauthorized(SluiceError):
     outcome = "rejected"
 
 
+class Forbidden(SluiceError):
+    status = 403
+    error_type = "permission_error"
+    code = "forbidden"
+    outcome = "rejected"
+
+
 class ModelNotFound(SluiceError):
     status = 404
     error_type = "invalid_request_error"

@@ -92,6 +92,17 @@ class ServeOptions(BaseModel):
         "or the flag again); a request's model names one",
         json_schema_extra={"metavar": "NAME=PATH", "nargs": "+"},
     )
+    enable_lora: bool = Field(
+        False,
+        description="serve LoRA adapters: those of --lora-modules (which imply it) and those an "
+        "admin key loads at runtime (POST /v1/load_lora_adapter)",
+    )
+    max_loras: int | None = Field(
+        None,
+        ge=1,
+        description="the most adapters served at once, from --lora-modules and loaded at "
+        "runtime (default: the --lora-modules, or 1 with --enable-lora alone)",
+    )
     demo_lora: bool = Field(
         False,
         description="with the demo model: also serve its LoRA adapter, as 'sluice-demo-lora' "

@@ -116,6 +116,8 @@ OPERATIONS = [
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("GET", "/v1/models"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
     ("GET", "/version"),
     ("GET", "/health"),
     ("GET", "/ready"),

@@ -97,6 +97,7 @@ def test_the_outcome_labels_dashboards_count_are_kept() -> None:
     assert outcome["cancelled"] == "cancelled"
     assert {c for c, o in outcome.items() if o == "rejected"} == {
         "invalid_api_key",
+        "forbidden",
         "tenant_quota_exceeded",
         "too_many_failed_attempts",
         "overloaded",

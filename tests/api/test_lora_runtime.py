@@ -1,0 +1,143 @@
+"""LoRA adapters loaded and unloaded at runtime, as vLLM's server does it
+(`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`), by an admin key only, on the real engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import VLLM_ENV, SluiceProcess
+
+pytestmark = pytest.mark.xdist_group("lora_runtime")
+
+ADMIN, USER = "sk-ops", "sk-user"
+BASE = "sluice-demo"
+
+
+@pytest.fixture(scope="module")
+def server(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SluiceProcess]:
+    root = tmp_path_factory.mktemp("lora-runtime")
+    config = root / "sluice.json"
+    tenants = {"ops": {"api_keys": [ADMIN], "admin": True}, "user": {"api_keys": [USER]}}
+    config.write_text(json.dumps({"tenants": tenants}))
+    args = [
+        "--model", str(demo_model_dir), "--served-model-name", BASE, "--config", str(config),
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "256",
+        "--engine-arg", "dtype=float32",
+    ]  # fmt: skip
+    process = SluiceProcess(args, root / "server.log", env=VLLM_ENV)
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+def post(
+    server: SluiceProcess, path: str, body: dict[str, Any], key: str = ADMIN
+) -> httpx.Response:
+    return httpx.post(
+        server.url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
+    )
+
+
+def load(server: SluiceProcess, name: str, path: Path | str) -> httpx.Response:
+    return post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+
+def unload(server: SluiceProcess, name: str) -> httpx.Response:
+    return post(server, "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+def served(server: SluiceProcess) -> list[str]:
+    reply = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {USER}"})
+    return [card["id"] for card in reply.json()["data"]]
+
+
+def chat(server: SluiceProcess, model: str, max_tokens: int = 16) -> httpx.Response:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Tell me about schedulers."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return post(server, "/v1/chat/completions", body, USER)
+
+
+def test_only_an_admin_key_loads_or_unloads(
+    server: SluiceProcess, demo_adapters: dict[str, Path]
+) -> None:
+    path = demo_adapters["tenant-a"]
+    for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        refused = post(server, route, {"lora_name": "x", "lora_path": str(path)}, USER)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "forbidden"
+    assert "x" not in served(server)
+
+
+def test_an_adapter_loaded_serves_until_unloaded_and_a_running_request_finishes(
+    server: SluiceProcess, demo_adapters: dict[str, Path]
+) -> None:
+    base_text = chat(server, BASE).json()["choices"][0]["message"]["content"]
+    loaded = load(server, "live", demo_adapters["tenant-a"])
+    assert loaded.status_code == 200, loaded.text
+    assert "live" in served(server)
+    text = chat(server, "live").json()["choices"][0]["message"]["content"]
+    assert text != base_text
+
+    # A stream runs on it while it is unloaded (600 tokens: seconds, where the unloading is
+    # milliseconds): the stream ends whole, new requests get the 404 meanwhile.
+    body = {
+        "model": "live",
+        "messages": [{"role": "user", "content": "Tell me about schedulers."}],
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {USER}"}
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=120
+    ) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        assert json.loads(first[len("data: ") :])["model"] == "live"
+        assert unload(server, "live").status_code == 200
+        assert "live" not in served(server)
+        refused = chat(server, "live")
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert rest[-1]["usage"]["completion_tokens"] == 600
+
+    # Its slot is free again: the same name loads anew and answers as before.
+    assert load(server, "live", demo_adapters["tenant-a"]).status_code == 200
+    assert chat(server, "live").json()["choices"][0]["message"]["content"] == text
+    assert unload(server, "live").status_code == 200
+
+
+def test_what_cannot_be_loaded_or_unloaded_says_why(
+    server: SluiceProcess, demo_adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    missing = load(server, "nowhere", tmp_path / "no-adapter")
+    assert missing.status_code == 400, missing.text
+    assert str(tmp_path / "no-adapter") in missing.json()["error"]["message"]
+    assert "nowhere" not in served(server)
+
+    assert load(server, BASE, demo_adapters["tenant-a"]).status_code == 400  # the base's name
+    assert load(server, "one", demo_adapters["tenant-a"]).status_code == 200
+    assert load(server, "one", demo_adapters["tenant-b"]).status_code == 400  # loaded already
+    assert load(server, "two", demo_adapters["tenant-b"]).status_code == 200
+    full = load(server, "three", demo_adapters["tenant-b"])  # --max-loras 2
+    assert full.status_code == 400 and "--max-loras" in full.json()["error"]["message"]
+    assert [unload(server, name).status_code for name in ("one", "two")] == [200, 200]
+
+    unknown = unload(server, "never-loaded")
+    assert unknown.status_code == 404, unknown.text

@@ -56,9 +56,9 @@ async def count_tokens(services: Services, request: Request) -> Response:
     """The prompt's tokens after the chat template (tools included), without generating."""
     try:
         planner = services.planner
-        planner.tenant_of(context_of(request))
+        tenant = planner.tenant_of(context_of(request))
         _, parsed = parse_count_tokens(await read_json(request, services.edge.max_body_bytes))
-        planner.check_model(parsed.model)
+        planner.check_model(parsed.model, tenant)
         assert parsed.messages is not None
         tools = planner.plan_output(parsed).tools
         tokens = planner.render_chat(parsed.messages, tools, parsed.template_kwargs)

@@ -71,7 +71,8 @@ async def ready(services: Services, request: Request) -> Response:
 
 
 async def models(services: Services, request: Request) -> Response:
-    services.planner.tenant_of(context_of(request))
+    """The served model and its adapters, those the caller's tenant may use."""
+    usable = services.planner.models(services.planner.tenant_of(context_of(request)))
     info = services.engine.model
     card = ModelCard(
         id=services.served_model,
@@ -83,7 +84,8 @@ async def models(services: Services, request: Request) -> Response:
         card.model_copy(update={"id": name, "root": path, "parent": card.id})
         for name, path in info.adapters.items()
     ]
-    return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
+    cards = [c for c in (card, *adapters) if c.id in usable]
+    return JSONResponse(ModelList(data=cards).model_dump())
 
 
 async def _admin_body(services: Services, request: Request) -> Any:

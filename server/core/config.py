@@ -120,6 +120,18 @@ class TenantConfig(_Section):
         description="the tenant's own interactive targets, each over slo.interactive's "
         "(null: the class's)",
     )
+    models: tuple[Annotated[str, Field(min_length=1)], ...] | None = Field(
+        None,
+        min_length=1,
+        description="the models the tenant may use: the served model's name, adapters' names "
+        "(null: every one served)",
+    )
+    default_model: str | None = Field(
+        None,
+        validate_default=True,
+        description="the model of a request that names none (default: the first of models, "
+        "else the served model)",
+    )
     admin: bool = Field(
         False,
         description="the tenant's keys may also load and unload LoRA adapters "
@@ -140,6 +152,16 @@ class TenantConfig(_Section):
             if not _DIGEST.fullmatch(digest.lower()):
                 raise ValueError(f"{digest[:12]}… is not a SHA-256 digest (64 hex digits)")
         return tuple(d.lower() for d in digests)
+
+    @field_validator("default_model")
+    @classmethod
+    def _default_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        models = info.data.get("models")
+        if value is None:
+            return None if not models else models[0]
+        if models is not None and value not in models:
+            raise ValueError(f"{value} is not in models")
+        return value
 
     @field_validator("default_class", mode="before")
     @classmethod

@@ -92,7 +92,7 @@ class Planner:
         timeline.traffic_class = str(
             self.tenants.traffic_class(tenant, parsed.service_tier, context.traffic_class)
         )
-        adapter = self.check_model(parsed.model)
+        adapter = self.check_model(parsed.model, tenant)
         timeline.model = adapter or self.served_model
         for key in ("logprobs", "prompt_logprobs"):
             if key in parsed.sampling and not self.engine.model.logprobs:
@@ -175,18 +175,27 @@ class Planner:
         except EngineRequestError as exc:
             raise engine_failure(exc) from None
 
-    def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter `model` names (None: the base model, or none named); any other
-        model is a 404."""
-        if model is None or model == self.served_model:
-            return None
-        adapters = self.engine.model.adapters
-        if model in adapters:
-            return model
-        served = ", ".join(f"'{name}'" for name in (self.served_model, *adapters))
-        raise ModelNotFound(
-            f"the model '{model}' does not exist; this server serves {served}", param="model"
-        )
+    def check_model(self, model: str | None, tenant: Tenant | None = None) -> str | None:
+        """The LoRA adapter a request for `model` runs on (None: the base model); a model not
+        served, or not the tenant's, is a 404 naming those that are. A request that names none
+        gets the tenant's default model."""
+        if model is None:
+            model = tenant.config.default_model if tenant is not None else None
+            if model is None:
+                model = self.served_model
+        usable = self.models(tenant)
+        if model not in usable:
+            served = ", ".join(f"'{name}'" for name in usable) or "none"
+            raise ModelNotFound(
+                f"the model '{model}' does not exist; this server serves {served}", param="model"
+            )
+        return None if model == self.served_model else model
+
+    def models(self, tenant: Tenant | None) -> list[str]:
+        """The served model, then its adapters, that `tenant` may use (every one: None)."""
+        served = [self.served_model, *self.engine.model.adapters]
+        allowed = None if tenant is None else tenant.config.models
+        return served if allowed is None else [name for name in served if name in allowed]
 
     def check_token_ids(self, parsed: ParsedRequest) -> None:
         """Token ids from the client must be in the vocabulary: a 400 here, not an engine error."""

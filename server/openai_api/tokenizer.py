@@ -29,6 +29,7 @@ from server.openai.tokenizer import (
     tokenize_body,
 )
 from server.openai.wire import validated
+from server.tenancy.tenants import Tenant
 
 
 def _version() -> str:
@@ -45,15 +46,16 @@ async def version(request: Request) -> Response:
     return JSONResponse(VersionReply(version=VERSION).model_dump())
 
 
-async def _authorized(services: Services, request: Request) -> Any:
-    """The JSON body of an authenticated tenant's request (validated by the caller)."""
-    services.planner.tenant_of(context_of(request))
-    return await read_json(request, services.edge.max_body_bytes)
+async def _authorized(services: Services, request: Request) -> tuple[Tenant, Any]:
+    """The tenant, and the JSON body of its request (validated by the caller)."""
+    tenant = services.planner.tenant_of(context_of(request))
+    return tenant, await read_json(request, services.edge.max_body_bytes)
 
 
 async def tokenize(services: Services, request: Request) -> Response:
-    body = tokenize_body(await _authorized(services, request))
-    services.planner.check_model(body.model)
+    tenant, raw = await _authorized(services, request)
+    body = tokenize_body(raw)
+    services.planner.check_model(body.model, tenant)
     if isinstance(body, TokenizeChat):
         tokens = services.planner.render_chat(
             messages_of(body.messages),
@@ -72,8 +74,9 @@ async def tokenize(services: Services, request: Request) -> Response:
 
 
 async def detokenize(services: Services, request: Request) -> Response:
-    body = validated(Detokenize, await _authorized(services, request))
-    services.planner.check_model(body.model)
+    tenant, raw = await _authorized(services, request)
+    body = validated(Detokenize, raw)
+    services.planner.check_model(body.model, tenant)
     check_in_vocabulary(body.tokens, services.engine.model.vocab_size, "tokens")
     return JSONResponse(
         DetokenizeReply(prompt=services.engine.detokenize(body.tokens)).model_dump()

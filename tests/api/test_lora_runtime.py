@@ -15,7 +15,7 @@ from conftest import VLLM_ENV, SluiceProcess
 
 pytestmark = pytest.mark.xdist_group("lora_runtime")
 
-ADMIN, USER = "sk-ops", "sk-user"
+ADMIN, USER, LIMITED = "sk-ops", "sk-user", "sk-limited"
 BASE = "sluice-demo"
 
 
@@ -25,7 +25,11 @@ def server(
 ) -> Iterator[SluiceProcess]:
     root = tmp_path_factory.mktemp("lora-runtime")
     config = root / "sluice.json"
-    tenants = {"ops": {"api_keys": [ADMIN], "admin": True}, "user": {"api_keys": [USER]}}
+    tenants = {
+        "ops": {"api_keys": [ADMIN], "admin": True},
+        "user": {"api_keys": [USER]},
+        "limited": {"api_keys": [LIMITED], "models": ["narrow"]},  # an adapter loaded later
+    }
     config.write_text(json.dumps({"tenants": tenants}))
     args = [
         "--model", str(demo_model_dir), "--served-model-name", BASE, "--config", str(config),
@@ -141,3 +145,30 @@ def test_what_cannot_be_loaded_or_unloaded_says_why(
 
     unknown = unload(server, "never-loaded")
     assert unknown.status_code == 404, unknown.text
+
+
+def test_a_tenant_limited_to_an_adapter_gets_it_by_default_and_nothing_else(
+    server: SluiceProcess, demo_adapters: dict[str, Path]
+) -> None:
+    headers = {"Authorization": f"Bearer {LIMITED}"}
+    listed = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
+    assert listed == []  # its one model is not served yet
+    assert load(server, "narrow", demo_adapters["tenant-b"]).status_code == 200
+    try:
+        listed = httpx.get(server.url + "/v1/models", headers=headers).json()["data"]
+        assert [card["id"] for card in listed] == ["narrow"]
+        body = {
+            "messages": [{"role": "user", "content": "Tell me about schedulers."}],
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        url = server.url + "/v1/chat/completions"
+        mine = httpx.post(url, json=body, headers=headers, timeout=60).json()  # names no model
+        assert mine["model"] == "narrow"
+        assert mine["choices"] == chat(server, "narrow").json()["choices"]
+        refused = httpx.post(url, json={**body, "model": BASE}, headers=headers, timeout=60)
+        assert refused.status_code == 404, refused.text
+        assert refused.json()["error"]["message"].endswith("this server serves 'narrow'")
+    finally:
+        assert unload(server, "narrow").status_code == 200

@@ -135,6 +135,11 @@ def test_a_flag_error_names_the_layer() -> None:
         ),
         ({"budgets": [1, 2]}, "budgets: expected a mapping, got [1, 2]"),
         (
+            {"tenants": {"t": {"models": ["a"], "default_model": "b"}}},
+            "tenants.t.default_model: b is not in models",
+        ),
+        ({"tenants": {"t": {"models": []}}}, "tenants.t.models: must not be empty"),
+        (
             {"tenants": {"acme": {"name": "other"}}},
             "tenants: tenant 'acme' has name 'other': a tenant's name is its key under tenants "
             "(leave name out)",
@@ -210,3 +215,8 @@ def test_serve_flags_keep_their_names_defaults_and_refuse_what_is_out_of_bounds(
         with pytest.raises(SystemExit):
             serve_args(*flags)
         assert message in capsys.readouterr().err
+
+
+def test_a_tenants_default_model_is_the_first_of_its_models() -> None:
+    tenants = parse_config({"tenants": {"t": {"models": ["a", "b"]}, "u": {}}}).tenants
+    assert (tenants["t"].default_model, tenants["u"].default_model) == ("a", None)

@@ -41,6 +41,10 @@ also report the steady frontier: the ladder's rung that kept the frontier's shar
 every run, with the most bulk over them (`steady`). `--report FILE...` prints the every-run table
 of saved `--json` outputs again, several as one series.
 
+`--adapters` serves two LoRA adapters of the demo model on both servers (issue #33): the flood
+runs on one, the chats on the other, so the rows show whether a flood on one adapter delays the
+chats of another; vLLM's server runs at its default `--max-loras` (1: one adapter in a step).
+
 `--variant 'LABEL=YAML'` (repeatable) adds a Sluice run with that scheduler configuration, and
 `--tradeoff` adds a ladder of interactive gap targets: bulk tokens/s against chat end-to-end
 time as the target varies. Usage:
@@ -50,6 +54,7 @@ time as the target varies. Usage:
     python bench/flood.py --systems idle,sluice --duration 5 --bulk-streams 4
     python bench/flood.py --repeat 3 --ladder 4,6,9 --keep-servers  # #32's three runs in a row
     python bench/flood.py --systems idle,vllm-fcfs,sluice --chat-apis chat,responses,messages
+    python bench/flood.py --adapters --systems idle,vllm-priority,sluice --ladder ''
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ from server.observability.metrics import SLO_RESULTS
 from server.scheduler.types import PreemptCause
 
 SERVED_NAME = "sluice-demo"
+# With --adapters: the flood's and the chats' adapters (demo variants 1 and 2), both servers.
+BULK_ADAPTER, CHAT_ADAPTER = "flood-bulk", "flood-chat"
 SYSTEMS = ("idle", "vllm-fcfs", "vllm-priority", "sluice")
 # Idle measured at the end differing from the start by more than this share: a warning.
 DRIFT_WARNING = 0.2
@@ -171,6 +178,8 @@ def server_command(
         ]
         if config_path:
             command += ["--config", config_path]
+        if args.adapters:
+            command += ["--lora-modules", *args.adapters, "--max-lora-rank", "256"]
         return command
     policy = "priority" if system.kind == "vllm-priority" else "fcfs"
     return [
@@ -185,6 +194,11 @@ def server_command(
         str(port),
         "--scheduling-policy",
         policy,
+        *(
+            ["--enable-lora", "--lora-modules", *args.adapters, "--max-lora-rank", "256"]
+            if args.adapters
+            else []
+        ),
         *args.vllm_arg,
     ]
 
@@ -203,9 +217,11 @@ async def wait_ready(
     raise RuntimeError("server not ready in time")
 
 
-def request_body(kind: str, max_tokens: int, bulk: bool, text: str) -> tuple[dict, dict]:
+def request_body(
+    kind: str, max_tokens: int, bulk: bool, text: str, model: str = SERVED_NAME
+) -> tuple[dict, dict]:
     body: dict[str, Any] = {
-        "model": SERVED_NAME,
+        "model": model,
         "stream": True,
         "max_tokens": max_tokens,
         "ignore_eos": True,
@@ -224,11 +240,13 @@ def request_body(kind: str, max_tokens: int, bulk: bool, text: str) -> tuple[dic
 CHAT_APIS = ("chat", "responses", "messages")
 
 
-def chat_request(api: str, kind: str, max_tokens: int, text: str) -> tuple[str, dict, dict]:
-    body, headers = request_body(kind, max_tokens, False, text)
+def chat_request(
+    api: str, kind: str, max_tokens: int, text: str, model: str = SERVED_NAME
+) -> tuple[str, dict, dict]:
+    body, headers = request_body(kind, max_tokens, False, text, model)
     if api == "responses":
         body = {
-            "model": SERVED_NAME,
+            "model": model,
             "stream": True,
             "max_output_tokens": max_tokens,
             "input": text,
@@ -257,7 +275,9 @@ async def bulk_stream(client, kind, args, window: tuple[float, float], counts: d
     across processes)."""
     start, end = window
     while True:
-        body, headers = request_body(kind, args.bulk_tokens, True, "summarise the report " * 8)
+        body, headers = request_body(
+            kind, args.bulk_tokens, True, "summarise the report " * 8, model_of(args, bulk=True)
+        )
         try:
             async with client.stream(
                 "POST", "/v1/chat/completions", json=body, headers=headers
@@ -300,9 +320,20 @@ def bulk_load_process(kind, args, port, window, release, results) -> None:
     results.put(counts)
 
 
+def model_of(args: argparse.Namespace, *, bulk: bool) -> str:
+    """The model a request names: with --adapters, the flood's adapter or the chats'."""
+    if not args.adapters:
+        return SERVED_NAME
+    return BULK_ADAPTER if bulk else CHAT_ADAPTER
+
+
 async def one_chat(client, system: System, args, m: Measurements) -> None:
     path, body, headers = chat_request(
-        system.chat_api, system.kind, args.chat_tokens, "hello, how are you today?"
+        system.chat_api,
+        system.kind,
+        args.chat_tokens,
+        "hello, how are you today?",
+        model_of(args, bulk=False),
     )
     started = time.monotonic()
     stamps: list[float] = []
@@ -765,6 +796,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="keep each server's output here, and each chat's timings (JSON lines)",
     )
+    p.add_argument(
+        "--adapters",
+        action="store_true",
+        help=f"both servers serve two demo LoRA adapters: the flood runs on '{BULK_ADAPTER}', "
+        f"the chats on '{CHAT_ADAPTER}' (vLLM's server at its default --max-loras 1)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--report",
@@ -795,6 +832,15 @@ def main(argv: list[str] | None = None) -> int:
         from server.core.settings import default_cache_dir
 
         args.model = str(build_demo_model(default_cache_dir() / "demo-model"))
+    if args.adapters:  # (the demo model's: needs no --model)
+        from engine_adapters.demo_model import build_demo_adapter
+        from server.core.settings import default_cache_dir
+
+        root = default_cache_dir() / "flood-adapters"
+        args.adapters = [
+            f"{name}={build_demo_adapter(root / name, Path(args.model), variant=variant)}"
+            for variant, name in enumerate((BULK_ADAPTER, CHAT_ADAPTER), start=1)
+        ]
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     runs = asyncio.run(compare_all(args))

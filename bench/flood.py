@@ -179,7 +179,7 @@ def server_command(
         if config_path:
             command += ["--config", config_path]
         if args.adapters:
-            command += ["--lora-modules", *args.adapters, "--max-lora-rank", "256"]
+            command += ["--lora-modules", *args.adapters]
         return command
     policy = "priority" if system.kind == "vllm-priority" else "fcfs"
     return [
@@ -194,11 +194,7 @@ def server_command(
         str(port),
         "--scheduling-policy",
         policy,
-        *(
-            ["--enable-lora", "--lora-modules", *args.adapters, "--max-lora-rank", "256"]
-            if args.adapters
-            else []
-        ),
+        *(["--enable-lora", "--lora-modules", *args.adapters] if args.adapters else []),
         *args.vllm_arg,
     ]
 

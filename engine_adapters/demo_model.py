@@ -16,9 +16,9 @@ is what the tests that compare them rely on (`tests/engine_adapters/test_demo_mo
 the margin on the engine itself). Sampling at temperature 1 stays varied: the successor has
 about half the probability (48% here), the rest is spread over the vocabulary.
 
-Its LoRA adapters (`build_demo_adapter`) are built the same way: a PEFT adapter on the output
-layer that gives every token another likeliest successor, as decisive as the model's own, so a
-request for the adapter visibly answers otherwise, and as steadily.
+Its LoRA adapters (`build_demo_adapter`) keep that: a PEFT adapter on the output layer that
+swaps the likeliest successors of a few tokens, among them the first token of every chat
+answer, so a chat for the adapter visibly answers otherwise, and as steadily.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import Any
 
 DEMO_MODEL_NAME = "sluice-demo"
 DEMO_ADAPTER_NAME = "sluice-demo-lora"
-DEMO_ADAPTER_RANK = 256  # the hidden size: the adapter replaces the output layer's rows whole
+DEMO_ADAPTER_VERSION = 2  # bumped when its weights change, as the model's
+DEMO_ADAPTER_RANK = 8  # swaps of two output rows (within vLLM's default max_lora_rank, 16)
 # Bumped when the weights change, so that a cached model of an older build is rebuilt.
 DEMO_MODEL_VERSION = 2
 VERSION_FILE = "sluice-demo-model.json"
@@ -180,7 +181,7 @@ def is_demo_adapter(path: Path, variant: int = 1) -> bool:
     except (OSError, ValueError):
         return False
     return (
-        stamp.get("version") == DEMO_MODEL_VERSION
+        stamp.get("version") == DEMO_ADAPTER_VERSION
         and stamp.get("variant") == variant
         and (path / "adapter_config.json").is_file()
         and (path / "adapter_model.safetensors").is_file()
@@ -189,14 +190,18 @@ def is_demo_adapter(path: Path, variant: int = 1) -> bool:
 
 def build_demo_adapter(path: Path, model: Path, *, variant: int = 1, force: bool = False) -> Path:
     """Build a LoRA adapter of the demo model at `model` at `path` (no-op if one of this
-    `variant` is already there, unless `force`); each variant has successors of its own.
+    `variant` is already there, unless `force`); each variant swaps other tokens.
 
-    A PEFT adapter (`adapter_config.json`, `adapter_model.safetensors`) on the output layer,
-    of rank equal to the hidden size, whose update replaces the model's successor of each
-    token with another (a second random cycle through the ordinary tokens, as decisive as the
-    model's own: `_successor_rows`). So its greedy text differs from the base model's from the
-    first token, and holds across batch shapes and CPUs as the base model's does. vLLM serves
-    it with `max_lora_rank` 256 (`sluice serve --demo-lora` builds and serves variant 1).
+    A PEFT adapter (`adapter_config.json`, `adapter_model.safetensors`) of rank
+    `DEMO_ADAPTER_RANK` on the output layer, whose update swaps the output rows of
+    `DEMO_ADAPTER_RANK` pairs of tokens: whatever led to one leads to the other, exactly as
+    decisively (the logits are the same numbers, swapped). The first pair is the first token of
+    every chat answer (the successor of `<|assistant|>`) and one the variant draws, so an
+    answer differs from the base model's from its first token on (and, where a completion's
+    chain of successors meets a swapped token, from there on), and holds across batch shapes
+    and CPUs as the base model's does. Rank 8 keeps vLLM's LoRA ops on CPU cheap: they gather a
+    (vocabulary x rank) matrix per token (`sluice serve --demo-lora` builds and serves
+    variant 1).
     """
     path, model = Path(path), Path(model)
     if is_demo_adapter(path, variant) and not force:
@@ -217,33 +222,47 @@ def _build_adapter(path: Path, model: Path, variant: int) -> None:
 
     weights = load_file(str(model / "model.safetensors"))
     embeddings = weights["model.embed_tokens.weight"].float()
-    base = weights["lm_head.weight"].float()
-    hidden = embeddings.shape[1]
-    special = set(AutoTokenizer.from_pretrained(model).all_special_ids)
-    rows = _successor_rows(embeddings, special, torch.Generator().manual_seed(1 + variant))
+    rows = weights["lm_head.weight"].float()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    special = set(tokenizer.all_special_ids)
+    # The first token of every chat answer: the successor of the generation prompt's token.
+    assistant = embeddings[tokenizer.convert_tokens_to_ids("<|assistant|>")]
+    first = int((rows @ (assistant / assistant.pow(2).mean().sqrt())).argmax())
+    generator = torch.Generator().manual_seed(1 + variant)
+    others = [i for i in range(len(rows)) if i not in special and i != first]
+    chosen = [others[int(i)] for i in torch.randperm(len(others), generator=generator)]
+    pairs = [(first, chosen[0])]
+    pairs += [(chosen[k], chosen[k + 1]) for k in range(1, 2 * DEMO_ADAPTER_RANK - 2, 2)]
+    # Swapping rows a and b of the output layer swaps their logits: whatever led to a leads to
+    # b, as decisively. Each swap is W[a] += W[b] - W[a], W[b] -= the same: rank one, so B A
+    # (PEFT's scaling lora_alpha / r = 1) with A's row p that difference, B's column p +1 at
+    # a and -1 at b.
+    lora_a = torch.stack([rows[b] - rows[a] for a, b in pairs])
+    lora_b = torch.zeros(len(rows), len(pairs))
+    for p, (a, b) in enumerate(pairs):
+        lora_b[a, p], lora_b[b, p] = 1.0, -1.0
     staging = path.with_name(path.name + ".building")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    # W' = W + B A (PEFT's scaling lora_alpha / r = 1): A the identity, B the rows' change.
     prefix = "base_model.model.lm_head"
     tensors = {
-        f"{prefix}.lora_A.weight": torch.eye(hidden, dtype=torch.bfloat16),
-        f"{prefix}.lora_B.weight": (rows - base).to(torch.bfloat16).contiguous(),
+        f"{prefix}.lora_A.weight": lora_a.to(torch.bfloat16).contiguous(),
+        f"{prefix}.lora_B.weight": lora_b.to(torch.bfloat16).contiguous(),
     }
     save_file(tensors, str(staging / "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": DEMO_MODEL_NAME,
-        "r": hidden,
-        "lora_alpha": hidden,
+        "r": DEMO_ADAPTER_RANK,
+        "lora_alpha": DEMO_ADAPTER_RANK,
         "lora_dropout": 0.0,
         "target_modules": ["lm_head"],
         "bias": "none",
         "fan_in_fan_out": False,
     }
     (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    stamp = {"version": DEMO_MODEL_VERSION, "variant": variant}
+    stamp = {"version": DEMO_ADAPTER_VERSION, "variant": variant}
     (staging / VERSION_FILE).write_text(json.dumps(stamp))
     shutil.rmtree(path, ignore_errors=True)
     staging.rename(path)

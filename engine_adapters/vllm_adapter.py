@@ -8,6 +8,7 @@ its generator is cancelled or closed; `abort()` is also exposed for explicit use
 
 from __future__ import annotations
 
+import asyncio
 import binascii
 import itertools
 import json
@@ -186,6 +187,7 @@ class VLLMEngine:
         self._lora_ids = itertools.count(1)
         self._using: Counter[str] = Counter()  # engine requests running on each adapter
         self._unloading: set[str] = set()  # unloaded, waiting for those requests to end
+        self._loading = asyncio.Lock()  # one load or unload at a time: each checks, then awaits
         self._llm: Any = None
         self._tokenizer: Any = None
         self._planner: VLLMOutputPlanner | None = None
@@ -249,6 +251,10 @@ class VLLMEngine:
         self._loras[name] = lora
 
     async def load_adapter(self, name: str, path: str) -> None:
+        async with self._loading:
+            await self._load_adapter(name, path)
+
+    async def _load_adapter(self, name: str, path: str) -> None:
         if self._llm is None or self._llm.errored:
             raise EngineDeadError("vLLM engine is not running")
         if name == self._served_name or name in self._adapters or name in self._unloading:
@@ -273,11 +279,12 @@ class VLLMEngine:
         self._adapters[name] = path
 
     async def unload_adapter(self, name: str) -> None:
-        if self._adapters.pop(name, None) is None:
-            raise EngineRequestError(f"the adapter '{name}' is not loaded", param="lora_name")
-        self._unloading.add(name)
-        if not self._using[name]:
-            await self._remove_lora(name)
+        async with self._loading:
+            if self._adapters.pop(name, None) is None:
+                raise EngineRequestError(f"the adapter '{name}' is not loaded", param="lora_name")
+            self._unloading.add(name)
+            if not self._using[name]:
+                await self._remove_lora(name)
 
     async def _remove_lora(self, name: str) -> None:
         self._unloading.discard(name)

@@ -564,7 +564,7 @@ def lora_server(
     modules = [f"{name}={path}" for name, path in demo_adapters.items()]
     args = [
         "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
-        "--lora-modules", *modules, "--max-lora-rank", "256", "--engine-arg", "dtype=float32",
+        "--lora-modules", *modules, "--engine-arg", "dtype=float32",
     ]  # fmt: skip
     server = SluiceProcess(args, tmp_path_factory.mktemp("lora") / "server.log", env=VLLM_ENV)
     try:

@@ -154,7 +154,6 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
     if args.demo_lora:
         from engine_adapters.demo_model import (
             DEMO_ADAPTER_NAME,
-            DEMO_ADAPTER_RANK,
             build_demo_adapter,
             build_demo_model,
         )
@@ -164,7 +163,6 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
         demo = build_demo_model(args.cache_dir / "demo-model")
         adapters[DEMO_ADAPTER_NAME] = str(build_demo_adapter(args.cache_dir / "demo-lora", demo))
         engine_args.setdefault("dtype", "float32")
-        args.max_lora_rank = max(args.max_lora_rank or 0, DEMO_ADAPTER_RANK)
     room = 0  # the most adapters served at once
     if adapters or args.enable_lora:
         room = args.max_loras or len(adapters) or 1

@@ -112,7 +112,7 @@ class ServeOptions(BaseModel):
     max_lora_rank: int | None = Field(
         None,
         description="the largest adapter rank the engine holds (vLLM's: 8, 16, 32, 64, 128, "
-        "256, 320 or 512; default 16; the demo adapter's is 256)",
+        "256, 320 or 512; default 16; the demo adapter's is 8)",
     )
     tool_call_parser: str | None = Field(
         None,

@@ -33,7 +33,7 @@ def server(
     config.write_text(json.dumps({"tenants": tenants}))
     args = [
         "--model", str(demo_model_dir), "--served-model-name", BASE, "--config", str(config),
-        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "256",
+        "--enable-lora", "--max-loras", "2",
         "--engine-arg", "dtype=float32",
     ]  # fmt: skip
     process = SluiceProcess(args, root / "server.log", env=VLLM_ENV)

@@ -31,7 +31,7 @@ from typing import Any
 
 DEMO_MODEL_NAME = "sluice-demo"
 DEMO_ADAPTER_NAME = "sluice-demo-lora"
-DEMO_ADAPTER_VERSION = 2  # bumped when its weights change, as the model's
+DEMO_ADAPTER_VERSION = 3  # bumped when its weights change, as the model's (2: rank 256)
 DEMO_ADAPTER_RANK = 8  # swaps of two output rows (within vLLM's default max_lora_rank, 16)
 # Bumped when the weights change, so that a cached model of an older build is rebuilt.
 DEMO_MODEL_VERSION = 2

@@ -87,8 +87,11 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
             "--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
             "read vLLM's output: they need --engine vllm"
         )
-    if args.engine != "vllm" and args.lora_modules:
-        raise SystemExit("--lora-modules are served by vLLM's engine: they need --engine vllm")
+    if args.engine != "vllm" and (args.lora_modules or args.enable_lora or args.demo_lora):
+        raise SystemExit(
+            "--lora-modules, --enable-lora and --demo-lora are served by vLLM's engine: they "
+            "need --engine vllm"
+        )
     options = ServeOptions.model_validate(vars(args))
     metrics = Metrics()
     engine, dispatcher, name = _build_serving(args, config, metrics)

@@ -125,7 +125,7 @@ async def create_batch(services: Services, api: BatchServices, request: Request)
         expires_at=now + WINDOWS[window],
         metadata=body.metadata,
     )
-    models = (services.served_model, *services.engine.model.adapters)
+    models = services.planner.models(services.planner.tenant_of(context_of(request)))
     lines, errors = _lines(content, endpoint, models)
     batch.request_counts["total"] = len(lines)
     if errors or not lines:
@@ -153,9 +153,10 @@ async def create_batch(services: Services, api: BatchServices, request: Request)
 
 
 def _lines(
-    content: bytes, endpoint: str, models: tuple[str, ...]
+    content: bytes, endpoint: str, models: list[str]
 ) -> tuple[list[Line], list[dict[str, Any]]]:
-    """The input file's requests, and an error per line that is not one."""
+    """The input file's requests, and an error per line that is not one (`models`: those the
+    tenant may name; a line that names none gets the tenant's default when it runs)."""
     lines: list[Line] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -186,8 +187,8 @@ def _lines(
             error(
                 "invalid_url", f"each line must be a POST to the batch's endpoint {endpoint}", "url"
             )
-        elif not isinstance(body, dict) or body.get("model", models[0]) not in models:
-            served = ", ".join(f"'{name}'" for name in models)
+        elif not isinstance(body, dict) or ("model" in body and body["model"] not in models):
+            served = ", ".join(f"'{name}'" for name in models) or "none"
             error("model_not_found", f"'body.model' must be a served model: {served}", "body.model")
         else:
             try:

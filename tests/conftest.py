@@ -245,6 +245,18 @@ class SluiceProcess:
         """Sum of the samples of `name` whose labels include `labels`."""
         return metric_sum(httpx.get(self.url + "/metrics", timeout=5).text, name, **labels)
 
+    def __enter__(self) -> SluiceProcess:
+        """Ready (stopped if it never gets there); stopped on leaving."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -566,12 +578,10 @@ def lora_server(
         "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
         "--lora-modules", *modules, "--engine-arg", "dtype=float32",
     ]  # fmt: skip
-    server = SluiceProcess(args, tmp_path_factory.mktemp("lora") / "server.log", env=VLLM_ENV)
-    try:
-        server.wait_ready()
+    with SluiceProcess(
+        args, tmp_path_factory.mktemp("lora") / "server.log", env=VLLM_ENV
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -36,12 +36,8 @@ def server(
         "--enable-lora", "--max-loras", "2",
         "--engine-arg", "dtype=float32",
     ]  # fmt: skip
-    process = SluiceProcess(args, root / "server.log", env=VLLM_ENV)
-    try:
-        process.wait_ready()
+    with SluiceProcess(args, root / "server.log", env=VLLM_ENV) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def post(

@@ -45,12 +45,8 @@ def server(
         "--config",
         str(config),
     ]
-    process = SluiceProcess(args, root / "server.log", env=VLLM_ENV)
-    try:
-        process.wait_ready()
+    with SluiceProcess(args, root / "server.log", env=VLLM_ENV) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def cached(server: SluiceProcess, tenant: str) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +88,32 @@ def _corpus() -> list[str]:
     return lines
 
 
-def is_demo_model(path: Path) -> bool:
-    """A complete build of this version of the demo model is at `path`."""
+def _stamp(path: Path) -> dict[str, Any]:
+    """What a build at `path` says it is ({}: no complete build there)."""
     try:
         stamp = json.loads((path / VERSION_FILE).read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+    return stamp if isinstance(stamp, dict) else {}
+
+
+def _build_once(path: Path, built: Callable[[], bool], build: Callable[[], None]) -> Path:
+    """`build()` unless `built()`; one builder at a time (parallel test workers, several
+    servers starting): the others wait, then find it built."""
+    if built():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not built():
+            build()
+    return path
+
+
+def is_demo_model(path: Path) -> bool:
+    """A complete build of this version of the demo model is at `path`."""
     return (
-        stamp.get("version") == DEMO_MODEL_VERSION
+        _stamp(path).get("version") == DEMO_MODEL_VERSION
         and (path / "config.json").is_file()
         and (path / "tokenizer.json").is_file()
         and any(path.glob("*.safetensors"))
@@ -104,17 +123,7 @@ def is_demo_model(path: Path) -> bool:
 def build_demo_model(path: Path, *, force: bool = False) -> Path:
     """Build the demo model at `path` (no-op if one is already there, unless `force`)."""
     path = Path(path)
-    if is_demo_model(path) and not force:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # One builder at a time (parallel test workers, several servers starting): the others
-    # wait, then find the model built.
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_demo_model(path) and not force:
-            return path
-        _build(path)
-    return path
+    return _build_once(path, lambda: is_demo_model(path) and not force, lambda: _build(path))
 
 
 def _build(path: Path) -> None:
@@ -176,10 +185,7 @@ def _build(path: Path) -> None:
 
 def is_demo_adapter(path: Path, variant: int = 1) -> bool:
     """A complete build of this version and variant of the demo adapter is at `path`."""
-    try:
-        stamp = json.loads((path / VERSION_FILE).read_text())
-    except (OSError, ValueError):
-        return False
+    stamp = _stamp(path)
     return (
         stamp.get("version") == DEMO_ADAPTER_VERSION
         and stamp.get("variant") == variant
@@ -204,15 +210,11 @@ def build_demo_adapter(path: Path, model: Path, *, variant: int = 1, force: bool
     variant 1).
     """
     path, model = Path(path), Path(model)
-    if is_demo_adapter(path, variant) and not force:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_demo_adapter(path, variant) and not force:
-            return path
-        _build_adapter(path, model, variant)
-    return path
+    return _build_once(
+        path,
+        lambda: is_demo_adapter(path, variant) and not force,
+        lambda: _build_adapter(path, model, variant),
+    )
 
 
 def _build_adapter(path: Path, model: Path, variant: int) -> None:

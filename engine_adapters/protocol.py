@@ -201,18 +201,20 @@ class KVCacheInfo:
 class EngineLimits:
     """What the scheduler plans with, as the engine itself enforces it: `max_num_seqs` seats
     (the most sequences it runs in one step), `max_batched_tokens` (the most tokens one step
-    computes, prompt chunks and decodes together) and its KV cache. A request dispatched past
-    these only waits inside the engine, where Sluice cannot order it. Every field is required:
-    an engine that forgot one would silently look unbounded."""
+    computes, prompt chunks and decodes together), its KV cache, and `adapter_slots` (the most
+    distinct LoRA adapters one step runs; 0: it serves none). A request dispatched past these
+    only waits inside the engine, where Sluice cannot order it. Every field is required: an
+    engine that forgot one would silently look unbounded."""
 
     max_num_seqs: int
     max_batched_tokens: int
     kv_cache: KVCacheInfo
+    adapter_slots: int
 
     def __post_init__(self) -> None:
         values = (self.max_num_seqs, self.max_batched_tokens, *astuple(self.kv_cache))
-        if min(values) < 1:
-            raise ValueError(f"engine limits must all be >= 1: {self}")
+        if min(values) < 1 or self.adapter_slots < 0:
+            raise ValueError(f"engine limits must all be >= 1 (adapter slots >= 0): {self}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,6 +147,7 @@ class SimBatchEngine:
                 max_num_seqs=seats,
                 max_batched_tokens=seats * max_model_len,
                 kv_cache=KVCacheInfo(block_size=max_model_len, num_blocks=seats),
+                adapter_slots=0,
             ),
             vocab_size=256,  # bytes
             engine="sim-batch",

@@ -24,7 +24,11 @@ The model, one step at a time (`SimConfig` holds every parameter):
    prefill (vLLM's recompute preemption). A sequence never preempts one started before it.
 3. If nothing was preempted this step, waiting sequences are admitted in FCFS order while
    `len(running) < max_num_seqs`, budget is left and the blocks for their first chunk fit; the
-   first that does not fit blocks the ones behind it.
+   first that does not fit blocks the ones behind it. A sequence on a LoRA adapter needs a slot
+   (`max_loras` of them): its adapter's, where a running sequence holds it, or a free one.
+   Without, it is passed over and stays first, and the ones behind it go on (vLLM's). An
+   adapter that takes a slot another last held (or an empty one) is loaded into it:
+   `lora_load_ms` more on that step. Slots go least recently used first.
    Prefix caching (as vLLM's, on by default): every full block a sequence computes is kept,
    addressed by its content (the hash chain of its tokens), in an LRU of up to `kv_blocks`
    blocks that outlives the sequence. A sequence admitted with computed = 0 (new, resumed, or
@@ -64,7 +68,7 @@ import logging
 import re
 import sys
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 from engine_adapters.protocol import EngineLimits, KVCacheInfo, ModelInfo
@@ -157,6 +161,8 @@ class SimConfig:
     # On the wall clock (`SimEngine`) only: steps run back to back, at most, when the server's
     # loop fell behind the engine's clock. 0: the engine waits for the loop.
     catch_up_steps: int = 0
+    max_loras: int = 0  # LoRA slots: the most distinct adapters one step runs (0: serves none)
+    lora_load_ms: float = 0.0  # loading an adapter into a slot, added to the step that does
 
     def __post_init__(self) -> None:
         if min(self.step_base_ms, self.decode_ms_per_token, self.prefill_ms_per_token) < 0:
@@ -176,6 +182,8 @@ class SimConfig:
             raise ValueError("eos_probability must be in [0, 1]")
         if self.catch_up_steps < 0:
             raise ValueError("catch_up_steps must be >= 0")
+        if self.max_loras < 0 or self.lora_load_ms < 0:
+            raise ValueError("max_loras and lora_load_ms must be >= 0")
         if self.decode_knee_tokens < 0:
             raise ValueError("decode_knee_tokens must be >= 0")
         curve = self.step_curve_ms
@@ -209,9 +217,9 @@ class SimConfig:
                 points.append((int(n), float(ms)))
         return tuple(points)
 
-    def model_info(self, name: str) -> ModelInfo:
-        """The `sim` engine's model info: the server's engine and the discrete-event simulator
-        both plan with this one."""
+    def model_info(self, name: str, adapters: Mapping[str, str] | None = None) -> ModelInfo:
+        """The `sim` engine's model info, serving `adapters` (name to path): the server's
+        engine and the discrete-event simulator both plan with this one."""
         return ModelInfo(
             name=name,
             path=name,
@@ -220,10 +228,12 @@ class SimConfig:
                 max_num_seqs=self.max_num_seqs,
                 max_batched_tokens=self.max_batched_tokens,
                 kv_cache=KVCacheInfo(block_size=self.block_size, num_blocks=self.kv_blocks),
+                adapter_slots=self.max_loras,
             ),
             vocab_size=self.vocab_size,
             engine="sim",
             beam_search=False,
+            adapters={} if adapters is None else adapters,
         )
 
     @classmethod
@@ -250,6 +260,7 @@ _ARG_HELP = {
     "part; 0: every token costs, a CPU's line)",
     "step_curve_ms": "the step curve read from a calibration, 'decode tokens:ms,...' (or the "
     "server's log line '1: 2.5 ms, 2: 3.2 ms, ...'); replaces the base, per-token and knee costs",
+    "lora_load_ms": "cost of loading an adapter into a slot, added to the step that loads it",
     "catch_up_steps": "when the server's loop falls behind the engine's clock, run up to N "
     "steps back to back, their tokens reaching each stream as one delta, as an engine in a "
     "process of its own runs on (0: the engine waits for the loop)",
@@ -311,6 +322,7 @@ class StepResult:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preempted: tuple[str, ...] = ()
+    adapters_loaded: int = 0  # adapters this step loaded into a slot
 
     @property
     def outputs(self) -> list[SequenceOutput]:
@@ -349,6 +361,7 @@ class _Sequence:
     block_hash: int = 0  # the hash chain up to them
     cache_hit: int = 0  # prompt tokens found in the prefix cache when first admitted
     salt: int = 0  # where its hash chain starts: its cache salt's hash (0: none)
+    adapter: str | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def generated(self) -> int:
@@ -385,6 +398,9 @@ class SimTimingModel:
         self._by_id: dict[str, _Sequence] = {}
         self._blocks_used = 0
         self._prefix_cache: OrderedDict[int, None] = OrderedDict()  # block hashes, LRU
+        self._slots: OrderedDict[str, None] = OrderedDict()  # adapters in a slot, LRU first
+        self._on_adapter: dict[str, int] = {}  # running sequences on each adapter
+        self.slot_waits = 0  # times a waiting sequence was passed over for want of a slot
 
     @property
     def has_work(self) -> bool:
@@ -416,10 +432,12 @@ class SimTimingModel:
         ignore_eos: bool = False,
         seed: int | None = None,
         cache_salt: str | None = None,
+        adapter: str | None = None,
     ) -> None:
         """Queue a request at the back of the waiting queue; ValueError if it can never run.
         Its prompt's blocks are cached for, and found cached by, requests of the same
-        `cache_salt` only (as vLLM's)."""
+        `cache_salt` and `adapter` only (as vLLM's). On an adapter it draws other tokens than
+        on the base model."""
         cfg = self.config
         if request_id in self._by_id:
             raise ValueError(f"request {request_id!r} is already in the engine")
@@ -435,8 +453,12 @@ class SimTimingModel:
             raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
         if max_tokens < 1 or min_tokens < 0:
             raise ValueError("max_tokens must be >= 1 and min_tokens >= 0")
+        if adapter is not None and not cfg.max_loras:
+            raise ValueError("this engine serves no LoRA adapters")
         if seed is None:
             seed = stable_hash(request_id)
+        if adapter is not None:
+            seed ^= stable_hash(adapter)
         prompt_len = len(prompt_token_ids)
         # (Compared, not min()ed: in Python 3.11 min() costs several calls' worth.)
         stop_length = prompt_len + max_tokens
@@ -460,8 +482,9 @@ class SimTimingModel:
         )
         if cfg.prefix_caching:
             seq.next_cached = cfg.block_size
-        if cache_salt is not None:
-            seq.salt = seq.block_hash = stable_hash(cache_salt)
+        if cache_salt is not None or adapter is not None:
+            seq.salt = seq.block_hash = stable_hash(f"{cache_salt}/{adapter}")
+            seq.adapter = adapter
         self._by_id[request_id] = seq
         self._waiting.append(seq)
 
@@ -496,6 +519,7 @@ class SimTimingModel:
             return False
         if seq in self._running:
             self._running.remove(seq)
+            self._left_running(seq)
         else:
             self._waiting.remove(seq)
         self._free(seq)
@@ -525,8 +549,14 @@ class SimTimingModel:
             scheduled.append((seq, n))
             budget -= n
 
+        passed_over: list[_Sequence] = []
+        loaded = 0
         while not preempted and self._waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             seq = self._waiting[0]
+            if seq.adapter is not None and not self._has_slot(seq.adapter):
+                passed_over.append(self._waiting.popleft())
+                self.slot_waits += 1
+                continue
             if seq.computed == 0:
                 seq.computed = self._cached_prefix(seq)
                 if seq.generated == 0:
@@ -539,8 +569,12 @@ class SimTimingModel:
             self._waiting.popleft()
             seq.prefill_until = seq.length
             running.append(seq)
+            if seq.adapter is not None and self._take_slot(seq.adapter):
+                loaded += 1
             scheduled.append((seq, n))
             budget -= n
+        if passed_over:  # first again, in their order
+            self._waiting.extendleft(reversed(passed_over))
 
         prefill_tokens = decode_tokens = 0
         request_ids: list[str] = []
@@ -594,7 +628,9 @@ class SimTimingModel:
                 self._finish(seq)
 
         duration_ms = (
-            cfg.decode_ms(decode_tokens) + cfg.prefill_ms_per_token * prefill_tokens
+            cfg.decode_ms(decode_tokens)
+            + cfg.prefill_ms_per_token * prefill_tokens
+            + cfg.lora_load_ms * loaded
             if scheduled
             else 0.0
         )
@@ -607,7 +643,37 @@ class SimTimingModel:
             prefill_tokens,
             decode_tokens,
             tuple(preempted),
+            loaded,
         )
+
+    def _has_slot(self, adapter: str) -> bool:
+        """Whether a sequence on `adapter` may run now: a running one holds its slot, or
+        fewer adapters than slots run."""
+        return adapter in self._on_adapter or len(self._on_adapter) < self.config.max_loras
+
+    def _take_slot(self, adapter: str) -> bool:
+        """A sequence on `adapter` starts running; whether that loads it into a slot (the
+        least recently used one that no running adapter holds)."""
+        running = self._on_adapter
+        running[adapter] = running.get(adapter, 0) + 1
+        slots = self._slots
+        if adapter in slots:
+            slots.move_to_end(adapter)
+            return False
+        if len(slots) >= self.config.max_loras:
+            idle = next(name for name in slots if name not in running)
+            del slots[idle]
+        slots[adapter] = None
+        return True
+
+    def _left_running(self, seq: _Sequence) -> None:
+        adapter = seq.adapter
+        if adapter is not None:
+            left = self._on_adapter[adapter] - 1
+            if left:
+                self._on_adapter[adapter] = left
+            else:
+                del self._on_adapter[adapter]
 
     def _cached_prefix(self, seq: _Sequence) -> int:
         """Tokens of `seq` the prefix cache holds, in whole blocks, short of its last token."""
@@ -668,12 +734,14 @@ class SimTimingModel:
         seq.blocks = 0
 
     def _preempt(self, seq: _Sequence) -> None:
+        self._left_running(seq)
         self._free(seq)
         seq.computed = 0
         self._waiting.appendleft(seq)
 
     def _finish(self, seq: _Sequence) -> None:
         self._running.remove(seq)
+        self._left_running(seq)
         del self._by_id[seq.request_id]
         self._free(seq)
 

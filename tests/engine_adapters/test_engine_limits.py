@@ -24,7 +24,7 @@ def test_sim_reports_the_seats_it_was_configured_with() -> None:
     info = SimEngine(THIRTY_TWO_SEATS, model_name="sim-32").model
     assert info.path == "sim-32"
     assert info.limits == EngineLimits(
-        max_num_seqs=32, max_batched_tokens=512, kv_cache=KVCacheInfo(32, 64)
+        max_num_seqs=32, max_batched_tokens=512, kv_cache=KVCacheInfo(32, 64), adapter_slots=0
     )
     # The discrete-event simulator plans with the same model info as the server's engine.
     assert THIRTY_TWO_SEATS.model_info("sim-32") == info
@@ -41,7 +41,13 @@ def test_limits_are_required_and_never_zero() -> None:
     with pytest.raises(TypeError):
         ModelInfo(name="m", path="m", max_model_len=16)  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="engine limits"):
-        EngineLimits(max_num_seqs=0, max_batched_tokens=16, kv_cache=KVCacheInfo(16, 4))
+        EngineLimits(
+            max_num_seqs=0, max_batched_tokens=16, kv_cache=KVCacheInfo(16, 4), adapter_slots=0
+        )
+    with pytest.raises(ValueError, match="engine limits"):
+        EngineLimits(
+            max_num_seqs=8, max_batched_tokens=16, kv_cache=KVCacheInfo(16, 4), adapter_slots=-1
+        )
 
 
 @pytest.mark.parametrize("configured", [8, 32, 256, 1024])

@@ -180,6 +180,58 @@ def test_a_salted_prompt_shares_cached_blocks_with_its_salt_only() -> None:
     assert prefill(model, "a2", "tenant-a") == 4  # its own: all but the last block
 
 
+def test_a_request_on_an_adapter_without_a_slot_is_passed_over_not_in_the_way() -> None:
+    """As vLLM's scheduler: a waiting request whose adapter has no slot stays first in line,
+    and the ones behind it that can run do."""
+    model = SimTimingModel(SimConfig(max_loras=1))
+    model.add("a1", PROMPT, max_tokens=3, adapter="a")
+    model.add("b1", PROMPT, max_tokens=3, adapter="b")
+    model.add("a2", PROMPT, max_tokens=3, adapter="a")
+    model.add("base", PROMPT, max_tokens=3)
+    assert sorted(model.step().request_ids) == ["a1", "a2", "base"]
+    assert model.slot_waits == 1 and model.num_waiting == 1
+    results = run_to_completion(model)
+    assert finish_reasons(results)["b1"] == "length"  # once a's last request ended
+
+
+def test_loading_an_adapter_into_a_slot_costs_its_step_the_load_time() -> None:
+    config = dataclasses.replace(EXACT, max_loras=2, lora_load_ms=5.0)
+
+    def first_step(model: SimTimingModel, name: str, adapter: str | None) -> StepResult:
+        model.add(name, PROMPT, max_tokens=1, adapter=adapter)
+        step = model.step()
+        run_to_completion(model)
+        return step
+
+    model = SimTimingModel(config)
+    base = first_step(model, "base", None)
+    loaded = first_step(model, "a1", "a")
+    assert (loaded.adapters_loaded, loaded.duration_s - base.duration_s) == (1, pytest.approx(5e-3))
+    assert first_step(model, "a2", "a").adapters_loaded == 0  # still in its slot
+    assert first_step(model, "b1", "b").adapters_loaded == 1  # the second slot
+    assert first_step(model, "c1", "c").adapters_loaded == 1  # into a's slot, least recent
+    assert first_step(model, "b2", "b").adapters_loaded == 0
+    assert first_step(model, "a3", "a").adapters_loaded == 1
+
+
+def test_an_adapter_draws_its_own_tokens_and_caches_its_own_blocks() -> None:
+    model = SimTimingModel(SimConfig(block_size=4, max_loras=2))
+
+    def run(name: str, adapter: str | None) -> tuple[list[int], int]:
+        model.add(name, PROMPT, max_tokens=4, seed=7, adapter=adapter)
+        results = run_to_completion(model)
+        return tokens_by_request(results)[name], sum(r.prefill_tokens for r in results)
+
+    base, _ = run("base", None)
+    on_a, a_prefill = run("a", "a")
+    assert on_a != base
+    assert a_prefill == 8  # the base model's blocks are not the adapter's
+    assert run("b", "b")[1] == 8
+    assert run("a-again", "a") == (on_a, 4)  # its own: all but the last block
+    with pytest.raises(ValueError, match="no LoRA"):
+        SimTimingModel().add("x", PROMPT, max_tokens=1, adapter="a")
+
+
 def test_a_new_sequence_waits_until_its_blocks_fit() -> None:
     model = SimTimingModel(SimConfig(block_size=4, kv_blocks=8, max_model_len=32))
     model.add("big", [7] * 28, max_tokens=2)  # 7 blocks

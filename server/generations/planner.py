@@ -150,6 +150,7 @@ class Planner:
                 and not parsed.sampling.get("beam_search")
             ),
             n=parsed.n,
+            adapter=adapter,
         )
         watch = self.dispatcher.slo(ticket)
         if watch is not None:

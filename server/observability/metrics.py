@@ -87,6 +87,7 @@ STATE_OPERATIONS = (
     "read",
     "batches",
     "keep",
+    "adapters",
 )
 
 
@@ -283,7 +284,8 @@ class Metrics:
             "chats_far_over (bulk over its cap while chats measure far over their gap target), "
             "step_over_target (bulk over its cap and a step predicted far over the target), "
             "chat_burst (bulk over its cap while more chats run than usually do), "
-            "waiting_chat (a chat waited preempt_bulk_after_s with no budget room).",
+            "waiting_chat (a chat waited preempt_bulk_after_s with no budget room), "
+            "adapter_slot (a chat on a LoRA adapter waited for a slot only bulk held).",
             ["model", "cause"],
             registry=registry,
         )

@@ -27,6 +27,7 @@ class BudgetLimits:
     # The most prompt tokens the engine computes in one step: a longer prompt is prefilled in
     # chunks, over several steps (0: in one, however long).
     prefill_chunk: int = 0
+    adapter_slots: int = 0  # the most distinct LoRA adapters running at once (`adapters.py`)
 
     @classmethod
     def from_engine(cls, config: BudgetConfig, model: ModelInfo) -> BudgetLimits:
@@ -44,7 +45,14 @@ class BudgetLimits:
         tokens = max(tokens, model.max_model_len)
         kv_blocks = max(kv_blocks, -(-model.max_model_len // block_size))
         sequences = min(config.max_running_seqs, engine.max_num_seqs)
-        return cls(tokens, kv_blocks, sequences, block_size, engine.max_batched_tokens)
+        return cls(
+            tokens,
+            kv_blocks,
+            sequences,
+            block_size,
+            engine.max_batched_tokens,
+            engine.adapter_slots,
+        )
 
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.tokens, self.kv_blocks, self.sequences)

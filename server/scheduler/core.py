@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from server.core.config import SluiceConfig
+from server.scheduler.adapters import AdapterSlots
 from server.scheduler.attainment import ChatMeter
 from server.scheduler.backlog import Backlog
 from server.scheduler.budgets import BudgetLedger, BudgetLimits
@@ -72,6 +73,10 @@ BURST_MARGIN = 1
 # Of a chat's TTFT target: a first token later than this after its dispatch waited in the
 # engine, where bulk's prefills and steps are (the rest is the frontend's, or a queue's).
 ENGINE_SHARE = 0.5
+
+# While bulk's head waits for an adapter slot, bulk on the adapters that hold the slots goes on
+# starting for this long, then stops starting, so that they end and free one (`_bulk_instead`).
+ADAPTER_TURN_S = 10.0
 
 # Made once: formatting an enum runs Python code, and a flood is refused this a million times.
 # For the same reason the paths every request takes compare numbers where min() and max() would
@@ -118,10 +123,15 @@ class _Running:
         return (self.ticket.prompt_tokens + self.generated) % block_size
 
 
+def _on_base_model(ticket: Ticket) -> bool:
+    return ticket.adapter is None
+
+
 class SchedulerCore:
     def __init__(self, config: SluiceConfig, limits: BudgetLimits) -> None:
         self.config = config
         self.ledger = BudgetLedger(limits, config.budgets)
+        self.slots = AdapterSlots(limits.adapter_slots)
         self.estimates = RateEstimates(config.estimates)
         quantum = config.budgets.fairness_quantum_tokens
         self._queues = {c: TenantFairQueue(quantum_tokens=quantum) for c in TrafficClass}
@@ -154,6 +164,7 @@ class SchedulerCore:
         self._mean_reserved = 1024.0
         self._many_tenants = len(config.tenants) > 1
         self._preempt_considered: str | None = None  # head already judged past its threshold
+        self._bulk_slot_wait_since: float | None = None  # bulk's head has waited for a slot
         self.preemptions_total = 0  # requeued
         self.preempted_for = dict.fromkeys(PreemptCause, 0)  # named to stop, by cause
 
@@ -408,13 +419,27 @@ class SchedulerCore:
         interactive = self._queues[INTERACTIVE]
         bulk = self._queues[BULK]
         started: list[Ticket] = []
+        slots = self.slots
         while True:
             head = interactive.peek()
-            if head is not None and self.ledger.fits(head, bulk_waiting=len(bulk) > 0):
+            if (
+                head is not None
+                and self.ledger.fits(head, bulk_waiting=len(bulk) > 0)
+                and slots.fits(head)
+            ):
                 interactive.pop(head)
                 started.append(self._start(head, now))
                 continue
             bulk_head = bulk.peek()
+            # A slot free is a chat's first: bulk takes one only while no chat waits.
+            if (
+                bulk_head is not None
+                and not slots.resident(bulk_head)
+                and not (head is None and slots.fits(bulk_head))
+            ):
+                bulk_head = self._bulk_instead(now)
+            else:
+                self._bulk_slot_wait_since = None  # it waits for no slot
             if (
                 bulk_head is not None
                 and self._bulk_may_start(bulk_head, now)
@@ -436,6 +461,18 @@ class SchedulerCore:
                 started.append(self._start(bulk_head, now))
                 continue
             return started
+
+    def _bulk_instead(self, now: float) -> Ticket | None:
+        """What bulk starts while its head waits for an adapter slot: for `ADAPTER_TURN_S`,
+        the first line's head that needs no slot (the base model's, or an adapter's that runs):
+        the slots stay busy. Then only the base model's, so that the adapters that hold the
+        slots end their turn and one frees (a line that always had a request waiting would
+        otherwise keep its slot for ever)."""
+        if self._bulk_slot_wait_since is None:
+            self._bulk_slot_wait_since = now
+        if now - self._bulk_slot_wait_since < ADAPTER_TURN_S:
+            return self._queues[BULK].first(self.slots.resident)
+        return self._queues[BULK].first(_on_base_model)
 
     def _bulk_may_start(self, ticket: Ticket, now: float) -> bool:
         """Below the cap, and within the prefill the step-time target leaves room for: bulk
@@ -501,6 +538,7 @@ class SchedulerCore:
         del self._queued[ticket.request_id]
         expected_output = self._backlog.remove(ticket)
         self.ledger.acquire(ticket)
+        self.slots.acquire(ticket)
         self._running[ticket.request_id] = _Running(
             ticket, now, expected_output, others_at_dispatch=self._sequences
         )
@@ -567,7 +605,7 @@ class SchedulerCore:
         chosen: list[Ticket] = []
         if self._running_per_class[BULK] == 0:
             return chosen  # no bulk runs: neither pick has anything to name
-        for pick in (self._over_cap, self._for_waiting_chat):
+        for pick in (self._over_cap, self._for_waiting_chat, self._for_adapter_slot):
             for entry in pick(now):  # named before the next pick, so named once
                 entry.preempting = True
                 self._preempting += 1
@@ -638,6 +676,32 @@ class SchedulerCore:
             ):
                 return self._stopping(PreemptCause.WAITING_CHAT, chosen)
         return []  # even stopping every bulk request would not make room
+
+    def _for_adapter_slot(self, now: float) -> list[_Running]:
+        """Returns [] unless the interactive head waits for an adapter slot that bulk alone
+        holds: then all the bulk on one such adapter (the fewest sequences) stops, at once (a
+        slot frees only when the last request on it ends, which a flood may never let happen).
+        Not while a slot is already being freed, nor from an adapter with bulk that cannot
+        resume."""
+        head = self._queues[INTERACTIVE].peek()
+        if head is None or self.slots.fits(head):
+            return []
+        held = self.slots.held_by_bulk_only()
+        on: dict[str, list[_Running]] = {adapter: [] for adapter in held}
+        for entry in self._running.values():
+            adapter = entry.ticket.adapter
+            if adapter is not None and adapter in on:
+                on[adapter].append(entry)
+        best: list[_Running] | None = None
+        for entries in on.values():
+            if all(e.preempting for e in entries):
+                return []  # its slot frees as they are requeued
+            if any(not e.ticket.preemptible for e in entries if not e.preempting):
+                continue
+            stopping = [e for e in entries if not e.preempting]
+            if best is None or sum(e.ticket.n for e in stopping) < sum(e.ticket.n for e in best):
+                best = stopping
+        return [] if best is None else self._stopping(PreemptCause.ADAPTER_SLOT, best)
 
     def requeue(self, request_id: str, now: float) -> Ticket | None:
         """Put a preempted running ticket back in the bulk queue as a continuation of what it
@@ -758,6 +822,7 @@ class SchedulerCore:
         if entry.preempting:
             self._preempting -= 1
         self.ledger.release(entry.ticket)
+        self.slots.release(entry.ticket)
         self.estimates.running_changed(self._sequences, now)
         if entry.ticket.traffic_class is INTERACTIVE:
             self._chats_changed(now)

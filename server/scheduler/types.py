@@ -39,6 +39,7 @@ class PreemptCause(StrEnum):
     STEP_OVER_TARGET = "step_over_target"  # bulk over its cap, the model's step far over it
     CHAT_BURST = "chat_burst"  # bulk over its cap, more chats than usually run together
     WAITING_CHAT = "waiting_chat"  # a chat waited its threshold with no budget room
+    ADAPTER_SLOT = "adapter_slot"  # a chat on an adapter waits for a slot bulk holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +69,17 @@ class Ticket:
     resumed_tokens: int = 0
     preemptible: bool = True  # False: never stopped to make room (it could not resume as is)
     n: int = 1  # choices: sequences the engine runs for it, each up to max_tokens
+    adapter: str | None = None  # the LoRA adapter it runs on (None: the base model)
     # Tokens held in the budget while running: the prompt plus every token it may emit. Kept,
     # not a property: the budgets, the queues and the quotas read it several times a request.
     reserved_tokens: int = field(init=False)
+    # Its line in its class's queue: its tenant's requests on its model take turns with the
+    # other lines (`queues.py`), so tenants, and one tenant's adapters, share fairly.
+    flow: tuple[str, str | None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.reserved_tokens = self.prompt_tokens + self.n * self.max_tokens
+        self.flow = (self.tenant, self.adapter)
 
     def continued(self, generated: int) -> Ticket:
         """The ticket that continues this one after it generated `generated` tokens."""

@@ -183,6 +183,7 @@ class TenantDirectory:
         arrival: float,
         preemptible: bool = True,
         n: int = 1,
+        adapter: str | None = None,
     ) -> Ticket:
         traffic_class = self.traffic_class(tenant, service_tier, asked_class)
         wanted = requested_class(service_tier, asked_class)
@@ -203,4 +204,5 @@ class TenantDirectory:
             open_ended=open_ended,
             preemptible=preemptible,
             n=n,
+            adapter=adapter,
         )

@@ -29,8 +29,12 @@ def core(
     kv_blocks: int = 10_000,
     sequences: int = 100,
     block_size: int = 16,
+    adapter_slots: int = 0,
 ) -> SchedulerCore:
-    return SchedulerCore(cfg or config(), BudgetLimits(tokens, kv_blocks, sequences, block_size))
+    return SchedulerCore(
+        cfg or config(),
+        BudgetLimits(tokens, kv_blocks, sequences, block_size, adapter_slots=adapter_slots),
+    )
 
 
 def ticket(
@@ -43,9 +47,21 @@ def ticket(
     prompt: int = 10,
     max_tokens: int = 10,
     open_ended: bool = False,
+    adapter: str | None = None,
+    preemptible: bool = True,
 ) -> Ticket:
     return Ticket(
-        request_id, tenant, traffic_class, "m", at, deadline, prompt, max_tokens, open_ended
+        request_id,
+        tenant,
+        traffic_class,
+        "m",
+        at,
+        deadline,
+        prompt,
+        max_tokens,
+        open_ended,
+        preemptible=preemptible,
+        adapter=adapter,
     )
 
 

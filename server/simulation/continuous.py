@@ -72,7 +72,7 @@ class _Live:
 
     timeline: Timeline
     targets: SloTargets | None  # an interactive request's targets at its arrival
-    stream: tuple[int, int] | None  # the bulk stream that sent it, its number in that stream
+    stream: _Sent | None  # the bulk stream that sent it, and its number in that stream
     # Once dispatched, its prompt: its first, or that and what it generated before a preemption.
     prompt: Sequence[int] | None = None
     delivered_before: int = 0  # its output tokens when it was last dispatched
@@ -85,13 +85,20 @@ class _Live:
 
 @dataclass(frozen=True, slots=True)
 class BulkStreams:
-    """Closed-loop bulk streams: each sends its next request when the previous one ends."""
+    """Closed-loop bulk streams: each sends its next request when the previous one ends.
+    Their requests are named `{name}{stream}.{number}`, on `model` (another than the
+    simulator's `DEFAULT_MODEL`: one of its LoRA adapters)."""
 
     count: int
     shape: RequestShape
     until_s: float
     tenant: str = "default"
     retry_s: float = 0.1  # after a refusal
+    name: str = "bulk"
+    model: str = DEFAULT_MODEL
+
+
+_Sent = tuple[BulkStreams, int, int]  # streams, stream, number in that stream
 
 
 class ContinuousSimulation:
@@ -125,7 +132,6 @@ class ContinuousSimulation:
         self._keep_timelines = keep_timelines
         self._live: dict[str, _Live] = {}  # requests not ended yet
         self._by_engine_id: dict[str, _Live] = {}  # running requests by engine request id
-        self._bulk_streams: BulkStreams | None = None
         self._class_deadline_s = {tc: config.classes[tc].deadline_s for tc in TrafficClass}
         self._class_name = {tc: tc.value for tc in TrafficClass}
         self._stepping = False
@@ -141,28 +147,27 @@ class ContinuousSimulation:
         self.loop.feed(((a.time_s, a) for a in arrivals), self._arrive)
 
     def add_bulk_streams(self, streams: BulkStreams) -> None:
-        self._bulk_streams = streams
+        """Start closed-loop streams (several sets, each of its own name, may run)."""
         for n in range(streams.count):
-            self.loop.call_at(0.0, partial(self._next_in_stream, n, 0))
+            self.loop.call_at(0.0, partial(self._next_in_stream, streams, n, 0))
 
-    def _next_in_stream(self, stream: int, sequence: int) -> None:
-        streams = self._bulk_streams
-        assert streams is not None
+    def _next_in_stream(self, streams: BulkStreams, stream: int, sequence: int) -> None:
         now = self.loop.now
         if now >= streams.until_s:
             return
         shape = streams.shape
         self._arrive(
             Arrival(
-                f"bulk{stream}.{sequence}",
+                f"{streams.name}{stream}.{sequence}",
                 now,
                 None if shape.deadline_s is None else now + shape.deadline_s,
                 BULK,
                 streams.tenant,
                 shape.prompt_tokens,
                 shape.max_tokens,
+                streams.model,
             ),
-            (stream, sequence),
+            (streams, stream, sequence),
         )
 
     def cancel_at(self, request_id: str, time_s: float) -> None:
@@ -177,7 +182,7 @@ class ContinuousSimulation:
         return self.tally.with_added(live) if live else self.tally
 
     # --- events ------------------------------------------------------------------------
-    def _arrive(self, arrival: Arrival, stream: tuple[int, int] | None = None) -> None:
+    def _arrive(self, arrival: Arrival, stream: _Sent | None = None) -> None:
         """An arrival reaches the scheduler once the host's server has read it."""
         now = self.loop.now
         setup = self.host.request_s(now)
@@ -186,7 +191,7 @@ class ContinuousSimulation:
         else:
             self._submit(arrival, stream, now)
 
-    def _submit(self, arrival: Arrival, stream: tuple[int, int] | None, arrived: float) -> None:
+    def _submit(self, arrival: Arrival, stream: _Sent | None, arrived: float) -> None:
         now = self.loop.now
         tc = arrival.traffic_class
         deadline = arrival.deadline_s
@@ -201,6 +206,7 @@ class ContinuousSimulation:
             deadline,
             arrival.prompt_tokens,
             arrival.max_tokens,
+            adapter=None if arrival.model == DEFAULT_MODEL else arrival.model,
         )
         timeline = Timeline(arrival.id, arrival.tenant, self._class_name[tc], arrived, deadline)
         if self._keep_timelines:
@@ -260,7 +266,9 @@ class ContinuousSimulation:
             prompt = live.prompt = self._prompt(seed, ticket.prompt_tokens)
         assert len(prompt) == ticket.prompt_tokens
         live.delivered_before = timeline.output_tokens
-        self.model.add(engine_id, prompt, ticket.max_tokens, ignore_eos=True, seed=seed)  # copies
+        self.model.add(  # (it copies the prompt)
+            engine_id, prompt, ticket.max_tokens, ignore_eos=True, seed=seed, adapter=ticket.adapter
+        )
         if timeline.dispatched is None:
             timeline.dispatched = now
         timeline.outcome = "running"
@@ -398,7 +406,7 @@ class ContinuousSimulation:
         stage: str | None,
         gaps: list[float] | None,
         targets: SloTargets | None,
-        stream: tuple[int, int] | None,
+        stream: _Sent | None,
     ) -> None:
         """A request ends: its verdict, its figures in the tally, and its stream's next."""
         now = self.loop.now
@@ -419,10 +427,11 @@ class ContinuousSimulation:
             self.core.meter.ended(Ended.of(targets, median_gap_s=timeline.median_gap))
         self.tally.add(timeline)
         if stream is not None:
-            assert self._bulk_streams is not None
-            number, sequence = stream
-            delay = self._bulk_streams.retry_s if outcome == "rejected" else 0.0
-            self.loop.call_at(now + delay, partial(self._next_in_stream, number, sequence + 1))
+            streams, number, sequence = stream
+            delay = streams.retry_s if outcome == "rejected" else 0.0
+            self.loop.call_at(
+                now + delay, partial(self._next_in_stream, streams, number, sequence + 1)
+            )
 
 
 # --- reporting ---------------------------------------------------------------------------

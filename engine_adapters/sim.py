@@ -8,6 +8,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 from engine_adapters.protocol import (
@@ -80,10 +81,24 @@ class SimEngine:
     with `continue_final_message` the last message's `<|eos|>` is left off instead).
     """
 
-    def __init__(self, config: SimConfig | None = None, *, model_name: str = "sim") -> None:
+    def __init__(
+        self,
+        config: SimConfig | None = None,
+        *,
+        model_name: str = "sim",
+        adapters: Mapping[str, str] | None = None,
+        room: int = 0,
+    ) -> None:
+        """`adapters`: LoRA adapters served as models from the start, name to path (a label:
+        the sim reads no weights; an adapter's requests draw tokens of their own), with
+        `config.max_loras` slots; `room`: the most served at once (default: the slots)."""
         self.config = config or SimConfig()
         self._model = SimTimingModel(self.config)
-        self._model_info = self.config.model_info(model_name)
+        self._adapters = dict(adapters or {})
+        self._adapter_room = max(room or self.config.max_loras, len(self._adapters))
+        if self._adapters and not self.config.max_loras:
+            raise ValueError("adapters need LoRA slots (max_loras)")
+        self._model_info = self.config.model_info(model_name, MappingProxyType(self._adapters))
         self._streams: dict[str, _Stream] = {}
         self._finishing: set[str] = set()  # finished by the step now passing, not yet delivered
         self._wakeup = asyncio.Event()
@@ -175,10 +190,21 @@ class SimEngine:
         raise no_prompt_embeds(self.model.engine)
 
     async def load_adapter(self, name: str, path: str) -> None:
-        raise no_adapters(self.model.engine)
+        if not self.config.max_loras:
+            raise no_adapters(self.model.engine)
+        if name == self.model.name or name in self._adapters:
+            raise EngineRequestError(f"the adapter '{name}' is already loaded", param="lora_name")
+        if len(self._adapters) >= self._adapter_room:
+            raise EngineRequestError(
+                f"{len(self._adapters)} adapters are loaded, the most there is room for",
+                param="lora_name",
+            )
+        self._adapters[name] = path
 
     async def unload_adapter(self, name: str) -> None:
-        raise no_adapters(self.model.engine)
+        # (Its running requests finish: the timing model serves any adapter it is given.)
+        if self._adapters.pop(name, None) is None:
+            raise EngineRequestError(f"the adapter '{name}' is not loaded", param="lora_name")
 
     def render_chat(
         self,
@@ -262,6 +288,7 @@ class SimEngine:
                 ignore_eos=sampling.ignore_eos,
                 seed=sampling.seed,
                 cache_salt=request.cache_salt,
+                adapter=request.adapter,
             )
         except ValueError as exc:
             raise EngineRequestError(str(exc)) from exc

@@ -65,29 +65,6 @@ def parse_engine_args(pairs: Sequence[str]) -> dict[str, Any]:
     return parsed
 
 
-def parse_lora_modules(items: Sequence[str]) -> dict[str, str]:
-    """vLLM's `--lora-modules` forms, NAME=PATH or a JSON object with `name` and `path`, into
-    name -> path (a name given twice is an error)."""
-    modules: dict[str, str] = {}
-    for item in items:
-        if item.lstrip().startswith("{"):
-            try:
-                spec = json.loads(item)
-                name, path = str(spec["name"]), str(spec["path"])
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(
-                    f"LoRA module {item!r} is not JSON with 'name' and 'path'"
-                ) from None
-        else:
-            name, sep, path = item.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"LoRA module {item!r} is not NAME=PATH")
-        if name in modules:
-            raise ValueError(f"LoRA module {name!r} is given twice")
-        modules[name] = path
-    return modules
-
-
 def to_sampling_params(options: SamplingOptions) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -172,17 +149,20 @@ class VLLMEngine:
         parsers: ParserOptions | None = None,
         adapters: Mapping[str, str] | None = None,
         adapter_room: int = 0,
+        adapter_slots: int = 0,
     ) -> None:
         """`adapters`: LoRA adapters served as models, name to path; `adapter_room`: the most
-        adapters served at once, these and those loaded at runtime (the engine's arguments
-        must enable LoRA for them: `enable_lora`, `max_loras`, and a `max_lora_rank` that holds
-        them)."""
+        adapters served at once, these and those loaded at runtime; `adapter_slots`: the most
+        distinct adapters one step runs, as the scheduler plans (default: the room). The
+        engine's arguments must enable LoRA for them: `enable_lora`, a `max_loras` of at least
+        the room, and a `max_lora_rank` that holds them."""
         self._model_path = model
         self._served_name = served_model_name
         self._engine_args = dict(engine_args or {})
         self._parsers = parsers or ParserOptions()
         self._adapters = dict(adapters or {})  # served now: name -> path
         self._adapter_room = max(adapter_room, len(self._adapters))
+        self._adapter_slots = min(adapter_slots or self._adapter_room, self._adapter_room)
         self._loras: dict[str, Any] = {}  # name -> vLLM's LoRARequest, until it leaves vLLM
         self._lora_ids = itertools.count(1)
         self._using: Counter[str] = Counter()  # engine requests running on each adapter
@@ -224,6 +204,7 @@ class VLLMEngine:
                 max_num_seqs=scheduler.max_num_seqs,
                 max_batched_tokens=scheduler.max_num_batched_tokens,
                 kv_cache=KVCacheInfo(block_size=cache.block_size, num_blocks=cache.num_gpu_blocks),
+                adapter_slots=self._adapter_slots,
             ),
             vocab_size=config.model_config.get_vocab_size(),
             adapters=MappingProxyType(self._adapters),
@@ -266,8 +247,8 @@ class VLLMEngine:
             )
         if len(self._loras) >= self._adapter_room:
             raise EngineRequestError(
-                f"{len(self._loras)} adapters are loaded, the most --max-loras allows: unload one "
-                "first",
+                f"{len(self._loras)} adapters are loaded, the most --max-cpu-loras allows: unload "
+                "one first",
                 param="lora_name",
             )
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -87,11 +88,10 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
             "--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
             "read vLLM's output: they need --engine vllm"
         )
-    if args.engine != "vllm" and (args.lora_modules or args.enable_lora or args.demo_lora):
-        raise SystemExit(
-            "--lora-modules, --enable-lora and --demo-lora are served by vLLM's engine: they "
-            "need --engine vllm"
-        )
+    if args.engine == "sim-batch" and (args.lora_modules or args.enable_lora or args.demo_lora):
+        raise SystemExit("the sim-batch engine serves no LoRA adapters")
+    if args.engine == "sim" and args.demo_lora:
+        raise SystemExit("--demo-lora is the demo model's adapter: it needs --engine vllm")
     options = ServeOptions.model_validate(vars(args))
     metrics = Metrics()
     engine, dispatcher, name = _build_serving(args, config, metrics)
@@ -141,41 +141,54 @@ def _build_serving(
 
 
 def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
-    if args.engine == "sim":
-        from engine_adapters.sim import SimConfig, SimEngine
+    from engine_adapters.lora_modules import plan_adapters
 
-        name = args.served_model_name or "sim"
-        return SimEngine(SimConfig.from_args(args), model_name=name), name
-    from engine_adapters.vllm_adapter import VLLMEngine, parse_engine_args, parse_lora_modules
-    from engine_adapters.vllm_output import ParserOptions
-
-    try:
-        engine_args = parse_engine_args(args.engine_arg)
-        adapters = parse_lora_modules(args.lora_modules)
-    except ValueError as exc:
-        raise StartRefused(str(exc)) from None
+    modules = list(args.lora_modules)
     if args.demo_lora:
+        if args.model is not None:
+            raise StartRefused("--demo-lora is the demo model's adapter: it needs no --model")
         from engine_adapters.demo_model import (
             DEMO_ADAPTER_NAME,
             build_demo_adapter,
             build_demo_model,
         )
 
-        if args.model is not None:
-            raise StartRefused("--demo-lora is the demo model's adapter: it needs no --model")
         demo = build_demo_model(args.cache_dir / "demo-model")
-        adapters[DEMO_ADAPTER_NAME] = str(build_demo_adapter(args.cache_dir / "demo-lora", demo))
+        path = build_demo_adapter(args.cache_dir / "demo-lora", demo)
+        modules.append(f"{DEMO_ADAPTER_NAME}={path}")
+    try:
+        plan = plan_adapters(
+            modules,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_cpu_loras=args.max_cpu_loras,
+        )
+    except ValueError as exc:
+        raise StartRefused(str(exc)) from None
+    if args.engine == "sim":
+        from engine_adapters.sim import SimConfig, SimEngine
+
+        name = args.served_model_name or "sim"
+        if name in plan.adapters:
+            raise StartRefused(f"LoRA module {name!r} has the served model's name")
+        config = dataclasses.replace(SimConfig.from_args(args), max_loras=plan.slots)
+        return SimEngine(config, model_name=name, adapters=plan.adapters, room=plan.room), name
+    from engine_adapters.vllm_adapter import VLLMEngine, parse_engine_args
+    from engine_adapters.vllm_output import ParserOptions
+
+    try:
+        engine_args = parse_engine_args(args.engine_arg)
+    except ValueError as exc:
+        raise StartRefused(str(exc)) from None
+    if args.demo_lora:
         engine_args.setdefault("dtype", "float32")
-    room = 0  # the most adapters served at once
-    if adapters or args.enable_lora:
-        room = args.max_loras or len(adapters) or 1
-        if room < len(adapters):
-            raise StartRefused(f"--max-loras {room} is fewer than the {len(adapters)} adapters")
-        # Every adapter in a slot of its own, and one slot more that none takes: vLLM 0.32's
+    if plan.room:
+        # Every adapter in a slot of vLLM's own, and one slot more that none takes: vLLM 0.32's
         # CPU LoRA ops read a base-model token's slot index, -1, as the last slot, and so add
         # that slot's adapter to the base model's output (vllm-project/vllm#48421). Slots are
-        # taken first free, so with one more than are ever loaded the last stays empty.
-        engine_args.update(enable_lora=True, max_loras=room + 1)
+        # taken first free, so with one more than are ever loaded the last stays empty. How
+        # many adapters one step runs (`plan.slots`) is the scheduler's to hold, chats first.
+        engine_args.update(enable_lora=True, max_loras=plan.room + 1, max_cpu_loras=plan.room + 1)
         if args.max_lora_rank is not None:
             engine_args["max_lora_rank"] = args.max_lora_rank
     if args.model is None:
@@ -189,9 +202,10 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
     parsers = ParserOptions(
         args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser
     )
-    if name in adapters:
+    if name in plan.adapters:
         raise StartRefused(f"LoRA module {name!r} has the served model's name")
-    return VLLMEngine(model, name, engine_args, parsers, adapters, room), name
+    engine = VLLMEngine(model, name, engine_args, parsers, plan.adapters, plan.room, plan.slots)
+    return engine, name
 
 
 class Serving:

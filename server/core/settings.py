@@ -100,8 +100,14 @@ class ServeOptions(BaseModel):
     max_loras: int | None = Field(
         None,
         ge=1,
+        description="the most distinct adapters one engine step runs, as vLLM's: Sluice's "
+        "scheduler holds to it, chats first (default: --max-cpu-loras)",
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
         description="the most adapters served at once, from --lora-modules and loaded at "
-        "runtime (default: the --lora-modules, or 1 with --enable-lora alone)",
+        "runtime (default: --max-loras, or the --lora-modules, or 1 with --enable-lora alone)",
     )
     demo_lora: bool = Field(
         False,

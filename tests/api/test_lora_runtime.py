@@ -135,8 +135,8 @@ def test_what_cannot_be_loaded_or_unloaded_says_why(
     assert load(server, "one", demo_adapters["tenant-a"]).status_code == 200
     assert load(server, "one", demo_adapters["tenant-b"]).status_code == 400  # loaded already
     assert load(server, "two", demo_adapters["tenant-b"]).status_code == 200
-    full = load(server, "three", demo_adapters["tenant-b"])  # --max-loras 2
-    assert full.status_code == 400 and "--max-loras" in full.json()["error"]["message"]
+    full = load(server, "three", demo_adapters["tenant-b"])  # --max-loras 2: as many served
+    assert full.status_code == 400 and "--max-cpu-loras" in full.json()["error"]["message"]
     assert [unload(server, name).status_code for name in ("one", "two")] == [200, 200]
 
     unknown = unload(server, "never-loaded")

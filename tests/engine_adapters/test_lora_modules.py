@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_adapters.vllm_adapter import parse_lora_modules
+from engine_adapters.lora_modules import parse_lora_modules
 
 
 def test_both_forms_name_to_path() -> None:

@@ -46,6 +46,7 @@ from server.observability.metrics import Metrics
 from server.responses_api.service import Responses
 from server.responses_api.store import SqliteResponses
 from server.scheduler.types import Dispatcher, TrafficClass
+from server.state.adapters import RuntimeAdapters
 from server.state.backend import RedisState
 from server.state.responses import RedisResponses
 from server.state.runs import RedisRuns
@@ -148,7 +149,9 @@ def build_app(
         metrics=metrics,
         started=int(time.time()),
     )
+    adapters = RuntimeAdapters(engine, state)
     parts = Parts(
+        adapters=adapters,
         batches=None
         if batch_store is None
         else BatchServices(
@@ -199,6 +202,8 @@ def build_app(
             if shared is not None:
                 await shared.start()
                 stack.push_async_callback(shared.stop)
+            await adapters.start()
+            stack.push_async_callback(adapters.stop)
             if parts.batches is not None:
                 stack.push_async_callback(parts.batches.store.close)
                 await parts.batches.runner.start()

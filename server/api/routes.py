@@ -53,6 +53,7 @@ from server.openai_api.tokenizer import VERSION, detokenize, tokenize, version
 from server.responses_api import routes as responses_routes
 from server.responses_api.service import Responses
 from server.responses_api.websocket import responses_websocket
+from server.state.adapters import RuntimeAdapters
 from server.websocket_api.routes import websocket_endpoint
 
 STATIC = Path(__file__).parent / "static"
@@ -96,8 +97,11 @@ async def _admin_body(services: Services, request: Request) -> Any:
     return await read_json(request, services.edge.max_body_bytes)
 
 
-async def load_lora_adapter(services: Services, request: Request) -> Response:
-    """vLLM's runtime loading: the adapter served as a model from now on."""
+async def load_lora_adapter(
+    services: Services, adapters: RuntimeAdapters, request: Request
+) -> Response:
+    """vLLM's runtime loading: the adapter served as a model from now on (on every replica
+    that shares the state)."""
     body = validated(LoadLoRAAdapter, await _admin_body(services, request))
     name = body.lora_name
     if name == services.served_model or name in services.engine.model.adapters:
@@ -105,19 +109,21 @@ async def load_lora_adapter(services: Services, request: Request) -> Response:
             f"The lora adapter '{name}' has already been loaded.", param="lora_name"
         )
     try:
-        await services.engine.load_adapter(name, body.lora_path)
+        await adapters.load(name, body.lora_path)
     except EngineRequestError as exc:
         raise InvalidRequest(str(exc), param=exc.param) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-async def unload_lora_adapter(services: Services, request: Request) -> Response:
+async def unload_lora_adapter(
+    services: Services, adapters: RuntimeAdapters, request: Request
+) -> Response:
     """New requests for the adapter get the 404 at once; those running on it finish."""
     body = validated(UnloadLoRAAdapter, await _admin_body(services, request))
     name = body.lora_name
     if name not in services.engine.model.adapters:
         raise ModelNotFound(f"The lora adapter '{name}' cannot be found.", param="lora_name")
-    await services.engine.unload_adapter(name)
+    await adapters.unload(name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
@@ -142,7 +148,7 @@ async def openapi_json(services: Services, request: Request) -> Response:
 
 Method = Literal["GET", "POST", "DELETE", "WEBSOCKET"]
 # Which of the app's parts serves it: "responses" and "batches" only where the app has them.
-Part = Literal["core", "metrics", "responses", "batches"]
+Part = Literal["core", "metrics", "adapters", "responses", "batches"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +170,20 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/ready", ready, openapi.ready),
     Endpoint("GET", "/metrics", prometheus_metrics, part="metrics"),
     Endpoint("GET", "/v1/models", models, openapi.models),
-    Endpoint("POST", "/v1/load_lora_adapter", load_lora_adapter, openapi.load_lora_adapter),
-    Endpoint("POST", "/v1/unload_lora_adapter", unload_lora_adapter, openapi.unload_lora_adapter),
+    Endpoint(
+        "POST",
+        "/v1/load_lora_adapter",
+        load_lora_adapter,
+        openapi.load_lora_adapter,
+        "adapters",
+    ),
+    Endpoint(
+        "POST",
+        "/v1/unload_lora_adapter",
+        unload_lora_adapter,
+        openapi.unload_lora_adapter,
+        "adapters",
+    ),
     Endpoint("GET", "/version", version, openapi.version, bare=True),
     Endpoint("GET", "/openapi.json", openapi_json, openapi.itself),
     Endpoint("POST", "/tokenize", tokenize, openapi.tokenize),
@@ -250,12 +268,13 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 class Parts:
     """The app's optional parts, each with what its routes are handed after the services."""
 
+    adapters: RuntimeAdapters  # LoRA adapters loaded at runtime (vLLM's endpoints)
     responses: Responses | None = None  # OpenAI's Responses API
     batches: BatchServices | None = None  # OpenAI's Batch API
     metrics: bool = False  # /metrics on the API's port (no port of its own)
 
     def served(self) -> frozenset[Part]:
-        parts: set[Part] = {"core"}
+        parts: set[Part] = {"core", "adapters"}
         if self.metrics:
             parts.add("metrics")
         if self.responses is not None:
@@ -266,6 +285,8 @@ class Parts:
 
     def handed(self, part: Part) -> tuple[object, ...]:
         """What the routes of `part` take after the services."""
+        if part == "adapters":
+            return (self.adapters,)
         if part == "responses":
             return (self.responses,)
         if part == "batches":

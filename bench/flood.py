@@ -41,9 +41,10 @@ also report the steady frontier: the ladder's rung that kept the frontier's shar
 every run, with the most bulk over them (`steady`). `--report FILE...` prints the every-run table
 of saved `--json` outputs again, several as one series.
 
-`--adapters` serves two LoRA adapters of the demo model on both servers (issue #33): the flood
-runs on one, the chats on the other, so the rows show whether a flood on one adapter delays the
-chats of another; vLLM's server runs at its default `--max-loras` (1: one adapter in a step).
+`--adapters` serves three LoRA adapters of the demo model on both servers (issue #33) with two
+slots (`--max-loras 2 --max-cpu-loras 3`: two adapters in one step): the flood runs on two of
+them (its streams take turns), the chats on the third, so the rows show whether a flood that
+can hold every slot delays the chats of another adapter.
 
 `--variant 'LABEL=YAML'` (repeatable) adds a Sluice run with that scheduler configuration, and
 `--tradeoff` adds a ladder of interactive gap targets: bulk tokens/s against chat end-to-end
@@ -86,8 +87,10 @@ from server.observability.metrics import SLO_RESULTS
 from server.scheduler.types import PreemptCause
 
 SERVED_NAME = "sluice-demo"
-# With --adapters: the flood's and the chats' adapters (demo variants 1 and 2), both servers.
-BULK_ADAPTER, CHAT_ADAPTER = "flood-bulk", "flood-chat"
+# With --adapters: the flood's two adapters and the chats' (demo variants 1-3), both servers,
+# with two slots (two adapters in one step) and room for all three.
+BULK_ADAPTERS, CHAT_ADAPTER = ("flood-bulk", "flood-bulk-2"), "flood-chat"
+ADAPTER_SLOTS = ["--max-loras", "2", "--max-cpu-loras", "3"]
 SYSTEMS = ("idle", "vllm-fcfs", "vllm-priority", "sluice")
 # Idle measured at the end differing from the start by more than this share: a warning.
 DRIFT_WARNING = 0.2
@@ -179,7 +182,7 @@ def server_command(
         if config_path:
             command += ["--config", config_path]
         if args.adapters:
-            command += ["--lora-modules", *args.adapters]
+            command += ["--lora-modules", *args.adapters, *ADAPTER_SLOTS]
         return command
     policy = "priority" if system.kind == "vllm-priority" else "fcfs"
     return [
@@ -194,7 +197,11 @@ def server_command(
         str(port),
         "--scheduling-policy",
         policy,
-        *(["--enable-lora", "--lora-modules", *args.adapters] if args.adapters else []),
+        *(
+            ["--enable-lora", "--lora-modules", *args.adapters, *ADAPTER_SLOTS]
+            if args.adapters
+            else []
+        ),
         *args.vllm_arg,
     ]
 
@@ -265,14 +272,17 @@ def content_event(api: str, event: dict) -> bool:
     return any((c.get("delta") or {}).get("content") for c in event.get("choices", ()))
 
 
-async def bulk_stream(client, kind, args, window: tuple[float, float], counts: dict) -> None:
-    """One closed-loop bulk stream, until cancelled. Tokens are counted from raw lines (no JSON
-    parsing) so the load generator stays cheap; times are wall-clock (the window is shared
-    across processes)."""
+async def bulk_stream(
+    client, kind, args, window: tuple[float, float], counts: dict, number: int
+) -> None:
+    """One closed-loop bulk stream (the `number`th), until cancelled. Tokens are counted from
+    raw lines (no JSON parsing) so the load generator stays cheap; times are wall-clock (the
+    window is shared across processes)."""
     start, end = window
+    model = model_of(args, bulk=True, number=number)
     while True:
         body, headers = request_body(
-            kind, args.bulk_tokens, True, "summarise the report " * 8, model_of(args, bulk=True)
+            kind, args.bulk_tokens, True, "summarise the report " * 8, model
         )
         try:
             async with client.stream(
@@ -300,8 +310,8 @@ async def _bulk_load(kind, args, port, window, counts, release) -> None:
         base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=httpx.Timeout(600.0)
     ) as client:
         streams = [
-            asyncio.create_task(bulk_stream(client, kind, args, window, counts))
-            for _ in range(args.bulk_streams)
+            asyncio.create_task(bulk_stream(client, kind, args, window, counts, number))
+            for number in range(args.bulk_streams)
         ]
         await asyncio.to_thread(release.wait)
         for stream in streams:
@@ -316,11 +326,12 @@ def bulk_load_process(kind, args, port, window, release, results) -> None:
     results.put(counts)
 
 
-def model_of(args: argparse.Namespace, *, bulk: bool) -> str:
-    """The model a request names: with --adapters, the flood's adapter or the chats'."""
+def model_of(args: argparse.Namespace, *, bulk: bool, number: int = 0) -> str:
+    """The model a request names: with --adapters, one of the flood's adapters (the `number`th
+    stream's) or the chats'."""
     if not args.adapters:
         return SERVED_NAME
-    return BULK_ADAPTER if bulk else CHAT_ADAPTER
+    return BULK_ADAPTERS[number % len(BULK_ADAPTERS)] if bulk else CHAT_ADAPTER
 
 
 async def one_chat(client, system: System, args, m: Measurements) -> None:
@@ -795,8 +806,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--adapters",
         action="store_true",
-        help=f"both servers serve two demo LoRA adapters: the flood runs on '{BULK_ADAPTER}', "
-        f"the chats on '{CHAT_ADAPTER}' (vLLM's server at its default --max-loras 1)",
+        help="both servers serve three demo LoRA adapters, two in one step (--max-loras 2): "
+        f"the flood runs on {' and '.join(BULK_ADAPTERS)}, the chats on '{CHAT_ADAPTER}'",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
@@ -835,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
         root = default_cache_dir() / "flood-adapters"
         args.adapters = [
             f"{name}={build_demo_adapter(root / name, Path(args.model), variant=variant)}"
-            for variant, name in enumerate((BULK_ADAPTER, CHAT_ADAPTER), start=1)
+            for variant, name in enumerate((*BULK_ADAPTERS, CHAT_ADAPTER), start=1)
         ]
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)

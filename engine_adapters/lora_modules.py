@@ -25,15 +25,14 @@ def plan_adapters(
     max_cpu_loras: int | None = None,
 ) -> AdapterPlan:
     """As vLLM's flags mean them: `--max-loras` adapters in one step, `--max-cpu-loras` held
-    at once (default: as many as `--max-loras`, and at least the modules); ValueError for
+    in the engine at once (default: as many as `--max-loras`, and at least the modules; more
+    may be served, the least recently used leaving the engine to make room); ValueError for
     flags that contradict each other."""
     adapters = parse_lora_modules(lora_modules)
     if not adapters and not enable_lora:
         return AdapterPlan(adapters, 0, 0)
     room = max_cpu_loras or max(max_loras or 1, len(adapters))
     slots = max_loras or room
-    if room < len(adapters):
-        raise ValueError(f"--max-cpu-loras {room} is fewer than the {len(adapters)} adapters")
     if slots > room:
         raise ValueError(f"--max-loras {slots} is more than --max-cpu-loras {room}")
     return AdapterPlan(adapters, room, slots)

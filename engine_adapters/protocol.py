@@ -32,6 +32,15 @@ class EngineUnsupported(EngineRequestError):
     """A well-formed request asks for something this engine cannot do."""
 
 
+class AdapterNotFound(EngineRequestError):
+    """No LoRA adapter where a load was asked to find one."""
+
+
+class AdapterLoadFailed(EngineError):
+    """The LoRA adapter at a path could not be loaded (its files, its rank...): vLLM's server
+    answers it as its own failure (500), with the reason."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingOptions:
     """Engine-neutral sampling parameters; adapters convert them to their engine's form."""

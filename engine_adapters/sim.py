@@ -87,15 +87,13 @@ class SimEngine:
         *,
         model_name: str = "sim",
         adapters: Mapping[str, str] | None = None,
-        room: int = 0,
     ) -> None:
         """`adapters`: LoRA adapters served as models from the start, name to path (a label:
         the sim reads no weights; an adapter's requests draw tokens of their own), with
-        `config.max_loras` slots; `room`: the most served at once (default: the slots)."""
+        `config.max_loras` slots; any number more may be loaded at runtime."""
         self.config = config or SimConfig()
         self._model = SimTimingModel(self.config)
         self._adapters = dict(adapters or {})
-        self._adapter_room = max(room or self.config.max_loras, len(self._adapters))
         if self._adapters and not self.config.max_loras:
             raise ValueError("adapters need LoRA slots (max_loras)")
         self._model_info = self.config.model_info(model_name, MappingProxyType(self._adapters))
@@ -194,11 +192,6 @@ class SimEngine:
             raise no_adapters(self.model.engine)
         if name == self.model.name or name in self._adapters:
             raise EngineRequestError(f"the adapter '{name}' is already loaded", param="lora_name")
-        if len(self._adapters) >= self._adapter_room:
-            raise EngineRequestError(
-                f"{len(self._adapters)} adapters are loaded, the most there is room for",
-                param="lora_name",
-            )
         self._adapters[name] = path
 
     async def unload_adapter(self, name: str) -> None:

@@ -14,12 +14,14 @@ import itertools
 import json
 import logging
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from engine_adapters.protocol import (
+    AdapterLoadFailed,
+    AdapterNotFound,
     EngineDeadError,
     EngineError,
     EngineLimits,
@@ -163,7 +165,8 @@ class VLLMEngine:
         self._adapters = dict(adapters or {})  # served now: name -> path
         self._adapter_room = max(adapter_room, len(self._adapters))
         self._adapter_slots = min(adapter_slots or self._adapter_room, self._adapter_room)
-        self._loras: dict[str, Any] = {}  # name -> vLLM's LoRARequest, until it leaves vLLM
+        # Those in vLLM (at most the room), least recently used first: name -> its LoRARequest.
+        self._loras: OrderedDict[str, Any] = OrderedDict()
         self._lora_ids = itertools.count(1)
         self._using: Counter[str] = Counter()  # engine requests running on each adapter
         self._unloading: set[str] = set()  # unloaded, waiting for those requests to end
@@ -220,16 +223,41 @@ class VLLMEngine:
         stops the start with vLLM's reason, not a user's first request."""
         for name, path in list(self._adapters.items()):
             try:
+                await self._make_room()
                 await self._add_lora(name, path)
             except Exception as exc:
                 raise EngineError(f"LoRA adapter {name!r} at {path!r}: {exc}") from exc
 
     async def _add_lora(self, name: str, path: str) -> None:
+        """Into vLLM (there must be room): AdapterNotFound where vLLM finds none at `path`,
+        AdapterLoadFailed with vLLM's reason where it cannot load the one there."""
+        from vllm.exceptions import LoRAAdapterNotFoundError
         from vllm.lora.request import LoRARequest
 
         lora = LoRARequest(name, next(self._lora_ids), path, base_model_name=self._served_name)
-        await self._llm.add_lora(lora)
+        try:
+            await self._llm.add_lora(lora)
+        except Exception as exc:  # (from the engine's process: matched by its text, as vLLM's)
+            missing = str(LoRAAdapterNotFoundError(name, path))
+            if missing in str(exc):
+                raise AdapterNotFound(missing, param="lora_path") from None
+            raise AdapterLoadFailed(
+                f"loading the adapter '{name}' from '{path}' failed: {exc}"
+            ) from exc
         self._loras[name] = lora
+
+    async def _make_room(self) -> None:
+        """Room in vLLM for one adapter more: the least recently used one that runs nothing
+        leaves it (still served: it comes back when a request needs it)."""
+        while len(self._loras) >= self._adapter_room:
+            idle = next((name for name in self._loras if not self._using[name]), None)
+            if idle is None:
+                raise EngineRequestError(
+                    f"every one of the {len(self._loras)} adapters held (--max-cpu-loras) runs "
+                    "now; retry once one is idle",
+                    param="lora_name",
+                )
+            await self._remove_lora(idle)
 
     async def load_adapter(self, name: str, path: str) -> None:
         async with self._loading:
@@ -245,18 +273,8 @@ class VLLMEngine:
                 "this server serves no LoRA adapters: start it with --enable-lora",
                 param="lora_name",
             )
-        if len(self._loras) >= self._adapter_room:
-            raise EngineRequestError(
-                f"{len(self._loras)} adapters are loaded, the most --max-cpu-loras allows: unload "
-                "one first",
-                param="lora_name",
-            )
-        try:
-            await self._add_lora(name, path)
-        except Exception as exc:  # vLLM's reason: no adapter there, a rank over the largest
-            raise EngineRequestError(
-                f"loading the adapter '{name}' from '{path}' failed: {exc}", param="lora_path"
-            ) from exc
+        await self._make_room()
+        await self._add_lora(name, path)  # (checked by vLLM, and ready for its first request)
         self._adapters[name] = path
 
     async def unload_adapter(self, name: str) -> None:
@@ -269,8 +287,8 @@ class VLLMEngine:
 
     async def _remove_lora(self, name: str) -> None:
         self._unloading.discard(name)
-        lora = self._loras.pop(name)
-        if self._llm is not None and not self._llm.errored:
+        lora = self._loras.pop(name, None)
+        if lora is not None and self._llm is not None and not self._llm.errored:
             await self._llm.remove_lora(lora.lora_int_id)
 
     async def _warm_up(self) -> None:
@@ -333,7 +351,9 @@ class VLLMEngine:
 
         if self._llm is None or self._llm.errored:
             raise EngineDeadError("vLLM engine is not running")
-        adapter, lora = request.adapter, self._lora(request)
+        adapter, lora = request.adapter, await self._lora(request)
+        if adapter is not None:
+            self._using[adapter] += 1  # (before any await: it is not evicted from here on)
         prompt: dict[str, Any] = (
             {"prompt_token_ids": list(request.prompt_token_ids)}
             if request.prompt_embeds is None
@@ -342,7 +362,7 @@ class VLLMEngine:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         stream = (
-            self._beam_search(request)
+            self._beam_search(request, lora)
             if request.sampling.beam_search
             else (
                 self._llm.generate(
@@ -361,8 +381,6 @@ class VLLMEngine:
                 request.prompt_token_ids[-request.resumed_tokens :],
                 skip_special_tokens=request.sampling.skip_special_tokens,
             )
-        if adapter is not None:
-            self._using[adapter] += 1
         try:
             async for out in stream:
                 for completion in out.outputs:  # the choices with news (n > 1: several)
@@ -411,7 +429,7 @@ class VLLMEngine:
                 if not self._using[adapter] and adapter in self._unloading:
                     await self._remove_lora(adapter)
 
-    def _beam_search(self, request: GenerationRequest) -> AsyncGenerator[Any, None]:
+    def _beam_search(self, request: GenerationRequest, lora: Any) -> AsyncGenerator[Any, None]:
         """vLLM's own online beam search (what its server runs for `use_beam_search`): one
         engine request per beam and step, one RequestOutput with the n best at the end.
         Cancelling it cancels the step's engine requests, which aborts them."""
@@ -436,20 +454,28 @@ class VLLMEngine:
             tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt),
             request.request_id,
             params,
-            lora_request=self._lora(request),
+            lora_request=lora,
         )
 
-    def _lora(self, request: GenerationRequest) -> Any:
-        """The request's adapter as vLLM names it (None: the base model); EngineRequestError
-        if it has left vLLM (a preempted request resumed after its adapter was unloaded)."""
-        if request.adapter is None:
+    async def _lora(self, request: GenerationRequest) -> Any:
+        """The request's adapter as vLLM names it (None: the base model), brought back into
+        vLLM if it left to make room (`_make_room`); EngineRequestError if it is no longer
+        served (a preempted request resumed after its adapter was unloaded)."""
+        name = request.adapter
+        if name is None:
             return None
-        try:
-            return self._loras[request.adapter]
-        except KeyError:
-            raise EngineRequestError(
-                f"the adapter '{request.adapter}' was unloaded", param="model"
-            ) from None
+        lora = self._loras.get(name)
+        if lora is not None:
+            self._loras.move_to_end(name)
+            return lora
+        async with self._loading:
+            if name not in self._loras:
+                path = self._adapters.get(name)
+                if path is None:
+                    raise EngineRequestError(f"the adapter '{name}' was unloaded", param="model")
+                await self._make_room()
+                await self._add_lora(name, path)
+            return self._loras[name]
 
     def load_prompt_embeds(self, data: str) -> PromptEmbeds:
         """vLLM's own loader, with its checks (base64, a tensor saved with weights only, the

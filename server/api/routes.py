@@ -17,12 +17,13 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from engine_adapters.protocol import EngineRequestError
+from engine_adapters.protocol import AdapterLoadFailed, AdapterNotFound, EngineRequestError
 from server.anthropic import routes as anthropic_routes
 from server.api import openapi
 from server.batch_api import routes as batch_api_routes
 from server.batch_api.routes import BatchServices
 from server.core.errors import (
+    AdapterLoadError,
     EngineUnavailable,
     Forbidden,
     InvalidRequest,
@@ -104,12 +105,23 @@ async def load_lora_adapter(
     that shares the state)."""
     body = validated(LoadLoRAAdapter, await _admin_body(services, request))
     name = body.lora_name
-    if name == services.served_model or name in services.engine.model.adapters:
+    if name == services.served_model:
         raise InvalidRequest(
-            f"The lora adapter '{name}' has already been loaded.", param="lora_name"
+            f"The lora adapter '{name}' conflicts with a served base model.", param="lora_name"
         )
+    if name in services.engine.model.adapters:
+        raise InvalidRequest(
+            f"The lora adapter '{name}' has already been loaded. If you want to load the "
+            "adapter in place, set 'load_inplace' to True.",
+            param="lora_name",
+        )
+    # As vLLM's server answers: no adapter at the path, 404; one it cannot load, 500.
     try:
         await adapters.load(name, body.lora_path)
+    except AdapterNotFound as exc:
+        raise ModelNotFound(str(exc), param=exc.param) from None
+    except AdapterLoadFailed as exc:
+        raise AdapterLoadError(str(exc), param="lora_path") from None
     except EngineRequestError as exc:
         raise InvalidRequest(str(exc), param=exc.param) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")

@@ -172,7 +172,7 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
         if name in plan.adapters:
             raise StartRefused(f"LoRA module {name!r} has the served model's name")
         config = dataclasses.replace(SimConfig.from_args(args), max_loras=plan.slots)
-        return SimEngine(config, model_name=name, adapters=plan.adapters, room=plan.room), name
+        return SimEngine(config, model_name=name, adapters=plan.adapters), name
     from engine_adapters.vllm_adapter import VLLMEngine, parse_engine_args
     from engine_adapters.vllm_output import ParserOptions
 

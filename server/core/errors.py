@@ -209,6 +209,14 @@ class StoreUnavailable(SluiceError):
     retryable = True
 
 
+class AdapterLoadError(SluiceError):
+    """A LoRA adapter's files could not be loaded: answered as vLLM's server does (500)."""
+
+    status = 500
+    error_type = "server_error"
+    code = "adapter_load_failed"
+
+
 class GenerationFailed(SluiceError):
     status = 500
     error_type = "server_error"

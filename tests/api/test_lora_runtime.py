@@ -33,7 +33,7 @@ def server(
     config.write_text(json.dumps({"tenants": tenants}))
     args = [
         "--model", str(demo_model_dir), "--served-model-name", BASE, "--config", str(config),
-        "--enable-lora", "--max-loras", "2",
+        "--enable-lora", "--max-cpu-loras", "2",
         "--engine-arg", "dtype=float32",
     ]  # fmt: skip
     with SluiceProcess(args, root / "server.log", env=VLLM_ENV) as process:
@@ -126,21 +126,51 @@ def test_an_adapter_loaded_serves_until_unloaded_and_a_running_request_finishes(
 def test_what_cannot_be_loaded_or_unloaded_says_why(
     server: SluiceProcess, demo_adapters: dict[str, Path], tmp_path: Path
 ) -> None:
+    # As vLLM's server answers: no adapter at the path is a 404, one it cannot load a 500,
+    # each with vLLM's reason.
     missing = load(server, "nowhere", tmp_path / "no-adapter")
-    assert missing.status_code == 400, missing.text
+    assert missing.status_code == 404, missing.text
     assert str(tmp_path / "no-adapter") in missing.json()["error"]["message"]
-    assert "nowhere" not in served(server)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("this is not json")
+    unreadable = load(server, "broken", broken)
+    assert unreadable.status_code == 500, unreadable.text
+    assert unreadable.json()["error"]["code"] == "adapter_load_failed"
+    assert "nowhere" not in served(server) and "broken" not in served(server)
 
     assert load(server, BASE, demo_adapters["tenant-a"]).status_code == 400  # the base's name
     assert load(server, "one", demo_adapters["tenant-a"]).status_code == 200
-    assert load(server, "one", demo_adapters["tenant-b"]).status_code == 400  # loaded already
-    assert load(server, "two", demo_adapters["tenant-b"]).status_code == 200
-    full = load(server, "three", demo_adapters["tenant-b"])  # --max-loras 2: as many served
-    assert full.status_code == 400 and "--max-cpu-loras" in full.json()["error"]["message"]
-    assert [unload(server, name).status_code for name in ("one", "two")] == [200, 200]
+    again = load(server, "one", demo_adapters["tenant-b"])
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
 
     unknown = unload(server, "never-loaded")
     assert unknown.status_code == 404, unknown.text
+    assert unload(server, "one").status_code == 200
+
+
+def test_more_adapters_than_the_engine_holds_are_served_least_recently_used_first(
+    server: SluiceProcess, demo_adapters: dict[str, Path]
+) -> None:
+    """--max-cpu-loras 2 (vLLM's meaning): the engine holds two; a third loaded makes the least
+    recently used one leave it, and a request for that one brings it back, answering as
+    before (greedy, each adapter's own text)."""
+    names = ("first", "second", "third")
+    paths = [demo_adapters[t] for t in ("tenant-a", "tenant-b", "tenant-a")]
+    texts = {}
+    try:
+        for name, path in zip(names, paths, strict=True):
+            assert load(server, name, path).status_code == 200
+            texts[name] = chat(server, name).json()["choices"][0]["message"]["content"]
+        assert set(names) <= set(served(server))
+        for name in names:  # `first` left the engine for `third`; it comes back
+            reply = chat(server, name)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == texts[name]
+        assert texts["first"] == texts["third"] != texts["second"]  # (the same files)
+    finally:
+        for name in names:
+            unload(server, name)
 
 
 def test_a_tenant_limited_to_an_adapter_gets_it_by_default_and_nothing_else(

@@ -580,7 +580,7 @@ def _variables() -> list[dict[str, Any]]:
             "includeAll": False,
             "multi": False,
         },
-        query_variable("model", "Model", "label_values(sluice_engine_healthy, model)"),
+        query_variable("model", "Model", "label_values(sluice_requests_total, model)"),
         query_variable(
             "traffic_class", "Traffic class", "label_values(sluice_requests_total, traffic_class)"
         ),

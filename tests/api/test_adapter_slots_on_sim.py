@@ -74,6 +74,12 @@ def test_the_adapters_are_models_of_the_sim_engine(server: InProcessSluice) -> N
         for model in ("sim", "bulk-a", "chat-b")
     }
     assert len(set(texts.values())) == 3  # each adapter draws its own tokens
+    # Each model has its own series: requests, tokens, first tokens and gaps.
+    for model in ("sim", "bulk-a", "chat-b"):
+        assert server.metric("sluice_requests_total", model=model) >= 1
+        assert server.metric("sluice_generated_tokens_total", model=model) >= 8
+        assert server.metric("sluice_time_to_first_token_seconds_count", model=model) >= 1
+        assert server.metric("sluice_inter_token_latency_seconds_count", model=model) >= 1
 
 
 async def test_a_chat_takes_the_only_slot_from_bulk_and_the_bulk_stream_carries_on(

@@ -10,6 +10,11 @@ output tokens/s (goal: Sluice >= 1.05x vLLM), and TTFT and ITL p50 (goal: no wor
 With `--traffic-class bulk` every request carries `X-Traffic-Class: bulk` (vLLM's server
 ignores the header): pure bulk, which Sluice runs under its bulk cap and up to the knee.
 
+With `--adapters N` both servers serve N LoRA adapters of the demo model (its demo adapter's
+variants 1 to N, all N in one step: `--max-loras N`), in float32 (vLLM 0.32's CPU LoRA in
+bfloat16 dies on some hosts), and the client sends each request to the next adapter in turn
+(vLLM's `--lora-assignment round-robin`): the mixed-adapter throughput of issue #33.
+
 Both servers are up for the whole benchmark (idle while the other is measured) so start-up
 cost is paid once; results go to bench/results/throughput-*.json and a summary is printed.
 """
@@ -72,6 +77,7 @@ def bench_once(
     concurrency: int,
     result_name: str,
     traffic_class: str,
+    adapters: list[str] | None = None,
 ) -> dict:
     RESULTS.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -112,6 +118,7 @@ def bench_once(
         "--disable-tqdm",
         "--header",
         f"X-Traffic-Class={traffic_class}",
+        *(["--lora-modules", *adapters, "--lora-assignment", "round-robin"] if adapters else []),
     ]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return json.loads((RESULTS / result_name).read_text())
@@ -126,6 +133,13 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--warmup-prompts", type=int, default=128)
     parser.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve N demo LoRA adapters on both servers, each request on the next in turn",
+    )
+    parser.add_argument(
         "--traffic-class",
         choices=("interactive", "bulk"),
         default="interactive",
@@ -134,10 +148,27 @@ def main() -> int:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from engine_adapters.demo_model import build_demo_model
+    from engine_adapters.demo_model import build_demo_adapter, build_demo_model
 
     cache = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
     model = build_demo_model(cache / "demo-model")
+    adapters = {
+        f"adapter-{variant}": build_demo_adapter(
+            cache / "throughput-adapters" / str(variant), model, variant=variant
+        )
+        for variant in range(1, args.adapters + 1)
+    }
+    settings = dict(ENGINE_SETTINGS, **({"dtype": "float32"} if adapters else {}))
+    lora = (
+        [
+            "--lora-modules",
+            *(f"{name}={path}" for name, path in adapters.items()),
+            "--max-loras",
+            str(len(adapters)),
+        ]
+        if adapters
+        else []
+    )
     vllm_port, sluice_port = 8301, 8302
     vllm_cmd = [
         sys.executable,
@@ -154,8 +185,9 @@ def main() -> int:
         "--disable-log-stats",
         "--disable-uvicorn-access-log",
     ]
-    for key, value in ENGINE_SETTINGS.items():
+    for key, value in settings.items():
         vllm_cmd += ["--" + key.replace("_", "-"), str(value)]
+    vllm_cmd += ["--enable-lora", *lora] if adapters else []
     sluice_cmd = [
         sys.executable,
         "-m",
@@ -174,8 +206,9 @@ def main() -> int:
         "--data-dir",
         tempfile.mkdtemp(prefix="sluice-bench-"),
     ]
-    for key, value in ENGINE_SETTINGS.items():
+    for key, value in settings.items():
         sluice_cmd += ["--engine-arg", f"{key}={value}"]
+    sluice_cmd += lora
     systems = {
         "vllm": (f"http://127.0.0.1:{vllm_port}", vllm_cmd, "/health"),
         "sluice": (f"http://127.0.0.1:{sluice_port}", sluice_cmd, "/ready"),
@@ -195,6 +228,7 @@ def main() -> int:
                 args.concurrency,
                 f"warmup-{name}.json",
                 args.traffic_class,
+                list(adapters),
             )
         for round_no in range(args.rounds):
             order = list(systems) if round_no % 2 == 0 else list(reversed(systems))
@@ -207,6 +241,7 @@ def main() -> int:
                     args.concurrency,
                     f"throughput-{name}-{round_no}.json",
                     args.traffic_class,
+                    list(adapters),
                 )
                 runs[name].append(result)
                 print(

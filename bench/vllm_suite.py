@@ -65,7 +65,6 @@ SUITES = {
         "openai/completion/test_completion.py",
         "openai/completion/test_prompt_validation.py",
         "openai/completion/test_token_in_token_out.py",
-        "openai/models/test_models.py",
         "openai/test_return_token_ids.py",
         "openai/test_return_tokens_as_ids.py",
         "openai/test_chunked_prompt.py",
@@ -84,6 +83,10 @@ SUITES = {
     ),
     # The directory's other files are unit tests of vLLM's conversion, with no server.
     "anthropic": ("anthropic/test_messages.py",),
+    # LoRA adapters as models: the models listing, and loading at runtime (issue #33). Their
+    # Qwen3 adapters are the demo adapter (`LORA`): the tests of a real adapter's words fail
+    # on both servers alike. Left out: LoRA resolvers (a plugin that fetches adapters).
+    "lora": ("openai/models/test_models.py", "serve/lora/test_lora_adapters.py"),
 }
 DEFAULT_MODEL_NAME = "tiny"  # for a module that names no model
 # Both servers: the demo model, as the issue's comparison ran it, plus tool calls read by
@@ -91,8 +94,17 @@ DEFAULT_MODEL_NAME = "tiny"  # for a module that names no model
 ENGINE = {"max_model_len": 1024, "dtype": "bfloat16", "enforce_eager": True}
 TOOLS = ["--tool-call-parser", "pythonic", "--enable-auto-tool-choice"]
 # vLLM's server keeps Responses (store, background, retrieve, cancel) only with this set, as
-# the Responses tests' own fixtures set it; Sluice's store is on by default.
-SERVER_ENV = {"vllm": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, "sluice": {}}
+# the Responses tests' own fixtures set it; Sluice's store is on by default. vLLM's serves
+# /v1/load_lora_adapter only with runtime LoRA updating allowed, as the LoRA tests set it.
+SERVER_ENV = {
+    "vllm": {"VLLM_ENABLE_RESPONSES_API_STORE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    "sluice": {},
+}
+# For the LoRA family, both servers as the tests' fixtures start theirs: the adapter as
+# `qwen3-lora`, rank up to 64, two adapters held in the engine at once.
+LORA_FLAGS = ["--enable-lora", "--max-lora-rank", "64", "--max-cpu-loras", "2"]
+# Sluice loads adapters at runtime for an admin key only: the tests' client's key is one.
+SLUICE_LORA_CONFIG = {"tenants": {"suite": {"api_keys": ["token-abc123"], "admin": True}}}
 
 # Written over vLLM's tests/conftest.py (whose imports need vLLM's whole test environment).
 CONFTEST = '''
@@ -108,10 +120,14 @@ import pytest
 import tests.utils as vllm_test_utils
 
 _URL = os.environ["SLUICE_SUITE_URL"]
-# Server arguments are the running server's business; LoRA files it would load are not
-# needed (and cannot be downloaded here).
-huggingface_hub.snapshot_download = lambda *args, **kwargs: tempfile.mkdtemp()
-huggingface_hub.HfApi.snapshot_download = lambda *args, **kwargs: tempfile.mkdtemp()
+# Server arguments are the running server's business. LoRA files cannot be downloaded here:
+# every adapter a test asks for is the demo adapter (SLUICE_SUITE_LORA), else an empty folder.
+def _download(*args, **kwargs):
+    return os.environ.get("SLUICE_SUITE_LORA") or tempfile.mkdtemp()
+
+
+huggingface_hub.snapshot_download = _download
+huggingface_hub.HfApi.snapshot_download = _download
 
 
 class RunningServer(vllm_test_utils.RemoteOpenAIServer):
@@ -225,11 +241,17 @@ def model_name(test_file: Path) -> str:
     return DEFAULT_MODEL_NAME
 
 
-def server_command(system: str, model: Path, name: str, port: int) -> list[str]:
+def server_command(
+    system: str, model: Path, name: str, port: int, lora: Path | None = None
+) -> list[str]:
+    """`lora`: serve the demo adapter, as the LoRA family's fixtures serve theirs."""
+    adapters = [] if lora is None else [*LORA_FLAGS, "--lora-modules", f"qwen3-lora={lora}"]
+    # (vLLM 0.32's CPU LoRA in bfloat16 dies on some hosts: the LoRA family runs in float32.)
+    engine = ENGINE if lora is None else {**ENGINE, "dtype": "float32"}
     if system == "vllm":
         flags = [
             f"--{key.replace('_', '-')}" + ("" if value is True else f"={value}")
-            for key, value in ENGINE.items()
+            for key, value in engine.items()
         ]
         return [
             sys.executable,
@@ -243,10 +265,11 @@ def server_command(system: str, model: Path, name: str, port: int) -> list[str]:
             str(port),
             *flags,
             *TOOLS,
+            *adapters,
         ]
     engine_args = [
         arg
-        for key, value in ENGINE.items()
+        for key, value in engine.items()
         for arg in ("--engine-arg", f"{key}={str(value).lower()}")
     ]
     return [
@@ -262,13 +285,21 @@ def server_command(system: str, model: Path, name: str, port: int) -> list[str]:
         str(port),
         *engine_args,
         *TOOLS,
+        *adapters,
+        *(["--config", _sluice_lora_config()] if lora is not None else []),
         "--data-dir",
         tempfile.mkdtemp(prefix="sluice-bench-"),
     ]
 
 
+def _sluice_lora_config() -> str:
+    path = Path(tempfile.mkdtemp(prefix="sluice-bench-")) / "sluice.json"
+    path.write_text(json.dumps(SLUICE_LORA_CONFIG))
+    return str(path)
+
+
 @contextmanager
-def running(system: str, model: Path, name: str, log: Path):  # type: ignore[no-untyped-def]
+def running(system: str, model: Path, name: str, log: Path, lora: Path | None = None):  # type: ignore[no-untyped-def]
     import httpx
 
     with socket.socket() as probe:
@@ -277,7 +308,7 @@ def running(system: str, model: Path, name: str, log: Path):  # type: ignore[no-
     with open(log, "ab") as out:
         # Its own process group, not its own session (see tests/conftest.py).
         proc = subprocess.Popen(
-            server_command(system, model, name, port),
+            server_command(system, model, name, port, lora),
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -311,7 +342,14 @@ def running(system: str, model: Path, name: str, log: Path):  # type: ignore[no-
             proc.wait()
 
 
-def run_pytest(where: Path, files: list[Path], url: str, junit: Path, keyword: str | None) -> None:
+def run_pytest(
+    where: Path,
+    files: list[Path],
+    url: str,
+    junit: Path,
+    keyword: str | None,
+    lora: Path | None = None,
+) -> None:
     command = [
         sys.executable,
         "-m",
@@ -331,7 +369,12 @@ def run_pytest(where: Path, files: list[Path], url: str, junit: Path, keyword: s
     subprocess.run(
         command,
         cwd=where,
-        env={**os.environ, "SLUICE_SUITE_URL": url, "PYTHONPATH": str(where)},
+        env={
+            **os.environ,
+            "SLUICE_SUITE_URL": url,
+            "PYTHONPATH": str(where),
+            **({} if lora is None else {"SLUICE_SUITE_LORA": str(lora)}),
+        },
         check=False,
     )
 
@@ -409,13 +452,14 @@ def main() -> None:
     suites = list(SUITES) if "all" in args.suite else args.suite
     files = args.files or [path for name in suites for path in SUITES[name]]
 
-    from engine_adapters.demo_model import build_demo_model
+    from engine_adapters.demo_model import build_demo_adapter, build_demo_model
 
     version = vllm_version()
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
     suite = extract_tests(fetch_sdist(version), args.work)
     model = build_demo_model(CACHE / "demo-model")
+    adapter = build_demo_adapter(CACHE / "demo-lora", model)
     groups: dict[str, list[Path]] = defaultdict(list)
     for path in files:
         groups[model_name(suite / path)].append(suite / path)
@@ -425,8 +469,13 @@ def main() -> None:
         for system in args.systems:
             junit = args.work / f"{system}-{index}.xml"
             print(f"== {system}, served as {name}: {len(paths)} file(s)", flush=True)
-            with running(system, model, name, args.work / f"{system}.log") as url:
-                run_pytest(args.work, paths, url, junit, args.keyword)
+            lora = (
+                adapter
+                if any(p.relative_to(suite).as_posix() in SUITES["lora"] for p in paths)
+                else None
+            )
+            with running(system, model, name, args.work / f"{system}.log", lora) as url:
+                run_pytest(args.work, paths, url, junit, args.keyword, lora)
             if junit.is_file():
                 results[system].update(outcomes(junit))
 

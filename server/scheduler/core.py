@@ -431,13 +431,8 @@ class SchedulerCore:
                 started.append(self._start(head, now))
                 continue
             bulk_head = bulk.peek()
-            # A slot free is a chat's first: bulk takes one only while no chat waits.
-            if (
-                bulk_head is not None
-                and not slots.resident(bulk_head)
-                and not (head is None and slots.fits(bulk_head))
-            ):
-                bulk_head = self._bulk_instead(now)
+            if bulk_head is not None and bulk_head.adapter is not None:
+                bulk_head = self._bulk_around_slots(bulk_head, head, now)
             else:
                 self._bulk_slot_wait_since = None  # it waits for no slot
             if (
@@ -461,6 +456,22 @@ class SchedulerCore:
                 started.append(self._start(bulk_head, now))
                 continue
             return started
+
+    def _bulk_around_slots(
+        self, bulk_head: Ticket, head: Ticket | None, now: float
+    ) -> Ticket | None:
+        """The bulk that may start now, given bulk's head on an adapter. A free slot is a
+        chat's first: while a chat waits for one, bulk starts on the base model only (bulk
+        started on an adapter now would only be stopped for the chat), and bulk takes a free
+        slot only while no chat waits. A head that needs a slot it cannot have waits
+        (`_bulk_instead`)."""
+        slots = self.slots
+        if head is not None and not slots.fits(head):
+            return self._queues[BULK].first(_on_base_model)
+        if slots.resident(bulk_head) or (head is None and slots.fits(bulk_head)):
+            self._bulk_slot_wait_since = None  # it waits for no slot
+            return bulk_head
+        return self._bulk_instead(now)
 
     def _bulk_instead(self, now: float) -> Ticket | None:
         """What bulk starts while its head waits for an adapter slot: for `ADAPTER_TURN_S`,

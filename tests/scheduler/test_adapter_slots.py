@@ -128,3 +128,18 @@ def test_bulk_lines_take_turns_at_one_slot() -> None:
     a = sum(adapter == "a" for _, adapter in started)
     longest = max(len(times) for _, times in turns)
     assert abs(a - (len(started) - a)) <= longest
+
+
+def test_while_a_chat_waits_for_a_slot_bulk_starts_on_the_base_model_only() -> None:
+    # Bulk keeps three of four seats while chats wait: room for two more beside `bulk-a`.
+    floor = {**OPEN, "bulk_min_share": 0.75}
+    s = core(config(budgets=floor), sequences=4, adapter_slots=1)
+    admit(s, ticket("bulk-a", traffic_class=BULK, adapter="a", preemptible=False))
+    assert ids(s.poll(0.0).started) == ["bulk-a"]
+    admit(s, ticket("chat-b", at=1.0, adapter="b"))  # waits: `a`'s bulk cannot be stopped
+    admit(s, ticket("more-a", at=1.0, traffic_class=BULK, adapter="a"))
+    admit(s, ticket("base", at=1.0, traffic_class=BULK, tenant="other"))
+    # More bulk on `a` would only hold the slot longer; the base model's takes none.
+    assert ids(s.poll(1.0).started) == ["base"]
+    s.release("bulk-a", 2.0, completed=True)
+    assert ids(s.poll(2.0).started) == ["chat-b"]

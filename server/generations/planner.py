@@ -28,6 +28,7 @@ from server.core.errors import (
 from server.generations.assembler import Shape
 from server.generations.run import engine_failure
 from server.generations.timeline import RequestTimeline
+from server.observability.metrics import OTHER_MODEL
 from server.openai.chunks import Echo
 from server.openai.parsed import ParsedRequest
 from server.scheduler.types import Dispatcher, Ticket, TrafficClass
@@ -92,7 +93,11 @@ class Planner:
         timeline.traffic_class = str(
             self.tenants.traffic_class(tenant, parsed.service_tier, context.traffic_class)
         )
-        adapter = self.check_model(parsed.model, tenant)
+        try:
+            adapter = self.check_model(parsed.model, tenant)
+        except ModelNotFound:
+            timeline.model = OTHER_MODEL  # (a label per name a client sends would be unbounded)
+            raise
         timeline.model = adapter or self.served_model
         for key in ("logprobs", "prompt_logprobs"):
             if key in parsed.sampling and not self.engine.model.logprobs:

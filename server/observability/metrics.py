@@ -92,6 +92,9 @@ STATE_OPERATIONS = (
 
 
 _BY_CLASS = ("model", "traffic_class")
+# The model label of a request for a model the server does not serve: the label's values are
+# the served model, its adapters, and this.
+OTHER_MODEL = "other"
 
 
 class Metrics:

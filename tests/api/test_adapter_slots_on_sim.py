@@ -80,6 +80,11 @@ def test_the_adapters_are_models_of_the_sim_engine(server: InProcessSluice) -> N
         assert server.metric("sluice_generated_tokens_total", model=model) >= 8
         assert server.metric("sluice_time_to_first_token_seconds_count", model=model) >= 1
         assert server.metric("sluice_inter_token_latency_seconds_count", model=model) >= 1
+    # A model not served is counted as `other`, not under the name a client sent.
+    unknown = httpx.post(server.url + "/v1/chat/completions", json=request("nope", 4), timeout=30)
+    assert unknown.status_code == 404
+    assert server.metric("sluice_requests_total", model="other") >= 1
+    assert 'model="nope"' not in server.metrics_text()
 
 
 async def test_a_chat_takes_the_only_slot_from_bulk_and_the_bulk_stream_carries_on(

@@ -105,6 +105,7 @@ SERVER_ENV = {
 LORA_FLAGS = ["--enable-lora", "--max-lora-rank", "64", "--max-cpu-loras", "2"]
 # Sluice loads adapters at runtime for an admin key only: the tests' client's key is one.
 SLUICE_LORA_CONFIG = {"tenants": {"suite": {"api_keys": ["token-abc123"], "admin": True}}}
+KEY = {"Authorization": "Bearer token-abc123"}  # (what the tests' clients send)
 
 # Written over vLLM's tests/conftest.py (whose imports need vLLM's whole test environment).
 CONFTEST = '''
@@ -324,7 +325,7 @@ def running(system: str, model: Path, name: str, log: Path, lora: Path | None = 
             try:
                 if (
                     httpx.get(url + "/health", timeout=2).status_code == 200
-                    and httpx.get(url + "/v1/models", timeout=2).status_code == 200
+                    and httpx.get(url + "/v1/models", headers=KEY, timeout=2).status_code == 200
                 ):
                     break
             except httpx.HTTPError:

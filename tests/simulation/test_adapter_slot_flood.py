@@ -15,26 +15,15 @@ import math
 import statistics
 
 import pytest
+from test_frontier import BULK, CHATS, CPU, SECONDS, judged
 
-from engine_adapters.sim_model import SimConfig
 from server.core.config import parse_config
 from server.scheduler.adapters import AdapterSlots
 from server.scheduler.types import PreemptCause
 from server.simulation.continuous import BulkStreams, ContinuousSimulation
-from server.simulation.continuous_workload import RequestShape, WorkloadMix, poisson_mix
+from server.simulation.continuous_workload import WorkloadMix, poisson_mix
 
-SECONDS = 60.0
-WARMUP = 10.0
-CHATS = RequestShape(16, 32, None)
-BULK = RequestShape(100, 512, None)
-ENGINE = SimConfig(
-    step_base_ms=2.0,
-    decode_ms_per_token=0.5,
-    prefill_ms_per_token=0.35,
-    kv_blocks=4096,
-    max_loras=2,
-    lora_load_ms=5.0,
-)
+ENGINE = dataclasses.replace(CPU, max_loras=2, lora_load_ms=5.0)
 BULK_ADAPTERS = ("bulk-a", "bulk-c")
 
 
@@ -69,19 +58,7 @@ def flooded() -> ContinuousSimulation:
 
 
 def within_slo(simulation: ContinuousSimulation, slo: tuple[float, float]) -> float:
-    chats = [
-        t
-        for t in simulation.timelines.values()
-        if t.traffic_class == "interactive" and t.arrival >= WARMUP
-    ]
-    met = sum(
-        t.outcome == "completed"
-        and t.first_token is not None
-        and t.first_token - t.arrival <= slo[0]
-        and (t.median_gap or 0.0) <= slo[1]
-        for t in chats
-    )
-    return met / len(chats)
+    return judged(simulation, slo, SECONDS)[0]
 
 
 def bulk_tokens(simulation: ContinuousSimulation) -> dict[str, int]:

@@ -18,13 +18,15 @@ The bulk cap (`bulk_cap.py`) is the step-time model's, corrected by the bulk con
 (`controller.py`), which every `poll` lets steer once a period by what chats measured where
 the server wrote their tokens (`attainment.py`, fed by the shells).
 
-Preemption has two causes and one mechanism. The bulk cap drops when chats arrive after a quiet
+Preemption has three causes and one mechanism. The bulk cap drops when chats arrive after a quiet
 spell, or when the controller shrinks it: the bulk running beyond it stops at once when the
 step time it causes is over the gap target as the controller corrects it (the cap itself aims
 under that); under feedback, only when that step or what chats measured is far over the
 target, and otherwise it leaves as it ends. And an interactive head that
 has waited `preempt_bulk_after_s` with no budget room stops just enough bulk to fit, never
-below bulk's minimum share. Victims are those cheapest to resume (the fewest tokens past their
+below bulk's minimum share. And an interactive head that waits for a LoRA adapter slot
+(`adapters.py`) that only bulk holds stops all the bulk on one such adapter at once. Victims
+are those cheapest to resume (the fewest tokens past their
 last full KV block, which an engine with prefix caching must compute again), then the most
 recently dispatched. The shell aborts their engine requests and calls `requeue`; the ticket
 returns to the front of its tenant's bulk line as a continuation (prompt plus generated tokens,

@@ -107,6 +107,7 @@ def test_the_outcome_labels_dashboards_count_are_kept() -> None:
         "store_unavailable",
     }
     assert {c for c, o in outcome.items() if o == "failed"} == {
+        "adapter_load_failed",
         "generation_failed",
         "internal_error",
     }

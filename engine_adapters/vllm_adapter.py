@@ -352,8 +352,6 @@ class VLLMEngine:
         if self._llm is None or self._llm.errored:
             raise EngineDeadError("vLLM engine is not running")
         adapter, lora = request.adapter, await self._lora(request)
-        if adapter is not None:
-            self._using[adapter] += 1  # (before any await: it is not evicted from here on)
         prompt: dict[str, Any] = (
             {"prompt_token_ids": list(request.prompt_token_ids)}
             if request.prompt_embeds is None
@@ -381,6 +379,11 @@ class VLLMEngine:
                 request.prompt_token_ids[-request.resumed_tokens :],
                 skip_special_tokens=request.sampling.skip_special_tokens,
             )
+        # Counted where the `finally` that uncounts it begins, and with no await since `_lora`:
+        # the adapter cannot leave vLLM meanwhile, and a request refused above (vLLM's own
+        # checks of its parameters) leaves no count behind that would keep it in for ever.
+        if adapter is not None:
+            self._using[adapter] += 1
         try:
             async for out in stream:
                 for completion in out.outputs:  # the choices with news (n > 1: several)

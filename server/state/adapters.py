@@ -22,7 +22,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine_adapters.protocol import EngineClient, EngineError
+from engine_adapters.protocol import (
+    AdapterLoadFailed,
+    AdapterNotFound,
+    EngineClient,
+    EngineError,
+)
 from server.core.errors import StateUnavailable
 from server.state.backend import RedisState
 
@@ -111,9 +116,12 @@ class RuntimeAdapters:
                     continue
                 try:
                     await self._engine.load_adapter(name, path)
-                except EngineError as exc:
+                except (AdapterNotFound, AdapterLoadFailed) as exc:  # not on this host: left
                     self._failed.add((name, path))
                     logger.warning("LoRA adapter %r loaded on another replica: %s", name, exc)
+                    continue
+                except EngineError as exc:  # (no room now, say): tried again at the next sync
+                    logger.info("LoRA adapter %r not loaded yet: %s", name, exc)
                     continue
                 self._ours.add(name)
                 logger.info("LoRA adapter %r loaded from %s, as on another replica", name, path)

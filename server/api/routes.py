@@ -176,7 +176,19 @@ class Endpoint:
 _BATCH_ID, _FILE_ID, _RESPONSE_ID = "a batch id", "a file id", "a response id"
 b = batch_api_routes
 
+# The generation endpoints first: Starlette tries each route in turn (a regex per miss), and
+# these take nearly every request.
 ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("POST", "/v1/chat/completions", chat_completions, openapi.chat),
+    Endpoint("POST", "/v1/completions", completions, openapi.completion),
+    Endpoint("POST", "/v1/messages", anthropic_routes.messages, openapi.messages),
+    Endpoint(
+        "POST",
+        "/v1/responses",
+        responses_routes.create_response,
+        openapi.create_response,
+        "responses",
+    ),
     Endpoint("GET", "/", chat_page, bare=True),
     Endpoint("GET", "/health", health, openapi.health, bare=True),
     Endpoint("GET", "/ready", ready, openapi.ready),
@@ -200,11 +212,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/openapi.json", openapi_json, openapi.itself),
     Endpoint("POST", "/tokenize", tokenize, openapi.tokenize),
     Endpoint("POST", "/detokenize", detokenize, openapi.detokenize),
-    Endpoint("POST", "/v1/chat/completions", chat_completions, openapi.chat),
-    Endpoint("POST", "/v1/completions", completions, openapi.completion),
     Endpoint("POST", "/invocations", invocations, openapi.invocations),
     Endpoint("POST", "/v1/chat/completions/batch", chat_completions_batch, openapi.chat_batch),
-    Endpoint("POST", "/v1/messages", anthropic_routes.messages, openapi.messages),
     Endpoint(
         "POST", "/v1/messages/count_tokens", anthropic_routes.count_tokens, openapi.count_tokens
     ),
@@ -215,13 +224,6 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         openapi.resume("chat completion"),
     ),
     Endpoint("GET", "/v1/completions/{id}/stream", resume_completion, openapi.resume("completion")),
-    Endpoint(
-        "POST",
-        "/v1/responses",
-        responses_routes.create_response,
-        openapi.create_response,
-        "responses",
-    ),
     Endpoint(
         "GET",
         "/v1/responses/{id}",

@@ -26,7 +26,7 @@ from server.observability.access_log import (
     median,
     release_access_line,
 )
-from server.observability.metrics import Metrics
+from server.observability.metrics import Metrics, RequestSeries
 from server.scheduler.attainment import ChatMeter, Ended
 from server.scheduler.slo import slo_result
 from server.scheduler.types import Generation, SloTargets
@@ -74,15 +74,15 @@ class RequestTimeline:
         if not self.ended:
             release_access_line()
 
-    def _label_values(self) -> tuple[str, str]:
-        return (self.model, self.traffic_class)
+    def _series(self) -> RequestSeries:
+        return self.metrics.series(self.model, self.traffic_class)
 
     def dispatched(self, generation: Generation) -> None:
         self.generation = generation
         at = self.dispatched_at = generation.dispatched_at
-        labels = self._label_values()
-        self.metrics.queue_wait.labels(*labels).observe(max(0.0, at - self.arrival))
-        self.metrics.prompt_tokens.labels(*labels).inc(self.prompt_tokens)
+        series = self._series()
+        series.queue_wait.observe(max(0.0, at - self.arrival))
+        series.prompt_tokens.inc(self.prompt_tokens)
 
     def wrote_tokens(self, count: int) -> None:
         """Generated tokens are about to be written to the client."""
@@ -91,9 +91,7 @@ class RequestTimeline:
         now = self.clock()
         if self.first_token_at is None:
             self.first_token_at = self._flushed_at = now
-            self.metrics.time_to_first_token.labels(*self._label_values()).observe(
-                now - self.arrival
-            )
+            self._series().time_to_first_token.observe(now - self.arrival)
         else:
             assert self.last_write_at is not None
             gap = now - self.last_write_at
@@ -117,15 +115,17 @@ class RequestTimeline:
     def flush(self) -> None:
         """Add the tokens and gaps written since the last flush to the registry."""
         self._flushed_at = self.last_write_at or 0.0
-        labels = self._label_values()
         tokens = self.generated_tokens - self._flushed_tokens
-        if tokens:
-            self.metrics.generated_tokens.labels(*labels).inc(tokens)
-            self._flushed_tokens = self.generated_tokens
         gaps = self.itl[self._flushed_gaps :]
+        if not (tokens or gaps):
+            return
+        series = self._series()
+        if tokens:
+            series.generated_tokens.inc(tokens)
+            self._flushed_tokens = self.generated_tokens
         if gaps:
             self._flushed_gaps = len(self.itl)
-            self.metrics.inter_token_latency.labels(*labels).observe_many(gaps)
+            series.inter_token_latency.observe_many(gaps)
 
     def timings(self) -> dict[str, Any]:
         """The request's own timings, in seconds, for the `timings` object beside `usage`."""
@@ -155,9 +155,10 @@ class RequestTimeline:
         if not self.recorded:
             return
         now = time.monotonic()
-        model, traffic_class = self._label_values()
-        self.metrics.request_duration.labels(model, traffic_class).observe(now - self.arrival)
-        self.metrics.requests.labels(model, traffic_class, outcome).inc()
+        model, traffic_class = self.model, self.traffic_class
+        series = self._series()
+        series.request_duration.observe(now - self.arrival)
+        series.requests[outcome].inc()
         if self.tenant_label is not None:
             self.metrics.tenant_requests.labels(self.tenant_label, outcome).inc()
         if error is not None and outcome == "rejected":
@@ -176,7 +177,7 @@ class RequestTimeline:
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrival
         median_gap = median(self.gaps)
         if median_gap is not None:
-            self.metrics.stream_median_gap.labels(model, traffic_class).observe(median_gap)
+            series.stream_median_gap.observe(median_gap)
         verdict = slo_result(
             outcome,
             error is not None and error.capacity,

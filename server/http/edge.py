@@ -4,14 +4,11 @@ limit). Past the edge nothing reads headers."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.requests import HTTPConnection
-from starlette.types import Receive
 
 from server.core.errors import InvalidRequest
 from server.generations.planner import RequestContext
@@ -104,27 +101,3 @@ def context_of(connection: HTTPConnection) -> RequestContext:
 
 def client_address(connection: HTTPConnection) -> str | None:
     return connection.client.host if connection.client is not None else None
-
-
-def receive_disconnect(receive: Receive) -> Callable[[], Awaitable[None]]:
-    """A waiter for an ASGI http.disconnect (the request body must already be read)."""
-
-    async def wait() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    return wait
-
-
-async def unless_gone(waiting: Awaitable[Any], receive: Receive) -> bool:
-    """Await `waiting` unless the client disconnects first; whether it finished."""
-    waited = asyncio.ensure_future(waiting)
-    leaving = asyncio.ensure_future(receive_disconnect(receive)())
-    try:
-        done, _ = await asyncio.wait({waited, leaving}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waited.cancel()
-        leaving.cancel()
-    return waited in done

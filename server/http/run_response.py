@@ -11,7 +11,7 @@ from starlette.types import Receive, Scope, Send
 
 from server.core.errors import SluiceError
 from server.generations.run import GenerationRun
-from server.http.edge import unless_gone
+from server.http.leaving import ClientWatch
 from server.http.replies import JSONResponse, error_response
 from server.http.services import Services
 from server.http.sse import SSEResponse
@@ -44,10 +44,10 @@ class RunResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         run = self.run
-        with run.reading():
+        # The client leaving ends the block (the run is cancelled if it was the last reader).
+        with ClientWatch(receive), run.reading():
             stream = run.shape.stream
-            if not await unless_gone(run.started() if stream else run.until_ended(), receive):
-                return  # the client left (the run is cancelled if it was the last reader)
+            await (run.started() if stream else run.until_ended())
             failure = run.failure
             if failure is not None:
                 await self.error(failure)(scope, receive, send)

@@ -1,8 +1,8 @@
 """The SSE response every stream is sent with, on Starlette's public `StreamingResponse`.
 
-One task per stream besides the request's own: it waits for the client's `http.disconnect`
-(uvicorn's `send` to a client that left is silently dropped, ASGI 2.3) and then cancels the
-stream, as a disconnect must stop the generation behind it. Keep-alive pings are a timer, not
+The client leaving cancels the stream, as a disconnect must stop the generation behind it:
+the stream runs inside the response's `ClientWatch` (one task per response besides the
+request's own, opened here unless the response holds one already). Keep-alive pings are a timer, not
 a task: every `ping_seconds` one comment (or the API's own ping event) is sent, from a task
 made for that send alone. Every send is bounded by the server-wide `SendGuard` (no cancel
 scope per token): a stalled client's stream is cancelled like one that left.
@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from server.http.leaving import ClientWatch
 from server.http.send_guard import SendGuard
 
 PING = b": ping\n\n"  # a comment: every SSE client skips it
@@ -52,17 +53,10 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         chunk = self._chunk = self._guard.wrap(send)
         self._ping_send = self._guard.wrap(send)  # its own watch: it may overlap a chunk
-        streaming = asyncio.current_task()
-        assert streaming is not None
-        left: list[bool] = []
+        with ClientWatch(receive):
+            await self._stream(chunk)
 
-        def client_left(_: asyncio.Future[None]) -> None:
-            if not self._ended:  # (a callback run after the stream ended: nothing to stop)
-                left.append(True)
-                streaming.cancel()
-
-        gone = asyncio.ensure_future(_disconnect(receive))
-        gone.add_done_callback(client_left)
+    async def _stream(self, chunk: Send) -> None:
         try:
             await chunk(
                 {
@@ -75,13 +69,8 @@ class SSEResponse(StreamingResponse):
             async for body in self.body_iterator:
                 await chunk({"type": "http.response.body", "body": body, "more_body": True})
             await chunk({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not left:
-                raise  # not the client's leaving: the guard's, or the server's
-            streaming.uncancel()  # the client left: the stream simply ends
         finally:
-            self._disarm()  # first, with no await before it: `client_left` cancels no more
-            gone.cancel()
+            self._disarm()
 
     def write(self, chunk: bytes) -> Awaitable[None]:
         """Send `chunk` now, from whichever task (a run's own: `GenerationRun.written`)."""
@@ -108,8 +97,3 @@ class SSEResponse(StreamingResponse):
             assert self._ping_send is not None
             await self._ping_send({"type": "http.response.body", "body": body, "more_body": True})
         self._arm()
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -20,7 +20,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 
-class _Child:
+class BatchedChild:
     __slots__ = ("_bounds", "_lock", "counts", "sum")
 
     def __init__(self, bounds: tuple[float, ...], lock: threading.Lock) -> None:
@@ -60,16 +60,16 @@ class BatchedHistogram:
         self.bounds = (*bounds, math.inf) if bounds[-1] != math.inf else tuple(bounds)
         self._les = tuple(floatToGoString(b) for b in self.bounds)
         self._lock = threading.Lock()
-        self._children: dict[tuple[str, ...], _Child] = {}
+        self._children: dict[tuple[str, ...], BatchedChild] = {}
         registry.register(self)
 
-    def labels(self, *values: str) -> _Child:
+    def labels(self, *values: str) -> BatchedChild:
         child = self._children.get(values)
         if child is None:
             if len(values) != len(self._labelnames):
                 raise ValueError(f"{self._name}: expected labels {self._labelnames}")
             with self._lock:
-                child = self._children.setdefault(values, _Child(self.bounds, self._lock))
+                child = self._children.setdefault(values, BatchedChild(self.bounds, self._lock))
         return child
 
     def describe(self) -> Iterator[HistogramMetricFamily]:

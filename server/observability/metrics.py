@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from server.core.errors import OUTCOMES, REJECTION_CODES
 from server.observability.counters import CounterReadAtScrape
-from server.observability.histograms import BatchedHistogram
+from server.observability.histograms import BatchedChild, BatchedHistogram
 
 
 def _by_decade(*decades: tuple[float, ...]) -> tuple[float, ...]:
@@ -104,6 +104,7 @@ class Metrics:
 
     def __init__(self) -> None:
         registry = self.registry = CollectorRegistry(auto_describe=True)
+        self._series: dict[tuple[str, str], RequestSeries] = {}
         counter = partial(Counter, registry=registry)
         gauge = partial(Gauge, registry=registry)
         histogram = partial(Histogram, registry=registry)
@@ -350,6 +351,15 @@ class Metrics:
             ["how"],
         )
 
+    def series(self, model: str, traffic_class: str) -> RequestSeries:
+        """The per-request series of one model and traffic class, looked up once (a
+        `labels` call costs a lock and a tuple each; a request records about eight)."""
+        key = (model, traffic_class)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = RequestSeries.bind(self, model, traffic_class)
+        return found
+
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format, for a scrape."""
         return generate_latest(self.registry)
@@ -402,4 +412,32 @@ class ClassGauges:
             metrics.queue_oldest_age.labels(model, traffic_class),
             metrics.running_requests.labels(model, traffic_class),
             metrics.autoscale_pressure.labels(model, traffic_class),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSeries:
+    """The series one request records into, for its model and traffic class (`series`)."""
+
+    queue_wait: Histogram
+    prompt_tokens: Counter
+    time_to_first_token: Histogram
+    generated_tokens: Counter
+    inter_token_latency: BatchedChild
+    request_duration: Histogram
+    stream_median_gap: Histogram
+    requests: dict[str, Counter]  # by outcome
+
+    @classmethod
+    def bind(cls, metrics: Metrics, model: str, traffic_class: str) -> RequestSeries:
+        labels = (model, traffic_class)
+        return cls(
+            metrics.queue_wait.labels(*labels),
+            metrics.prompt_tokens.labels(*labels),
+            metrics.time_to_first_token.labels(*labels),
+            metrics.generated_tokens.labels(*labels),
+            metrics.inter_token_latency.labels(*labels),
+            metrics.request_duration.labels(*labels),
+            metrics.stream_median_gap.labels(*labels),
+            {outcome: metrics.requests.labels(*labels, outcome) for outcome in OUTCOMES},
         )

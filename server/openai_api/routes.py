@@ -21,7 +21,8 @@ from server.core.errors import (
 from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
-from server.http.edge import context_of, request_id_from, unless_gone
+from server.http.edge import context_of, request_id_from
+from server.http.leaving import ClientWatch, unless_gone
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.run_response import RunResponse
 from server.http.services import Services
@@ -262,10 +263,8 @@ class StreamedBatchResponse:
         self.runs = runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with _reading(self.runs):
-            started = _each(self.runs, GenerationRun.started, lambda run: run.failure is not None)
-            if not await unless_gone(started, receive):
-                return
+        with ClientWatch(receive), _reading(self.runs):
+            await _each(self.runs, GenerationRun.started, lambda run: run.failure is not None)
             failure = next((run.failure for run in self.runs if run.failure), None)
             if failure is not None:
                 await error_response(failure, self.request_id)(scope, receive, send)

@@ -12,7 +12,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
-from server.http.edge import context_of, request_id_from, unless_gone
+from server.http.edge import context_of, request_id_from
+from server.http.leaving import ClientWatch, unless_gone
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.services import Services
 from server.openai.wire import validated
@@ -164,10 +165,9 @@ class ResponseStream:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         run = self.run
         request_id = run.timeline.request_id
-        with run.reading():
+        with ClientWatch(receive), run.reading():
             if self.owner:
-                if not await unless_gone(run.started(), receive):
-                    return
+                await run.started()
                 if run.failure is not None:
                     await error_response(run.failure, request_id)(scope, receive, send)
                     return

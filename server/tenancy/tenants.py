@@ -10,6 +10,7 @@ priority` still gets served, within what its tenant pays for. Deadline: the clie
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import time
@@ -45,7 +46,12 @@ class Tenant:
         """vLLM's `cache_salt` for the tenant's requests: its own prefix cache (None: shared)."""
         if self.config.prefix_cache == "shared":
             return None
-        return hashlib.sha256(f"sluice-tenant:{self.name}".encode()).hexdigest()[:32]
+        return _salt(self.name)
+
+
+@functools.lru_cache(maxsize=256)
+def _salt(tenant: str) -> str:  # (a hash per request otherwise; tenants are few)
+    return hashlib.sha256(f"sluice-tenant:{tenant}".encode()).hexdigest()[:32]
 
 
 def requested_class(service_tier: str | None, asked: TrafficClass | None) -> TrafficClass | None:

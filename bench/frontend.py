@@ -19,15 +19,19 @@ server process's CPU per token (user and system apart):
   them merged (coalescing under backlog). An engine inside the server's loop would otherwise
   wait for the loop, and no stream could ever fall behind it;
 * sluice-1: one token per event forced: the engine waits for the loop (no catch-up) and
-  `--stream-coalesce off`, so every token is an event of its own whatever the backlog.
+  `--stream-coalesce off`, so every token is an event of its own whatever the backlog;
+* before: the sluice row's server from another checkout (`--old-root`), measured beside it.
 
     python bench/frontend.py                         # SSE and WebSocket, every system
     python bench/frontend.py --transports sse --systems floor,sluice --streams 64
     python bench/frontend.py --systems floor,sluice --root /tmp/old   # an older checkout
     python bench/frontend.py --root /tmp/old --catch-up-steps 0   # one without the flag
+    python bench/frontend.py --transports sse --tokens 2 --systems floor,framework,sluice \
+        --old-root /tmp/old --rounds 5   # per request, before and after, medians of 5 rounds
 
-A warm-up round (`--warmup` streams) precedes each measured one. On 2 cores the client and the
-server share the machine: compare systems within one run, not across runs.
+A warm-up round (`--warmup` streams) precedes each measured one. With `--rounds` every system
+is measured once a round, in turn, and the medians of the rounds are reported last. On 2 cores
+the client and the server share the machine: compare systems within one run, not across runs.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ SYSTEMS = {
     "framework": None,
     "sluice": [],
     "sluice-1": ["--stream-coalesce", "off"],
+    "before": [],  # the sluice row, served from `--old-root`
 }
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
 
@@ -308,7 +313,7 @@ def start(
     system: str, listener: socket.socket, data: str, root: Path, catch_up: int
 ) -> subprocess.Popen[bytes]:
     extra = SYSTEMS[system]
-    if system == "sluice" and catch_up:
+    if system in ("sluice", "before") and catch_up:
         extra = [*extra, "--sim-catch-up-steps", str(catch_up)]
     fd = str(listener.fileno())
     command = (
@@ -342,7 +347,8 @@ def measure(args: argparse.Namespace, system: str, transport: str) -> dict[str, 
     listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
     port = int(listener.getsockname()[1])
     with tempfile.TemporaryDirectory() as data, listener:
-        server = start(system, listener, data, args.root, args.catch_up_steps)
+        root = args.old_root if system == "before" else args.root
+        server = start(system, listener, data, root, args.catch_up_steps)
         try:
             ready(port, server, system)
             process = psutil.Process(server.pid)
@@ -389,6 +395,10 @@ def main() -> None:
         default=16,
         help="the 'sluice' row's --sim-catch-up-steps (0: not passed, for older checkouts)",
     )
+    parser.add_argument(
+        "--old-root", type=Path, help="also serve this checkout's Sluice (an older one): 'before'"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="every system once a round")
     parser.add_argument("--floor-fd", type=int, help=argparse.SUPPRESS)  # serve the floor
     parser.add_argument("--floor-kind", default="floor", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -402,26 +412,55 @@ def main() -> None:
     except ImportError:
         pass
     print(f"{args.streams} streams x {args.tokens} tokens")
-    print(
+    header = (
         f"{'transport':9} {'system':10} {'tokens/s':>9} {'events/s':>9} {'tok/event':>9} "
         f"{'first p50':>9} {'first p99':>9} {'CPU µs/token':>12} {'user/sys':>11} "
-        f"{'x floor tok/s':>13}"
+        f"{'x floor tok/s':>13} {'p99 x floor':>11} {'p99 x frame':>11}"
     )
+    print(header)
+    systems = args.systems.split(",")
+    if args.old_root is not None and "before" not in systems:
+        systems.append("before")
     for transport in args.transports.split(","):
-        floor = None
-        for system in args.systems.split(","):
-            r = measure(args, system, transport)
-            if system == "floor":
-                floor = r["tokens_per_s"]
-            ratio = f"{r['tokens_per_s'] / floor:.2f}x" if floor else "-"
-            print(
-                f"{transport:9} {system:10} {r['tokens_per_s']:9.0f} {r['events_per_s']:9.0f} "
-                f"{r['tokens_per_event']:9.2f} {r['first_p50_ms']:7.1f}ms "
-                f"{r['first_p99_ms']:7.1f}ms "
-                f"{r['cpu_us_per_token']:12.1f} "
-                f"{r['user_us_per_token']:5.1f}/{r['system_us_per_token']:<5.1f} {ratio:>13}",
-                flush=True,
-            )
+        rounds: dict[str, list[dict[str, float]]] = {system: [] for system in systems}
+        for round_no in range(args.rounds):
+            for system in systems:
+                rounds[system].append(measure(args, system, transport))
+                print(row(transport, system, rounds[system][-1], rounds, round_no), flush=True)
+        if args.rounds > 1:
+            print(f"medians of {args.rounds} rounds:")
+            medians = {
+                system: [{k: statistics.median(r[k] for r in results) for k in results[0]}]
+                for system, results in rounds.items()
+            }
+            for system in systems:
+                print(row(transport, system, medians[system][0], medians, 0), flush=True)
+
+
+def row(
+    transport: str,
+    system: str,
+    r: dict[str, float],
+    rounds: dict[str, list[dict[str, float]]],
+    round_no: int,
+) -> str:
+    """One system's figures, against the floor and the framework of the same round."""
+
+    def against(other: str, key: str) -> str:
+        results = rounds.get(other, [])
+        if len(results) <= round_no:
+            return "-"
+        return f"{r[key] / results[round_no][key]:.2f}x"
+
+    return (
+        f"{transport:9} {system:10} {r['tokens_per_s']:9.0f} {r['events_per_s']:9.0f} "
+        f"{r['tokens_per_event']:9.2f} {r['first_p50_ms']:7.1f}ms "
+        f"{r['first_p99_ms']:7.1f}ms "
+        f"{r['cpu_us_per_token']:12.1f} "
+        f"{r['user_us_per_token']:5.1f}/{r['system_us_per_token']:<5.1f} "
+        f"{against('floor', 'tokens_per_s'):>13} {against('floor', 'first_p99_ms'):>11} "
+        f"{against('framework', 'first_p99_ms'):>11}"
+    )
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def engine_failure(exc: EngineError) -> SluiceError:
     return GenerationFailed(f"generation failed: {exc}")
 
 
-Deliver = Callable[[int, list[Event]], Awaitable[None]]  # (number of the last, events)
+# (number of the last, events, whether they end the run: the response may end with them)
+Deliver = Callable[[int, list[Event], bool], Awaitable[None]]
 
 
 class _Writer:
@@ -80,15 +81,16 @@ class _Writer:
         self.after = 0  # the last event delivered
         self.busy = False
 
-    async def flush(self) -> None:
-        """Deliver every event logged and not yet delivered, a batch at a time."""
+    async def flush(self, *, ending: bool = False) -> None:
+        """Deliver every event logged and not yet delivered, a batch at a time (`ending`: the
+        log is closed, and its last batch is the run's last)."""
         if self.busy:
             return
         self.busy = True
         try:
             while batch := self.log.take(self.after):
                 self.after += len(batch)
-                await self.deliver(self.after, batch)
+                await self.deliver(self.after, batch, ending and self.after == len(self.log))
         finally:
             self.busy = False
 
@@ -372,7 +374,7 @@ class GenerationRun:
         try:
             await writer.flush()
             await self.log.closing()
-            await writer.flush()
+            await writer.flush(ending=True)
         finally:
             self._writer = None
 

@@ -74,7 +74,9 @@ class RunResponse:
         run, merge = self.run, self.services.edge.coalesce
         if run.writable and self._response is not None:
             write = self._response.write
-            await run.written(lambda last, batch: write(run.sse(last, batch, merge)))
+            await run.written(
+                lambda last, batch, final: write(run.sse(last, batch, merge), final=final)
+            )
             return
         async for last, batch in run.log.batches(self.after):
             yield run.sse(last, batch, merge)

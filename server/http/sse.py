@@ -68,14 +68,18 @@ class SSEResponse(StreamingResponse):
             self._arm()
             async for body in self.body_iterator:
                 await chunk({"type": "http.response.body", "body": body, "more_body": True})
-            await chunk({"type": "http.response.body", "body": b"", "more_body": False})
+            if not self._ended:  # (`write` sent the last chunk and ended the body with it)
+                await chunk({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self._disarm()
 
-    def write(self, chunk: bytes) -> Awaitable[None]:
-        """Send `chunk` now, from whichever task (a run's own: `GenerationRun.written`)."""
+    def write(self, chunk: bytes, *, final: bool = False) -> Awaitable[None]:
+        """Send `chunk` now, from whichever task (a run's own: `GenerationRun.written`);
+        `final`: the last, which ends the body in the same write (no ping after it)."""
         assert self._chunk is not None, "the response has begun"
-        return self._chunk({"type": "http.response.body", "body": chunk, "more_body": True})
+        if final:
+            self._disarm()
+        return self._chunk({"type": "http.response.body", "body": chunk, "more_body": not final})
 
     def _arm(self) -> None:
         if not self._ended:

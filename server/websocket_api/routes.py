@@ -254,7 +254,7 @@ class Connection(WebSocketSession):
         can read hands them over itself, as it logs them (`GenerationRun.written`)."""
         merge = self.services.edge.coalesce
 
-        async def deliver(last: int, batch: list[Event]) -> None:
+        async def deliver(last: int, batch: list[Event], final: bool = False) -> None:
             for seq, group in run.coalesced(last, batch, merge):
                 message = ws_message(gen_id, seq, group, run)
                 if message is not None:

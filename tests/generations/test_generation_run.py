@@ -155,9 +155,11 @@ async def test_a_run_read_by_one_reader_writes_each_token_in_its_own_task(
     run, _ = await open_run(sluice, {**BODY, "max_tokens": 30, "ignore_eos": True})
     assert run.writable
     writes: list[tuple[asyncio.Task[object] | None, bytes, int]] = []
+    finals: list[bool] = []
 
-    async def write(last: int, batch: list[Event]) -> None:
+    async def write(last: int, batch: list[Event], final: bool) -> None:
         writes.append((asyncio.current_task(), run.sse(last, batch, merge=True), run.log.held))
+        finals.append(final)
 
     with run.reading():
         await run.written(write)
@@ -169,6 +171,7 @@ async def test_a_run_read_by_one_reader_writes_each_token_in_its_own_task(
     assert len(by_run) >= 30  # every token's write (the role's and the end's are the reader's)
     assert all(held <= 1 for _, _, held in writes)
     assert writes[-1][1].endswith(b"data: [DONE]\n\n") and run.ended
+    assert finals == [False] * (len(writes) - 1) + [True]  # the last ends the response with it
 
 
 async def test_a_slow_client_holds_its_run_and_the_engine_keeps_the_backlog(
@@ -181,7 +184,7 @@ async def test_a_slow_client_holds_its_run_and_the_engine_keeps_the_backlog(
     texts: list[str] = []
     held: list[int] = []
 
-    async def write(last: int, batch: list[Event]) -> None:
+    async def write(last: int, batch: list[Event], final: bool) -> None:
         texts.extend(content_of([c for _, c in sse_events(run.sse(last, batch, merge=True))]))
         held.append(run.log.held)
         await asyncio.sleep(0.010)  # the client's socket accepts the bytes 10 ms later

@@ -24,12 +24,17 @@ EVENT_PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 
 @asynccontextmanager
 async def serving(
-    content: Callable[[], AsyncIterator[bytes]], ping: Callable[[], bytes] | None = None
+    content: Callable[[], AsyncIterator[bytes]],
+    ping: Callable[[], bytes] | None = None,
+    made: list[SSEResponse] | None = None,  # each response, as it is made
 ) -> AsyncIterator[tuple[int, uvicorn.Server]]:
     guard = SendGuard(timeout=30.0)
 
     async def stream(request: Request) -> SSEResponse:
-        return SSEResponse(content(), guard, ping_seconds=0.02, ping=ping)
+        response = SSEResponse(content(), guard, ping_seconds=0.02, ping=ping)
+        if made is not None:
+            made.append(response)
+        return response
 
     app = Starlette(routes=[Route("/stream", stream)])
     listener = socket.socket()
@@ -96,6 +101,29 @@ async def test_an_apis_own_ping_event_replaces_the_comment() -> None:
         while not body.endswith(b"0\r\n\r\n"):
             body += await asyncio.wait_for(reader.read(4096), 10)
         writer.close()
+
+
+async def test_a_final_write_ends_the_body_in_the_same_write(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A run's reader writes its last events with `final` (GenerationRun.written): the chunk
+    # and the body's end go out as one, and nothing is sent after them.
+    made: list[SSEResponse] = []
+
+    async def content() -> AsyncIterator[bytes]:
+        await made[0].write(b"data: first\n\n")
+        await made[0].write(b"data: last\n\n", final=True)
+        return
+        yield  # (an async generator that yields nothing itself)
+
+    async with serving(content, made=made) as (port, _):
+        reader, writer, _ = await open_stream(port)
+        body = b""
+        while not body.endswith(b"0\r\n\r\n"):
+            body += await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+    assert body.endswith(b"data: last\n\n\r\n0\r\n\r\n") and body.count(b"0\r\n\r\n") == 1
+    assert "Exception in ASGI application" not in caplog.text
 
 
 async def test_a_client_that_leaves_stops_the_content_without_an_error(

@@ -25,6 +25,7 @@ import uvicorn
 def build(model: str, served: str, engine_args: dict[str, Any]) -> Any:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
     state: dict[str, Any] = {}
@@ -65,8 +66,10 @@ def build(model: str, served: str, engine_args: dict[str, Any]) -> Any:
             request["messages"], tokenize=False, add_generation_prompt=True
         )
         prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-        params = SamplingParams(
-            max_tokens=request["max_tokens"], ignore_eos=request.get("ignore_eos", False)
+        params = SamplingParams(  # each output the new tokens alone, as vLLM's server streams
+            max_tokens=request["max_tokens"],
+            ignore_eos=request.get("ignore_eos", False),
+            output_kind=RequestOutputKind.DELTA,
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk", "model": served}
@@ -90,7 +93,7 @@ def build(model: str, served: str, engine_args: dict[str, Any]) -> Any:
         tokens = 0
         async for out in state["llm"].generate(prompt, params, rid):
             for completion in out.outputs:
-                tokens = len(completion.token_ids) + tokens
+                tokens += len(completion.token_ids)
                 choice = {"index": 0, "delta": {"content": completion.text}}
                 await event({"choices": [{**choice, "finish_reason": completion.finish_reason}]})
         usage = {"prompt_tokens": len(prompt["prompt_token_ids"]), "completion_tokens": tokens}

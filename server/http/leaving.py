@@ -46,7 +46,10 @@ class ClientWatch:
         return self
 
     def _client_left(self, gone: asyncio.Future[None]) -> None:
-        if self._held is not None and not gone.cancelled():  # (after the block: nothing to stop)
+        if gone.cancelled():
+            return  # the block ended first
+        gone.exception()  # (a `receive` that failed: the connection is gone all the same)
+        if self._held is not None:  # (a callback run after the block: nothing to stop)
             self.left = True
             assert self._task is not None
             self._task.cancel()

@@ -2,9 +2,9 @@
 
 The client leaving cancels the stream, as a disconnect must stop the generation behind it:
 the stream runs inside the response's `ClientWatch` (one task per response besides the
-request's own, opened here unless the response holds one already). Keep-alive pings are a timer, not
-a task: every `ping_seconds` one comment (or the API's own ping event) is sent, from a task
-made for that send alone. Every send is bounded by the server-wide `SendGuard` (no cancel
+request's own, opened here unless the response holds one already). Keep-alive pings are a
+timer, not a task: every `ping_seconds` one comment (or the API's own ping event) is sent, from
+a task made for that send alone. Every send is bounded by the server-wide `SendGuard` (no cancel
 scope per token): a stalled client's stream is cancelled like one that left.
 
 A stream's chunks may be written from another task than the request's (`write`: a run only

@@ -180,28 +180,33 @@ def models() -> Operation:
 
 def load_lora_adapter() -> Operation:
     return _admin(
-        _post(
-            "load a LoRA adapter, served as a model (an admin key's)",
-            _request(LoadLoRAAdapter),
-            {"type": "string"},
-        )
+        "load a LoRA adapter, served as a model (an admin key's)",
+        LoadLoRAAdapter,
+        {  # as vLLM's server answers
+            "404": "no adapter at `lora_path`",
+            "500": "an adapter the engine cannot load (`adapter_load_failed`, with its reason)",
+        },
     )
 
 
 def unload_lora_adapter() -> Operation:
     return _admin(
-        _post(
-            "unload a LoRA adapter (an admin key's); its running requests finish",
-            _request(UnloadLoRAAdapter),
-            {"type": "string"},
-        )
+        "unload a LoRA adapter (an admin key's); its running requests finish",
+        UnloadLoRAAdapter,
+        {"404": "no adapter of that name is loaded"},
     )
 
 
-def _admin(operation: Operation) -> Operation:
-    """An operation only an admin key may call: 403 for any other."""
-    forbidden = {"description": "a key that is not an admin's", "content": _json(Schema(ErrorBody))}
-    return {**operation, "responses": {**operation["responses"], "403": forbidden}}
+def _admin(summary: str, body: type[BaseModel], errors: dict[str, str]) -> Operation:
+    """An operation only an admin key may call (403 for any other), answered in plain text,
+    with its own error answers beside every operation's."""
+    operation = _post(summary, _request(body), {"type": "string"})
+    own = {"403": "a key that is not an admin's", **errors}
+    responses = {
+        status: {"description": description, "content": _json(Schema(ErrorBody))}
+        for status, description in own.items()
+    }
+    return {**operation, "responses": {**operation["responses"], **responses}}
 
 
 def version() -> Operation:

@@ -104,6 +104,21 @@ def test_every_reply_has_a_schema_and_replies_match_theirs(sim_server: InProcess
     reply_matches("POST", "/detokenize", {"model": model, "tokens": [1, 2]})
 
 
+def test_the_adapter_operations_document_their_own_errors(sim_server: InProcessSluice) -> None:
+    # vLLM's answers to a load (404: no adapter at the path; 500: one it cannot load) and an
+    # unload (404), and the admin's 403, each an OpenAI error body.
+    paths = httpx.get(sim_server.url + "/openapi.json", timeout=10).json()["paths"]
+    for path, statuses in (
+        ("/v1/load_lora_adapter", {"403", "404", "500"}),
+        ("/v1/unload_lora_adapter", {"403", "404"}),
+    ):
+        responses = paths[path]["post"]["responses"]
+        assert statuses <= set(responses), path
+        for status in statuses:
+            schema = responses[status]["content"]["application/json"]["schema"]
+            assert schema == responses["400"]["content"]["application/json"]["schema"]
+
+
 # The paths /openapi.json lists (schemathesis leaves out the document's own), each fuzzed
 # with well-formed and with malformed input.
 OPERATIONS = [

@@ -79,13 +79,17 @@ async def _generate(services: Services, request: Request, kind: str | None) -> A
                 stream=body.get("stream") is True,
             )
         parsed = parse_request(body, kind)
+        # A keyed stream sent again resumes after the event the client names, as a GET of its
+        # stream does: the one way to resume through a router that forwards a POST's headers
+        # but not a GET's (vLLM's: docs/operations.md).
+        after = _after(request) if key is not None and parsed.stream else 0
         run, replayed = await services.generations.generate(
             parsed, body, timeline, context_of(request), key, stream=parsed.stream
         )
     except SluiceError as error:
         timeline.fail(error)
         return error_response(error, timeline.request_id)
-    return RunResponse(services, run, replayed=replayed)
+    return RunResponse(services, run, replayed=replayed, after=after if replayed else 0)
 
 
 async def resume_chat_completion(services: Services, request: Request) -> ASGIApp:
@@ -117,6 +121,7 @@ async def _resume(services: Services, request: Request, kind: str) -> ASGIApp:
 
 
 def _after(request: Request) -> int:
+    """The last event the client has: `Last-Event-ID`, else `?starting_after=N`; 0: none."""
     for name, value in (
         ("Last-Event-ID", request.headers.get("last-event-id")),
         ("starting_after", request.query_params.get("starting_after")),

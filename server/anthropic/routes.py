@@ -107,7 +107,7 @@ class MessageResponse(RunResponse):
                     out += stream.finish(
                         final["finish_reason"],
                         final.get("stop_reason"),
-                        final["usage"]["completion_tokens"],
+                        final["usage"],
                     )
                 elif event.kind is Kind.FAILED and event.error is not None:
                     out += stream.error(event.error)

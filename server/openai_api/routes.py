@@ -27,7 +27,7 @@ from server.http.replies import JSONResponse, error_response, read_json
 from server.http.run_response import RunResponse
 from server.http.services import Services
 from server.openai.chat import NOT_IN_BATCH
-from server.openai.chunks import DONE, ChunkEncoder, usage
+from server.openai.chunks import DONE, ChunkEncoder, summed_usage
 from server.openai.completion import split_prompts
 from server.openai.requests import parse_request
 
@@ -286,7 +286,9 @@ class StreamedBatchResponse:
                 arrived.put_nowait(event)
 
         forwarding = [asyncio.ensure_future(forward(run)) for run in self.runs]
-        totals, timings, done = usage(0, 0), [], 0
+        usages: list[dict[str, Any]] = []
+        timings: list[dict[str, Any]] = []
+        done = 0
         try:
             while done < len(self.runs):
                 event = await arrived.get()
@@ -296,7 +298,7 @@ class StreamedBatchResponse:
                 if event.kind is Kind.USAGE:
                     continue  # one for all, below
                 if event.final is not None:
-                    totals = {key: totals[key] + event.final["usage"][key] for key in totals}
+                    usages.append(event.final["usage"])
                     timings.append(event.final["timings"])
                 yield event.sse
                 if event.kind is Kind.FAILED:
@@ -307,7 +309,7 @@ class StreamedBatchResponse:
         shape = self.runs[0].shape
         if shape.parsed.include_usage and done == len(self.runs):
             yield ChunkEncoder(shape.parsed.kind, shape.response_id, shape.model, True).usage_chunk(
-                {"usage": totals, "timings": timings}
+                {"usage": summed_usage(usages), "timings": timings}
             )
         yield DONE
 
@@ -337,10 +339,7 @@ class BatchResponse:
             {**choice, "index": i}
             for i, choice in enumerate(choice for body in bodies for choice in body["choices"])
         ]
-        totals = {
-            key: sum(body["usage"][key] for body in bodies)
-            for key in ("prompt_tokens", "completion_tokens", "total_tokens")
-        }
+        totals = summed_usage(body["usage"] for body in bodies)
         prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
         reply = {**bodies[0], "id": prefix + self.request_id, "choices": choices, "usage": totals}
         per_part = (

@@ -11,7 +11,7 @@ import orjson
 from pydantic import Discriminator, Field, Tag
 
 from server.openai.chat import REASONING_EFFORTS
-from server.openai.chunks import chat_logprobs
+from server.openai.chunks import cached_tokens, chat_logprobs
 from server.openai.generation_body import Logprobs, SamplingFields
 from server.openai.wire import OnlyDefault, WireModel
 
@@ -429,12 +429,16 @@ class ResponseBuilder:
                 )
         return events
 
-    def finish(self, finish_reason: str, usage: dict[str, int]) -> list[ResponseEvent]:
-        """The chat's end: its finish reason and usage (prompt, completion tokens)."""
+    def finish(self, finish_reason: str, usage: dict[str, Any]) -> list[ResponseEvent]:
+        """The chat's end: its finish reason and usage (prompt, completion and cached prompt
+        tokens: a chat's `usage`)."""
         events = self._close()
         self.usage = {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {
+                "cached_tokens": cached_tokens(usage),
+                "cache_write_tokens": 0,
+            },
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"],

@@ -94,7 +94,9 @@ def _message(local_id: str, seq: int, event: Event, run: GenerationRun) -> dict[
             "id": local_id,
             "seq": seq,
             "finish_reason": "cancelled",
-            "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
+            "usage": usage(
+                timeline.prompt_tokens, timeline.generated_tokens, timeline.cached_tokens or 0
+            ),
             "timings": timeline.timings(),
         }
     elif event.kind is Kind.FAILED and event.error is not None:

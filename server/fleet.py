@@ -110,6 +110,8 @@ def router_command(
     kv_aware (`kv_block_size`: the engine's KV block, which the router must hash alike)."""
     command = [router, "--host", host, "--port", str(port), "--worker-urls", *workers]
     command += ["--policy", policy, "--prometheus-port", str(prometheus_port)]
+    # /ready: a replica that drains, or whose engine died, answers 503 and is passed over.
+    command += ["--health-check-endpoint", "/ready", "--health-check-interval-secs", "5"]
     for worker, endpoint in (kv_sources or {}).items():
         command += ["--kv-event-source", f"{worker}={endpoint}"]
     if kv_sources and kv_block_size is not None:
@@ -232,9 +234,7 @@ def run(args: argparse.Namespace) -> int:
             replica.start()
         print(f"sluice fleet: {args.replicas} replicas starting; logs in {workdir}", flush=True)
         wait_ready(replicas, READY_TIMEOUT_S)
-        block_size = (
-            kv_block_size(replicas[0][1].removesuffix("/ready")) if kv_sources else None
-        )
+        block_size = kv_block_size(replicas[0][1].removesuffix("/ready")) if kv_sources else None
         command = router_command(
             router,
             host=args.host,

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from server.api.terminal import terminate_with_parent
+
 POLICIES = ("cache_aware", "round_robin", "kv_aware", "power_of_two", "random")
 KV_EVENTS_PORT = 5557  # vLLM's default publisher port; replica i publishes on this + i
 READY_TIMEOUT_S = 600.0
@@ -37,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address of the router and replicas")
     parser.add_argument(
         "--port", type=int, default=8000, help="the router's port (replica i serves on PORT + i)"
+    )
+    parser.add_argument(
+        "--replica-port",
+        type=int,
+        default=None,
+        help="the first replica's port, the others' after it (default: --port + 1; 0: any "
+        "free ports, bound here and handed to each replica)",
     )
     parser.add_argument(
         "--policy",
@@ -54,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--router",
         default=None,
         help="the vllm-router executable (default: beside this Python, else on PATH)",
+    )
+    parser.add_argument(
+        "--router-metrics-port",
+        type=int,
+        default=None,
+        help="the router's own /metrics (default: the port after the replicas')",
     )
     parser.add_argument(
         "--router-arg",
@@ -126,16 +142,21 @@ class Child:
     log: Path
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
-    def start(self, env: dict[str, str] | None = None) -> None:
+    def start(self, listener: socket.socket | None = None) -> None:
+        """`listener`: a listening socket the child inherits (its `--fd`), closed here."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 self.command,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
                 process_group=0,  # Ctrl-C reaches the fleet alone; it signals each child
+                pass_fds=() if listener is None else (listener.fileno(),),
+                # SIGTERM when the fleet dies, however: a killed fleet leaves nothing behind.
+                preexec_fn=terminate_with_parent,
             )
+        if listener is not None:
+            listener.close()  # the child's copy alone: once it exits, connecting is refused
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -219,11 +240,14 @@ def run(args: argparse.Namespace) -> int:
             redis.start()
         replicas = []
         kv_sources = {}
+        first = args.port + 1 if args.replica_port is None else args.replica_port
         for i in range(1, args.replicas + 1):
-            port = args.port + i
+            # Bound here (no port to race for between its choice and its use), inherited.
+            listener = socket.create_server((args.host, first + i - 1 if first else 0))
+            port = listener.getsockname()[1]
             url = f"http://{args.host}:{port}"
             command = [sys.executable, "-m", "server.cli", "serve", *serve_args]
-            command += ["--host", args.host, "--port", str(port), "--state-url", state_url]
+            command += ["--fd", str(listener.fileno()), "--state-url", state_url]
             if args.policy == "kv_aware":
                 publish = KV_EVENTS_PORT + i - 1
                 command += ["--kv-events-config", kv_events_config(publish)]
@@ -231,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
             replica = Child(f"replica {i} ({url})", command, workdir / f"replica-{i}.log")
             replicas.append((replica, url + "/ready"))
             children.append(replica)
-            replica.start()
+            replica.start(listener)
+            print(f"sluice fleet: replica {i} at {url}", flush=True)
         print(f"sluice fleet: {args.replicas} replicas starting; logs in {workdir}", flush=True)
         wait_ready(replicas, READY_TIMEOUT_S)
         block_size = kv_block_size(replicas[0][1].removesuffix("/ready")) if kv_sources else None
@@ -241,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             workers=[url.removesuffix("/ready") for _, url in replicas],
             policy=args.policy,
-            prometheus_port=args.port + args.replicas + 1,
+            prometheus_port=args.router_metrics_port or args.port + args.replicas + 1,
             kv_sources=kv_sources,
             kv_block_size=block_size,
             more=args.router_arg,

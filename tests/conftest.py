@@ -596,3 +596,81 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSl
         yield server
     finally:
         server.stop()
+
+
+class RouterProcess:
+    """vLLM's router (`vllm-router`, the dev extra's) in front of `workers`, on a reserved
+    loopback port (it binds by number), its log in a file; ready once it answers `/health`
+    (it waits for a healthy worker first)."""
+
+    def __init__(
+        self,
+        workers: list[str],
+        log_path: Path,
+        *,
+        policy: str = "cache_aware",
+        more: list[str] | None = None,
+        kv_sources: dict[str, str] | None = None,
+        kv_block_size: int | None = None,
+    ) -> None:
+        from server.fleet import find_router, router_command
+
+        try:
+            router = find_router()
+        except SystemExit as exc:
+            missing(str(exc))
+        self.port = reserved_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = router_command(
+            router,
+            host="127.0.0.1",
+            port=self.port,
+            workers=workers,
+            policy=policy,
+            prometheus_port=reserved_port(),
+            kv_sources=kv_sources,
+            kv_block_size=kv_block_size,
+            more=more or (),
+        )
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, process_group=0
+        )
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling interval for start-up, not a stand-in for a condition
+        raise TimeoutError(f"vllm-router not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self) -> RouterProcess:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -182,6 +182,8 @@ class SluiceProcess:
     directory is one of its own, unless the test names one (`--data-dir`) or asks for the
     default (`default_data_dir`: `$XDG_DATA_HOME/sluice`, the test's `env` setting it)."""
 
+    kv_events: str | None = None  # where its engine publishes vLLM's KV events, if it does
+
     def __init__(
         self,
         args: list[str],
@@ -534,16 +536,28 @@ def vllm_args(demo_model_dir: Path) -> list[str]:
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def kv_events_args() -> tuple[list[str], str]:
+    """A vLLM replica's `--kv-events-config` (vLLM's KV events on a reserved port, the empty
+    topic vllm-router reads), and the endpoint a router subscribes to."""
+    from server.fleet import kv_events_config
+
+    port = reserved_port()
+    return ["--kv-events-config", kv_events_config(port)], f"tcp://127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="session")
 def vllm_server(
     demo_model_dir: Path, session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SluiceProcess]:
-    """Sluice on vLLM with the demo model, its resumable generations shared in Redis."""
+    """Sluice on vLLM with the demo model, its resumable generations shared in Redis, its
+    engine publishing vLLM's KV events (`kv_events`: where, for a router's kv_aware policy)."""
+    kv_args, kv_events = kv_events_args()
     server = SluiceProcess(
-        [*vllm_args(demo_model_dir), "--state-url", session_redis.url],
+        [*vllm_args(demo_model_dir), "--state-url", session_redis.url, *kv_args],
         tmp_path_factory.mktemp("vllm") / "server.log",
         env=VLLM_ENV,
     )
+    server.kv_events = kv_events
     try:
         server.wait_ready()
         yield server

@@ -77,8 +77,10 @@ async def _generate(services: Services, request: Request, kind: str | None) -> A
                 kind,
                 prompts,
                 stream=body.get("stream") is True,
+                endpoint=request.url.path,
             )
         parsed = parse_request(body, kind)
+        services.note_ignored(timeline.api, request.url.path, parsed)
         run, replayed = await services.generations.generate(
             parsed, body, timeline, context_of(request), key, stream=parsed.stream
         )
@@ -169,6 +171,7 @@ async def chat_completions_batch(services: Services, request: Request) -> ASGIAp
         timeline,
         "chat",
         [{**body, "messages": conversation} for conversation in conversations],
+        endpoint=request.url.path,
     )
 
 
@@ -180,6 +183,8 @@ async def _batch(
     kind: str,
     bodies: list[dict[str, Any]],
     stream: bool = False,
+    *,
+    endpoint: str,
 ) -> ASGIApp:
     """A BatchResponse (or, streamed, a StreamedBatchResponse) over one generation per body,
     each admitted (or, if one is refused, none: those before it are cancelled and the
@@ -189,6 +194,8 @@ async def _batch(
         first_index = 0
         for i, body in enumerate(bodies):
             parsed = parse_request(body, kind)
+            if i == 0:  # (the other bodies hold the same fields)
+                services.note_ignored(timeline.api, endpoint, parsed)
             one = services.timeline(f"{request_id}-{i}", timeline.api)
             try:
                 runs.append(

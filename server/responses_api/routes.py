@@ -32,6 +32,7 @@ async def create_response(services: Services, responses: Responses, request: Req
                 param="Idempotency-Key",
             )
         body = validated(CreateResponse, await read_json(request, services.edge.max_body_bytes))
+        services.note_ignored("responses", request.url.path, body)
         record = await responses.create(body, timeline, context_of(request))
     except SluiceError as error:
         timeline.fail(error)

@@ -110,10 +110,10 @@ def test_version(sim_server: InProcessSluice) -> None:
         ("/tokenize", {"prompt": "hi", "return_token_strs": 1}, 400, "return_token_strs"),
         (
             "/tokenize",
-            {"prompt": "hi", "add_generation_prompt": True},
+            {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
             400,
-            "add_generation_prompt",
-        ),
+            "continue_final_message",
+        ),  # (it needs add_generation_prompt: false)
         (
             "/tokenize",
             {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},

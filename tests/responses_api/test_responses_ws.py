@@ -309,7 +309,7 @@ async def test_previous_response_id_continues_an_unstored_response_of_the_connec
         ("not json", 400, "invalid_request", None),
         ("[1, 2]", 400, "invalid_request", None),
         ('{"type": "response.steer"}', 400, "invalid_request", "type"),
-        (create(bogus=1), 400, "unsupported_parameter", "bogus"),
+        (create(priority=1), 400, "unsupported_parameter", "priority"),
         (create(max_output_tokens=0), 400, "invalid_request", "max_output_tokens"),
         (create(stream=False), 400, "invalid_request", "stream"),
         (create(stream_id="no spaces"), 400, "invalid_request", "stream_id"),

@@ -27,7 +27,7 @@ from server.http.replies import JSONResponse, error_response, read_json
 from server.http.run_response import RunResponse
 from server.http.services import Services
 from server.openai.chat import NOT_IN_BATCH
-from server.openai.chunks import DONE, ChunkEncoder, usage
+from server.openai.chunks import DONE, ChunkEncoder, completion_id, usage
 from server.openai.completion import split_prompts
 from server.openai.requests import parse_request
 
@@ -343,8 +343,12 @@ class BatchResponse:
             key: sum(body["usage"][key] for body in bodies)
             for key in ("prompt_tokens", "completion_tokens", "total_tokens")
         }
-        prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
-        reply = {**bodies[0], "id": prefix + self.request_id, "choices": choices, "usage": totals}
+        reply = {
+            **bodies[0],
+            "id": completion_id(self.kind, self.request_id),
+            "choices": choices,
+            "usage": totals,
+        }
         per_part = (
             ("timings", "prompt_logprobs", "prompt_token_ids")
             if self.kind == "chat"

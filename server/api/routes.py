@@ -47,6 +47,7 @@ from server.openai.models import (
 )
 from server.openai.tokenizer import Detokenize, TokenizeChat, TokenizeText
 from server.openai.wire import WireModel, ignorable_paths, validated
+from server.openai_api.render import render_chat, render_completion
 from server.openai_api.routes import (
     chat_completions,
     chat_completions_batch,
@@ -219,6 +220,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/version", version, openapi.version, bare=True),
     Endpoint("GET", "/openapi.json", openapi_json, openapi.itself),
     Endpoint("POST", "/tokenize", tokenize, openapi.tokenize),
+    Endpoint("POST", "/v1/chat/completions/render", render_chat, openapi.render_chat),
+    Endpoint("POST", "/v1/completions/render", render_completion, openapi.render_completion),
+    Endpoint(
+        "POST",
+        "/v1/responses/render",
+        responses_routes.render_response,
+        openapi.render_response,
+        "responses",
+    ),
     Endpoint("POST", "/detokenize", detokenize, openapi.detokenize),
     Endpoint("POST", "/invocations", invocations, openapi.invocations),
     Endpoint("POST", "/v1/chat/completions/batch", chat_completions_batch, openapi.chat_batch),

@@ -501,6 +501,115 @@ class RedisProcess:
         self.close()
 
 
+# The bodies vLLM's router (vllm-router 0.1.17) sends on: it re-serialises a client's chat and
+# completion with SGLang's defaults (a client's `max_tokens: 5` and one user message here).
+ROUTER_CHAT = {
+    "messages": [{"role": "user", "content": "hello there"}],
+    "stream": False,
+    "max_tokens": 5,
+    "logprobs": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
+}
+ROUTER_COMPLETION = {
+    "prompt": "hello there",
+    "max_tokens": 5,
+    "stream": False,
+    "echo": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "return_hidden_states": False,
+}
+
+
+class RouterProcess:
+    """vLLM's router (`vllm-router`, installed beside this Python) in front of `workers`, its
+    output in `log_path`. It binds its ports by number: its own and its Prometheus
+    exporter's (each router needs one of its own), both `reserved_port()`s. Ready once its
+    `/health` answers 200 (it has found every worker healthy); stopped as a process group."""
+
+    def __init__(
+        self,
+        workers: list[str],
+        log_path: Path,
+        *,
+        policy: str = "cache_aware",
+        args: tuple[str, ...] = (),
+    ) -> None:
+        beside = shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+        binary = beside or require_tool("vllm-router")
+        self.port, self.metrics_port = reserved_port(), reserved_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--worker-urls",
+                *workers,
+                "--policy",
+                policy,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(self.metrics_port),
+                *args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+        )
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling interval for start-up, not a stand-in for a condition
+        raise TimeoutError(f"vllm-router not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self) -> RouterProcess:
+        """Ready (stopped if it never gets there); stopped on leaving."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine_adapters.demo_model import build_demo_model

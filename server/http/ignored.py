@@ -39,7 +39,11 @@ def note_ignored(
                 "ignored fields: %d names logged, new ones are counted only", LOGGED_NAMES
             )
             return
-        close = [] if field in declared else difflib.get_close_matches(field, declared, n=1)
+        close = (
+            difflib.get_close_matches(field, declared, n=1)
+            if "." not in field and field not in declared
+            else []
+        )
         logger.warning(
             "ignored the field '%s' of %s%s: it changes nothing this server answers, as vLLM's "
             "server ignores it (logged once a process; counted in sluice_ignored_fields_total)",

@@ -91,3 +91,18 @@ def test_the_document_holds_each_models_own_schema() -> None:
         assert schemas[model.__name__]["properties"].keys() == model.model_fields.keys(), kind
     batched = schemas["BatchedChatCompletionRequest"]["properties"]
     assert "stream" not in batched and batched["messages"]["items"]["type"] == "array"
+
+
+def test_the_table_of_vllms_fields_names_every_field_served_at_its_default_or_ignored() -> None:
+    from pathlib import Path
+
+    from server.openai.tokenizer import TokenizeChat
+    from server.openai.wire import NoEffect, OnlyDefault
+    from server.responses_api.wire import CreateResponse
+
+    page = (Path(__file__).parents[2] / "docs" / "request-models.md").read_text()
+    table = page[page.index("## vLLM's fields") :]
+    for model in (*REQUEST_MODELS.values(), CreateResponse, TokenizeChat):
+        for name, field in model.model_fields.items():
+            if any(isinstance(meta, NoEffect | OnlyDefault) for meta in field.metadata):
+                assert f"`{name}" in table, f"{model.__name__}.{name}"

@@ -109,29 +109,36 @@ def _no_effect(meta: Any) -> bool:
 def ignored_fields(body: BaseModel) -> tuple[str, ...]:
     """The fields of a validated body that it ignores, each named once by its path through
     models (`stream_options.x`), in order: the undeclared ones, and those declared to change
-    nothing. Fields sent as null are fields not sent."""
-    return tuple(sorted(set(_ignored(body, ""))))
+    nothing. Fields sent as null are fields not sent. (Per request: set operations on what
+    was sent, against what each model class declares, found once.)"""
+    found: list[str] = []
+    _ignored(body, "", found)
+    return tuple(sorted(set(found))) if found else ()
 
 
-def _ignored(body: BaseModel, where: str) -> Iterator[str]:
+def _ignored(body: BaseModel, where: str, found: list[str]) -> None:
     extra = body.__pydantic_extra__
     if extra:
-        yield from (where + key for key in extra)
-    declared, ignorable_here = type(body).model_fields, _ignorable(type(body))
-    for name in body.model_fields_set:
-        if name not in declared:
-            continue  # (an undeclared one, above)
+        found.extend(where + key for key in extra)
+    model, sent = type(body), body.model_fields_set
+    for name in sent & _ignorable(model):
+        if getattr(body, name) is not None:
+            found.append(where + name)
+    for name in sent & _holding_models(model):
         value = getattr(body, name)
-        if value is None:
-            continue
-        if name in ignorable_here:
-            yield where + name
-        elif isinstance(value, BaseModel):
-            yield from _ignored(value, f"{where}{name}.")
-        elif isinstance(value, list):
-            for item in value:
-                if isinstance(item, BaseModel):
-                    yield from _ignored(item, f"{where}{name}.")
+        for item in value if isinstance(value, list) else (value,):
+            if isinstance(item, BaseModel):
+                _ignored(item, f"{where}{name}.", found)
+
+
+@functools.cache
+def _holding_models(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that may hold models (themselves, or in a list or a union)."""
+    return frozenset(
+        name
+        for name, field in model.model_fields.items()
+        if name not in _ignorable(model) and any(_models_in(field.annotation))
+    )
 
 
 def ignorable_paths(model: type[BaseModel], where: str = "") -> frozenset[str]:

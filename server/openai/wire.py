@@ -53,6 +53,9 @@ class NoEffect:
 
     why: str
 
+    def __get_pydantic_json_schema__(self, schema: Any, handler: GetJsonSchemaHandler) -> Any:
+        return {**handler(schema), "description": f"accepted and ignored: {self.why}"}
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class OnlyDefault:
@@ -87,13 +90,9 @@ class OnlyDefault:
         )
 
 
-def ignorable(model: type[BaseModel]) -> frozenset[str]:
-    """The fields of `model` that change nothing when sent (`NoEffect`, `OnlyDefault`)."""
-    return _ignorable(model)
-
-
 @functools.cache
 def _ignorable(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that change nothing when sent (`NoEffect`, `OnlyDefault`)."""
     return frozenset(
         name for name, field in model.model_fields.items() if any(map(_no_effect, field.metadata))
     )
@@ -108,7 +107,7 @@ def _no_effect(meta: Any) -> bool:
 
 def ignored_fields(body: BaseModel) -> tuple[str, ...]:
     """The fields of a validated body that it ignores, each named once by its path through
-    models (`stream_options.x`), in order: the undeclared ones, and those declared to change
+    models (`stream_options.x`), sorted: the undeclared ones, and those declared to change
     nothing. Fields sent as null are fields not sent. (Per request: set operations on what
     was sent, against what each model class declares, found once.)"""
     found: list[str] = []

@@ -584,20 +584,26 @@ def summarise(
         **{key: round(values[-1] - values[0]) for key, values in m.counted.items()},
     }
     if slo is not None:
-        ttft_limit, gap_limit = slo
-        met = sum(
-            1
-            for c in m.chats
-            if c.ttft_s <= ttft_limit and (c.median_gap_s is None or c.median_gap_s <= gap_limit)
-        )
-        total = len(m.chats) + m.chat_failures
-        row["within_slo"] = round(met / total, 4) if total else None
+        row["within_slo"] = within_slo(m.chats, m.chat_failures, slo)
     # The same chats as Sluice judged them: where the bench's client shares the host, it reads
     # tokens later than Sluice writes them, and the difference is the client's, not Sluice's.
     ended = sum(row.get(key, 0) for key in VERDICTS)
     if ended:
         row["within_slo_by_sluice"] = round(row.get("slo_met_none", 0) / ended, 4)
     return row
+
+
+def within_slo(chats: list[Chat], failures: int, slo: tuple[float, float]) -> float | None:
+    """The share of chats (failed ones too) within `slo`: (TTFT limit, median-gap limit) in
+    seconds; None: no chats."""
+    ttft_limit, gap_limit = slo
+    met = sum(
+        1
+        for c in chats
+        if c.ttft_s <= ttft_limit and (c.median_gap_s is None or c.median_gap_s <= gap_limit)
+    )
+    total = len(chats) + failures
+    return round(met / total, 4) if total else None
 
 
 def idle_slo(m: Measurements, factor: float) -> tuple[float, float]:

@@ -75,6 +75,7 @@ import multiprocessing
 import os
 import random
 import signal
+import socket
 import statistics
 import string
 import subprocess
@@ -304,11 +305,13 @@ def started(system: str, policy: str, args: argparse.Namespace, logs: Path) -> I
         for i in range(1, replicas + 1):
             url = f"http://127.0.0.1:{port + i}"
             kv_port = args.kv_events_port + i - 1 if policy == "kv_aware" else None
-            if system == "sluice":
+            listener = None
+            if system == "sluice":  # as `sluice fleet` starts its replicas
                 assert state_url is not None
+                listener = socket.create_server(("127.0.0.1", port + i))
                 data = Path(tempfile.mkdtemp(prefix="fleet-data-"))
                 command = fleet.replica_command(
-                    sluice_args(args, data), "127.0.0.1", port + i, state_url, kv_port
+                    sluice_args(args, data), listener.fileno(), state_url, kv_port
                 )
                 ready = url + "/ready"
             else:
@@ -316,16 +319,12 @@ def started(system: str, policy: str, args: argparse.Namespace, logs: Path) -> I
                 ready = url + "/health"
             if kv_port is not None:
                 kv_sources[url] = f"tcp://127.0.0.1:{kv_port}"
-            replica = fleet.Child(f"{system} replica {i}", command, logs / f"replica-{i}.log")
-            env = {
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "PYTHONPATH": str(ROOT),
-                "SLUICE_API_KEYS": "",
-            }
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT), "SLUICE_API_KEYS": ""}
             if args.bind_cores:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str((i - 1) % (os.cpu_count() or 1))
-            replica.start(env)
+            replica = fleet.Child(f"{system} replica {i}", command, logs / f"replica-{i}.log", env)
             children.append(replica)
+            replica.start(listener)
             waiting.append((replica, ready))
             urls.append(url)
         fleet.wait_ready(waiting, args.ready_timeout)
@@ -342,7 +341,11 @@ def started(system: str, policy: str, args: argparse.Namespace, logs: Path) -> I
             kv_sources=kv_sources,
             kv_block_size=block_size,
             kv_model=SERVED_NAME,
-            more=args.router_arg,
+            # vLLM's server has no /ready (the fleet's health check): its /health.
+            more=[
+                *(["--health-check-endpoint", "/health"] if system == "vllm" else []),
+                *args.router_arg,
+            ],
         )
         router = fleet.Child("vllm-router", command, logs / "router.log")
         router.start()

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from server.api.terminal import terminate_with_parent
+
 POLICIES = ("cache_aware", "round_robin", "kv_aware", "power_of_two", "random")
 KV_EVENTS_PORT = 5557  # vLLM's default publisher port; replica i publishes on this + i
 READY_TIMEOUT_S = 600.0
@@ -37,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address of the router and replicas")
     parser.add_argument(
         "--port", type=int, default=8000, help="the router's port (replica i serves on PORT + i)"
+    )
+    parser.add_argument(
+        "--replica-port",
+        type=int,
+        default=None,
+        help="the first replica's port, the others' after it (default: --port + 1; 0: any "
+        "free ports, bound here and handed to each replica)",
     )
     parser.add_argument(
         "--policy",
@@ -54,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--router",
         default=None,
         help="the vllm-router executable (default: beside this Python, else on PATH)",
+    )
+    parser.add_argument(
+        "--router-metrics-port",
+        type=int,
+        default=None,
+        help="the router's own /metrics (default: the port after the replicas')",
     )
     parser.add_argument(
         "--router-arg",
@@ -112,6 +128,8 @@ def router_command(
     `kv_model`: the model the workers serve, which the router's index is kept for)."""
     command = [router, "--host", host, "--port", str(port), "--worker-urls", *workers]
     command += ["--policy", policy, "--prometheus-port", str(prometheus_port)]
+    # /ready: a replica that drains, or whose engine died, answers 503 and is passed over.
+    command += ["--health-check-endpoint", "/ready", "--health-check-interval-secs", "5"]
     for worker, endpoint in (kv_sources or {}).items():
         command += ["--kv-event-source", f"{worker}={endpoint}"]
     if kv_sources and kv_block_size is not None:
@@ -122,12 +140,13 @@ def router_command(
 
 
 def replica_command(
-    serve_args: Sequence[str], host: str, port: int, state_url: str, kv_events_port: int | None
+    serve_args: Sequence[str], fd: int, state_url: str, kv_events_port: int | None
 ) -> list[str]:
-    """`sluice serve` as a replica of the fleet: on `port`, sharing `state_url`, publishing
-    its KV events on `kv_events_port` (for kv_aware; None: not at all)."""
+    """`sluice serve` as a replica of the fleet: on the listening socket it inherits as `fd`,
+    sharing `state_url`, publishing its KV events on `kv_events_port` (for kv_aware; None:
+    not at all)."""
     command = [sys.executable, "-m", "server.cli", "serve", *serve_args]
-    command += ["--host", host, "--port", str(port), "--state-url", state_url]
+    command += ["--fd", str(fd), "--state-url", state_url]
     if kv_events_port is not None:
         command += ["--kv-events-config", kv_events_config(kv_events_port)]
     return command
@@ -138,18 +157,25 @@ class Child:
     name: str
     command: list[str]
     log: Path
+    env: dict[str, str] = field(default_factory=dict)  # set for the child, beside this one's
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
-    def start(self, env: dict[str, str] | None = None) -> None:
+    def start(self, listener: socket.socket | None = None) -> None:
+        """`listener`: a listening socket the child inherits (its `--fd`), closed here."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 self.command,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env={**os.environ, **self.env} if self.env else None,
                 process_group=0,  # Ctrl-C reaches the fleet alone; it signals each child
+                pass_fds=() if listener is None else (listener.fileno(),),
+                # SIGTERM when the fleet dies, however: a killed fleet leaves nothing behind.
+                preexec_fn=terminate_with_parent,
             )
+        if listener is not None:
+            listener.close()  # the child's copy alone: once it exits, connecting is refused
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -249,29 +275,33 @@ def run(args: argparse.Namespace) -> int:
             redis.start()
         replicas = []
         kv_sources = {}
+        first = args.port + 1 if args.replica_port is None else args.replica_port
         for i in range(1, args.replicas + 1):
-            port = args.port + i
+            # Bound here (no port to race for between its choice and its use), inherited.
+            listener = socket.create_server((args.host, first + i - 1 if first else 0))
+            port = listener.getsockname()[1]
             url = f"http://{args.host}:{port}"
             publish = KV_EVENTS_PORT + i - 1 if args.policy == "kv_aware" else None
-            command = replica_command(serve_args, args.host, port, state_url, publish)
+            command = replica_command(serve_args, listener.fileno(), state_url, publish)
             if publish is not None:
                 kv_sources[url] = f"tcp://{args.host}:{publish}"
             replica = Child(f"replica {i} ({url})", command, workdir / f"replica-{i}.log")
             replicas.append((replica, url + "/ready"))
             children.append(replica)
-            replica.start()
+            replica.start(listener)
+            print(f"sluice fleet: replica {i} at {url}", flush=True)
         print(f"sluice fleet: {args.replicas} replicas starting; logs in {workdir}", flush=True)
         wait_ready(replicas, READY_TIMEOUT_S)
-        first = replicas[0][1].removesuffix("/ready")
-        block_size = kv_block_size(first) if kv_sources else None
-        model = served_model(first) if kv_sources else None
+        one = replicas[0][1].removesuffix("/ready")
+        block_size = kv_block_size(one) if kv_sources else None
+        model = served_model(one) if kv_sources else None
         command = router_command(
             router,
             host=args.host,
             port=args.port,
             workers=[url.removesuffix("/ready") for _, url in replicas],
             policy=args.policy,
-            prometheus_port=args.port + args.replicas + 1,
+            prometheus_port=args.router_metrics_port or args.port + args.replicas + 1,
             kv_sources=kv_sources,
             kv_block_size=block_size,
             kv_model=model,

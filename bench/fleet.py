@@ -38,7 +38,8 @@ hit share over all turns is given beside, and each replica's share of the prompt
 
 Then the flood (unless `--no-flood`), under `--flood-policy` (cache_aware) on each fleet:
 flood.py's bulk flood (`--bulk-streams` closed-loop streams of `--bulk-tokens`, in a process
-of its own that counts tokens without parsing JSON) sent through the router, marked bulk
+of its own that counts tokens without parsing JSON; each stream's prompt its own, else
+cache_aware sends the whole flood to one replica) sent through the router, marked bulk
 (Sluice: `X-Traffic-Class: bulk`; vLLM's fleet, with `--scheduling-policy priority`: bulk
 `priority: 10` and chats `-10`, as flood.py's vllm-priority row; `--vllm-scheduling fcfs` for
 first come, first served) while new conversations (another seed) chat beside it. A chat turn
@@ -413,7 +414,10 @@ def flooded(f: Fleet, args: argparse.Namespace, w: Workload) -> dict[str, Any]:
     kind = bulk_kind(f.system, args)
     port = int(f.url.rsplit(":", 1)[1])
     bulk = argparse.Namespace(
-        bulk_streams=args.bulk_streams, bulk_tokens=args.bulk_tokens, adapters=None
+        bulk_streams=args.bulk_streams,
+        bulk_tokens=args.bulk_tokens,
+        bulk_distinct=True,  # (alike, cache_aware would send the whole flood to one replica)
+        adapters=None,
     )
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -424,6 +428,7 @@ def flooded(f: Fleet, args: argparse.Namespace, w: Workload) -> dict[str, Any]:
         args=(kind, bulk, port, (begin, math.inf), release, results),
         daemon=True,
     )
+    before = counters(f.replicas)
     process.start()
     try:
         time.sleep(args.flood_warmup)  # the flood reaching its steady state
@@ -435,6 +440,7 @@ def flooded(f: Fleet, args: argparse.Namespace, w: Workload) -> dict[str, Any]:
     process.join(30)
     return {
         "turns": turns,
+        "counters": counter_increase(before, counters(f.replicas)),
         "bulk_tokens_per_s": round(counts["tokens"] / span, 1),
         "bulk_failures": counts["failures"],
     }
@@ -502,7 +508,7 @@ def flood_row(
     turns = result["turns"]
     ok = [t for t in turns if t.error is None]
     ttfts = [1000 * t.ttft_s for t in ok if t.ttft_s is not None]
-    cached = summarise(system, policy, turns, [])
+    cached = summarise(system, policy, turns, result.get("counters", []))
     failures = len(turns) - len(ok)
     return {
         "system": system,
@@ -515,6 +521,7 @@ def flood_row(
         "hit_share": cached["hit_share"],
         "bulk_tokens_per_s": result["bulk_tokens_per_s"],
         "bulk_failures": result["bulk_failures"],
+        "replica_token_split": cached.get("replica_token_split"),
     }
 
 
@@ -613,6 +620,7 @@ FLOOD_COLUMNS = [
     ("hit_share", "prompt cached (later)"),
     ("bulk_tokens_per_s", "bulk tok/s"),
     ("bulk_failures", "bulk errors"),
+    ("replica_token_split", "replicas' token split"),
 ]
 
 

@@ -272,6 +272,12 @@ def content_event(api: str, event: dict) -> bool:
     return any((c.get("delta") or {}).get("content") for c in event.get("choices", ()))
 
 
+def bulk_text(number: int, distinct: bool) -> str:
+    """The `number`th bulk stream's prompt; `distinct`: its own from its first word (vLLM's
+    router, cache_aware, sends prompts that begin alike to one replica)."""
+    return (f"{number} " if distinct else "") + "summarise the report " * 8
+
+
 async def bulk_stream(
     client, kind, args, window: tuple[float, float], counts: dict, number: int
 ) -> None:
@@ -282,7 +288,7 @@ async def bulk_stream(
     model = model_of(args, bulk=True, number=number)
     while True:
         body, headers = request_body(
-            kind, args.bulk_tokens, True, "summarise the report " * 8, model
+            kind, args.bulk_tokens, True, bulk_text(number, args.bulk_distinct), model
         )
         try:
             async with client.stream(
@@ -773,6 +779,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--bulk-streams", type=int, default=96)
     p.add_argument("--bulk-tokens", type=int, default=512)
+    p.add_argument(
+        "--bulk-distinct",
+        action="store_true",
+        help="each bulk stream's prompt its own (default: all alike, as before)",
+    )
     p.add_argument("--chat-rate", type=float, default=4.0, help="chats per second (Poisson)")
     p.add_argument("--chat-tokens", type=int, default=32)
     p.add_argument(

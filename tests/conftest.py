@@ -503,6 +503,34 @@ class RedisProcess:
         self.close()
 
 
+# The bodies vLLM's router (vllm-router 0.1.17) sends on: it re-serialises a client's chat and
+# completion with SGLang's defaults (a client's `max_tokens: 5` and one user message here).
+ROUTER_CHAT = {
+    "messages": [{"role": "user", "content": "hello there"}],
+    "stream": False,
+    "max_tokens": 5,
+    "logprobs": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
+}
+ROUTER_COMPLETION = {
+    "prompt": "hello there",
+    "max_tokens": 5,
+    "stream": False,
+    "echo": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "return_hidden_states": False,
+}
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine_adapters.demo_model import build_demo_model

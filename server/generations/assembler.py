@@ -23,7 +23,7 @@ from typing import Any
 from engine_adapters.protocol import OutputParser, TokenDelta
 from server.generations.log import Event, Kind
 from server.openai.choices import Choice, Choices
-from server.openai.chunks import ChunkEncoder, Echo, usage
+from server.openai.chunks import ChunkEncoder, Echo, completion_id, usage
 from server.openai.parsed import ParsedRequest
 
 
@@ -45,7 +45,7 @@ class Shape:
 
     @property
     def public_id(self) -> str:
-        return ("chatcmpl-" if self.parsed.kind == "chat" else "cmpl-") + self.response_id
+        return completion_id(self.parsed.kind, self.response_id)
 
     def choices(self, *, keep: bool) -> Choices:
         return Choices(

@@ -31,6 +31,7 @@ from server.generations.registry import MAX_KEY_LENGTH, RunStore, fingerprint
 from server.generations.run import GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
 from server.observability.metrics import Metrics
+from server.openai.chunks import completion_id
 from server.openai.parsed import ParsedRequest
 from server.openai.requests import parse_request
 from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass
@@ -123,7 +124,7 @@ class Generations:
         response_id = uuid.uuid4().hex
         record = RunRecord(
             tenant,
-            ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + response_id,
+            completion_id(parsed.kind, response_id),
             parsed.kind,
             request,
             stream,
@@ -203,7 +204,7 @@ class Generations:
         response_id = uuid.uuid4().hex
         record = RunRecord(
             self.planner.tenant_of(context).name,
-            "chatcmpl-" + response_id,
+            completion_id("chat", response_id),
             parsed.kind,
             body,
             True,

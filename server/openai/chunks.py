@@ -50,6 +50,11 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> di
     }
 
 
+def completion_id(kind: str, response_id: str) -> str:
+    """The id a chat ("chat") or text completion answers with: its prefix, then its own."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + response_id
+
+
 @dataclass(frozen=True, slots=True)
 class Echo:
     """What comes first with `echo`: a completion's prompt (in its text and logprobs), or the
@@ -146,7 +151,7 @@ class ChunkEncoder:
         each chunk's continuous usage."""
         self.kind = kind
         self.first_index = first_index
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.id = completion_id(kind, request_id)
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.created = int(time.time()) if created is None else created
         self.model = model
@@ -409,12 +414,9 @@ def whole_response(
                     "token_ids": None if ids is None else choice.token_ids,
                 }
             )
-    object_name, prefix = (
-        ("chat.completion", "chatcmpl-") if kind == "chat" else ("text_completion", "cmpl-")
-    )
-    body = {
-        "id": prefix + request_id,
-        "object": object_name,
+    body: dict[str, Any] = {
+        "id": completion_id(kind, request_id),
+        "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": shaped,

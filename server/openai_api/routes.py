@@ -27,7 +27,7 @@ from server.http.replies import JSONResponse, error_response, read_json
 from server.http.run_response import RunResponse
 from server.http.services import Services
 from server.openai.chat import NOT_IN_BATCH
-from server.openai.chunks import DONE, ChunkEncoder, summed_usage
+from server.openai.chunks import DONE, ChunkEncoder, completion_id, summed_usage
 from server.openai.completion import split_prompts
 from server.openai.requests import parse_request
 
@@ -77,8 +77,10 @@ async def _generate(services: Services, request: Request, kind: str | None) -> A
                 kind,
                 prompts,
                 stream=body.get("stream") is True,
+                endpoint=request.url.path,
             )
         parsed = parse_request(body, kind)
+        services.note_ignored(timeline.api, request.url.path, parsed)
         # A keyed stream sent again resumes after the event the client names, as a GET of its
         # stream does: the one way to resume through a router that forwards a POST's headers
         # but not a GET's (vLLM's: docs/operations.md).
@@ -174,6 +176,7 @@ async def chat_completions_batch(services: Services, request: Request) -> ASGIAp
         timeline,
         "chat",
         [{**body, "messages": conversation} for conversation in conversations],
+        endpoint=request.url.path,
     )
 
 
@@ -185,6 +188,8 @@ async def _batch(
     kind: str,
     bodies: list[dict[str, Any]],
     stream: bool = False,
+    *,
+    endpoint: str,
 ) -> ASGIApp:
     """A BatchResponse (or, streamed, a StreamedBatchResponse) over one generation per body,
     each admitted (or, if one is refused, none: those before it are cancelled and the
@@ -194,6 +199,8 @@ async def _batch(
         first_index = 0
         for i, body in enumerate(bodies):
             parsed = parse_request(body, kind)
+            if i == 0:  # (the other bodies hold the same fields)
+                services.note_ignored(timeline.api, endpoint, parsed)
             one = services.timeline(f"{request_id}-{i}", timeline.api)
             try:
                 runs.append(
@@ -340,8 +347,12 @@ class BatchResponse:
             for i, choice in enumerate(choice for body in bodies for choice in body["choices"])
         ]
         totals = summed_usage(body["usage"] for body in bodies)
-        prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
-        reply = {**bodies[0], "id": prefix + self.request_id, "choices": choices, "usage": totals}
+        reply = {
+            **bodies[0],
+            "id": completion_id(self.kind, self.request_id),
+            "choices": choices,
+            "usage": totals,
+        }
         per_part = (
             ("timings", "prompt_logprobs", "prompt_token_ids")
             if self.kind == "chat"

@@ -212,6 +212,7 @@ class Connection(WebSocketSession):
             if isinstance(request_body, dict) and request_body.get("stream") is False:
                 raise InvalidRequest("WebSocket generations always stream", param="stream")
             parsed = parse_request(request_body, "chat")
+            services.note_ignored("chat", "WebSocket /v1/ws", parsed)
             # What only a whole response carries; a WebSocket generation always streams.
             for name, asked in (
                 ("prompt_logprobs", "prompt_logprobs" in parsed.sampling),

@@ -25,6 +25,7 @@ from server.core.errors import (
     UnsupportedParameter,
 )
 from server.openai.chunks import usage
+from server.openai.wire import ignored_fields
 
 # `anthropic` (~2 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -436,7 +437,7 @@ def test_tools_and_tool_blocks_become_the_chat_request() -> None:
         _, chat, _ = parse_messages({**body, "tool_choice": choice})
         assert chat["tool_choice"] == chat_choice
     # count_tokens reads the same body's prompt
-    counted, _ = parse_count_tokens(body)
+    _, counted, _ = parse_count_tokens(body)
     assert counted["messages"] == chat["messages"] and counted["tools"] == chat["tools"]
 
 
@@ -488,7 +489,9 @@ def test_output_config_becomes_the_chat_response_format_and_effort() -> None:
     assert refused.value.param == "output_config.format.type"
 
 
-def test_an_unknown_field_is_unsupported() -> None:
+def test_an_undeclared_field_is_ignored_and_thinking_refused() -> None:
+    request, _, _ = parse_messages({"model": "m", "max_tokens": 1, "messages": HELLO, "x": 1})
+    assert ignored_fields(request) == ("x",)
     with pytest.raises(UnsupportedParameter) as refused:
         parse_messages({"model": "m", "max_tokens": 1, "messages": HELLO, "thinking": {}})
     assert refused.value.param == "thinking"

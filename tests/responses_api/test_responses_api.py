@@ -231,7 +231,7 @@ def test_previous_response_id_continues_the_conversation(
     ("body", "code", "param"),
     [
         ({"max_output_tokens": -1}, "invalid_request", "max_output_tokens"),
-        ({"bogus": 1}, "unsupported_parameter", "bogus"),
+        ({"max_tool_calls": 2}, "unsupported_parameter", "max_tool_calls"),
         ({"temperature": 3}, "invalid_request", "temperature"),
         ({"input": [{"type": "image", "url": "x"}]}, "invalid_request", "input[0]"),
         ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),

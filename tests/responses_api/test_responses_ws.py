@@ -324,7 +324,7 @@ async def test_an_input_sent_again_is_read_from_the_cache(server: InProcessSluic
         ("not json", 400, "invalid_request", None),
         ("[1, 2]", 400, "invalid_request", None),
         ('{"type": "response.steer"}', 400, "invalid_request", "type"),
-        (create(bogus=1), 400, "unsupported_parameter", "bogus"),
+        (create(priority=1), 400, "unsupported_parameter", "priority"),
         (create(max_output_tokens=0), 400, "invalid_request", "max_output_tokens"),
         (create(stream=False), 400, "invalid_request", "stream"),
         (create(stream_id="no spaces"), 400, "invalid_request", "stream_id"),

@@ -120,10 +120,12 @@ def router_command(
     prometheus_port: int,
     kv_sources: dict[str, str] | None = None,
     kv_block_size: int | None = None,
+    kv_model: str | None = None,
     more: Sequence[str] = (),
 ) -> list[str]:
     """vllm-router in front of `workers`; `kv_sources`: each worker's KV-event endpoint, for
-    kv_aware (`kv_block_size`: the engine's KV block, which the router must hash alike)."""
+    kv_aware (`kv_block_size`: the engine's KV block, which the router must hash alike;
+    `kv_model`: the model the workers serve, which the router's index is kept for)."""
     command = [router, "--host", host, "--port", str(port), "--worker-urls", *workers]
     command += ["--policy", policy, "--prometheus-port", str(prometheus_port)]
     # /ready: a replica that drains, or whose engine died, answers 503 and is passed over.
@@ -132,7 +134,22 @@ def router_command(
         command += ["--kv-event-source", f"{worker}={endpoint}"]
     if kv_sources and kv_block_size is not None:
         command += ["--kv-event-block-size", str(kv_block_size)]
+    if kv_sources and kv_model is not None:
+        command += ["--kv-event-model", kv_model]
     return [*command, *more]
+
+
+def replica_command(
+    serve_args: Sequence[str], fd: int, state_url: str, kv_events_port: int | None
+) -> list[str]:
+    """`sluice serve` as a replica of the fleet: on the listening socket it inherits as `fd`,
+    sharing `state_url`, publishing its KV events on `kv_events_port` (for kv_aware; None:
+    not at all)."""
+    command = [sys.executable, "-m", "server.cli", "serve", *serve_args]
+    command += ["--fd", str(fd), "--state-url", state_url]
+    if kv_events_port is not None:
+        command += ["--kv-events-config", kv_events_config(kv_events_port)]
+    return command
 
 
 @dataclass
@@ -140,6 +157,7 @@ class Child:
     name: str
     command: list[str]
     log: Path
+    env: dict[str, str] = field(default_factory=dict)  # set for the child, beside this one's
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def start(self, listener: socket.socket | None = None) -> None:
@@ -150,6 +168,7 @@ class Child:
                 self.command,
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env} if self.env else None,
                 process_group=0,  # Ctrl-C reaches the fleet alone; it signals each child
                 pass_fds=() if listener is None else (listener.fileno(),),
                 # SIGTERM when the fleet dies, however: a killed fleet leaves nothing behind.
@@ -168,13 +187,29 @@ class Child:
                 os.killpg(self.proc.pid, sig)
 
     def wait(self, timeout: float) -> None:
+        """Until the child and every process of its group (vLLM's engine processes outlive
+        the server by seconds) are gone; SIGKILL to the group after `timeout`."""
         if self.proc is None:
             return
+        deadline = time.monotonic() + timeout
         try:
             self.proc.wait(timeout)
+            while time.monotonic() < deadline and self.group_alive():
+                time.sleep(0.2)  # polling the group: nothing to wait on for its members
         except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait(10)
+            pass
+        if self.group_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def group_alive(self) -> bool:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def answers(url: str, timeout: float = 2.0) -> bool:
@@ -221,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     children: list[Child] = []
     stopping = False
 
-    def stop(signum: int, frame: FrameType | None) -> None:
+    def interrupted(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         if stopping:  # a second Ctrl-C: at once
             for child in children:
@@ -230,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
         stopping = True
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
     try:
         state_url = args.state_url
         if state_url is None:
@@ -246,11 +281,9 @@ def run(args: argparse.Namespace) -> int:
             listener = socket.create_server((args.host, first + i - 1 if first else 0))
             port = listener.getsockname()[1]
             url = f"http://{args.host}:{port}"
-            command = [sys.executable, "-m", "server.cli", "serve", *serve_args]
-            command += ["--fd", str(listener.fileno()), "--state-url", state_url]
-            if args.policy == "kv_aware":
-                publish = KV_EVENTS_PORT + i - 1
-                command += ["--kv-events-config", kv_events_config(publish)]
+            publish = KV_EVENTS_PORT + i - 1 if args.policy == "kv_aware" else None
+            command = replica_command(serve_args, listener.fileno(), state_url, publish)
+            if publish is not None:
                 kv_sources[url] = f"tcp://{args.host}:{publish}"
             replica = Child(f"replica {i} ({url})", command, workdir / f"replica-{i}.log")
             replicas.append((replica, url + "/ready"))
@@ -259,7 +292,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"sluice fleet: replica {i} at {url}", flush=True)
         print(f"sluice fleet: {args.replicas} replicas starting; logs in {workdir}", flush=True)
         wait_ready(replicas, READY_TIMEOUT_S)
-        block_size = kv_block_size(replicas[0][1].removesuffix("/ready")) if kv_sources else None
+        one = replicas[0][1].removesuffix("/ready")
+        block_size = kv_block_size(one) if kv_sources else None
+        model = served_model(one) if kv_sources else None
         command = router_command(
             router,
             host=args.host,
@@ -269,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             prometheus_port=args.router_metrics_port or args.port + args.replicas + 1,
             kv_sources=kv_sources,
             kv_block_size=block_size,
+            kv_model=model,
             more=args.router_arg,
         )
         front = Child("vllm-router", command, workdir / "router.log")
@@ -288,9 +324,15 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for child in reversed(children):  # the router first, Redis last
-            child.signal(signal.SIGINT if child.name.startswith("replica") else signal.SIGTERM)
-            child.wait(60)
+        stop(children)
+
+
+def stop(children: Sequence[Child]) -> None:
+    """The fleet's children in reverse order of start (the router first, Redis last): each
+    replica drained (SIGINT, as `sluice serve` takes Ctrl-C), the others ended (SIGTERM)."""
+    for child in reversed(children):
+        child.signal(signal.SIGINT if "replica" in child.name else signal.SIGTERM)
+        child.wait(60)
 
 
 def kv_block_size(replica: str) -> int:
@@ -305,3 +347,13 @@ def kv_block_size(replica: str) -> int:
             for sample in family.samples:
                 return int(sample.labels["block_size"])
     raise SystemExit(f"sluice fleet: {replica}/metrics says no vllm:cache_config_info")
+
+
+def served_model(replica: str) -> str:
+    """The model the replica serves, as its `/v1/models` names it first (the router keeps its
+    KV index per model, and refuses static KV-event sources without one)."""
+    try:
+        with urllib.request.urlopen(replica + "/v1/models", timeout=5) as response:
+            return str(json.load(response)["data"][0]["id"])
+    except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as exc:
+        raise SystemExit(f"sluice fleet: {replica}/v1/models names no model: {exc}") from exc

@@ -34,11 +34,12 @@ def test_the_routers_own_parser_reads_what_the_fleet_passes() -> None:
         prometheus_port=8003,
         kv_sources=sources,
         kv_block_size=128,
+        kv_model="sluice-demo",
     )
     args = parse_router_args(command[1:])
     assert args.worker_urls == workers and args.policy == "kv_aware"
     assert args.kv_event_source == [f"{url}={endpoint}" for url, endpoint in sources.items()]
-    assert args.kv_event_block_size == 128
+    assert args.kv_event_block_size == 128 and args.kv_event_model == "sluice-demo"
     assert args.health_check_endpoint == "/ready"  # a draining replica is passed over
     # The replica's side: vLLM's KV-event publisher on the empty topic, which the router's
     # static sources read.

@@ -119,7 +119,8 @@ def test_a_stored_response_is_retrieved_through_the_router_and_from_either_repli
 ) -> None:
     openai = client(router)
     created = openai.responses.create(model=MODEL, input="hello", max_output_tokens=8)
-    assert created.status == "completed" and created.output_text
+    # (the demo model's gibberish rarely ends by itself: most stop at max_output_tokens)
+    assert created.status in {"completed", "incomplete"} and created.output_text
     # Through the router (it asks each replica in turn), and from each replica directly: the
     # one that did not run it finds it in Redis.
     found = openai.responses.retrieve(created.id)
@@ -223,7 +224,9 @@ def test_a_conversations_next_turn_lands_where_its_prefix_is_cached(
         {replica.url: replica.kv_events for replica in replicas} if policy == "kv_aware" else None
     )  # type: ignore[attr-defined]
     log = tmp_path_factory.mktemp(policy) / "router.log"
-    with RouterProcess(workers, log, policy=policy, kv_sources=sources, kv_block_size=128) as front:
+    with RouterProcess(
+        workers, log, policy=policy, kv_sources=sources, kv_block_size=128, kv_model=MODEL
+    ) as front:
         openai = client(front)
         for salt in range(3):  # three conversations: the router places each on one replica
             system = {"role": "system", "content": f"conversation {policy} {salt}. " + SYSTEM}

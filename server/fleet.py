@@ -328,11 +328,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def stop(children: Sequence[Child]) -> None:
-    """The fleet's children in reverse order of start (the router first, Redis last): each
-    replica drained (SIGINT, as `sluice serve` takes Ctrl-C), the others ended (SIGTERM)."""
-    for child in reversed(children):
-        child.signal(signal.SIGINT if "replica" in child.name else signal.SIGTERM)
-        child.wait(60)
+    """The router first, then every replica at once, each draining (SIGINT, as `sluice serve`
+    takes Ctrl-C), Redis last once they are gone."""
+    replicas = [child for child in children if "replica" in child.name]
+    redis = [child for child in children if child.name == "redis"]
+    front = [child for child in children if child not in replicas and child not in redis]
+    for group in (front, replicas, redis):
+        for child in group:
+            child.signal(signal.SIGINT if child in replicas else signal.SIGTERM)
+        for child in group:
+            child.wait(60)
 
 
 def kv_block_size(replica: str) -> int:

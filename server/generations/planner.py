@@ -168,6 +168,7 @@ class Planner:
             adapter=adapter,
             cache_salt=tenant.cache_salt,
         )
+        timeline.sampling = request.sampling
         return ticket, request, plan
 
     def plan_output(self, parsed: ParsedRequest) -> OutputPlan:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from starlette.requests import HTTPConnection
+
 from engine_adapters.protocol import EngineClient
 from server.generations.planner import Planner
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
-from server.http.edge import Edge
+from server.http.edge import Edge, request_id_from, trace_parent_from
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
+from server.observability.tracing import TraceParent
 
 
 @dataclass(slots=True)
@@ -30,8 +33,14 @@ class Services:
     def served_model(self) -> str:
         return self.planner.served_model
 
-    def timeline(self, request_id: str, api: Api) -> RequestTimeline:
-        """A request's stopwatch, from now, recording into the app's metrics."""
-        return RequestTimeline(
-            request_id=request_id, model=self.served_model, api=api, metrics=self.metrics
+    def timeline(self, request_id: str, api: Api, trace: TraceParent | None) -> RequestTimeline:
+        """A request's stopwatch, from now, recording into the app's metrics (and its span,
+        with tracing on, a child of `trace`'s)."""
+        return self.generations.timeline(request_id, api, trace)
+
+    def timeline_of(self, request: HTTPConnection, api: Api) -> RequestTimeline:
+        """An HTTP request's stopwatch: its X-Request-Id (if sane) and its trace context."""
+        headers = request.headers
+        return self.timeline(
+            request_id_from(headers.get("x-request-id")), api, trace_parent_from(headers)
         )

@@ -42,7 +42,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status as ProtoStatus
 from server.api.serving import StartRefused, assemble
 from server.cli import build_parser
 from server.observability.access_log import ACCESS_LOGGER_NAME
-from server.observability.tracing import GenerationSpan, TraceParent
+from server.observability.tracing import GenerationSpan, TraceParent, build_tracing
 
 pytestmark = [pytest.mark.service, pytest.mark.xdist_group("tracing")]
 
@@ -100,6 +100,35 @@ def _attributes(pairs: Any) -> dict[str, Any]:
     return {pair.key: _value(pair.value) for pair in pairs}
 
 
+def decoded(request: ExportTraceServiceRequest) -> list[ReceivedSpan]:
+    """An export request's spans."""
+    spans = []
+    for resource_spans in request.resource_spans:
+        service = _attributes(resource_spans.resource.attributes).get("service.name", "")
+        for scope_spans in resource_spans.scope_spans:
+            spans.extend(
+                ReceivedSpan(
+                    trace_id=span.trace_id.hex(),
+                    span_id=span.span_id.hex(),
+                    parent_span_id=span.parent_span_id.hex(),
+                    trace_state=span.trace_state,
+                    name=span.name,
+                    kind=span.kind,
+                    start_ns=span.start_time_unix_nano,
+                    end_ns=span.end_time_unix_nano,
+                    attributes=_attributes(span.attributes),
+                    events=[
+                        (e.name, e.time_unix_nano, _attributes(e.attributes)) for e in span.events
+                    ],
+                    status=span.status.code,
+                    status_message=span.status.message,
+                    service=service,
+                )
+                for span in scope_spans.spans
+            )
+    return spans
+
+
 @dataclass
 class OtlpReceiver:
     """An OTLP/HTTP receiver on loopback: what a collector would receive."""
@@ -134,30 +163,7 @@ class OtlpReceiver:
         self._thread.start()
 
     def add(self, request: ExportTraceServiceRequest) -> None:
-        for resource_spans in request.resource_spans:
-            service = _attributes(resource_spans.resource.attributes).get("service.name", "")
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    self.spans.append(
-                        ReceivedSpan(
-                            trace_id=span.trace_id.hex(),
-                            span_id=span.span_id.hex(),
-                            parent_span_id=span.parent_span_id.hex(),
-                            trace_state=span.trace_state,
-                            name=span.name,
-                            kind=span.kind,
-                            start_ns=span.start_time_unix_nano,
-                            end_ns=span.end_time_unix_nano,
-                            attributes=_attributes(span.attributes),
-                            events=[
-                                (e.name, e.time_unix_nano, _attributes(e.attributes))
-                                for e in span.events
-                            ],
-                            status=span.status.code,
-                            status_message=span.status.message,
-                            service=service,
-                        )
-                    )
+        self.spans.extend(decoded(request))
 
     def in_trace(self, trace_id: str) -> list[ReceivedSpan]:
         return [span for span in list(self.spans) if span.trace_id == trace_id]
@@ -725,3 +731,52 @@ def test_time_in_scheduler_adds_each_pause_to_the_first_wait() -> None:
     assert values["sluice.preemptions"] == 2
     assert values["gen_ai.latency.time_in_model_decode"] == 0.0  # one write: no decode seen
     assert "gen_ai.request.max_tokens" not in values  # never planned
+
+
+def test_by_default_spans_go_over_grpc_as_vllm_s_do() -> None:
+    """No protocol variable: gRPC, to a `grpc://host:port` endpoint as vLLM's examples spell
+    it, without TLS; a real gRPC receiver (OpenTelemetry's service definition) gets the span
+    once the tracer is shut down (which sends what it holds)."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    received: list[ExportTraceServiceRequest] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(
+            self, request: ExportTraceServiceRequest, context: Any
+        ) -> ExportTraceServiceResponse:
+            received.append(request)
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        tracing = build_tracing(f"grpc://127.0.0.1:{port}", {})
+        assert tracing is not None
+        parent = Parent()
+        trace_id = tracing.export(
+            GenerationSpan(
+                request_id="r-grpc",
+                api="chat",
+                model="m",
+                tenant="t",
+                traffic_class="interactive",
+                outcome="completed",
+                status=200,
+                arrival=1.0,
+                ended=1.5,
+                parent=TraceParent(parent.traceparent, "router=r1"),
+            )
+        )
+        tracing.shutdown()
+    finally:
+        server.stop(None)
+    assert trace_id == parent.trace_id
+    [span] = [span for request in received for span in decoded(request)]
+    assert_child_of(span, parent)
+    assert span.attributes["gen_ai.request.id"] == "r-grpc"

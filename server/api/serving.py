@@ -2,8 +2,9 @@
 
 `assemble` builds what the arguments ask for (engine, dispatcher, configuration, batch store:
 Redis's with `state.url`, else SQLite's under `--data-dir`; the app's tracer with
-`--otlp-traces-endpoint`; and one `Metrics` that all of them record into); `Serving` runs the result under uvicorn, with /metrics on a port of its own when
-asked, until it is told to stop or the engine dies; `serve` is the process around them:
+`--otlp-traces-endpoint`; and one `Metrics` that all of them record into); `Serving` runs
+the result under uvicorn, with /metrics on a port of its own when asked, until it is told to
+stop or the engine dies; `serve` is the process around them:
 logging, the event loop, the collector frozen once start-up is done, and uvicorn's signal
 handlers. The first two do nothing process-wide, so tests run them in a thread of their own
 process (`tests/conftest.py`).

@@ -237,7 +237,7 @@ class RequestTimeline:
         verdict: tuple[str, str] | None,
         median_itl: float | None,
     ) -> GenerationSpan:
-        generation, sampling, slo = self.generation, self.sampling, self.slo
+        generation, sampling = self.generation, self.sampling
         return GenerationSpan(
             request_id=self.request_id,
             api=self.api,
@@ -264,8 +264,6 @@ class RequestTimeline:
             n=sampling.n if sampling is not None else None,
             generation_id=self.generation_id,
             slo=verdict,
-            ttft_target_s=slo.ttft_s if slo is not None else None,
-            itl_target_s=slo.itl_s if slo is not None else None,
             error=error.code if error is not None else None,
             error_counts=outcome != "cancelled",
         )

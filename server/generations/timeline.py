@@ -265,7 +265,6 @@ class RequestTimeline:
             generation_id=self.generation_id,
             slo=verdict,
             error=error.code if error is not None else None,
-            error_counts=outcome != "cancelled",
         )
 
 

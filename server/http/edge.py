@@ -87,8 +87,8 @@ def timeout_from(value: str | None) -> float | None:
 
 
 def trace_parent_from(headers: Mapping[str, str]) -> TraceParent | None:
-    """The W3C trace context sent (`traceparent`, `tracestate`), as sent: parsed only if the
-    request's span is made."""
+    """The W3C trace context sent (`traceparent`, `tracestate`), as sent: parsed only when the
+    request ends, for its span or its access line."""
     traceparent = headers.get("traceparent")
     if traceparent is None:
         return None

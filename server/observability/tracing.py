@@ -42,7 +42,7 @@ MAX_TRACESTATE_CHARS: Final = 512  # W3C: a vendor may drop a longer one
 _PROPAGATOR: Final = TraceContextTextMapPropagator()
 
 
-class GenAi:
+class VllmAttributes:
     """vLLM's span attributes (`vllm/tracing/utils.py`, `SpanAttributes`): times in seconds."""
 
     REQUEST_ID = "gen_ai.request.id"
@@ -62,7 +62,7 @@ class GenAi:
     LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
 
 
-class Sluice:
+class SluiceAttributes:
     """Sluice's own span and event attributes."""
 
     API = "sluice.api"
@@ -148,47 +148,51 @@ class GenerationSpan:
     generation_id: str | None = None
     slo: tuple[str, str] | None = None  # (result, reason), as sluice_slo_requests_total's
     error: str | None = None  # the error's code
-    error_counts: bool = True  # whether the error is the server's to report (not a client leaving)
+
+    @property
+    def failed(self) -> bool:
+        """Whether it ended in an error of the server's (a client that left is not one)."""
+        return self.error is not None and self.outcome != "cancelled"
 
     def attributes(self) -> dict[str, Any]:
         """vLLM's attributes, then Sluice's."""
         arrival, dispatched, first = self.arrival, self.dispatched, self.first_token
         values: dict[str, Any] = {
-            GenAi.REQUEST_ID: self.request_id,
-            GenAi.RESPONSE_MODEL: self.model,
-            GenAi.USAGE_PROMPT_TOKENS: self.prompt_tokens,
-            GenAi.USAGE_COMPLETION_TOKENS: self.completion_tokens,
-            GenAi.LATENCY_E2E: self.ended - arrival,
-            Sluice.API: self.api,
-            Sluice.TENANT: self.tenant,
-            Sluice.TRAFFIC_CLASS: self.traffic_class,
-            Sluice.OUTCOME: self.outcome,
-            Sluice.STATUS: self.status,
-            Sluice.PREEMPTIONS: len(self.pauses),
+            VllmAttributes.REQUEST_ID: self.request_id,
+            VllmAttributes.RESPONSE_MODEL: self.model,
+            VllmAttributes.USAGE_PROMPT_TOKENS: self.prompt_tokens,
+            VllmAttributes.USAGE_COMPLETION_TOKENS: self.completion_tokens,
+            VllmAttributes.LATENCY_E2E: self.ended - arrival,
+            SluiceAttributes.API: self.api,
+            SluiceAttributes.TENANT: self.tenant,
+            SluiceAttributes.TRAFFIC_CLASS: self.traffic_class,
+            SluiceAttributes.OUTCOME: self.outcome,
+            SluiceAttributes.STATUS: self.status,
+            SluiceAttributes.PREEMPTIONS: len(self.pauses),
         }
         optional = {
-            GenAi.REQUEST_MAX_TOKENS: self.max_tokens,
-            GenAi.REQUEST_TEMPERATURE: self.temperature,
-            GenAi.REQUEST_TOP_P: self.top_p,
-            GenAi.REQUEST_N: self.n,
-            Sluice.GENERATION_ID: self.generation_id,
-            Sluice.CACHED_TOKENS: self.cached_tokens,
-            Sluice.MEDIAN_ITL: self.median_itl_s,
-            Sluice.ERROR_TYPE: self.error,
+            VllmAttributes.REQUEST_MAX_TOKENS: self.max_tokens,
+            VllmAttributes.REQUEST_TEMPERATURE: self.temperature,
+            VllmAttributes.REQUEST_TOP_P: self.top_p,
+            VllmAttributes.REQUEST_N: self.n,
+            SluiceAttributes.GENERATION_ID: self.generation_id,
+            SluiceAttributes.CACHED_TOKENS: self.cached_tokens,
+            SluiceAttributes.MEDIAN_ITL: self.median_itl_s,
+            SluiceAttributes.ERROR_TYPE: self.error,
         }
         values.update((name, value) for name, value in optional.items() if value is not None)
         if dispatched is not None:
-            values[GenAi.LATENCY_TIME_IN_QUEUE] = dispatched - arrival
-            values[GenAi.LATENCY_TIME_IN_SCHEDULER] = self.time_in_scheduler()
+            values[VllmAttributes.LATENCY_TIME_IN_QUEUE] = dispatched - arrival
+            values[VllmAttributes.LATENCY_TIME_IN_SCHEDULER] = self.time_in_scheduler()
         if first is not None:
-            values[GenAi.LATENCY_TIME_TO_FIRST_TOKEN] = first - arrival
+            values[VllmAttributes.LATENCY_TIME_TO_FIRST_TOKEN] = first - arrival
             if dispatched is not None:
-                values[GenAi.LATENCY_TIME_IN_MODEL_PREFILL] = first - dispatched
+                values[VllmAttributes.LATENCY_TIME_IN_MODEL_PREFILL] = first - dispatched
                 last = self.last_token if self.last_token is not None else first
-                values[GenAi.LATENCY_TIME_IN_MODEL_DECODE] = last - first
-                values[GenAi.LATENCY_TIME_IN_MODEL_INFERENCE] = last - dispatched
+                values[VllmAttributes.LATENCY_TIME_IN_MODEL_DECODE] = last - first
+                values[VllmAttributes.LATENCY_TIME_IN_MODEL_INFERENCE] = last - dispatched
         if self.slo is not None:
-            values[Sluice.SLO_RESULT], values[Sluice.SLO_REASON] = self.slo
+            values[SluiceAttributes.SLO_RESULT], values[SluiceAttributes.SLO_REASON] = self.slo
         return values
 
     def time_in_scheduler(self) -> float:
@@ -216,7 +220,7 @@ class GenerationSpan:
             marks.append(("first_token", self.first_token, {}))
         marks.sort(key=lambda mark: mark[1])  # (stable: equal times keep the order above)
         # (Its status and error are the span's: each attribute costs the exporter ~2 µs.)
-        marks.append(("end", self.ended, {Sluice.OUTCOME: self.outcome}))
+        marks.append(("end", self.ended, {SluiceAttributes.OUTCOME: self.outcome}))
         return marks
 
 
@@ -246,7 +250,7 @@ class Tracing:
         if span.is_recording():
             for name, at, attributes in facts.events():
                 span.add_event(name, attributes, ns(at))
-            if facts.error is not None and facts.error_counts:
+            if facts.failed:
                 span.set_status(Status(StatusCode.ERROR, facts.error))
         span.end(ns(facts.ended))
         return format_trace_id(span.get_span_context().trace_id)

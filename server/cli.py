@@ -1,4 +1,4 @@
-"""The `sluice` command: serve, demo-model, simulate, plan."""
+"""The `sluice` command: serve, fleet, demo-model, simulate, plan."""
 
 from __future__ import annotations
 
@@ -31,6 +31,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     from server.fixed_batch.cli import add_serve_arguments as add_batch_serve_arguments
 
     add_batch_serve_arguments(p)
+
+
+def _add_fleet(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "fleet",
+        help="Redis, several `sluice serve` replicas and vLLM's router, on this host",
+        description="A local fleet in one command: Redis (unless --state-url), N replicas of "
+        "`sluice serve` sharing it, and vllm-router in front, as the deployments run them. "
+        "Arguments after -- go to every replica, e.g. `sluice fleet -- --engine sim`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from server import fleet
+
+    fleet.add_arguments(p)
 
 
 def _add_demo_model(sub: argparse._SubParsersAction) -> None:
@@ -95,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
+    _add_fleet(sub)
     _add_demo_model(sub)
     _add_simulate(sub)
     _add_plan(sub)
@@ -112,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         from server.api.serving import serve
 
         return serve(args)
+    if args.command == "fleet":
+        from server import fleet
+
+        return fleet.run(args)
     if args.command == "demo-model":
         from engine_adapters.demo_model import build_demo_model
 

@@ -182,6 +182,8 @@ class SluiceProcess:
     directory is one of its own, unless the test names one (`--data-dir`) or asks for the
     default (`default_data_dir`: `$XDG_DATA_HOME/sluice`, the test's `env` setting it)."""
 
+    kv_events: str | None = None  # where its engine publishes vLLM's KV events, if it does
+
     def __init__(
         self,
         args: list[str],
@@ -501,6 +503,34 @@ class RedisProcess:
         self.close()
 
 
+# The bodies vLLM's router (vllm-router 0.1.17) sends on: it re-serialises a client's chat and
+# completion with SGLang's defaults (a client's `max_tokens: 5` and one user message here).
+ROUTER_CHAT = {
+    "messages": [{"role": "user", "content": "hello there"}],
+    "stream": False,
+    "max_tokens": 5,
+    "logprobs": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
+}
+ROUTER_COMPLETION = {
+    "prompt": "hello there",
+    "max_tokens": 5,
+    "stream": False,
+    "echo": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "return_hidden_states": False,
+}
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine_adapters.demo_model import build_demo_model
@@ -534,16 +564,28 @@ def vllm_args(demo_model_dir: Path) -> list[str]:
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def kv_events_args() -> tuple[list[str], str]:
+    """A vLLM replica's `--kv-events-config` (vLLM's KV events on a reserved port, the empty
+    topic vllm-router reads), and the endpoint a router subscribes to."""
+    from server.fleet import kv_events_config
+
+    port = reserved_port()
+    return ["--kv-events-config", kv_events_config(port)], f"tcp://127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="session")
 def vllm_server(
     demo_model_dir: Path, session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SluiceProcess]:
-    """Sluice on vLLM with the demo model, its resumable generations shared in Redis."""
+    """Sluice on vLLM with the demo model, its resumable generations shared in Redis, its
+    engine publishing vLLM's KV events (`kv_events`: where, for a router's kv_aware policy)."""
+    kv_args, kv_events = kv_events_args()
     server = SluiceProcess(
-        [*vllm_args(demo_model_dir), "--state-url", session_redis.url],
+        [*vllm_args(demo_model_dir), "--state-url", session_redis.url, *kv_args],
         tmp_path_factory.mktemp("vllm") / "server.log",
         env=VLLM_ENV,
     )
+    server.kv_events = kv_events
     try:
         server.wait_ready()
         yield server
@@ -596,3 +638,81 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSl
         yield server
     finally:
         server.stop()
+
+
+class RouterProcess:
+    """vLLM's router (`vllm-router`, the dev extra's) in front of `workers`, on a reserved
+    loopback port (it binds by number), its log in a file; ready once it answers `/health`
+    (it waits for a healthy worker first)."""
+
+    def __init__(
+        self,
+        workers: list[str],
+        log_path: Path,
+        *,
+        policy: str = "cache_aware",
+        more: list[str] | None = None,
+        kv_sources: dict[str, str] | None = None,
+        kv_block_size: int | None = None,
+    ) -> None:
+        from server.fleet import find_router, router_command
+
+        try:
+            router = find_router()
+        except SystemExit as exc:
+            missing(str(exc))
+        self.port = reserved_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = router_command(
+            router,
+            host="127.0.0.1",
+            port=self.port,
+            workers=workers,
+            policy=policy,
+            prometheus_port=reserved_port(),
+            kv_sources=kv_sources,
+            kv_block_size=kv_block_size,
+            more=more or (),
+        )
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, process_group=0
+        )
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling interval for start-up, not a stand-in for a condition
+        raise TimeoutError(f"vllm-router not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self) -> RouterProcess:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -14,7 +14,14 @@ from pydantic_core import PydanticCustomError
 from server.core.errors import InvalidRequest
 from server.openai.parsed import ParsedRequest
 from server.openai.requests import parse_request
-from server.openai.wire import UNSUPPORTED, Number, WireModel, validated
+from server.openai.wire import (
+    UNSUPPORTED,
+    NoEffect,
+    Number,
+    OnlyDefault,
+    WireModel,
+    validated,
+)
 
 
 class TextBlock(WireModel):
@@ -239,8 +246,9 @@ class MessagesRequest(_Prompt):
     temperature: Annotated[Number, Field(ge=0, le=1)] | None = None
     top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
-    metadata: dict[str, Any] | None = Field(None, description="accepted, no effect (user_id)")
+    metadata: Annotated[dict[str, Any] | None, NoEffect("metadata (user_id)")] = None
     stream: bool | None = None
+    thinking: Annotated[Any, OnlyDefault(None, why="extended thinking is not served")] = None
     # vLLM's sampling extras, as its chat completions take them.
     ignore_eos: bool | None = Field(None, description="vLLM's: generate past the end token")
     min_tokens: Annotated[int, Field(ge=0)] | None = Field(None, description="vLLM's")
@@ -275,7 +283,9 @@ def parse_messages(body: Any) -> tuple[MessagesRequest, dict[str, Any], ParsedRe
     return request, chat, parse_request(chat, "chat")
 
 
-def parse_count_tokens(body: Any) -> tuple[dict[str, Any], ParsedRequest]:
-    """A count_tokens body as the chat body with its prompt, parsed (1 token to generate)."""
-    chat = validated(CountTokensRequest, body).chat_body()
-    return chat, parse_request({**chat, "max_tokens": 1, "stream": False}, "chat")
+def parse_count_tokens(body: Any) -> tuple[CountTokensRequest, dict[str, Any], ParsedRequest]:
+    """A count_tokens body: validated, as the chat body with its prompt, and that parsed (1
+    token to generate)."""
+    request = validated(CountTokensRequest, body)
+    chat = request.chat_body()
+    return request, chat, parse_request({**chat, "max_tokens": 1, "stream": False}, "chat")

@@ -14,6 +14,7 @@ import orjson
 from pydantic import BaseModel
 
 from server.core.errors import SluiceError
+from server.openai.chunks import cached_tokens
 
 # Anthropic's error `type` by HTTP status (Sluice's statuses are kept); any other 4xx is an
 # invalid request, any other 5xx an API error.
@@ -75,6 +76,20 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def usage(chat_usage: dict[str, Any]) -> dict[str, int]:
+    """A chat's `usage` as Anthropic's: its `input_tokens` are the prompt's tokens that were
+    not read from the cache (Anthropic's total input is input_tokens + cache_read_input_tokens
+    + cache_creation_input_tokens); an engine's prefix cache creates no entry a client pays
+    for, so cache_creation_input_tokens is 0."""
+    cached = cached_tokens(chat_usage)
+    return {
+        "input_tokens": chat_usage["prompt_tokens"] - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": chat_usage["completion_tokens"],
+    }
+
+
 def message_reply(chat: dict[str, Any], message_id: str) -> dict[str, Any]:
     """A whole chat completion body (one choice) as Anthropic's `message`."""
     choice = chat["choices"][0]
@@ -98,7 +113,6 @@ def message_reply(chat: dict[str, Any], message_id: str) -> dict[str, Any]:
     reason, sequence = stop_reason(choice["finish_reason"], choice.get("stop_reason"))
     if calls and reason == "end_turn":  # a named tool's call ends with OpenAI's "stop"
         reason = "tool_use"
-    usage = chat["usage"]
     return {
         "id": message_id,
         "type": "message",
@@ -107,10 +121,7 @@ def message_reply(chat: dict[str, Any], message_id: str) -> dict[str, Any]:
         "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": {
-            "input_tokens": usage["prompt_tokens"],
-            "output_tokens": usage["completion_tokens"],
-        },
+        "usage": usage(chat["usage"]),
     }
 
 
@@ -188,15 +199,19 @@ class MessageStream:
                 out += self._delta({"type": "input_json_delta", "partial_json": arguments})
         return out
 
-    def finish(self, finish_reason: str | None, stopped_by: Any, output_tokens: int) -> bytes:
-        """The open block's end, the stop reason and the usage, and the message's end."""
+    def finish(
+        self, finish_reason: str | None, stopped_by: Any, chat_usage: dict[str, Any]
+    ) -> bytes:
+        """The open block's end, the stop reason and the usage (the whole message's, as
+        Anthropic's cumulative `message_delta` usage is: `message_start`'s came before the
+        engine looked the prompt up in its cache), and the message's end."""
         reason, sequence = stop_reason(finish_reason, stopped_by)
         if self._called and reason == "end_turn":
             reason = "tool_use"
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens},
+            "usage": usage(chat_usage),
         }
         return (
             self._close()

@@ -36,7 +36,8 @@ async def messages(services: Services, request: Request) -> ASGIApp:
     timeline = services.timeline_of(request, "messages")
     try:
         body = await read_json(request, services.edge.max_body_bytes)
-        _, chat, parsed = parse_messages(body)
+        request_body, chat, parsed = parse_messages(body)
+        services.note_ignored("messages", request.url.path, request_body)
         run, replayed = await services.generations.generate(
             parsed,
             body,
@@ -57,7 +58,8 @@ async def count_tokens(services: Services, request: Request) -> Response:
     try:
         planner = services.planner
         tenant = planner.tenant_of(context_of(request))
-        _, parsed = parse_count_tokens(await read_json(request, services.edge.max_body_bytes))
+        body, _, parsed = parse_count_tokens(await read_json(request, services.edge.max_body_bytes))
+        services.note_ignored("messages", request.url.path, body)
         planner.check_model(parsed.model, tenant)
         assert parsed.messages is not None
         tools = planner.plan_output(parsed).tools
@@ -107,7 +109,7 @@ class MessageResponse(RunResponse):
                     out += stream.finish(
                         final["finish_reason"],
                         final.get("stop_reason"),
-                        final["usage"]["completion_tokens"],
+                        final["usage"],
                     )
                 elif event.kind is Kind.FAILED and event.error is not None:
                     out += stream.error(event.error)

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
 from server.api.access import AccessLogMiddleware
-from server.api.routes import Parts, prometheus_metrics, routes
+from server.api.routes import Parts, ignorable_fields, prometheus_metrics, routes
 from server.batch_api.routes import BatchServices
 from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore
@@ -185,7 +185,7 @@ def build_app(
         lets the others run."""
         services.ready = False
         tenants = planner.tenants
-        metrics.initialise(served_model, tenants.metric_labels())
+        metrics.initialise(served_model, tenants.metric_labels(), ignorable_fields())
         for label in (*tenants.metric_labels(), "other"):
             for asked in TrafficClass:
                 metrics.class_downgrades.set_function(

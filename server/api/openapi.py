@@ -35,6 +35,7 @@ from server.openai.models import (
     UnloadLoRAAdapter,
     VersionReply,
 )
+from server.openai.render import RenderReply
 from server.openai.tokenizer import (
     Detokenize,
     DetokenizeReply,
@@ -246,6 +247,32 @@ def invocations() -> Operation:
         "SageMaker's: a chat or a text completion, by the body",
         {"anyOf": [_request(ChatCompletionRequest), _request(CompletionRequest)]},
         {"anyOf": [Schema(ChatCompletion), Schema(Completion)]},
+    )
+
+
+def render_chat() -> Operation:
+    return _post(
+        "vLLM's: the chat rendered into what the engine would run (its prompt's token ids), "
+        "without generating",
+        _request(ChatCompletionRequest),
+        Schema(RenderReply),
+    )
+
+
+def render_completion() -> Operation:
+    return _post(
+        "vLLM's: the completion rendered into what the engine would run, one per prompt",
+        _request(CompletionRequest),
+        {"type": "array", "items": Schema(RenderReply)},
+    )
+
+
+def render_response() -> Operation:
+    return _post(
+        "vLLM's: the response's chat rendered into what the engine would run (stateless: "
+        "no previous_response_id)",
+        _request(CreateResponse),
+        Schema(RenderReply),
     )
 
 

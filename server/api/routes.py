@@ -19,9 +19,11 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from engine_adapters.protocol import AdapterLoadFailed, AdapterNotFound, EngineRequestError
 from server.anthropic import routes as anthropic_routes
+from server.anthropic.messages import CountTokensRequest, MessagesRequest
 from server.api import openapi
 from server.batch_api import routes as batch_api_routes
 from server.batch_api.routes import BatchServices
+from server.batch_api.wire import CreateBatch
 from server.core.errors import (
     AdapterLoadError,
     EngineUnavailable,
@@ -33,6 +35,8 @@ from server.core.errors import (
 from server.http.edge import context_of
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.services import Services
+from server.openai.chat import ChatCompletionRequest
+from server.openai.completion import CompletionRequest
 from server.openai.models import (
     LoadLoRAAdapter,
     ModelCard,
@@ -41,7 +45,9 @@ from server.openai.models import (
     Status,
     UnloadLoRAAdapter,
 )
-from server.openai.wire import validated
+from server.openai.tokenizer import Detokenize, TokenizeChat, TokenizeText
+from server.openai.wire import WireModel, ignorable_paths, validated
+from server.openai_api.render import render_chat, render_completion
 from server.openai_api.routes import (
     chat_completions,
     chat_completions_batch,
@@ -54,6 +60,7 @@ from server.openai_api.tokenizer import VERSION, detokenize, tokenize, version
 from server.responses_api import routes as responses_routes
 from server.responses_api.service import Responses
 from server.responses_api.websocket import responses_websocket
+from server.responses_api.wire import CreateResponse
 from server.state.adapters import RuntimeAdapters
 from server.websocket_api.routes import websocket_endpoint
 
@@ -104,6 +111,7 @@ async def load_lora_adapter(
     """vLLM's runtime loading: the adapter served as a model from now on (on every replica
     that shares the state)."""
     body = validated(LoadLoRAAdapter, await _admin_body(services, request))
+    services.note_ignored("adapters", request.url.path, body)
     name = body.lora_name
     if name == services.served_model:
         raise InvalidRequest(
@@ -132,6 +140,7 @@ async def unload_lora_adapter(
 ) -> Response:
     """New requests for the adapter get the 404 at once; those running on it finish."""
     body = validated(UnloadLoRAAdapter, await _admin_body(services, request))
+    services.note_ignored("adapters", request.url.path, body)
     name = body.lora_name
     if name not in services.engine.model.adapters:
         raise ModelNotFound(f"The lora adapter '{name}' cannot be found.", param="lora_name")
@@ -211,6 +220,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/version", version, openapi.version, bare=True),
     Endpoint("GET", "/openapi.json", openapi_json, openapi.itself),
     Endpoint("POST", "/tokenize", tokenize, openapi.tokenize),
+    Endpoint("POST", "/v1/chat/completions/render", render_chat, openapi.render_chat),
+    Endpoint("POST", "/v1/completions/render", render_completion, openapi.render_completion),
+    Endpoint(
+        "POST",
+        "/v1/responses/render",
+        responses_routes.render_response,
+        openapi.render_response,
+        "responses",
+    ),
     Endpoint("POST", "/detokenize", detokenize, openapi.detokenize),
     Endpoint("POST", "/invocations", invocations, openapi.invocations),
     Endpoint("POST", "/v1/chat/completions/batch", chat_completions_batch, openapi.chat_batch),
@@ -326,6 +344,28 @@ def routes(services: Services, parts: Parts) -> list[BaseRoute]:
         else:
             made.append(Route(endpoint.path, handler, methods=[endpoint.method]))
     return made
+
+
+# The bodies of each API that may hold fields that change nothing (sluice_ignored_fields_total).
+_BODIES: dict[str, tuple[type[WireModel], ...]] = {
+    "chat": (ChatCompletionRequest,),
+    "completions": (CompletionRequest,),
+    "responses": (CreateResponse,),
+    "messages": (MessagesRequest, CountTokensRequest),
+    "tokenizer": (TokenizeText, TokenizeChat, Detokenize),
+    "batches": (CreateBatch,),
+    "adapters": (LoadLoRAAdapter, UnloadLoRAAdapter),
+}
+
+
+@functools.cache
+def ignorable_fields() -> dict[str, frozenset[str]]:
+    """By API, the fields its bodies declare to change nothing: the names the count of ignored
+    fields labels as they are (any other is "other")."""
+    return {
+        api: frozenset().union(*(ignorable_paths(body) for body in bodies))
+        for api, bodies in _BODIES.items()
+    }
 
 
 @functools.cache

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import json
 import logging
 import os
 import signal
@@ -172,6 +173,8 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
         )
     except ValueError as exc:
         raise StartRefused(str(exc)) from None
+    if args.engine != "vllm" and args.kv_events_config is not None:
+        raise StartRefused("--kv-events-config is vLLM's: the sim engines publish no KV events")
     if args.engine == "sim":
         from engine_adapters.sim import SimConfig, SimEngine
 
@@ -187,6 +190,11 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
         engine_args = parse_engine_args(args.engine_arg)
     except ValueError as exc:
         raise StartRefused(str(exc)) from None
+    if args.kv_events_config is not None:
+        try:
+            engine_args["kv_events_config"] = json.loads(args.kv_events_config)
+        except json.JSONDecodeError as exc:
+            raise StartRefused(f"--kv-events-config is not JSON: {exc}") from None
     if args.demo_lora:
         engine_args.setdefault("dtype", "float32")
     if plan.room:

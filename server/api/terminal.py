@@ -58,9 +58,14 @@ def supervise(argv: Sequence[str]) -> int:
 
 def die_with_parent() -> None:
     """In the supervised child: SIGTERM when the supervisor dies (Linux; elsewhere nothing)."""
-    if not os.environ.get(SUPERVISED) or not sys.platform.startswith("linux"):
+    if not os.environ.get(SUPERVISED):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    terminate_with_parent()
     if os.getppid() == 1:  # it died before the call
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def terminate_with_parent() -> None:
+    """This process gets SIGTERM when its parent dies, however (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

@@ -112,6 +112,7 @@ async def create_batch(services: Services, api: BatchServices, request: Request)
     tenant = _tenant(services, request)
     store, runner = api.store, api.runner
     body = validated(CreateBatch, await read_json(request, services.edge.max_body_bytes))
+    services.note_ignored("batches", request.url.path, body)
     endpoint, window, file_id = body.endpoint, body.completion_window, body.input_file_id
     content = await read_all(_found(await store.file_content(tenant, file_id), "file", file_id))
     now = int(time.time())

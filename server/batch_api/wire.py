@@ -12,8 +12,6 @@ BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
 class CreateBatch(WireModel):
-    unknown_field = "unknown parameter '{key}'"
-
     input_file_id: str
     endpoint: Literal[BATCH_ENDPOINTS]  # type: ignore[valid-type]
     completion_window: Literal["24h"]

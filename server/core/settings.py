@@ -85,6 +85,13 @@ class ServeOptions(BaseModel):
         "tensor_parallel_size=8 (repeatable)",
         json_schema_extra={"metavar": "KEY=VALUE"},
     )
+    kv_events_config: str | None = Field(
+        None,
+        description="vLLM's KV-event publisher, as vLLM's server takes it (JSON), e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"topic": "kv-events"}\': what vllm-router --policy kv_aware reads',
+        json_schema_extra={"metavar": "JSON"},
+    )
     lora_modules: list[str] = Field(
         [],
         description="LoRA adapters served as models of their own, as vLLM's server takes "

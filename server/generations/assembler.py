@@ -23,7 +23,7 @@ from typing import Any
 from engine_adapters.protocol import OutputParser, TokenDelta
 from server.generations.log import Event, Kind
 from server.openai.choices import Choice, Choices
-from server.openai.chunks import ChunkEncoder, Echo, usage
+from server.openai.chunks import ChunkEncoder, Echo, completion_id, usage
 from server.openai.parsed import ParsedRequest
 
 
@@ -45,7 +45,7 @@ class Shape:
 
     @property
     def public_id(self) -> str:
-        return ("chatcmpl-" if self.parsed.kind == "chat" else "cmpl-") + self.response_id
+        return completion_id(self.parsed.kind, self.response_id)
 
     def choices(self, *, keep: bool) -> Choices:
         return Choices(
@@ -92,7 +92,15 @@ class StreamAssembler:
     """The events of one streamed generation, in order: `begin` (or `resume`), `add` each
     delta, `end`. `generated` counts the tokens its events carry so far."""
 
-    def __init__(self, shape: Shape, prompt_tokens: int, emit: Callable[[Event], None]) -> None:
+    def __init__(
+        self,
+        shape: Shape,
+        prompt_tokens: int,
+        emit: Callable[[Event], None],
+        cached: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        """`cached`: the prompt tokens the engine found cached, as far as it has said (what
+        continuous usage reads per chunk)."""
         parsed = shape.parsed
         self.shape = shape
         self.prompt_tokens = prompt_tokens
@@ -108,6 +116,7 @@ class StreamAssembler:
                 shape.prompt_token_ids,
                 shape.first_index,
                 shape.created,
+                cached,
             )
             if shape.chunks
             else Unrendered(not (parsed.continuous_usage or shape.prompt_token_ids is not None))
@@ -215,15 +224,20 @@ class StreamAssembler:
                 self._last = choice
         return count
 
-    def end(self, timings: dict[str, Any]) -> None:
+    def end(self, timings: dict[str, Any], cached_tokens: int) -> None:
         """Every choice has finished: the last one's finishing event, which carries the
-        generation's summary (`final`), and the usage chunk where the client asked for it.
-        Raises GenerationFailed if the engine's deltas ended before every choice did."""
+        generation's summary (`final`: its usage, with the prompt tokens the engine found
+        cached, and its timings), which every API's reader renders, and the usage chunk where
+        the client asked for it. Raises GenerationFailed if the engine's deltas ended before
+        every choice did."""
         choices, encoder, generated = self.choices, self.encoder, self.generated
         choices.check_all_finished()
         last = self._last
         assert last is not None
-        summary = {"usage": usage(self.prompt_tokens, generated), "timings": timings}
+        summary = {
+            "usage": usage(self.prompt_tokens, generated, cached_tokens),
+            "timings": timings,
+        }
         ended = [(c.index, Choices.finish_reason(c)) for c in choices.in_order()]
         # (vLLM's stop_reason too: the stop string that ended choice 0, read by /v1/messages)
         final: dict[str, Any] = {

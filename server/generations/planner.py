@@ -16,6 +16,7 @@ from engine_adapters.protocol import (
     OutputPlan,
     OutputRequest,
     PromptEmbeds,
+    SamplingOptions,
     token_id_name,
 )
 from server.core.errors import (
@@ -46,6 +47,28 @@ class RequestContext:
     timeout_s: float | None = None
     client: str | None = None  # the peer's address (failed authentications are counted by it)
     tenant: Tenant | None = None  # already known (Sluice's own work, e.g. a batch's lines)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPlan:
+    """What the engine runs for a request: its output's plan, its prompt (token ids, or
+    embeddings and no ids) and their count, and the tokens it may generate."""
+
+    output: OutputPlan
+    ids: list[int]
+    embeds: PromptEmbeds | None
+    tokens: int
+    max_tokens: int
+
+    def sampling(self, parsed: ParsedRequest) -> SamplingOptions:
+        return parsed.sampling_options(self.max_tokens, self.output.constraint)
+
+
+def _salted(tenant: str | None, request: str | None) -> str | None:
+    """The prefix cache's salt: the tenant's (its own cache), and a request's within it."""
+    if request is None:
+        return tenant
+    return request if tenant is None else f"{tenant}:{request}"
 
 
 def check_in_vocabulary(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
@@ -99,6 +122,49 @@ class Planner:
             timeline.model = OTHER_MODEL  # (a label per name a client sends would be unbounded)
             raise
         timeline.model = adapter or self.served_model
+        prompt = self.plan_prompt(parsed)
+        timeline.prompt_tokens = prompt.tokens
+        ticket = self.tenants.make_ticket(
+            tenant=tenant,
+            request_id=timeline.request_id,
+            model=self.served_model,
+            service_tier=parsed.service_tier,
+            asked_class=context.traffic_class,
+            timeout_s=context.timeout_s,
+            prompt_tokens=prompt.tokens,
+            max_tokens=prompt.max_tokens,
+            open_ended=parsed.max_tokens is None,
+            arrival=timeline.arrival,
+            # A constrained generation resumed as a continuation would restart its grammar;
+            # one of several choices (or beams) cannot resume alone; embeddings cannot be
+            # continued with token ids.
+            preemptible=(
+                prompt.output.constraint is None
+                and parsed.n == 1
+                and prompt.embeds is None
+                and not parsed.sampling.get("beam_search")
+            ),
+            n=parsed.n,
+            adapter=adapter,
+        )
+        watch = self.dispatcher.slo(ticket)
+        if watch is not None:
+            timeline.slo, timeline.meter = watch
+        request = GenerationRequest(
+            request_id=timeline.request_id,
+            prompt_token_ids=prompt.ids,
+            sampling=prompt.sampling(parsed),
+            prompt_embeds=prompt.embeds,
+            adapter=adapter,
+            cache_salt=_salted(tenant.cache_salt, parsed.cache_salt),
+        )
+        timeline.sampling = request.sampling
+        return ticket, request, prompt.output
+
+    def plan_prompt(self, parsed: ParsedRequest) -> PromptPlan:
+        """What the engine would run for a request of a model served (`check_model`): its
+        output's plan, its prompt, and the tokens it may generate, each checked (a 400
+        otherwise). What `prepare` plans with, and what the render endpoints answer."""
         for key in ("logprobs", "prompt_logprobs"):
             if key in parsed.sampling and not self.engine.model.logprobs:
                 raise UnsupportedParameter(
@@ -133,43 +199,7 @@ class Planner:
         # As vLLM's server: a max_tokens beyond the context left is lowered to what is left.
         # (An echo with max_tokens 0 still generates one token, dropped, as vLLM's does.)
         max_tokens = room if parsed.max_tokens is None else min(max(1, parsed.max_tokens), room)
-        timeline.prompt_tokens = prompt_tokens
-        ticket = self.tenants.make_ticket(
-            tenant=tenant,
-            request_id=timeline.request_id,
-            model=self.served_model,
-            service_tier=parsed.service_tier,
-            asked_class=context.traffic_class,
-            timeout_s=context.timeout_s,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            open_ended=parsed.max_tokens is None,
-            arrival=timeline.arrival,
-            # A constrained generation resumed as a continuation would restart its grammar;
-            # one of several choices (or beams) cannot resume alone; embeddings cannot be
-            # continued with token ids.
-            preemptible=(
-                plan.constraint is None
-                and parsed.n == 1
-                and embeds is None
-                and not parsed.sampling.get("beam_search")
-            ),
-            n=parsed.n,
-            adapter=adapter,
-        )
-        watch = self.dispatcher.slo(ticket)
-        if watch is not None:
-            timeline.slo, timeline.meter = watch
-        request = GenerationRequest(
-            request_id=timeline.request_id,
-            prompt_token_ids=prompt_ids,
-            sampling=parsed.sampling_options(max_tokens, plan.constraint),
-            prompt_embeds=embeds,
-            adapter=adapter,
-            cache_salt=tenant.cache_salt,
-        )
-        timeline.sampling = request.sampling
-        return ticket, request, plan
+        return PromptPlan(plan, prompt_ids, embeds, prompt_tokens, max_tokens)
 
     def plan_output(self, parsed: ParsedRequest) -> OutputPlan:
         """The engine's plan for the output's shape; what it cannot do is the client's 400."""

@@ -235,7 +235,9 @@ class GenerationRun:
         """The loop: each engine delta through the assembler into the log, and the log
         written to a reader that writes in this task (`written`) after each."""
         timeline, log = self.timeline, self.log
-        assembler = StreamAssembler(self.shape, timeline.prompt_tokens, log.append)
+        assembler = StreamAssembler(
+            self.shape, timeline.prompt_tokens, log.append, lambda: timeline.cached_tokens
+        )
         timeline.chunk_tokens = self.shape.stream_interval
         self.encoder = assembler.encoder
         if log:  # taken over: the earlier replica's events are the stream's beginning
@@ -250,7 +252,7 @@ class GenerationRun:
                 timeline.wrote_tokens(count)
             if self._writer is not None:
                 await self._writer.flush()
-        assembler.end(timeline.timings())
+        assembler.end(timeline.timings(), timeline.cached_tokens or 0)
         timeline.finish("completed")
         log.append(Event(Kind.DONE, DONE))
 
@@ -268,6 +270,7 @@ class GenerationRun:
             choices,
             timeline.prompt_tokens,
             timeline.generated_tokens,
+            timeline.cached_tokens or 0,
             timeline.timings(),
             shape.prompt_token_ids,
             shape.echo,

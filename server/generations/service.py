@@ -33,6 +33,7 @@ from server.generations.timeline import RequestTimeline
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent, Tracing
+from server.openai.chunks import completion_id
 from server.openai.parsed import ParsedRequest
 from server.openai.requests import parse_request
 from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass
@@ -146,7 +147,7 @@ class Generations:
         response_id = uuid.uuid4().hex
         record = RunRecord(
             tenant,
-            ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + response_id,
+            completion_id(parsed.kind, response_id),
             parsed.kind,
             request,
             stream,
@@ -226,7 +227,7 @@ class Generations:
         response_id = uuid.uuid4().hex
         record = RunRecord(
             self.planner.tenant_of(context).name,
-            "chatcmpl-" + response_id,
+            completion_id("chat", response_id),
             parsed.kind,
             body,
             True,

@@ -92,6 +92,13 @@ class RequestTimeline:
         series.queue_wait.observe(max(0.0, at - self.arrival))
         series.prompt_tokens.inc(self.prompt_tokens)
 
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the engine found in its prefix cache, as its generation keeps them
+        (None: not dispatched here, or the engine has not said, yet or at all)."""
+        generation = self.generation
+        return None if generation is None else generation.cached_tokens
+
     def wrote_tokens(self, count: int) -> None:
         """Generated tokens are about to be written to the client."""
         if count <= 0:
@@ -223,7 +230,7 @@ class RequestTimeline:
                 generated_tokens=self.generated_tokens,
                 api=self.api,
                 preemptions=generation.preemptions if generation is not None else 0,
-                cached_tokens=generation.cached_tokens if generation is not None else None,
+                cached_tokens=self.cached_tokens,
                 trace_id=trace_id,
             )
         )
@@ -256,7 +263,7 @@ class RequestTimeline:
             pauses=generation.pauses if generation is not None else (),
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.generated_tokens,
-            cached_tokens=generation.cached_tokens if generation is not None else None,
+            cached_tokens=self.cached_tokens,
             median_itl_s=median_itl,
             max_tokens=sampling.max_tokens if sampling is not None else None,
             temperature=sampling.temperature if sampling is not None else None,

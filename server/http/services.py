@@ -13,9 +13,13 @@ from server.generations.planner import Planner
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.http.edge import Edge, request_id_from, trace_parent_from
+from server.http.ignored import note_ignored
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent
+from server.openai.parsed import ParsedRequest
+from server.openai.requests import REQUEST_MODELS
+from server.openai.wire import WireModel, ignored_fields
 
 
 @dataclass(slots=True)
@@ -32,6 +36,14 @@ class Services:
     @property
     def served_model(self) -> str:
         return self.planner.served_model
+
+    def note_ignored(self, api: str, endpoint: str, body: WireModel | ParsedRequest) -> None:
+        """Count, and log once a process, the fields `body` (validated) ignores."""
+        if isinstance(body, ParsedRequest):
+            fields, declared = body.ignored, REQUEST_MODELS[body.kind].model_fields
+        else:
+            fields, declared = ignored_fields(body), type(body).model_fields
+        note_ignored(self.metrics, api, endpoint, fields, declared)
 
     def timeline(self, request_id: str, api: Api, trace: TraceParent | None) -> RequestTimeline:
         """A request's stopwatch, from now, recording into the app's metrics (and its span,

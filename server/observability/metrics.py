@@ -8,6 +8,7 @@ docs/operations.md ("Metrics") defines each one precisely.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -66,6 +67,19 @@ SLO_RESULTS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 BATCH_LINE_OUTCOMES = ("completed", "failed", "expired")
+# sluice_ignored_fields_total{api, field}: the APIs whose bodies may hold fields that change
+# nothing; `field` is a field the API's models declare so (`initialise` is told them), else
+# "other" (undeclared names are the clients' to choose: unbounded).
+IGNORED_FIELD_APIS = (
+    "chat",
+    "completions",
+    "responses",
+    "messages",
+    "tokenizer",
+    "batches",
+    "adapters",
+)
+OTHER_FIELD = "other"
 # sluice_unmatched_requests_total{method, status}: a method outside HTTP_METHODS is "other".
 HTTP_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "other")
 UNMATCHED_STATUSES = ("404", "405")
@@ -152,6 +166,14 @@ class Metrics:
         self.requests = counter(
             "sluice_requests", "Requests that ended, by outcome.", [*_BY_CLASS, "outcome"]
         )
+        self.ignored_fields = counter(
+            "sluice_ignored_fields",
+            "Fields of request bodies accepted and ignored (they change nothing Sluice answers, "
+            "as vLLM's server ignores them), by API and field: one a field of vLLM's or SGLang's "
+            "that Sluice declares, else other.",
+            ["api", "field"],
+        )
+        self._ignorable: dict[str, frozenset[str]] = {}
         self.unmatched_requests = counter(
             "sluice_unmatched_requests",
             "HTTP requests no route serves: an unknown path (404) or method (405).",
@@ -360,13 +382,30 @@ class Metrics:
             found = self._series[key] = RequestSeries.bind(self, model, traffic_class)
         return found
 
+    def count_ignored(self, api: str, fields: Iterable[str]) -> None:
+        """Count a request's ignored fields (by their paths, `stream_options.x`)."""
+        known = self._ignorable.get(api, frozenset())
+        for field in fields:
+            self.ignored_fields.labels(api, field if field in known else OTHER_FIELD).inc()
+
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format, for a scrape."""
         return generate_latest(self.registry)
 
-    def initialise(self, model: str, tenant_labels: tuple[str, ...] = ()) -> None:
+    def initialise(
+        self,
+        model: str,
+        tenant_labels: tuple[str, ...] = (),
+        ignorable: Mapping[str, frozenset[str]] | None = None,
+    ) -> None:
         """Create every labelled counter's series for `model` at zero (Prometheus' guidance: a
-        series that appears only with its first event leaves gaps in rates and alerts)."""
+        series that appears only with its first event leaves gaps in rates and alerts).
+        `ignorable`: by API (`IGNORED_FIELD_APIS`), the fields its bodies declare to change
+        nothing, each counted by its name when sent (any other by "other")."""
+        self._ignorable = dict(ignorable or {})
+        for api in IGNORED_FIELD_APIS:
+            for field in (*sorted(self._ignorable.get(api, ())), OTHER_FIELD):
+                self.ignored_fields.labels(api, field)
         for outcome in BATCH_LINE_OUTCOMES:
             self.batch_lines.labels(outcome)
         for method in HTTP_METHODS:

@@ -9,9 +9,9 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
 from server.core.errors import InvalidRequest, UnsupportedParameter
-from server.openai.generation_body import GenerationBody, Logprobs
+from server.openai.generation_body import TEXT_ONLY, GenerationBody, Logprobs
 from server.openai.parsed import ParsedRequest
-from server.openai.wire import UNSUPPORTED
+from server.openai.wire import UNSUPPORTED, NoEffect, OnlyDefault, WireModel, ignored_fields
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's
 # vLLM's batched chat (`POST /v1/chat/completions/batch`, one conversation per choice) takes
@@ -71,13 +71,9 @@ def messages_of(messages: list[_Message]) -> list[dict[str, Any]]:
     return cast("list[dict[str, Any]]", messages)
 
 
-class ChatCompletionRequest(GenerationBody):
-    messages: list[Message] = Field(min_length=1)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool | None = None
-    top_logprobs: Logprobs | None = Field(None, description="with `logprobs: true`")
-    # The chat template's arguments.
+class ChatTemplateFields(WireModel):
+    """The chat template's arguments, as vLLM's chat requests and chat `/tokenize` take them."""
+
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's: extra variables for the chat template (enable_thinking, ...)"
     )
@@ -85,6 +81,45 @@ class ChatCompletionRequest(GenerationBody):
     continue_final_message: bool | None = Field(
         None, description="the last message left open (with add_generation_prompt: false)"
     )
+    chat_template: Annotated[
+        Any,
+        OnlyDefault(
+            None,
+            why="a request's own template is not run, as vLLM's server runs none without "
+            "--trust-request-chat-template",
+        ),
+    ] = None
+    media_io_kwargs: Annotated[dict[str, Any] | None, NoEffect(TEXT_ONLY)] = None
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, NoEffect(TEXT_ONLY)] = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra arguments: vLLM's `chat_template_kwargs`, and its
+        `add_generation_prompt` (default true) and `continue_final_message` (the last message
+        left open for the model to go on with; then no generation prompt)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        for key in kwargs:
+            if key in _TEMPLATE_OWN:
+                raise InvalidRequest(
+                    f"'chat_template_kwargs' may not set '{key}'", param="chat_template_kwargs"
+                )
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            raise InvalidRequest(  # add_generation_prompt's default is true
+                "'continue_final_message' needs 'add_generation_prompt': false",
+                param="continue_final_message",
+            )
+        if self.continue_final_message:
+            kwargs.update(continue_final_message=True, add_generation_prompt=False)
+        elif self.add_generation_prompt is False:
+            kwargs["add_generation_prompt"] = False
+        return kwargs
+
+
+class ChatCompletionRequest(GenerationBody, ChatTemplateFields):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Logprobs | None = Field(None, description="with `logprobs: true`")
     reasoning_effort: Literal[REASONING_EFFORTS] | None = Field(  # type: ignore[valid-type]
         None,
         description="given to the chat template; also its enable_thinking, unless "
@@ -98,6 +133,10 @@ class ChatCompletionRequest(GenerationBody):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     include_reasoning: bool | None = None
+    # SGLang's, as vLLM's router sends them: at these values, what Sluice does anyway.
+    separate_reasoning: Annotated[Any, OnlyDefault(True)] = None
+    stream_reasoning: Annotated[Any, OnlyDefault(True)] = None
+    return_prompt_text: Annotated[Any, OnlyDefault(False)] = None
 
     output_fields: ClassVar[tuple[str, ...]] = (
         "response_format",
@@ -139,6 +178,8 @@ class ChatCompletionRequest(GenerationBody):
             output=self._output(),
             forwarded_prompt_ids=self._forwarded_prompt_ids(),
             stream_interval=self.stream_interval,
+            cache_salt=self.cache_salt,
+            ignored=ignored_fields(self),
         )
 
     def _logprobs(self) -> int | None:
@@ -150,24 +191,8 @@ class ChatCompletionRequest(GenerationBody):
         return self.top_logprobs or 0
 
     def _template_kwargs(self) -> dict[str, Any] | None:
-        """The chat template's extra arguments: vLLM's `chat_template_kwargs`, and its
-        `add_generation_prompt` (default true) and `continue_final_message` (the last message
-        left open for the model to go on with; then no generation prompt)."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        for key in kwargs:
-            if key in _TEMPLATE_OWN:
-                raise InvalidRequest(
-                    f"'chat_template_kwargs' may not set '{key}'", param="chat_template_kwargs"
-                )
-        if self.continue_final_message and self.add_generation_prompt is not False:
-            raise InvalidRequest(  # add_generation_prompt's default is true
-                "'continue_final_message' needs 'add_generation_prompt': false",
-                param="continue_final_message",
-            )
-        if self.continue_final_message:
-            kwargs.update(continue_final_message=True, add_generation_prompt=False)
-        elif self.add_generation_prompt is False:
-            kwargs["add_generation_prompt"] = False
+        """The template's arguments (`template_kwargs`), and the chat's own for it."""
+        kwargs = self.template_kwargs()
         # As vLLM passes them: to the template (which may ignore them), and an effort also
         # turns thinking on or off for templates that ask (unless chat_template_kwargs says).
         if self.documents is not None:

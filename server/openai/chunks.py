@@ -8,7 +8,7 @@ constant prefix once per request and encodes only the token text per chunk (orjs
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,11 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> di
         "tokens": [e.token for e in entries],
         "top_logprobs": [{e.token: e.logprob, **dict(e.top)} for e in entries],
     }
+
+
+def completion_id(kind: str, response_id: str) -> str:
+    """The id a chat ("chat") or text completion answers with: its prefix, then its own."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + response_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +98,34 @@ def echoed_logprobs(
     return part
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    """OpenAI's `usage`. `cached_tokens`: of the prompt's, those the engine found in its prefix
+    cache, in `prompt_tokens_details` as OpenAI (and vLLM's `--enable-prompt-tokens-details`)
+    sends them (None: the engine has not looked the prompt up yet, and they are left out)."""
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
+
+
+def cached_tokens(counts: dict[str, Any]) -> int:
+    """The prompt tokens found cached that a `usage` counts (0 where it says none)."""
+    details = counts.get("prompt_tokens_details")
+    return details["cached_tokens"] if details else 0
+
+
+def summed_usage(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The `usage` of generations answered as one (the prompts of one request)."""
+    prompt = completion = cached = 0
+    for counts in parts:
+        prompt += counts["prompt_tokens"]
+        completion += counts["completion_tokens"]
+        cached += cached_tokens(counts)
+    return usage(prompt, completion, cached)
 
 
 class ChunkEncoder:
@@ -115,19 +142,23 @@ class ChunkEncoder:
         prompt_token_ids: Sequence[int] | None = None,
         first_index: int = 0,
         created: int | None = None,
+        cached: Callable[[], int | None] = lambda: None,
     ) -> None:
         """`prompt_token_ids`: vLLM's `return_token_ids` asked for them (in the first chunk)
         and for each chunk's `token_ids`. `first_index`: the response's index of choice 0
-        (a completion of several prompts numbers all their choices in one sequence)."""
+        (a completion of several prompts numbers all their choices in one sequence).
+        `cached`: the prompt tokens the engine found cached, as far as it has said, read by
+        each chunk's continuous usage."""
         self.kind = kind
         self.first_index = first_index
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.id = completion_id(kind, request_id)
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.created = int(time.time()) if created is None else created
         self.model = model
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.prompt_tokens = prompt_tokens
+        self._cached = cached
         self._prompt_ids = None if prompt_token_ids is None else list(prompt_token_ids)
         self._ids = prompt_token_ids is not None
         self.plain = not (continuous_usage or self._ids)  # text alone changes per chunk
@@ -167,9 +198,12 @@ class ChunkEncoder:
     def _base(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
 
-    def _usage(self, completion_tokens: int) -> dict[str, int] | None:
-        """A chunk's `usage`: null, or the counts so far with continuous usage."""
-        return usage(self.prompt_tokens, completion_tokens) if self.continuous_usage else None
+    def _usage(self, completion_tokens: int) -> dict[str, Any] | None:
+        """A chunk's `usage`: null, or the counts so far with continuous usage (the cached
+        tokens from the engine's first output on: a chat's role chunk comes before it)."""
+        if not self.continuous_usage:
+            return None
+        return usage(self.prompt_tokens, completion_tokens, self._cached())
 
     def role(self, index: int = 0) -> bytes:
         """A chat choice's first chunk: the assistant role, empty content (as OpenAI sends it)."""
@@ -315,6 +349,7 @@ def whole_response(
     choices: Choices,
     prompt_tokens: int,
     completion_tokens: int,
+    cached_tokens: int,
     timings: dict[str, Any],
     prompt_token_ids: Sequence[int] | None = None,
     echo: Echo | None = None,
@@ -379,16 +414,13 @@ def whole_response(
                     "token_ids": None if ids is None else choice.token_ids,
                 }
             )
-    object_name, prefix = (
-        ("chat.completion", "chatcmpl-") if kind == "chat" else ("text_completion", "cmpl-")
-    )
-    body = {
-        "id": prefix + request_id,
-        "object": object_name,
+    body: dict[str, Any] = {
+        "id": completion_id(kind, request_id),
+        "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": shaped,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         "timings": timings,
     }
     if kind == "chat":

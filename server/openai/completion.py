@@ -9,7 +9,7 @@ from pydantic import Field
 from server.core.errors import InvalidRequest
 from server.openai.generation_body import GenerationBody, Logprobs
 from server.openai.parsed import ParsedRequest
-from server.openai.wire import TokenId
+from server.openai.wire import TokenId, ignored_fields
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
@@ -68,6 +68,8 @@ class CompletionRequest(GenerationBody):
             forwarded_prompt_ids=self._forwarded_prompt_ids(),
             prompt_embeds=embeds,
             stream_interval=self.stream_interval,
+            cache_salt=self.cache_salt,
+            ignored=ignored_fields(self),
         )
 
     def _prompt(self, embeds: str | None) -> str | list[int] | None:

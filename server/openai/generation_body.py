@@ -1,16 +1,26 @@
 """The fields chat and text completions share: OpenAI's, and the sampling parameters vLLM's
 server adds (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `repetition_penalty`,
-`stop_token_ids`, ...), so clients written for vLLM work unchanged. Anything else is refused
-with 400 `unsupported_parameter` rather than silently ignored."""
+`stop_token_ids`, ...), so clients written for vLLM work unchanged. A field vLLM's server
+declares and Sluice cannot honour is ignored where it changes nothing (`NoEffect`, or
+`OnlyDefault` at its default) and refused with 400 `unsupported_parameter` where it would
+change the answer; an undeclared field is ignored, as vLLM's server ignores it."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from server.core.errors import InvalidRequest, UnsupportedParameter
-from server.openai.wire import MAX_CHOICES, MAX_LOGPROBS, Number, OnlyDefault, TokenId, WireModel
+from server.openai.wire import (
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    NoEffect,
+    Number,
+    OnlyDefault,
+    TokenId,
+    WireModel,
+)
 
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[Number, Field(ge=-2, le=2)]
@@ -31,15 +41,17 @@ _SAMPLING = (
     "stop_token_ids",
     "ignore_eos",
     "skip_special_tokens",
+    "spaces_between_special_tokens",
     "include_stop_str_in_output",
     "allowed_token_ids",
     "bad_words",
 )
+# Why a field changes nothing here, or cannot be served (docs/request-models.md's table).
+TEXT_ONLY = "multimodal input only: Sluice takes text content"
+NO_CONNECTOR = "connector, which this server does not run"
 
 
 class StreamOptions(WireModel):
-    unknown_field: ClassVar[str] = "unsupported stream option '{key}'"
-
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = Field(
         None, description="vLLM's: the usage so far in every chunk (with include_usage)"
@@ -50,13 +62,36 @@ class KvTransferParams(WireModel):
     """vLLM's `kv_transfer_params`: only its `prompt_token_ids` (Sluice runs no KV connector,
     so any other key would be ignored: it is refused instead)."""
 
-    unknown_field: ClassVar[str] = (
-        "'kv_transfer_params.{key}' needs a KV connector, which this server does not run"
-    )
+    model_config = ConfigDict(extra="forbid")
+    unknown_field: ClassVar[str] = "'kv_transfer_params.{key}' needs a KV " + NO_CONNECTOR
 
     prompt_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="a prefill stage's prompt, used verbatim"
     )
+
+
+class VllmFields(WireModel):
+    """Fields vLLM's server declares on its chat, completion and Responses requests alike,
+    that Sluice does not plainly honour (docs/request-models.md)."""
+
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+        None,
+        description="vLLM's: a prefix cache of its own for the requests with this salt "
+        "(within the tenant's)",
+    )
+    session_id: Annotated[str | None, NoEffect("a hint that requests belong together")] = None
+    mm_payload: Annotated[Literal["tensors", "none"] | None, NoEffect(TEXT_ONLY)] = None
+    return_mm_kwargs: Annotated[bool | None, NoEffect(TEXT_ONLY)] = None
+    vllm_xargs: Annotated[
+        dict[str, Any] | None, NoEffect("read by vLLM's extensions only; Sluice loads none")
+    ] = None
+    priority: Annotated[
+        Any, OnlyDefault(0, why="Sluice orders requests by traffic class: send service_tier")
+    ] = None
+    watermarking: Annotated[Any, OnlyDefault(False)] = None
+    ec_transfer_params: Annotated[
+        Any, OnlyDefault({}, why="needs an encoder-cache " + NO_CONNECTOR)
+    ] = None
 
 
 class SamplingFields(WireModel):
@@ -85,7 +120,7 @@ class SamplingFields(WireModel):
         return self.model_dump(include=set(SamplingFields.model_fields), exclude_none=True)
 
 
-class GenerationBody(SamplingFields):
+class GenerationBody(SamplingFields, VllmFields):
     """A chat or text completion's fields, both kinds'. `None` is a field not sent."""
 
     model: str | None = None
@@ -97,6 +132,7 @@ class GenerationBody(SamplingFields):
         None, description="at least 1 (0 with a completion's echo: the prompt alone)"
     )
     # Sampling (and `SamplingFields`').
+    spaces_between_special_tokens: bool | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     allowed_token_ids: list[TokenId] | None = Field(
         None, min_length=1, description="vLLM's: only these tokens may be generated"
@@ -142,18 +178,33 @@ class GenerationBody(SamplingFields):
         None,
         description="vLLM's: one of json, regex, choice, grammar, json_object, structural_tag",
     )
+    no_stop_trim: bool | None = Field(
+        None, description="SGLang's name for include_stop_str_in_output (either keeps it)"
+    )
     # Accepted at their defaults only (another value is a 400 unsupported_parameter).
     best_of: Annotated[Any, OnlyDefault(1)] = None
     functions: Annotated[Any, OnlyDefault([])] = None
     function_call: Annotated[Any, OnlyDefault("none", "auto")] = None
     suffix: Annotated[Any, OnlyDefault("")] = None
-    # Accepted, with no effect on generation (metadata, hints).
-    user: str | None = None
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    request_id: str | None = None
-    priority: int | None = None
+    thinking_token_budget: Annotated[Any, OnlyDefault(None)] = None
+    logprob_token_ids: Annotated[Any, OnlyDefault([])] = None
+    repetition_detection: Annotated[Any, OnlyDefault(None)] = None
+    return_hidden_states: Annotated[Any, OnlyDefault(False)] = Field(
+        None, description="SGLang's (sent by vLLM's router)"
+    )
+    # Accepted, with no effect on the answer.
+    user: Annotated[str | None, NoEffect("metadata")] = None
+    metadata: Annotated[dict[str, Any] | None, NoEffect("metadata")] = None
+    store: Annotated[bool | None, NoEffect("completions are not stored")] = None
+    request_id: Annotated[
+        str | None, NoEffect("the response is named by X-Request-Id or by Sluice")
+    ] = None
+    routed_experts_prompt_start: Annotated[
+        int | None, NoEffect("only with routed experts returned, which Sluice does not")
+    ] = None
+    return_token_offsets: Annotated[
+        bool | None, NoEffect("the render endpoints' (which answer null offsets)")
+    ] = None
 
     # The output-shaping fields of this kind (each the engine's to apply).
     output_fields: ClassVar[tuple[str, ...]] = ("response_format", "structured_outputs")
@@ -165,6 +216,8 @@ class GenerationBody(SamplingFields):
             value = getattr(self, key)
             if value is not None:
                 sampling[key] = tuple(value) if isinstance(value, list) else value
+        if self.no_stop_trim:
+            sampling["include_stop_str_in_output"] = True
         if self.stop is not None:
             sampling["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.logit_bias is not None:  # OpenAI's range, as vLLM clamps

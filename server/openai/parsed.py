@@ -38,6 +38,9 @@ class ParsedRequest:
     # Completions: vLLM's prompt_embeds, one tensor's base64 text (then `prompt` is None).
     prompt_embeds: str | None = None
     stream_interval: int | None = None  # vLLM's: tokens per streamed chunk, at least
+    cache_salt: str | None = None  # vLLM's: a prefix cache of its own (within the tenant's)
+    # The body's fields that change nothing (undeclared, or declared so), by their paths.
+    ignored: tuple[str, ...] = ()
 
     @property
     def n(self) -> int:

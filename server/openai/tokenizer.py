@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
-from server.openai.chat import Message
-from server.openai.wire import TokenId, WireModel, validated
+from server.openai.chat import ChatTemplateFields, Message
+from server.openai.wire import OnlyDefault, TokenId, WireModel, validated
 
 
 class TokenizeText(WireModel):
@@ -17,11 +17,17 @@ class TokenizeText(WireModel):
     return_token_strs: bool | None = None
 
 
-class TokenizeChat(WireModel):
+class TokenizeChat(ChatTemplateFields):
+    """vLLM's chat `/tokenize`: the messages through the chat template, as a chat renders
+    them (its template's arguments, and the tools on offer)."""
+
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
-    add_generation_prompt: bool | None = Field(None, description="default true")
     return_token_strs: bool | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="shown to the chat template")
+    add_special_tokens: Annotated[
+        Any, OnlyDefault(False, why="the chat template adds the model's special tokens")
+    ] = None
 
 
 class Detokenize(WireModel):

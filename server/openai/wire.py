@@ -1,10 +1,11 @@
-"""What every request model shares: the base model, its field types, and one translation of
-pydantic's validation errors into Sluice's 400s (`param` names the field, as OpenAI's does)."""
+"""What every request model shares: the base model, its field types, the fields it ignores, and
+one translation of pydantic's validation errors into Sluice's 400s (`param` names the field, as
+OpenAI's does)."""
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Mapping
+import functools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, TypeVar, get_args, get_type_hints
 
@@ -29,10 +30,13 @@ UNSUPPORTED = "unsupported"
 
 
 class WireModel(BaseModel):
-    """A JSON body: strict types (no "yes" for true, no 5.0 for 5), unknown fields refused."""
+    """A JSON body: strict types (no "yes" for true, no 5.0 for 5). A field it does not declare
+    is accepted and ignored, as vLLM's server accepts it (`ignored_fields` names it, to be
+    logged and counted); a model that must refuse such fields sets `extra="forbid"` and says
+    how in `unknown_field`."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-    # How an unknown field is refused; `{key}` is its name.
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+    # How an undeclared field is refused where the model forbids them; `{key}` is its name.
     unknown_field: ClassVar[str] = "unsupported parameter '{key}'"
 
 
@@ -41,14 +45,32 @@ Number = float  # strict: an integer is a number too, a boolean is not
 
 
 @dataclass(frozen=True, slots=True)
+class NoEffect:
+    """On a field accepted whatever its value that changes nothing Sluice answers (metadata, a
+    hint, a multimodal option on a text-only server): sent, it is an ignored field, as an
+    undeclared one is. `why` says why it changes nothing (the table in
+    docs/request-models.md)."""
+
+    why: str
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: GetJsonSchemaHandler) -> Any:
+        return {**handler(schema), "description": f"accepted and ignored: {self.why}"}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class OnlyDefault:
     """On a field accepted at these values only (each also compared by type: `True` is not
-    `1`): another value is well-formed but not served, a 400 `unsupported_parameter`."""
+    `1`), where it changes nothing: sent at one, it is an ignored field; another value is
+    well-formed but not served, a 400 `unsupported_parameter` (`why`: the reason, if the
+    message should say it). Equal to itself only: `typing` caches an `Annotated` by its
+    arguments' equality, and `OnlyDefault(False)` must not become `OnlyDefault(0)`'s."""
 
     values: tuple[Any, ...]
+    why: str | None
 
-    def __init__(self, *values: Any) -> None:
+    def __init__(self, *values: Any, why: str | None = None) -> None:
         object.__setattr__(self, "values", values)
+        object.__setattr__(self, "why", why)
 
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
         return core_schema.no_info_before_validator_function(self._check, handler(source))
@@ -60,9 +82,80 @@ class OnlyDefault:
     def _check(self, value: Any) -> Any:
         if value is None or any(type(value) is type(v) and value == v for v in self.values):
             return value
+        because = f" ({self.why})" if self.why else ""
         raise PydanticCustomError(
-            UNSUPPORTED, "{value} is not supported by this server", {"value": repr(value)}
+            UNSUPPORTED,
+            "{value} is not supported by this server{because}",
+            {"value": repr(value), "because": because},
         )
+
+
+@functools.cache
+def _ignorable(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that change nothing when sent (`NoEffect`, `OnlyDefault`)."""
+    return frozenset(
+        name for name, field in model.model_fields.items() if any(map(_no_effect, field.metadata))
+    )
+
+
+def _no_effect(meta: Any) -> bool:
+    """Whether a field's metadata says it changes nothing when sent (null is not sent)."""
+    if isinstance(meta, OnlyDefault):
+        return any(value is not None for value in meta.values)
+    return isinstance(meta, NoEffect)
+
+
+def ignored_fields(body: BaseModel) -> tuple[str, ...]:
+    """The fields of a validated body that it ignores, each named once by its path through
+    models (`stream_options.x`), sorted: the undeclared ones, and those declared to change
+    nothing. Fields sent as null are fields not sent. (Per request: set operations on what
+    was sent, against what each model class declares, found once.)"""
+    found: list[str] = []
+    _ignored(body, "", found)
+    return tuple(sorted(set(found))) if found else ()
+
+
+def _ignored(body: BaseModel, where: str, found: list[str]) -> None:
+    extra = body.__pydantic_extra__
+    if extra:
+        found.extend(where + key for key in extra)
+    model, sent = type(body), body.model_fields_set
+    for name in sent & _ignorable(model):
+        if getattr(body, name) is not None:
+            found.append(where + name)
+    for name in sent & _holding_models(model):
+        value = getattr(body, name)
+        for item in value if isinstance(value, list) else (value,):
+            if isinstance(item, BaseModel):
+                _ignored(item, f"{where}{name}.", found)
+
+
+@functools.cache
+def _holding_models(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` that may hold models (themselves, or in a list or a union)."""
+    return frozenset(
+        name
+        for name, field in model.model_fields.items()
+        if name not in _ignorable(model) and any(_models_in(field.annotation))
+    )
+
+
+def ignorable_paths(model: type[BaseModel], where: str = "") -> frozenset[str]:
+    """Every path `ignored_fields` can name for a body of `model` that is a declared field
+    (those of the models within it too): the vocabulary of the ignored-field counts."""
+    paths = {where + name for name in _ignorable(model)}
+    for name, field in model.model_fields.items():
+        if where + name not in paths:
+            for inner in _models_in(field.annotation):
+                paths |= ignorable_paths(inner, f"{where}{name}.")
+    return frozenset(paths)
+
+
+def _models_in(annotation: Any) -> Iterator[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+    for arg in get_args(annotation):
+        yield from _models_in(arg)
 
 
 M = TypeVar("M", bound=WireModel)
@@ -79,17 +172,14 @@ def validated(model: type[M], body: Any) -> M:
 
 
 def _refusal(model: type[WireModel], body: Any, errors: list[ErrorDetails]) -> InvalidRequest:
-    """The one error to answer for `errors`: an unknown field first (as the parser always
-    answered), else every error of the first field that has one (a union's alternatives)."""
+    """The one error to answer for `errors`: an undeclared field a model forbids first, else
+    every error of the first field that has one (a union's alternatives)."""
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         error = unknown[0]
         param, owner, _ = _locate(model, body, error["loc"])
         key = str(error["loc"][-1])
         message = getattr(owner, "unknown_field", WireModel.unknown_field).format(key=key)
-        close = difflib.get_close_matches(key, list(_fields(owner)), n=1)
-        if close and owner is model:
-            message += f"; did you mean '{close[0]}'?"
         return UnsupportedParameter(message, param=param)
     first = errors[0]
     param, _, _ = _locate(model, body, first["loc"])

@@ -27,7 +27,7 @@ from server.http.replies import JSONResponse, error_response, read_json
 from server.http.run_response import RunResponse
 from server.http.services import Services
 from server.openai.chat import NOT_IN_BATCH
-from server.openai.chunks import DONE, ChunkEncoder, usage
+from server.openai.chunks import DONE, ChunkEncoder, completion_id, summed_usage
 from server.openai.completion import split_prompts
 from server.openai.requests import parse_request
 
@@ -74,15 +74,21 @@ async def _generate(services: Services, request: Request, kind: str | None) -> A
                 kind,
                 prompts,
                 stream=body.get("stream") is True,
+                endpoint=request.url.path,
             )
         parsed = parse_request(body, kind)
+        services.note_ignored(timeline.api, request.url.path, parsed)
+        # A keyed stream sent again resumes after the event the client names, as a GET of its
+        # stream does: the one way to resume through a router that forwards a POST's headers
+        # but not a GET's (vLLM's: docs/operations.md).
+        after = _after(request) if key is not None and parsed.stream else 0
         run, replayed = await services.generations.generate(
             parsed, body, timeline, context_of(request), key, stream=parsed.stream
         )
     except SluiceError as error:
         timeline.fail(error)
         return error_response(error, timeline.request_id)
-    return RunResponse(services, run, replayed=replayed)
+    return RunResponse(services, run, replayed=replayed, after=after if replayed else 0)
 
 
 async def resume_chat_completion(services: Services, request: Request) -> ASGIApp:
@@ -114,6 +120,7 @@ async def _resume(services: Services, request: Request, kind: str) -> ASGIApp:
 
 
 def _after(request: Request) -> int:
+    """The last event the client has: `Last-Event-ID`, else `?starting_after=N`; 0: none."""
     for name, value in (
         ("Last-Event-ID", request.headers.get("last-event-id")),
         ("starting_after", request.query_params.get("starting_after")),
@@ -166,6 +173,7 @@ async def chat_completions_batch(services: Services, request: Request) -> ASGIAp
         timeline,
         "chat",
         [{**body, "messages": conversation} for conversation in conversations],
+        endpoint=request.url.path,
     )
 
 
@@ -177,6 +185,8 @@ async def _batch(
     kind: str,
     bodies: list[dict[str, Any]],
     stream: bool = False,
+    *,
+    endpoint: str,
 ) -> ASGIApp:
     """A BatchResponse (or, streamed, a StreamedBatchResponse) over one generation per body,
     each admitted (or, if one is refused, none: those before it are cancelled and the
@@ -186,6 +196,8 @@ async def _batch(
         first_index = 0
         for i, body in enumerate(bodies):
             parsed = parse_request(body, kind)
+            if i == 0:  # (the other bodies hold the same fields)
+                services.note_ignored(timeline.api, endpoint, parsed)
             one = services.timeline(f"{request_id}-{i}", timeline.api, timeline.trace)
             try:
                 runs.append(
@@ -278,7 +290,9 @@ class StreamedBatchResponse:
                 arrived.put_nowait(event)
 
         forwarding = [asyncio.ensure_future(forward(run)) for run in self.runs]
-        totals, timings, done = usage(0, 0), [], 0
+        usages: list[dict[str, Any]] = []
+        timings: list[dict[str, Any]] = []
+        done = 0
         try:
             while done < len(self.runs):
                 event = await arrived.get()
@@ -288,7 +302,7 @@ class StreamedBatchResponse:
                 if event.kind is Kind.USAGE:
                     continue  # one for all, below
                 if event.final is not None:
-                    totals = {key: totals[key] + event.final["usage"][key] for key in totals}
+                    usages.append(event.final["usage"])
                     timings.append(event.final["timings"])
                 yield event.sse
                 if event.kind is Kind.FAILED:
@@ -299,7 +313,7 @@ class StreamedBatchResponse:
         shape = self.runs[0].shape
         if shape.parsed.include_usage and done == len(self.runs):
             yield ChunkEncoder(shape.parsed.kind, shape.response_id, shape.model, True).usage_chunk(
-                {"usage": totals, "timings": timings}
+                {"usage": summed_usage(usages), "timings": timings}
             )
         yield DONE
 
@@ -329,12 +343,13 @@ class BatchResponse:
             {**choice, "index": i}
             for i, choice in enumerate(choice for body in bodies for choice in body["choices"])
         ]
-        totals = {
-            key: sum(body["usage"][key] for body in bodies)
-            for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+        totals = summed_usage(body["usage"] for body in bodies)
+        reply = {
+            **bodies[0],
+            "id": completion_id(self.kind, self.request_id),
+            "choices": choices,
+            "usage": totals,
         }
-        prefix = "chatcmpl-" if self.kind == "chat" else "cmpl-"
-        reply = {**bodies[0], "id": prefix + self.request_id, "choices": choices, "usage": totals}
         per_part = (
             ("timings", "prompt_logprobs", "prompt_token_ids")
             if self.kind == "chat"

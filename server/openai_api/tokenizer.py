@@ -1,7 +1,9 @@
 """vLLM's tokenizer endpoints and `/version`, so tools written for vLLM's server find them.
 
 `POST /tokenize` takes a text `prompt` (with `add_special_tokens`, default true) or chat
-`messages` (through the chat template, generation prompt included) and answers
+`messages` (through the chat template as a chat renders them: generation prompt included
+unless `add_generation_prompt: false`, `continue_final_message`, `chat_template_kwargs`,
+`tools`) and answers
 `{count, max_model_len, tokens, token_strs}` (`token_strs` null unless `return_token_strs`);
 `POST /detokenize` takes `tokens` and answers `{prompt}`. Both use the engine's own tokenizer
 and never reach the scheduler.
@@ -55,11 +57,11 @@ async def _authorized(services: Services, request: Request) -> tuple[Tenant, Any
 async def tokenize(services: Services, request: Request) -> Response:
     tenant, raw = await _authorized(services, request)
     body = tokenize_body(raw)
+    services.note_ignored("tokenizer", request.url.path, body)
     services.planner.check_model(body.model, tenant)
     if isinstance(body, TokenizeChat):
         tokens = services.planner.render_chat(
-            messages_of(body.messages),
-            template_kwargs={"add_generation_prompt": body.add_generation_prompt is not False},
+            messages_of(body.messages), body.tools, body.template_kwargs() or None
         )
     else:
         tokens = services.engine.tokenize(body.prompt, body.add_special_tokens is not False)
@@ -76,6 +78,7 @@ async def tokenize(services: Services, request: Request) -> Response:
 async def detokenize(services: Services, request: Request) -> Response:
     tenant, raw = await _authorized(services, request)
     body = validated(Detokenize, raw)
+    services.note_ignored("tokenizer", request.url.path, body)
     services.planner.check_model(body.model, tenant)
     check_in_vocabulary(body.tokens, services.engine.model.vocab_size, "tokens")
     return JSONResponse(

@@ -14,8 +14,10 @@ from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
 from server.http.edge import context_of
 from server.http.leaving import ClientWatch, unless_gone
+from server.http.rendering import render_request, rendered
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.services import Services
+from server.openai.requests import parse_request
 from server.openai.wire import validated
 from server.responses_api.service import Responses, feed, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
@@ -32,6 +34,7 @@ async def create_response(services: Services, responses: Responses, request: Req
                 param="Idempotency-Key",
             )
         body = validated(CreateResponse, await read_json(request, services.edge.max_body_bytes))
+        services.note_ignored("responses", request.url.path, body)
         record = await responses.create(body, timeline, context_of(request))
     except SluiceError as error:
         timeline.fail(error)
@@ -44,6 +47,25 @@ async def create_response(services: Services, responses: Responses, request: Req
     if body.stream:
         return ResponseStream(services, responses, record, record.builder, after=-1, owner=True)
     return WholeResponse(responses, record)
+
+
+async def render_response(services: Services, responses: Responses, request: Request) -> Response:
+    """vLLM's `POST /v1/responses/render` (`server.http.rendering`): the response's chat
+    rendered, without generating. Stateless, as vLLM's: no `previous_response_id`, and no
+    response of `responses` read."""
+    tenant, raw, request_id = await render_request(services, request)
+    body = validated(CreateResponse, raw)
+    services.note_ignored("responses", request.url.path, body)
+    if body.previous_response_id is not None:  # (vLLM's words)
+        raise InvalidRequest(
+            "previous_response_id is not supported by the stateless render endpoint.",
+            param="previous_response_id",
+        )
+    chat = {**body.chat_body([]), "stream": bool(body.stream)}
+    reply = rendered(services, tenant, parse_request(chat, "chat"), "resp_" + request_id)
+    kv = body.kv_transfer_params
+    reply.kv_transfer_params = None if kv is None else kv.model_dump(exclude_none=True)
+    return JSONResponse(reply.model_dump())
 
 
 async def get_response(

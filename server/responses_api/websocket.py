@@ -91,6 +91,7 @@ class ResponsesSession(WebSocketSession):
     def _create(self, message: dict[str, Any]) -> None:
         try:
             request, lane = create_message(message)
+            self.services.note_ignored("responses", "WebSocket /v1/responses", request)
             self._check_room()
         except SluiceError as error:  # a request refused: in the access log, as over HTTP
             timeline = self.services.timeline(request_id_from(None), "responses", self.trace)

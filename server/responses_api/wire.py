@@ -11,9 +11,15 @@ import orjson
 from pydantic import Discriminator, Field, Tag
 
 from server.openai.chat import REASONING_EFFORTS
-from server.openai.chunks import chat_logprobs
-from server.openai.generation_body import Logprobs, SamplingFields
-from server.openai.wire import OnlyDefault, WireModel
+from server.openai.chunks import cached_tokens, chat_logprobs
+from server.openai.generation_body import (
+    TEXT_ONLY,
+    KvTransferParams,
+    Logprobs,
+    SamplingFields,
+    VllmFields,
+)
+from server.openai.wire import NoEffect, OnlyDefault, WireModel
 
 if TYPE_CHECKING:
     from engine_adapters.protocol import TokenLogprob
@@ -130,10 +136,11 @@ class Reasoning(WireModel):
     )
 
 
-class CreateResponse(SamplingFields):
-    """`POST /v1/responses`'s body (the fields Sluice serves; any other is a 400), with the
-    sampling parameters vLLM's server takes beside OpenAI's (`top_k`, `seed`, `stop`, ...)
-    and its `chat_template_kwargs`, as a chat has them."""
+class CreateResponse(SamplingFields, VllmFields):
+    """`POST /v1/responses`'s body, with the sampling parameters vLLM's server takes beside
+    OpenAI's (`top_k`, `seed`, `stop`, ...) and its `chat_template_kwargs`, as a chat has
+    them; vLLM's other fields as docs/request-models.md says, and an undeclared field
+    ignored."""
 
     model: str | None = None
     input: list[InputItem] | str
@@ -157,6 +164,21 @@ class CreateResponse(SamplingFields):
     truncation: Annotated[Any, OnlyDefault("disabled")] = None
     include: list[Annotated[str, OnlyDefault(TEXT_LOGPROBS)]] | None = None
     top_logprobs: Logprobs | None = None
+    # vLLM's, as its chat has them.
+    include_reasoning: bool | None = Field(None, description="vLLM's: false leaves it out")
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's: one of json, regex, choice, grammar, json_object, structural_tag",
+    )
+    kv_transfer_params: KvTransferParams | None = None
+    media_io_kwargs: Annotated[dict[str, Any] | None, NoEffect(TEXT_ONLY)] = None
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, NoEffect(TEXT_ONLY)] = None
+    request_id: Annotated[str | None, NoEffect("the response is named by Sluice")] = None
+    prompt_cache_key: Annotated[str | None, NoEffect("a prefix cache hint")] = None
+    max_tool_calls: Annotated[Any, OnlyDefault(None)] = None
+    prompt: Annotated[Any, OnlyDefault(None, why="no stored prompt templates")] = None
+    enable_response_messages: Annotated[Any, OnlyDefault(False)] = None
+    previous_input_messages: Annotated[Any, OnlyDefault(None)] = None
 
     @property
     def logprobs(self) -> bool:
@@ -218,9 +240,14 @@ class CreateResponse(SamplingFields):
             ("service_tier", self.service_tier),
             ("chat_template_kwargs", self.chat_template_kwargs),
             ("reasoning_effort", self.reasoning and self.reasoning.effort),
+            ("include_reasoning", self.include_reasoning),
+            ("structured_outputs", self.structured_outputs),
+            ("cache_salt", self.cache_salt),
         ):
             if value is not None:
                 body[key] = value
+        if self.kv_transfer_params is not None:
+            body["kv_transfer_params"] = self.kv_transfer_params.model_dump(exclude_none=True)
         if self.logprobs:
             body["logprobs"] = True
             body["top_logprobs"] = self.top_logprobs or 0
@@ -429,12 +456,16 @@ class ResponseBuilder:
                 )
         return events
 
-    def finish(self, finish_reason: str, usage: dict[str, int]) -> list[ResponseEvent]:
-        """The chat's end: its finish reason and usage (prompt, completion tokens)."""
+    def finish(self, finish_reason: str, usage: dict[str, Any]) -> list[ResponseEvent]:
+        """The chat's end: its finish reason and usage (prompt, completion and cached prompt
+        tokens: a chat's `usage`)."""
         events = self._close()
         self.usage = {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {
+                "cached_tokens": cached_tokens(usage),
+                "cache_write_tokens": 0,
+            },
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"],

@@ -52,7 +52,9 @@ class RunningGeneration:
         self.preemptions = 0
         # Each preemption: (when it was stopped, when it was dispatched again; None: not yet).
         self.pauses: list[tuple[float, float | None]] = []
-        self.cached_tokens: int | None = None  # of the first engine request's prompt
+        # Prompt tokens the engine found cached: the first engine request's that said (a
+        # continuation's only if it was preempted, or taken over, before saying).
+        self.cached_tokens: int | None = None
         # The tokens to resume from, kept only by what the scheduler may preempt (preemptible
         # bulk: one choice only); a chat keeps no token of its own here.
         self._generated: list[int] | None = (
@@ -163,8 +165,9 @@ class RunningGeneration:
         if cached is not None:
             if request.resumed_tokens:
                 self._runtime.resumed_prefill_tokens.inc(request.prompt_length - cached)
-            else:
-                self.cached_tokens = cached
+            if self.cached_tokens is None:  # the first engine request that said, within the
+                # client's prompt (a continuation's prompt ends with the tokens it generated)
+                self.cached_tokens = min(cached, request.prompt_length - request.resumed_tokens)
         if delta.token_ids:
             self._runtime.core.generated(
                 self._ticket.request_id, len(delta.token_ids), self._runtime.clock()

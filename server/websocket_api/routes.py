@@ -96,7 +96,9 @@ def _message(local_id: str, seq: int, event: Event, run: GenerationRun) -> dict[
             "id": local_id,
             "seq": seq,
             "finish_reason": "cancelled",
-            "usage": usage(timeline.prompt_tokens, timeline.generated_tokens),
+            "usage": usage(
+                timeline.prompt_tokens, timeline.generated_tokens, timeline.cached_tokens or 0
+            ),
             "timings": timeline.timings(),
         }
     elif event.kind is Kind.FAILED and event.error is not None:
@@ -218,6 +220,7 @@ class Connection(WebSocketSession):
             if isinstance(request_body, dict) and request_body.get("stream") is False:
                 raise InvalidRequest("WebSocket generations always stream", param="stream")
             parsed = parse_request(request_body, "chat")
+            services.note_ignored("chat", "WebSocket /v1/ws", parsed)
             # What only a whole response carries; a WebSocket generation always streams.
             for name, asked in (
                 ("prompt_logprobs", "prompt_logprobs" in parsed.sampling),

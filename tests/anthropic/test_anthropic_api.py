@@ -5,6 +5,7 @@ the chat request Sluice runs."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ from server.core.errors import (
     TenantQuotaExceeded,
     UnsupportedParameter,
 )
+from server.openai.chunks import usage
+from server.openai.wire import ignored_fields
 
 # `anthropic` (~2 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -33,6 +36,16 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.xdist_group("anthropic")
 KEY = "sk-anthropic-5e1c0d"
 HELLO = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def prompt_tokens(counts: anthropic.types.Usage) -> int:
+    """The whole prompt's tokens: Anthropic's input_tokens leave out those read from, or
+    written to, the cache."""
+    return (
+        counts.input_tokens
+        + (counts.cache_read_input_tokens or 0)
+        + (counts.cache_creation_input_tokens or 0)
+    )
 
 
 def _model(url: str) -> str:
@@ -104,7 +117,7 @@ def test_stream_events_add_up_to_the_final_message(client: anthropic.Anthropic, 
     assert final.stop_reason == "max_tokens"
     assert final.usage.output_tokens == 16
     whole = client.messages.create(model=model, max_tokens=1, messages=HELLO)
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_tokens(final.usage) == prompt_tokens(whole.usage)
 
 
 def test_stream_events_come_in_anthropics_order(keyed: InProcessSluice, model: str) -> None:
@@ -126,7 +139,16 @@ def test_stream_events_come_in_anthropics_order(keyed: InProcessSluice, model: s
     assert set(names[3:-3]) == {"content_block_delta"}
     assert datas[0]["message"]["content"] == [] and datas[0]["message"]["usage"]["input_tokens"]
     assert datas[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    # message_start's usage came before the engine looked the prompt up in its cache;
+    # message_delta's is the whole message's (the SDK's final message takes it).
+    assert "cache_read_input_tokens" not in datas[0]["message"]["usage"]
     assert datas[-2]["usage"]["output_tokens"] == 5
+    assert set(datas[-2]["usage"]) == {
+        "input_tokens",
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+        "output_tokens",
+    }
 
 
 def test_count_tokens_is_the_prompt_a_create_is_charged_for(
@@ -146,7 +168,28 @@ def test_count_tokens_is_the_prompt_a_create_is_charged_for(
         system=[{"type": "text", "text": "Be brief."}],
         messages=conversation,
     )
-    assert counted.input_tokens == made.usage.input_tokens > 0
+    assert counted.input_tokens == prompt_tokens(made.usage) > 0
+
+
+def test_a_long_prompt_sent_again_is_read_from_the_cache_whole_and_streamed(
+    client: anthropic.Anthropic, model: str
+) -> None:
+    """Whole blocks of 128 tokens (the sim's) are cached: the second request reads them, and
+    its input_tokens are the rest of its prompt."""
+    tag = uuid.uuid4().hex[:8]
+    messages = [{"role": "user", "content": " ".join(f"w{tag}x{i}" for i in range(424))}]
+    first = client.messages.create(model=model, max_tokens=2, messages=messages)
+    assert first.usage.cache_read_input_tokens == 0 == first.usage.cache_creation_input_tokens
+    whole = prompt_tokens(first.usage)
+    assert first.usage.input_tokens == whole > 3 * 128
+    again = client.messages.create(model=model, max_tokens=2, messages=messages)
+    with client.messages.stream(model=model, max_tokens=2, messages=messages) as stream:
+        streamed = stream.get_final_message()
+    for message in (again, streamed):
+        hit = message.usage.cache_read_input_tokens
+        assert hit is not None and 3 * 128 <= hit < whole
+        assert message.usage.input_tokens == whole - hit
+        assert message.usage.cache_creation_input_tokens == 0
 
 
 def test_a_missing_max_tokens_is_a_bad_request(client: anthropic.Anthropic, model: str) -> None:
@@ -394,7 +437,7 @@ def test_tools_and_tool_blocks_become_the_chat_request() -> None:
         _, chat, _ = parse_messages({**body, "tool_choice": choice})
         assert chat["tool_choice"] == chat_choice
     # count_tokens reads the same body's prompt
-    counted, _ = parse_count_tokens(body)
+    _, counted, _ = parse_count_tokens(body)
     assert counted["messages"] == chat["messages"] and counted["tools"] == chat["tools"]
 
 
@@ -446,7 +489,9 @@ def test_output_config_becomes_the_chat_response_format_and_effort() -> None:
     assert refused.value.param == "output_config.format.type"
 
 
-def test_an_unknown_field_is_unsupported() -> None:
+def test_an_undeclared_field_is_ignored_and_thinking_refused() -> None:
+    request, _, _ = parse_messages({"model": "m", "max_tokens": 1, "messages": HELLO, "x": 1})
+    assert ignored_fields(request) == ("x",)
     with pytest.raises(UnsupportedParameter) as refused:
         parse_messages({"model": "m", "max_tokens": 1, "messages": HELLO, "thinking": {}})
     assert refused.value.param == "thinking"
@@ -472,7 +517,12 @@ def test_a_whole_chat_body_becomes_a_message_with_tool_use() -> None:
                 "stop_reason": None,
             }
         ],
-        "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10},
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": 3,
+            "total_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": 4},
+        },
     }
     reply = message_reply(chat, "msg_1")
     assert reply["content"] == [
@@ -480,7 +530,13 @@ def test_a_whole_chat_body_becomes_a_message_with_tool_use() -> None:
         {"type": "tool_use", "id": "call_1", "name": "weather", "input": {"at": "Oslo"}},
     ]
     assert reply["stop_reason"] == "tool_use"
-    assert reply["usage"] == {"input_tokens": 7, "output_tokens": 3}
+    # Anthropic's input_tokens are those not read from the cache.
+    assert reply["usage"] == {
+        "input_tokens": 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 4,
+        "output_tokens": 3,
+    }
     chat["choices"][0]["message"] = {"role": "assistant", "content": "x"}
     chat["choices"][0]["stop_reason"] = "END"
     assert (
@@ -513,7 +569,7 @@ def test_a_streamed_tool_call_is_a_tool_use_block_with_json_deltas() -> None:
     )
     data += stream.fields({"tool_calls": [{"index": 0, "function": {"arguments": '{"at": '}}]})
     data += stream.fields({"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]})
-    data += stream.finish("tool_calls", None, 9)
+    data += stream.finish("tool_calls", None, usage(7, 9, 0))
     events = _events(data)
     assert [e["type"] for e in events] == [
         "message_start", "ping",

@@ -113,6 +113,15 @@ def test_every_v1_route_wants_a_key_and_digests_work(server: InProcessSluice) ->
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/v1/models", headers=bearer(ACME_KEY)).status_code == 200
     assert httpx.post(server.url + "/tokenize", json={"prompt": "hi"}).status_code == 401
+    # vLLM's render endpoints, as /tokenize: the caller's key first.
+    for path, body in (
+        ("/v1/chat/completions/render", CHAT),
+        ("/v1/completions/render", {"prompt": "hi"}),
+        ("/v1/responses/render", {"input": "hi"}),
+    ):
+        assert httpx.post(server.url + path, json=body).status_code == 401
+        keyed = httpx.post(server.url + path, json=body, headers=bearer(ACME_KEY))
+        assert keyed.status_code == 200, keyed.text
     hashed = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=bearer(DIGEST_KEY))
     assert hashed.status_code == 200
     wrong = httpx.post(

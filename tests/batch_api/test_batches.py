@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -128,6 +129,25 @@ def test_a_batch_runs_to_completion_and_its_output_downloads(server: InProcessSl
     assert [b.id for b in page.data] == [second] and page.has_more
     assert client.batches.list(limit=1, after=second).data[0].id == batch_id
     wait_for(client, second, {"completed"})
+
+
+def test_a_lines_usage_counts_its_prompt_tokens_found_cached(server: InProcessSluice) -> None:
+    """A prompt the tenant sent before: each line finds its whole blocks (128 tokens on the
+    sim) in the engine's prefix cache, and its body's usage says so."""
+    client = client_for(server)
+    tag = uuid.uuid4().hex[:8]
+    content = " ".join(f"w{tag}x{i}" for i in range(424))
+    messages = [{"role": "user", "content": content}]
+    sent = client.chat.completions.create(model="sim", messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert sent.usage is not None and sent.usage.prompt_tokens_details is not None
+    assert sent.usage.prompt_tokens_details.cached_tokens == 0
+    lines = chat_lines(2, max_tokens=1)
+    for line in lines:
+        line["body"]["messages"] = messages
+    batch = wait_for(client, start_batch(client, lines), {"completed"})
+    for line in output_of(client, batch.output_file_id):
+        usage = line["response"]["body"]["usage"]
+        assert 3 * 128 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
 
 
 def test_a_line_the_engine_refuses_lands_in_the_error_file(server: InProcessSluice) -> None:

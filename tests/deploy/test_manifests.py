@@ -29,6 +29,13 @@ def _serve_args(args: list[str]) -> Any:
     return build_parser().parse_args(["serve", *args])
 
 
+def _router_args(args: list[str]) -> Any:
+    """vLLM's router's own parser reads its arguments (`vllm-router` is a Python launcher)."""
+    from vllm_router.launch_router import parse_router_args
+
+    return parse_router_args(args)
+
+
 MANIFESTS = [
     *sorted(DEPLOY.glob("kubernetes/*.yaml")),
     DEPLOY / "autoscaling" / "hpa-prometheus-adapter.yaml",
@@ -58,6 +65,24 @@ def test_the_deployment_fits_sluices_drain_and_probes() -> None:
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": 8000, "metrics": args.metrics_port}  # the image listens on 8000
+    # The router finds exactly the replicas' pods (not its own) on the port they serve, and
+    # the `sluice` Service is the router; `sluice-replicas` reaches the replicas directly.
+    router_pod = by_kind[("Deployment", "sluice-router")]["spec"]["template"]
+    (router,) = router_pod["spec"]["containers"]
+    assert router["command"] == ["vllm-router"]
+    routing = _router_args(router["args"])
+    replica_labels = by_kind[("Deployment", "sluice")]["spec"]["template"]["metadata"]["labels"]
+    assert routing.service_discovery and routing.selector == replica_labels
+    assert not routing.selector.items() <= router_pod["metadata"]["labels"].items()
+    assert routing.service_discovery_port == 8000 and routing.policy == "cache_aware"
+    assert routing.service_discovery_namespace == "sluice"
+    assert routing.health_check_endpoint == "/ready"  # a draining replica is passed over
+    front = by_kind[("Service", "sluice")]["spec"]["selector"]
+    assert front == router_pod["metadata"]["labels"] and front != replica_labels
+    assert by_kind[("Service", "sluice-replicas")]["spec"]["selector"] == replica_labels
+    role = by_kind[("Role", "sluice-router")]
+    assert {"list", "watch"} <= set(role["rules"][0]["verbs"])
+    assert router_pod["spec"]["serviceAccountName"] == "sluice-router"
     config = parse_config(
         yaml.safe_load(by_kind[("ConfigMap", "sluice-config")]["data"]["sluice.yaml"])
     )
@@ -87,7 +112,17 @@ def test_the_compose_file_references_what_exists() -> None:
         mounted = {v.split(":")[1]: DEPLOY / v.split(":")[0] for v in service["volumes"]}
         config = parse_config(yaml.safe_load(mounted[str(args.config)].read_text()))
         assert config.state.url == "redis://redis:6379/0" and "redis" in services
+    # vLLM's router in front of every replica, at the port nginx sends to.
+    router = services["router"]
+    assert router["entrypoint"] == ["vllm-router"]
+    routing = _router_args(router["command"])
+    assert routing.worker_urls == [f"http://{name}:8000" for name in replicas]
+    assert routing.port == 8000 and routing.policy == "cache_aware"
+    assert routing.health_check_endpoint == "/ready"  # a draining replica is passed over
     nginx = (DEPLOY / "compose" / "nginx.conf").read_text()
+    assert "server router:8000;" in nginx
+    # What the router cannot carry (WebSockets, the APIs it strips of Authorization) goes to
+    # every replica directly.
     assert all(f"server {name}:8000" in nginx for name in replicas)
     assert "proxy_buffering off" in nginx  # SSE tokens go out one by one
     prometheus = yaml.safe_load((DEPLOY / "compose" / "prometheus.yml").read_text())

@@ -28,7 +28,7 @@ def assemble(s: Shape, deltas: list[TokenDelta]) -> list[Event]:
     assembler.begin()
     for delta in deltas:
         assembler.add(delta)
-    assembler.end(TIMINGS)
+    assembler.end(TIMINGS, 2)
     return events
 
 
@@ -60,7 +60,12 @@ def test_a_chat_stream_opens_with_the_role_carries_each_delta_and_ends_with_the_
     last = events[-1]
     assert chunk(last)["choices"][0]["finish_reason"] == "stop"
     assert last.final is not None
-    assert last.final["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert last.final["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     assert last.final["timings"] == TIMINGS
 
 
@@ -80,6 +85,26 @@ def test_with_usage_the_last_choice_finishes_and_a_usage_chunk_follows() -> None
     events = assemble(shape(stream_options={"include_usage": True}), words("a", "b"))
     assert [e.kind for e in events][-2:] == [Kind.FINISH, Kind.USAGE]
     assert chunk(events[-1])["usage"]["completion_tokens"] == 2
+    assert chunk(events[-1])["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+def test_continuous_usage_carries_the_cached_tokens_once_the_engine_has_said() -> None:
+    """The role chunk comes before the engine looked the prompt up: its usage has no cached
+    tokens; every chunk after the engine's first output has them, and the summary too."""
+    said: list[int] = []
+    events: list[Event] = []
+    s = shape(stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assembler = StreamAssembler(s, 5, events.append, lambda: said[0] if said else None)
+    assembler.begin()
+    said.append(4)  # (the runtime keeps it before the first delta reaches the assembler)
+    for delta in words("a", "b"):
+        assembler.add(delta)
+    assembler.end(TIMINGS, 4)
+    usages = [chunk(e)["usage"] for e in events]
+    assert "prompt_tokens_details" not in usages[0]
+    assert all(u["prompt_tokens_details"] == {"cached_tokens": 4} for u in usages[1:])
+    assert events[-2].final is not None
+    assert events[-2].final["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
 def test_tokens_are_held_to_fill_a_chunk_of_the_stream_interval_but_the_first_and_last() -> None:
@@ -87,7 +112,7 @@ def test_tokens_are_held_to_fill_a_chunk_of_the_stream_interval_but_the_first_an
     assembler = StreamAssembler(shape(interval=3), 5, events.append)
     assembler.begin()
     counts = [assembler.add(d) for d in words(*"abcdefg")]
-    assembler.end(TIMINGS)
+    assembler.end(TIMINGS, 0)
     # The first token at once; then chunks of three; the last delta ends its choice at once.
     assert counts == [1, 0, 0, 3, 0, 0, 3]
     pieces = [e for e in events if e.kind is Kind.PIECE]
@@ -124,7 +149,7 @@ def test_a_stream_taken_over_continues_its_counts_from_the_events_made_before() 
     assert second.generated == 2
     second.add(TokenDelta("c", [102], "stop"))
     assert chunk(after[0])["usage"]["completion_tokens"] == 3
-    second.end(TIMINGS)
+    second.end(TIMINGS, 0)
     assert after[-2].final is not None
     assert after[-2].final["usage"]["completion_tokens"] == 3
 
@@ -134,4 +159,4 @@ def test_deltas_that_end_before_every_choice_finished_fail_the_stream() -> None:
     assembler.begin()
     assembler.add(TokenDelta("a", [1]))
     with pytest.raises(GenerationFailed):
-        assembler.end(TIMINGS)
+        assembler.end(TIMINGS, 0)

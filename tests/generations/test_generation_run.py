@@ -394,7 +394,7 @@ def test_the_request_parser_names_the_bad_field() -> None:
     for bad, param in (
         ({"temperature": "hot"}, "temperature"),
         ({"n": 0}, "n"),
-        ({"frobnicate": 1}, "frobnicate"),
+        ({"return_hidden_states": True}, "return_hidden_states"),
     ):
         with pytest.raises(InvalidRequest) as raised:
             parse_request({**BODY, **bad}, "chat")

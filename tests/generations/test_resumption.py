@@ -148,6 +148,13 @@ def test_a_stream_resumed_after_a_disconnect_is_the_uninterrupted_one(
     middle = ids[len(ids) // 2]
     _, rest = resume(server, public_id, ACME, starting_after=middle)
     assert text_of([e for e in tail if e[0] <= middle] + rest) == text_of(tail)
+    # The request sent again with its key and the last event id resumes as the GET does (a
+    # router forwards a POST's headers, not a GET's).
+    retry_headers = {**ACME, "Idempotency-Key": "story-1", "Last-Event-ID": str(head[-1][0])}
+    replayed, retried = stream(server, chat(), retry_headers)
+    assert replayed["idempotent-replayed"] == "true"
+    assert text_of(retried) == text_of(tail) and retried[-1] == tail[-1]
+    assert retried[0][0] > head[-1][0]
 
 
 def test_an_idempotent_retry_attaches_while_running_and_replays_after_the_end(

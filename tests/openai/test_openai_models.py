@@ -18,10 +18,25 @@ def _refused(body: dict, kind: str = "chat") -> InvalidRequest:
     return refused.value
 
 
-def test_an_unknown_field_is_named_with_the_closest_known_one() -> None:
-    error = _refused({**CHAT, "temprature": 0.5})
-    assert isinstance(error, UnsupportedParameter) and error.param == "temprature"
-    assert "did you mean 'temperature'?" in error.message
+def test_an_undeclared_field_is_ignored_and_named_by_its_path() -> None:
+    # As vLLM's server: accepted, and ignored (the route logs and counts `ignored`).
+    parsed = parse_request(
+        {**CHAT, "temprature": 0.5, "stream": True, "stream_options": {"x": 1}}, "chat"
+    )
+    assert parsed.ignored == ("stream_options.x", "temprature")
+    assert "temperature" not in parsed.sampling
+
+
+def test_a_field_declared_to_change_nothing_is_ignored_and_one_that_would_is_refused() -> None:
+    router = {"no_stop_trim": False, "separate_reasoning": True, "return_hidden_states": False}
+    parsed = parse_request({**CHAT, **router, "session_id": "s", "user": None}, "chat")
+    assert parsed.ignored == ("return_hidden_states", "separate_reasoning", "session_id")
+    for field, value in (("return_hidden_states", True), ("priority", 1), ("chat_template", "x")):
+        error = _refused({**CHAT, field: value})
+        assert isinstance(error, UnsupportedParameter) and error.param == field
+    # SGLang's no_stop_trim is vLLM's include_stop_str_in_output.
+    kept = parse_request({**CHAT, "no_stop_trim": True}, "chat")
+    assert kept.sampling["include_stop_str_in_output"] is True and not kept.ignored
 
 
 @pytest.mark.parametrize("value", [2, True, 1.0])
@@ -37,13 +52,21 @@ def test_a_parameter_served_at_its_default_only_compares_the_type_too(value: obj
         ({"messages": [{"role": ""}]}, "messages[0].role", "'messages[0].role'"),
         ({**CHAT, "logit_bias": {"x1": 1}}, "logit_bias", "'x1'"),
         ({**CHAT, "documents": [{"a": 1}]}, "documents", "documents[0]['a']"),
-        ({**CHAT, "stream": True, "stream_options": {"x": 1}}, "stream_options.x", "'x'"),
-        ({**CHAT, "kv_transfer_params": {"do_remote_decode": True}}, None, "KV connector"),
+        (
+            {**CHAT, "stream": True, "stream_options": {"include_usage": 1}},
+            "stream_options.include_usage",
+            "bool_type",
+        ),
+        (
+            {**CHAT, "kv_transfer_params": {"do_remote_decode": True}},
+            "kv_transfer_params.do_remote_decode",
+            "KV connector",
+        ),
     ],
 )
-def test_a_refusal_names_where_the_error_is(body: dict, param: str | None, named: str) -> None:
+def test_a_refusal_names_where_the_error_is(body: dict, param: str, named: str) -> None:
     error = _refused(body)
-    assert error.param == (param or "kv_transfer_params.do_remote_decode")
+    assert error.param == param
     assert named in error.message
 
 
@@ -68,3 +91,18 @@ def test_the_document_holds_each_models_own_schema() -> None:
         assert schemas[model.__name__]["properties"].keys() == model.model_fields.keys(), kind
     batched = schemas["BatchedChatCompletionRequest"]["properties"]
     assert "stream" not in batched and batched["messages"]["items"]["type"] == "array"
+
+
+def test_the_table_of_vllms_fields_names_every_field_served_at_its_default_or_ignored() -> None:
+    from pathlib import Path
+
+    from server.openai.tokenizer import TokenizeChat
+    from server.openai.wire import NoEffect, OnlyDefault
+    from server.responses_api.wire import CreateResponse
+
+    page = (Path(__file__).parents[2] / "docs" / "request-models.md").read_text()
+    table = page[page.index("## vLLM's fields") :]
+    for model in (*REQUEST_MODELS.values(), CreateResponse, TokenizeChat):
+        for name, field in model.model_fields.items():
+            if any(isinstance(meta, NoEffect | OnlyDefault) for meta in field.metadata):
+                assert f"`{name}" in table, f"{model.__name__}.{name}"

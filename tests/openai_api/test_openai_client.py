@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -94,6 +95,31 @@ def test_text_completion_streaming(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].text for c in chunks)
     assert chunks[-1].model_extra["timings"]["time_to_first_token_s"] > 0
+
+
+def test_a_prompt_sent_again_reports_the_blocks_vllm_found_cached(client: openai.OpenAI) -> None:
+    """vLLM's prefix cache is on (v1's default), in whole blocks of 128 tokens on CPU: a
+    prompt sent again finds its blocks, and `usage.prompt_tokens_details.cached_tokens` says
+    how many, whole and in a stream's usage chunk."""
+    rng = random.Random()
+    # Random, so no earlier request sent it (ids within the demo tokenizer's 1,092).
+    prompt = [rng.randrange(10, 1000) for _ in range(2 * 128 + 40)]
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == 2 * 128
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=1,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = list(stream)[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 2 * 128
 
 
 async def test_async_client_streams_concurrently(vllm_server) -> None:  # type: ignore[no-untyped-def]

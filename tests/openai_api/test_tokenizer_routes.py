@@ -110,10 +110,10 @@ def test_version(sim_server: InProcessSluice) -> None:
         ("/tokenize", {"prompt": "hi", "return_token_strs": 1}, 400, "return_token_strs"),
         (
             "/tokenize",
-            {"prompt": "hi", "add_generation_prompt": True},
+            {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True},
             400,
-            "add_generation_prompt",
-        ),
+            "continue_final_message",
+        ),  # (it needs add_generation_prompt: false)
         (
             "/tokenize",
             {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
@@ -144,3 +144,31 @@ def test_sim_round_trip(sim_server: InProcessSluice) -> None:
         sim_server, "/tokenize", {"prompt": "the old horse", "return_token_strs": True}
     ).json()["token_strs"]
     assert strings == [" the", " old", " horse"]
+
+
+def test_a_chat_is_tokenized_with_the_chat_templates_arguments(sim_server: InProcessSluice) -> None:
+    """vLLM's chat /tokenize fields: the template's arguments as a chat takes them; what
+    changes nothing ignored (the router sends `continue_final_message: false`)."""
+    chat = [{"role": "user", "content": "the old horse"}, {"role": "assistant", "content": "it"}]
+    plain = _post(sim_server, "/tokenize", {"messages": chat}).json()["tokens"]
+    ignored = _post(
+        sim_server,
+        "/tokenize",
+        {
+            "messages": chat,
+            "continue_final_message": False,
+            "add_special_tokens": False,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "mm_processor_kwargs": {},
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "sparkle": 1,
+        },
+    )
+    assert ignored.status_code == 200, ignored.text
+    assert ignored.json()["tokens"] == plain  # (the sim's template shows no tools)
+    continued = _post(
+        sim_server,
+        "/tokenize",
+        {"messages": chat, "continue_final_message": True, "add_generation_prompt": False},
+    ).json()["tokens"]
+    assert continued == plain[:-2]  # no end of the last message, no generation prompt

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,6 +173,42 @@ def test_a_stored_response_is_retrieved_by_its_tenant_alone(
         client.responses.retrieve(unstored.id)
 
 
+def long_input() -> str:
+    """Three whole blocks of the sim's prefix cache (128 tokens, a token a word) and more, that
+    no earlier request sent."""
+    tag = uuid.uuid4().hex[:8]
+    return " ".join(f"w{tag}x{i}" for i in range(424))
+
+
+def cached(response: Any) -> int:
+    """The response's input tokens found in the engine's prefix cache (a part of its input)."""
+    usage = response.usage
+    assert usage is not None and 0 <= usage.input_tokens_details.cached_tokens
+    assert usage.input_tokens_details.cached_tokens <= usage.input_tokens
+    return int(usage.input_tokens_details.cached_tokens)
+
+
+def test_an_input_sent_again_is_read_from_the_cache_streamed_stored_and_retrieved(
+    server: InProcessSluice, client: openai.OpenAI
+) -> None:
+    """The usage's input_tokens_details.cached_tokens in a whole response, a stream's terminal
+    event and the stored response alike; another tenant's prefix cache is its own."""
+    text = long_input()
+    assert cached(client.responses.create(model="sim", input=text, max_output_tokens=2)) == 0
+    with client.responses.create(
+        model="sim", input=text, max_output_tokens=2, stream=True
+    ) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"  # (max_output_tokens)
+    streamed = events[-1].response  # type: ignore[union-attr]
+    hit = cached(streamed)
+    assert hit >= 3 * 128 and hit % 128 == 0
+    assert cached(client.responses.retrieve(streamed.id)) == hit
+    assert cached(client.responses.create(model="sim", input=text, max_output_tokens=2)) == hit
+    other = client_of(server, "sk-globex")
+    assert cached(other.responses.create(model="sim", input=text, max_output_tokens=2)) == 0
+
+
 def test_previous_response_id_continues_the_conversation(
     server: InProcessSluice, client: openai.OpenAI
 ) -> None:
@@ -194,7 +231,7 @@ def test_previous_response_id_continues_the_conversation(
     ("body", "code", "param"),
     [
         ({"max_output_tokens": -1}, "invalid_request", "max_output_tokens"),
-        ({"bogus": 1}, "unsupported_parameter", "bogus"),
+        ({"max_tool_calls": 2}, "unsupported_parameter", "max_tool_calls"),
         ({"temperature": 3}, "invalid_request", "temperature"),
         ({"input": [{"type": "image", "url": "x"}]}, "invalid_request", "input[0]"),
         ({"tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),

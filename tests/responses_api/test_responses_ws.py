@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -303,13 +304,27 @@ async def test_previous_response_id_continues_an_unstored_response_of_the_connec
     ]
 
 
+async def test_an_input_sent_again_is_read_from_the_cache(server: InProcessSluice) -> None:
+    """The terminal event's usage counts the input tokens found in the engine's prefix cache
+    (whole blocks of 128 tokens on the sim): none the first time, its blocks the second."""
+    tag = uuid.uuid4().hex[:8]
+    text = " ".join(f"w{tag}x{i}" for i in range(424))
+    async with connect(server) as ws:
+        hits = []
+        for _ in range(2):
+            await ws.send(create(text, max_output_tokens=2))
+            usage = (await until_terminal(ws))[-1]["response"]["usage"]
+            hits.append(usage["input_tokens_details"]["cached_tokens"])
+    assert hits[0] == 0 and 3 * 128 <= hits[1] < usage["input_tokens"]
+
+
 @pytest.mark.parametrize(
     ("message", "status", "code", "param"),
     [
         ("not json", 400, "invalid_request", None),
         ("[1, 2]", 400, "invalid_request", None),
         ('{"type": "response.steer"}', 400, "invalid_request", "type"),
-        (create(bogus=1), 400, "unsupported_parameter", "bogus"),
+        (create(priority=1), 400, "unsupported_parameter", "priority"),
         (create(max_output_tokens=0), 400, "invalid_request", "max_output_tokens"),
         (create(stream=False), 400, "invalid_request", "stream"),
         (create(stream_id="no spaces"), 400, "invalid_request", "stream_id"),

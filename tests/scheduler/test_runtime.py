@@ -256,6 +256,7 @@ async def test_a_resumed_request_computes_again_only_what_follows_its_cached_blo
     try:
         bulk = make_ticket("bulk", max_tokens=400, traffic_class=TrafficClass.BULK)
         past_two_blocks = asyncio.Event()
+        hits: list[int | None] = []
 
         async def stream_bulk() -> int:
             count = 0
@@ -264,6 +265,7 @@ async def test_a_resumed_request_computes_again_only_what_follows_its_cached_blo
                     count += len(delta.token_ids)
                     if count >= 40:
                         past_two_blocks.set()
+                hits.append(generation.cached_tokens)
             return count
 
         streaming = asyncio.create_task(stream_bulk())
@@ -274,6 +276,9 @@ async def test_a_resumed_request_computes_again_only_what_follows_its_cached_blo
         # It had 4 prompt and 40+ generated tokens: without the cache it would compute them
         # all again; with it, only the block that holds its last token.
         assert 0 < resumed_prefill() <= 16
+        # What its usage reports is its first engine request's hit (its 4-token prompt, no
+        # whole block), not its continuation's.
+        assert hits == [0]
     finally:
         await engine.stop()
 

@@ -1,8 +1,9 @@
 """Each tenant's prefix cache is its own unless configured shared, on the real vLLM engine: the
 same prompt from another tenant finds nothing cached, from the same tenant its whole blocks.
 
-What each request found cached is read from its access line (`cached_tokens`, vLLM's count for
-the request's first engine step), matched by the request id the test sent.
+What each request found cached is read from its response (`usage.prompt_tokens_details.
+cached_tokens`, vLLM's count for the request's first engine step), and its access line says the
+same (`cached_tokens`, matched by the request id the test sent).
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def cached(server: SluiceProcess, tenant: str) -> int:
     wait_until(logged, 30, message=f"the access line of {request_id}")
     [line] = lines
     assert line["tenant"] == tenant
-    return int(line["cached_tokens"])
+    found = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert line["cached_tokens"] == found
+    return int(found)
 
 
 def test_a_tenant_reuses_its_own_blocks_and_no_one_elses(server: SluiceProcess) -> None:

@@ -1,15 +1,17 @@
 """The WebSocket API's protocol (`GET /v1/ws`, server/websocket_api) on the sim engine: a
 message that cannot be served gets an error naming its id (null when none could be read) and
 the connection goes on; a binary frame of JSON is a message, one not UTF-8 closes the
-connection (1007). Elsewhere: a cancel message and the connection's close on the real engine in
-tests/api/test_cancellation.py, resuming in tests/generations/test_resumption.py, the bearer
-subprotocol in tests/api/test_security.py, tool-call deltas in
-tests/openai/test_structured_outputs.py."""
+connection (1007); a final message's usage counts the prompt tokens found in the engine's
+prefix cache, a cancelled generation's too. Elsewhere: a cancel message and the connection's
+close on the real engine in tests/api/test_cancellation.py, resuming in
+tests/generations/test_resumption.py, the bearer subprotocol in tests/api/test_security.py,
+tool-call deltas in tests/openai/test_structured_outputs.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import pytest
 import websockets
@@ -63,3 +65,39 @@ async def test_a_binary_frame_of_json_is_a_message_and_one_not_utf8_closes_the_c
         with pytest.raises(websockets.ConnectionClosed) as closed:
             await asyncio.wait_for(ws.recv(), 10)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1007
+
+
+async def final_of(ws: websockets.ClientConnection, gen_id: str) -> dict:
+    """The generation's final message (the connection carries no other generation's)."""
+    while True:
+        message = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert message["type"] in ("delta", "final"), message
+        if message["type"] == "final":
+            assert message["id"] == gen_id
+            return message
+
+
+async def test_a_final_counts_the_prompt_tokens_found_cached_cancelled_or_not(
+    sim_server: InProcessSluice,
+) -> None:
+    """Whole blocks of 128 tokens are cached (the sim's): a prompt sent again finds its blocks;
+    a generation cancelled after its first delta reports them too."""
+    tag = uuid.uuid4().hex[:8]
+    messages = [{"role": "user", "content": " ".join(f"w{tag}x{i}" for i in range(424))}]
+    url = sim_server.url.replace("http://", "ws://") + "/v1/ws"
+    async with websockets.connect(url) as ws:
+        hits = []
+        for gen_id in ("first", "again"):
+            request = {"messages": messages, "max_tokens": 2}
+            await ws.send(json.dumps({"type": "generate", "id": gen_id, "request": request}))
+            usage = (await final_of(ws, gen_id))["usage"]
+            hits.append(usage["prompt_tokens_details"]["cached_tokens"])
+        assert hits[0] == 0 and 3 * 128 <= hits[1] < usage["prompt_tokens"]
+        request = {"messages": messages, "max_tokens": 2000}
+        await ws.send(json.dumps({"type": "generate", "id": "left", "request": request}))
+        first = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        assert first["type"] == "delta"
+        await ws.send(json.dumps({"type": "cancel", "id": "left"}))
+        final = await final_of(ws, "left")
+    assert final["finish_reason"] == "cancelled"
+    assert final["usage"]["prompt_tokens_details"] == {"cached_tokens": hits[1]}

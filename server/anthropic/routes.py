@@ -21,7 +21,7 @@ from server.anthropic.replies import MessageStream, error_body, message_reply
 from server.core.errors import SluiceError
 from server.generations.log import Kind
 from server.generations.run import GenerationRun
-from server.http.edge import context_of, request_id_from
+from server.http.edge import context_of
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.run_response import RunResponse
 from server.http.services import Services
@@ -33,7 +33,7 @@ def anthropic_error(error: SluiceError, request_id: str | None = None) -> JSONRe
 
 
 async def messages(services: Services, request: Request) -> ASGIApp:
-    timeline = services.timeline(request_id_from(request.headers.get("x-request-id")), "messages")
+    timeline = services.timeline_of(request, "messages")
     try:
         body = await read_json(request, services.edge.max_body_bytes)
         request_body, chat, parsed = parse_messages(body)

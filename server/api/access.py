@@ -22,6 +22,7 @@ from server.http.edge import request_id_from
 from server.observability.access_log import HttpRecord, end_trace, log_http, trace_request
 from server.observability.metrics import HTTP_METHODS, UNMATCHED_STATUSES, Metrics
 from server.observability.redaction import redact
+from server.observability.tracing import TraceParent
 
 MAX_PATH_CHARS = 200
 
@@ -85,6 +86,7 @@ class AccessLogMiddleware:
                 self.metrics.unmatched_requests.labels(label, str(status)).inc()
         path = getattr(route, "path", None) or _shown(scope["path"])
         header = _header(scope, b"x-request-id")
+        trace = TraceParent.of(_header(scope, b"traceparent"), _header(scope, b"tracestate"))
         log_http(
             HttpRecord(
                 request_id=header if header and request_id_from(header) == header else None,
@@ -93,6 +95,7 @@ class AccessLogMiddleware:
                 outcome=outcome_of(status),
                 status=status,
                 duration_s=duration,
+                trace_id=None if trace is None else trace.trace_id,
             )
         )
 

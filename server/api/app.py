@@ -43,6 +43,7 @@ from server.http.replies import error_response
 from server.http.send_guard import SendGuard
 from server.http.services import Services
 from server.observability.metrics import Metrics
+from server.observability.tracing import Tracing
 from server.responses_api.service import Responses
 from server.responses_api.store import SqliteResponses
 from server.scheduler.types import Dispatcher, TrafficClass
@@ -102,6 +103,7 @@ def build_app(
     state: RedisState | None = None,
     responses_dir: Path | None = None,
     clock: Callable[[], float] = time.monotonic,
+    tracing: Tracing | None = None,
 ) -> SluiceApp:
     """`metrics`: the app's registry, which the dispatcher and `state` record into too.
     `options`: the serve flags the app reads (bodies' and files' limits, the streams' pings,
@@ -111,7 +113,8 @@ def build_app(
     responses shared by replicas. `responses_dir`: where ended responses are kept (SQLite;
     None: in memory), or, with `state`, kept while Redis does not answer. `clock`: what the
     tenant directory and the run store read (in-process tests in virtual time pass the
-    loop's, as they do to the dispatcher)."""
+    loop's, as they do to the dispatcher). `tracing`: the app's own tracer provider, with
+    tracing on (None: no span is made); shut down (its last spans sent) when the app is."""
     options = options or ServeOptions()
     shared = (
         None
@@ -135,6 +138,7 @@ def build_app(
         metrics=metrics,
         shared=shared,
         grace_seconds=config.resume.grace_seconds,
+        tracing=tracing,
     )
     services = Services(
         engine=engine,
@@ -188,6 +192,8 @@ def build_app(
                     (label, asked), partial(tenants.downgrades.__getitem__, (label, asked))
                 )
         async with contextlib.AsyncExitStack() as stack:
+            if tracing is not None:  # the last to stop: the spans of requests ended by the rest
+                stack.push_async_callback(asyncio.to_thread, tracing.shutdown)
             await engine.start()
             stack.push_async_callback(engine.stop)
             stack.callback(local_responses.close)

@@ -1,9 +1,10 @@
 """`sluice serve`: the app its arguments assemble, the servers that serve it, and the process.
 
 `assemble` builds what the arguments ask for (engine, dispatcher, configuration, batch store:
-Redis's with `state.url`, else SQLite's under `--data-dir`; and one `Metrics` that all of them
-record into); `Serving` runs the result under uvicorn, with /metrics on a port of its own when
-asked, until it is told to stop or the engine dies; `serve` is the process around them:
+Redis's with `state.url`, else SQLite's under `--data-dir`; the app's tracer with
+`--otlp-traces-endpoint`; and one `Metrics` that all of them record into); `Serving` runs
+the result under uvicorn, with /metrics on a port of its own when asked, until it is told to
+stop or the engine dies; `serve` is the process around them:
 logging, the event loop, the collector frozen once start-up is done, and uvicorn's signal
 handlers. The first two do nothing process-wide, so tests run them in a thread of their own
 process (`tests/conftest.py`).
@@ -50,6 +51,7 @@ from server.generations.service import Generations
 from server.observability import redaction
 from server.observability.access_log import install_handler
 from server.observability.metrics import Metrics
+from server.observability.tracing import build_tracing
 from server.scheduler.types import Dispatcher
 from server.state.backend import RedisState
 from server.state.batches import RedisBatchStore
@@ -76,8 +78,8 @@ class Assembled:
 
 def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Assembled:
     """The app `sluice serve` runs with `args` (parsed by `server.cli`'s parser), its API keys
-    read from `environ`. StartRefused: the configuration is invalid or the data directory
-    cannot be used."""
+    and its OTLP protocol read from `environ`. StartRefused: the configuration is invalid or
+    the data directory cannot be used."""
     try:
         config = load_config(args.config, environ, config_flags(args))
     except ConfigError as exc:
@@ -110,6 +112,10 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
             raise StartRefused(
                 f"the data directory {options.data_dir} cannot be used: {exc}"
             ) from None
+    try:
+        tracing = build_tracing(config.tracing.otlp_traces_endpoint, environ)
+    except ValueError as exc:
+        raise StartRefused(f"tracing: {exc}") from None
     engine_died = asyncio.Event()
     app = build_app(
         engine,
@@ -122,6 +128,7 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         batch_store=batch_store,
         state=state,
         responses_dir=options.data_dir,
+        tracing=tracing,
     )
     scrape_app = None if options.metrics_port is None else metrics_app(app.services)
     return Assembled(options, app, scrape_app, engine_died)

@@ -22,7 +22,7 @@ from server.batch_api.runner import KINDS, BatchRunner
 from server.batch_api.store import Batch, BatchStore, Line, read_all
 from server.batch_api.wire import CreateBatch
 from server.core.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
-from server.http.edge import context_of
+from server.http.edge import context_of, trace_parent_from
 from server.http.replies import JSONResponse, read_json
 from server.http.services import Services
 from server.openai.requests import parse_request
@@ -126,6 +126,9 @@ async def create_batch(services: Services, api: BatchServices, request: Request)
         expires_at=now + WINDOWS[window],
         metadata=body.metadata,
     )
+    trace = trace_parent_from(request.headers)
+    if trace is not None:
+        batch.traceparent, batch.tracestate = trace.traceparent, trace.tracestate
     models = services.planner.models(services.planner.tenant_of(context_of(request)))
     lines, errors = _lines(content, endpoint, models)
     batch.request_counts["total"] = len(lines)

@@ -34,8 +34,8 @@ from server.core.errors import (
 from server.generations.planner import RequestContext
 from server.generations.run import GenerationRun, Kind
 from server.generations.service import Generations
-from server.generations.timeline import RequestTimeline
 from server.observability.metrics import Metrics
+from server.observability.tracing import TraceParent
 from server.openai.requests import parse_request
 from server.scheduler.types import TrafficClass
 
@@ -242,11 +242,10 @@ class BatchRunner:
     async def _line(self, batch: Batch, line: Line, runs: dict[int, GenerationRun]) -> str | Retry:
         """Run one line; write its result. `Retry` if it was refused for now."""
         kind = KINDS[batch.endpoint]
-        timeline = RequestTimeline(
-            request_id=f"{batch.id}-{line.index}",
-            model=self.generations.planner.served_model,
-            api="chat" if kind == "chat" else "completions",
-            metrics=self.metrics,
+        timeline = self.generations.timeline(
+            f"{batch.id}-{line.index}",
+            "chat" if kind == "chat" else "completions",
+            TraceParent.of(batch.traceparent, batch.tracestate),
         )
         try:
             context = RequestContext(

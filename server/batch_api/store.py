@@ -79,6 +79,10 @@ class Batch:
     request_counts: dict[str, int] = field(
         default_factory=lambda: {"total": 0, "completed": 0, "failed": 0}
     )
+    # The W3C trace context of the request that created it: its lines' spans are children of
+    # its parent (OpenAI's lines carry no headers). Not part of OpenAI's object.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     def to_api(self) -> dict[str, Any]:
         return {

@@ -1,5 +1,5 @@
 """Sluice's configuration, declared once: tenants and their API keys, per-class limits,
-scheduler budgets, estimates, SLO targets, resumption and shared state.
+scheduler budgets, estimates, SLO targets, resumption, shared state and tracing.
 
 Each setting is one field: its name (with its unit: `_ms`, `_seconds`, `_s`), its default, its
 bounds and its help. The YAML file, the environment and the flags (`server.core.settings`)
@@ -395,6 +395,25 @@ class StateConfig(_Section):
         return self.timeout_ms / 1000.0
 
 
+class TracingConfig(_Section):
+    """OpenTelemetry traces: a span per request, sent over OTLP (docs/observability.md,
+    "Traces"). The exporter's other settings are the standard `OTEL_*` variables."""
+
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="where spans are sent, as vLLM's --otlp-traces-endpoint: a gRPC "
+        "host:port or URL, or with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf a URL "
+        "ending in /v1/traces; null: no tracing",
+    )
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _endpoint(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not endpoint.strip():
+            raise ValueError("an empty endpoint: leave it null for no tracing")
+        return endpoint
+
+
 def parse_api_keys(value: str) -> dict[str, str]:
     """`"key1:tenantA,key2:tenantB"` -> {"key1": "tenantA", "key2": "tenantB"}."""
     keys: dict[str, str] = {}
@@ -431,6 +450,7 @@ class SluiceConfig(_Section):
     idempotency: IdempotencyConfig = IdempotencyConfig()
     responses: ResponsesConfig = ResponsesConfig()
     state: StateConfig = StateConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @field_validator("*", mode="before")
     @classmethod

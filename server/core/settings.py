@@ -193,6 +193,13 @@ class ServeOptions(BaseModel):
         "quotas hold across all of them (overrides the config's state.url)",
         json_schema_extra={"sets": "state.url"},
     )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="send a span per request (OpenTelemetry, OTLP) here, as vLLM's flag: a "
+        "gRPC host:port or URL, or with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf a URL "
+        "ending in /v1/traces (sets tracing.otlp_traces_endpoint)",
+        json_schema_extra={"sets": "tracing.otlp_traces_endpoint", "metavar": "URL"},
+    )
     drain_seconds: float = Field(
         30.0,
         ge=0,

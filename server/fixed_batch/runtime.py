@@ -82,6 +82,7 @@ class BatchGeneration:
         self._clock = clock
         self.completed = False
         self.preemptions = 0  # batch mode never preempts
+        self.pauses: tuple[tuple[float, float | None], ...] = ()
         self.cached_tokens: int | None = None  # nor reads a prefix cache
 
     @property

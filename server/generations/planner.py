@@ -158,6 +158,7 @@ class Planner:
             adapter=adapter,
             cache_salt=_salted(tenant.cache_salt, parsed.cache_salt),
         )
+        timeline.sampling = request.sampling
         return ticket, request, prompt.output
 
     def plan_prompt(self, parsed: ParsedRequest) -> PromptPlan:

@@ -30,7 +30,9 @@ from server.generations.ports import LogMirror, RunRecord, SharedRuns
 from server.generations.registry import MAX_KEY_LENGTH, RunStore, fingerprint
 from server.generations.run import GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
+from server.observability.access_log import Api
 from server.observability.metrics import Metrics
+from server.observability.tracing import TraceParent, Tracing
 from server.openai.chunks import completion_id
 from server.openai.parsed import ParsedRequest
 from server.openai.requests import parse_request
@@ -49,9 +51,30 @@ class Generations:
     metrics: Metrics
     shared: SharedRuns | None = None  # with `state.url`: the runs replicas share
     grace_seconds: float = 30.0  # a resumable generation's life without a reader
+    tracing: Tracing | None = None  # the app's tracer, with tracing on
     draining: bool = False  # SIGTERM: new generations are refused, running ones finish
     live: set[GenerationRun] = field(default_factory=set)
     _idle: asyncio.Event | None = None
+
+    def timeline(
+        self,
+        request_id: str,
+        api: Api,
+        trace: TraceParent | None = None,
+        *,
+        recorded: bool = True,
+    ) -> RequestTimeline:
+        """A request's stopwatch, from now, recording into the app's metrics (and with tracing
+        on, its span into the app's tracer, a child of `trace`'s)."""
+        return RequestTimeline(
+            request_id=request_id,
+            model=self.planner.served_model,
+            api=api,
+            metrics=self.metrics,
+            trace=trace,
+            tracing=self.tracing,
+            recorded=recorded,
+        )
 
     async def generate(
         self,
@@ -259,13 +282,10 @@ class Generations:
                 "the server is shutting down; retry on another replica", retry_after=1
             )
         parsed = parse_request(record.request, record.kind)
-        timeline = RequestTimeline(
-            request_id=record.request_id,
-            model=self.planner.served_model,
-            api="chat" if record.kind == "chat" else "completions",
-            metrics=self.metrics,
-            recorded=False,
+        timeline = self.timeline(
+            record.request_id, "chat" if record.kind == "chat" else "completions", recorded=False
         )
+        timeline.generation_id = record.public_id
         context = RequestContext(
             traffic_class=None
             if record.traffic_class is None
@@ -339,7 +359,9 @@ class Generations:
                 "the server is shutting down; retry on another replica", retry_after=1
             )
         ticket, engine_request, plan = self.planner.prepare(parsed, timeline, context)
+        submitted = timeline.clock()
         admission = self.dispatcher.generation(ticket, engine_request)
+        timeline.queued_at = submitted  # (it may be dispatched before the call returns)
         shape = self.planner.shape(
             parsed,
             engine_request,
@@ -353,6 +375,7 @@ class Generations:
             # come back for a resumable run by its id; the other APIs' readers render their own.
             chunks=resumable or timeline.api in CHUNK_APIS,
         )
+        timeline.generation_id = shape.public_id
         run = GenerationRun(
             shape,
             timeline,

@@ -2,7 +2,8 @@
 
 A route creates a `RequestTimeline` at arrival, calls `dispatched`, `wrote_tokens` (just before
 handing generated tokens to the transport) and exactly one `finish(outcome)`, or `fail(error)`
-for an error. This is the one place per-request counters and histograms are recorded.
+for an error. This is the one place per-request counters and histograms are recorded, the
+access line written and, with tracing on, the request's span made (at its end, in one call).
 
 Per-token metrics (generated tokens, the inter-token latency histogram) are accumulated by the
 request and flushed into the registry at most every `FLUSH_SECONDS` and at its end, not
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_adapters.protocol import SamplingOptions
 from server.core.errors import Outcome, SluiceError
 from server.observability.access_log import (
     AccessRecord,
@@ -27,6 +29,7 @@ from server.observability.access_log import (
     release_access_line,
 )
 from server.observability.metrics import Metrics, RequestSeries
+from server.observability.tracing import GenerationSpan, TraceParent, Tracing
 from server.scheduler.attainment import ChatMeter, Ended
 from server.scheduler.slo import slo_result
 from server.scheduler.types import Generation, SloTargets
@@ -45,6 +48,11 @@ class RequestTimeline:
     tenant_label: str | None = None  # set only for configured tenants (bounded labels)
     traffic_class: str = "interactive"
     prompt_tokens: int = 0
+    trace: TraceParent | None = None  # the trace context it came with
+    tracing: Tracing | None = None  # the app's, with tracing on: its span is made at its end
+    sampling: SamplingOptions | None = None  # once planned
+    generation_id: str | None = None  # its run's public id, once it has one
+    queued_at: float | None = None  # admitted to the scheduler's queue
     dispatched_at: float | None = None
     generation: Generation | None = None  # once dispatched
     first_token_at: float | None = None
@@ -199,6 +207,14 @@ class RequestTimeline:
                 assert self.slo is not None
                 self.meter.ended(Ended.of(self.slo, median_gap_s=median_gap))
         generation = self.generation
+        median_itl = median(self.itl)
+        trace_id = None
+        if self.tracing is not None:
+            trace_id = self.tracing.export(
+                self._span(now, outcome, status, error, verdict, median_itl)
+            )
+        elif self.trace is not None:
+            trace_id = self.trace.trace_id
         log_request(
             AccessRecord(
                 request_id=self.request_id,
@@ -208,14 +224,54 @@ class RequestTimeline:
                 outcome=outcome,
                 status=status,
                 ttft_s=ttft,
-                median_itl_s=median(self.itl),
+                median_itl_s=median_itl,
                 duration_s=now - self.arrival,
                 prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated_tokens,
                 api=self.api,
                 preemptions=generation.preemptions if generation is not None else 0,
                 cached_tokens=self.cached_tokens,
+                trace_id=trace_id,
             )
+        )
+
+    def _span(
+        self,
+        now: float,
+        outcome: Outcome,
+        status: int,
+        error: SluiceError | None,
+        verdict: tuple[str, str] | None,
+        median_itl: float | None,
+    ) -> GenerationSpan:
+        generation, sampling = self.generation, self.sampling
+        return GenerationSpan(
+            request_id=self.request_id,
+            api=self.api,
+            model=self.model,
+            tenant=self.tenant,
+            traffic_class=self.traffic_class,
+            outcome=outcome,
+            status=status,
+            arrival=self.arrival,
+            ended=now,
+            parent=self.trace,
+            queued=self.queued_at,
+            dispatched=self.dispatched_at,
+            first_token=self.first_token_at,
+            last_token=self.last_write_at,
+            pauses=generation.pauses if generation is not None else (),
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.generated_tokens,
+            cached_tokens=self.cached_tokens,
+            median_itl_s=median_itl,
+            max_tokens=sampling.max_tokens if sampling is not None else None,
+            temperature=sampling.temperature if sampling is not None else None,
+            top_p=sampling.top_p if sampling is not None else None,
+            n=sampling.n if sampling is not None else None,
+            generation_id=self.generation_id,
+            slo=verdict,
+            error=error.code if error is not None else None,
         )
 
 

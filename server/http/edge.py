@@ -14,6 +14,7 @@ from server.core.errors import InvalidRequest
 from server.generations.planner import RequestContext
 from server.http.send_guard import SendGuard
 from server.http.sse import SSEResponse
+from server.observability.tracing import TraceParent
 from server.scheduler.types import TrafficClass
 
 _REQUEST_ID_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
@@ -83,6 +84,15 @@ def timeout_from(value: str | None) -> float | None:
             param="X-Request-Timeout-Ms",
         )
     return milliseconds / 1000.0
+
+
+def trace_parent_from(headers: Mapping[str, str]) -> TraceParent | None:
+    """The W3C trace context sent (`traceparent`, `tracestate`), as sent: parsed only when the
+    request ends, for its span or its access line."""
+    traceparent = headers.get("traceparent")
+    if traceparent is None:
+        return None
+    return TraceParent.of(traceparent, headers.get("tracestate"))
 
 
 def context_from_headers(headers: Mapping[str, str], client: str | None = None) -> RequestContext:

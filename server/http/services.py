@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from starlette.requests import HTTPConnection
+
 from engine_adapters.protocol import EngineClient
 from server.generations.planner import Planner
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
-from server.http.edge import Edge
+from server.http.edge import Edge, request_id_from, trace_parent_from
 from server.http.ignored import note_ignored
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
+from server.observability.tracing import TraceParent
 from server.openai.parsed import ParsedRequest
 from server.openai.requests import REQUEST_MODELS
 from server.openai.wire import WireModel, ignored_fields
@@ -42,8 +45,14 @@ class Services:
             fields, declared = ignored_fields(body), type(body).model_fields
         note_ignored(self.metrics, api, endpoint, fields, declared)
 
-    def timeline(self, request_id: str, api: Api) -> RequestTimeline:
-        """A request's stopwatch, from now, recording into the app's metrics."""
-        return RequestTimeline(
-            request_id=request_id, model=self.served_model, api=api, metrics=self.metrics
+    def timeline(self, request_id: str, api: Api, trace: TraceParent | None) -> RequestTimeline:
+        """A request's stopwatch, from now, recording into the app's metrics (and its span,
+        with tracing on, a child of `trace`'s)."""
+        return self.generations.timeline(request_id, api, trace)
+
+    def timeline_of(self, request: HTTPConnection, api: Api) -> RequestTimeline:
+        """An HTTP request's stopwatch: its X-Request-Id (if sane) and its trace context."""
+        headers = request.headers
+        return self.timeline(
+            request_id_from(headers.get("x-request-id")), api, trace_parent_from(headers)
         )

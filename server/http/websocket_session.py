@@ -18,7 +18,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from server.core.errors import SluiceError
 from server.generations.planner import RequestContext
-from server.http.edge import api_key_from, client_address
+from server.http.edge import api_key_from, client_address, trace_parent_from
 from server.http.services import Services
 
 logger = logging.getLogger("sluice.ws")
@@ -33,6 +33,7 @@ class WebSocketSession:
         self.services = services
         self.client = client_address(websocket)
         self.headers = {k.lower(): v for k, v in websocket.headers.items()}
+        self.trace = trace_parent_from(self.headers)  # the upgrade request's trace context
         # A browser cannot set headers on a WebSocket: its key comes as a subprotocol
         # (`new WebSocket(url, ["sluice.bearer." + key])`), echoed when accepted, or as
         # `?api_key=` (kept working; logs redact it).

@@ -45,6 +45,7 @@ class AccessRecord:
     api: Api
     preemptions: int = 0  # times the scheduler stopped it for a chat and resumed it
     cached_tokens: int | None = None  # prompt tokens found in the engine's prefix cache
+    trace_id: str | None = None  # its span's trace (hex), or the traceparent's it came with
 
     def to_json(self, now: datetime | None = None) -> str:
         when = now if now is not None else datetime.now(UTC)
@@ -64,6 +65,7 @@ class AccessRecord:
             "generated_tokens": self.generated_tokens,
             "preemptions": self.preemptions,
             "cached_tokens": self.cached_tokens,
+            "trace_id": self.trace_id,
         }
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
@@ -79,6 +81,7 @@ class HttpRecord:
     outcome: str
     status: int
     duration_s: float
+    trace_id: str | None = None  # the traceparent's it came with
 
     def to_json(self, now: datetime | None = None) -> str:
         when = now if now is not None else datetime.now(UTC)
@@ -91,6 +94,7 @@ class HttpRecord:
             "outcome": self.outcome,
             "status": self.status,
             "duration_s": _seconds(self.duration_s),
+            "trace_id": self.trace_id,
         }
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 

@@ -21,7 +21,7 @@ from server.core.errors import (
 from server.generations.planner import RequestContext
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
-from server.http.edge import context_of, request_id_from
+from server.http.edge import context_of
 from server.http.leaving import ClientWatch, unless_gone
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.run_response import RunResponse
@@ -51,10 +51,7 @@ async def invocations(services: Services, request: Request) -> ASGIApp:
 async def _generate(services: Services, request: Request, kind: str | None) -> ASGIApp:
     """An error response at once, or a RunResponse that waits, then streams/replies.
     `kind` None: "chat" or "completion" by what the body holds."""
-    timeline = services.timeline(
-        request_id_from(request.headers.get("x-request-id")),
-        "chat" if kind == "chat" else "completions",
-    )
+    timeline = services.timeline_of(request, "chat" if kind == "chat" else "completions")
     key = request.headers.get("idempotency-key")
     try:
         body = await read_json(request, services.edge.max_body_bytes)
@@ -141,8 +138,8 @@ async def chat_completions_batch(services: Services, request: Request) -> ASGIAp
     conversations, answered whole with one choice per conversation (index i for the i-th).
     Each conversation is a generation of its own in the scheduler; like vLLM's, no streaming,
     no tools and n = 1."""
-    request_id = request_id_from(request.headers.get("x-request-id"))
-    timeline = services.timeline(request_id, "chat")
+    timeline = services.timeline_of(request, "chat")
+    request_id = timeline.request_id
     try:
         body = await read_json(request, services.edge.max_body_bytes)
         conversations = body.get("messages") if isinstance(body, dict) else None
@@ -201,7 +198,7 @@ async def _batch(
             parsed = parse_request(body, kind)
             if i == 0:  # (the other bodies hold the same fields)
                 services.note_ignored(timeline.api, endpoint, parsed)
-            one = services.timeline(f"{request_id}-{i}", timeline.api)
+            one = services.timeline(f"{request_id}-{i}", timeline.api, timeline.trace)
             try:
                 runs.append(
                     services.generations.generate_part(

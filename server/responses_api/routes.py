@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
 from server.generations.run import GenerationRun
-from server.http.edge import context_of, request_id_from
+from server.http.edge import context_of
 from server.http.leaving import ClientWatch, unless_gone
 from server.http.rendering import render_request, rendered
 from server.http.replies import JSONResponse, error_response, read_json
@@ -25,7 +25,7 @@ from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseE
 
 
 async def create_response(services: Services, responses: Responses, request: Request) -> ASGIApp:
-    timeline = services.timeline(request_id_from(request.headers.get("x-request-id")), "responses")
+    timeline = services.timeline_of(request, "responses")
     try:
         if "idempotency-key" in request.headers:
             raise UnsupportedParameter(

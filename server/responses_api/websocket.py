@@ -94,7 +94,7 @@ class ResponsesSession(WebSocketSession):
             self.services.note_ignored("responses", "WebSocket /v1/responses", request)
             self._check_room()
         except SluiceError as error:  # a request refused: in the access log, as over HTTP
-            timeline = self.services.timeline(request_id_from(None), "responses")
+            timeline = self.services.timeline(request_id_from(None), "responses", self.trace)
             timeline.fail(error)
             raise
         self._queue(lane, lambda before: self._respond(request, lane, before))
@@ -176,7 +176,7 @@ class ResponsesSession(WebSocketSession):
         connection ends first, unless it runs in the background."""
         if before is not None:
             await asyncio.wait({before})
-        timeline = self.services.timeline(request_id_from(None), "responses")
+        timeline = self.services.timeline(request_id_from(None), "responses", self.trace)
         try:
             held = self._held(request.previous_response_id)
             record = await self.responses.create(request, timeline, self.context, held=held)

@@ -50,6 +50,8 @@ class RunningGeneration:
         self.completed = False  # every choice finished
         self._choices_left = request.sampling.n
         self.preemptions = 0
+        # Each preemption: (when it was stopped, when it was dispatched again; None: not yet).
+        self.pauses: list[tuple[float, float | None]] = []
         # Prompt tokens the engine found cached: the first engine request's that said (a
         # continuation's only if it was preempted, or taken over, before saying).
         self.cached_tokens: int | None = None
@@ -180,10 +182,13 @@ class RunningGeneration:
     async def _resume(self) -> GenerationRequest:
         """Back to the queue as a continuation; the engine request that resumes the stream."""
         self._preempt_requested = False
-        waiter = self._runtime.requeue(self._ticket.request_id)
+        runtime = self._runtime
+        stopped = runtime.clock()
+        waiter = runtime.requeue(self._ticket.request_id)
         self.preemptions += 1
+        self.pauses.append((stopped, None))
         try:
-            await waiter
+            self.pauses[-1] = (stopped, await waiter)
         finally:
             del waiter  # (see SchedulerRuntime._enter)
         assert self._generated is not None, "only preemptible bulk is preempted"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
@@ -102,6 +102,12 @@ class Generation(Protocol):
     @property
     def preemptions(self) -> int:
         """Times the scheduler stopped it to make room for a chat, then resumed it."""
+        ...
+
+    @property
+    def pauses(self) -> Sequence[tuple[float, float | None]]:
+        """Each time the scheduler stopped it: (when, when it was dispatched again; None: not
+        yet), on the shell's clock, in order."""
         ...
 
     @property

@@ -1,7 +1,8 @@
 """`GET /v1/ws`: many generations multiplexed over one WebSocket.
 
 Client → server: `{"type": "generate", "id": ID, "request": {chat-completion body},
-"traffic_class"?: "interactive"|"bulk", "timeout_ms"?: N, "idempotency_key"?: KEY}`,
+"traffic_class"?: "interactive"|"bulk", "timeout_ms"?: N, "idempotency_key"?: KEY,
+"traceparent"?: W3C, "tracestate"?: W3C}` (each absent field: the upgrade request's header),
 `{"type": "resume", "id": ID, "generation": "chatcmpl-…", "after"?: N}` and
 `{"type": "cancel", "id": ID}`.
 Server → client: `{"type": "delta", "id", "seq", "text", "tokens"}` (with "logprobs" when
@@ -37,11 +38,12 @@ from server.generations.run import Event, GenerationRun, Kind
 from server.http.edge import api_key_from, timeout_from, traffic_class_from
 from server.http.services import Services
 from server.http.websocket_session import WebSocketSession
+from server.observability.tracing import TraceParent
 from server.openai.chunks import chat_logprobs, usage
 from server.openai.requests import parse_request
 
 MAX_GENERATIONS_PER_CONNECTION = 256
-_NOT_FINGERPRINTED = ("type", "id", "idempotency_key")
+_NOT_FINGERPRINTED = ("type", "id", "idempotency_key", "traceparent", "tracestate")
 
 
 def ws_message(local_id: str, seq: int, group: Sequence[Event], run: GenerationRun) -> bytes | None:
@@ -204,9 +206,15 @@ class Connection(WebSocketSession):
             self.client,
         )
 
+    def _trace(self, message: dict[str, Any]) -> TraceParent | None:
+        """The message's trace context, else the connection's (its upgrade request's)."""
+        if "traceparent" not in message:
+            return self.trace
+        return TraceParent.of(message["traceparent"], message.get("tracestate"))
+
     async def _generate(self, gen_id: str, message: dict[str, Any]) -> tuple[GenerationRun, int]:
         services = self.services
-        timeline = services.timeline(f"ws-{id(self):x}-{gen_id}"[:128], "ws")
+        timeline = services.timeline(f"ws-{id(self):x}-{gen_id}"[:128], "ws", self._trace(message))
         try:
             request_body = message.get("request")
             if isinstance(request_body, dict) and request_body.get("stream") is False:

@@ -75,6 +75,7 @@ def test_record_renders_every_field_as_one_json_object() -> None:
         "generated_tokens": 34,
         "preemptions": 0,
         "cached_tokens": None,
+        "trace_id": None,
     }
 
 
@@ -153,6 +154,7 @@ def test_an_http_record_names_method_path_status_and_duration() -> None:
         "outcome": "invalid",
         "status": 404,
         "duration_s": 0.001235,
+        "trace_id": None,
     }
 
 

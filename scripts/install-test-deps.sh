@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Installs the tools the tests drive: Prometheus (and promtool) and Chromium for the
-# observability tests, redis-server for the shared-state tests, Node.js and npm for the
-# JavaScript clients' tests, from Debian packages; then those clients (tests/node: the Vercel
-# AI SDK), with `npm ci` from tests/node/package-lock.json. Idempotent: installs nothing that
-# is already installed. Runs as root (CI, containers) or through sudo (the Debian packages).
+# observability tests, redis-server for the shared-state tests, nginx for the compose file's
+# edge (tests/deploy), Node.js and npm for the JavaScript clients' tests, from Debian packages;
+# then those clients (tests/node: the Vercel AI SDK), with `npm ci` from
+# tests/node/package-lock.json. Idempotent: installs nothing that is already installed. Runs as
+# root (CI, containers) or through sudo (the Debian packages).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,10 +24,11 @@ command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v nginx >/dev/null 2>&1 || need+=(nginx)
 command -v node >/dev/null 2>&1 || need+=(nodejs)
 command -v npm >/dev/null 2>&1 || need+=(npm)
 if [ "${#need[@]}" -eq 0 ]; then
-  echo "install-test-deps: prometheus, promtool, chromium, redis-server, node and npm already installed"
+  echo "install-test-deps: prometheus, promtool, chromium, redis-server, nginx, node and npm already installed"
   install_node_clients
   exit 0
 fi

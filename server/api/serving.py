@@ -248,7 +248,6 @@ class Serving:
                 assembled.app,
                 host=options.host,
                 port=options.port,
-                fd=options.fd,
                 log_level=options.log_level,
                 log_config=log_config,
                 access_log=False,
@@ -289,6 +288,8 @@ class Serving:
             await asyncio.sleep(self.options.engine_death_exit_seconds)
             self.api.should_exit = True
 
+        if sockets is None and self.options.fd is not None:
+            sockets = [inherited_listener(self.options.fd)]
         watcher = asyncio.create_task(stop_on_engine_death())
         scraping = None
         if self.scraper is not None:
@@ -309,6 +310,14 @@ class Serving:
         """Stop as SIGINT does: close the listeners, let open connections finish (bounded by
         uvicorn's graceful shutdown), shut the app down. Call it from the servers' loop."""
         self.api.should_exit = True
+
+
+def inherited_listener(fd: int) -> socket.socket:
+    """The listening socket inherited as `fd` (`--fd`), its family read from it. uvicorn's own
+    `fd` takes every descriptor for a Unix socket, and asyncio then leaves its TCP connections
+    without TCP_NODELAY: a response written in two sends waited for the client's delayed ACK,
+    40 ms a request."""
+    return socket.socket(fileno=fd)
 
 
 def serve(args: argparse.Namespace) -> int:

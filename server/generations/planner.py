@@ -133,7 +133,11 @@ class Planner:
         # As vLLM's server: a max_tokens beyond the context left is lowered to what is left.
         # (An echo with max_tokens 0 still generates one token, dropped, as vLLM's does.)
         max_tokens = room if parsed.max_tokens is None else min(max(1, parsed.max_tokens), room)
-        timeline.prompt_tokens = prompt_tokens
+        timeline.prompt_tokens, timeline.n, timeline.max_tokens = (
+            prompt_tokens,
+            parsed.n,
+            max_tokens,
+        )
         ticket = self.tenants.make_ticket(
             tenant=tenant,
             request_id=timeline.request_id,

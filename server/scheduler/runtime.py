@@ -51,6 +51,7 @@ class RunningGeneration:
         self._choices_left = request.sampling.n
         self.preemptions = 0
         self.cached_tokens: int | None = None  # of the first engine request's prompt
+        self.finish_reasons: list[str] = []  # the engine's, of each choice as it finished
         # The tokens to resume from, kept only by what the scheduler may preempt (preemptible
         # bulk: one choice only); a chat keeps no token of its own here.
         self._generated: list[int] | None = (
@@ -171,6 +172,7 @@ class RunningGeneration:
             if self._generated is not None:
                 self._generated.extend(delta.token_ids)
         if delta.finish_reason is not None and delta.finish_reason != "abort":
+            self.finish_reasons.append(delta.finish_reason)
             self._choices_left -= 1
             self.completed = self._choices_left == 0
 
@@ -256,6 +258,10 @@ class SchedulerRuntime:
             return None
         steered = ticket.traffic_class is TrafficClass.INTERACTIVE and core.controller.enabled
         return SloWatch(targets, core.meter if steered else None)
+
+    def queued(self) -> int:
+        core = self.core
+        return sum(core.queue_depth(tc) for tc in TrafficClass)
 
     def generation(
         self, ticket: Ticket, request: GenerationRequest

@@ -23,6 +23,21 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 
+def with_infinity(buckets: Sequence[float]) -> tuple[float, ...]:
+    """Bucket bounds, rising, the last +Inf."""
+    bounds = sorted(float(b) for b in buckets)
+    return (*bounds, math.inf) if bounds[-1] != math.inf else tuple(bounds)
+
+
+def cumulative(les: Sequence[str], counts: Sequence[int]) -> list[tuple[str, float]]:
+    """A histogram's buckets as the exposition has them: (le, the count up to it)."""
+    buckets, running = [], 0
+    for le, n in zip(les, counts, strict=True):
+        running += n
+        buckets.append((le, float(running)))
+    return buckets
+
+
 class BatchedChild:
     __slots__ = ("_lock", "bounds", "counts", "sum")
 
@@ -120,18 +135,8 @@ class BatchedHistogram:
         with self._lock:
             children = [(v, list(c.counts), c.sum) for v, c in self._children.items()]
         for values, counts, total in children:
-            buckets, running = [], 0
-            for le, n in zip(self._les, counts, strict=True):
-                running += n
-                buckets.append((le, running))
-            family.add_metric(list(values), buckets, total)
+            family.add_metric(list(values), cumulative(self._les, counts), total)
         yield family
-
-
-def with_infinity(buckets: Sequence[float]) -> tuple[float, ...]:
-    """Bucket bounds, rising, the last +Inf."""
-    bounds = sorted(float(b) for b in buckets)
-    return (*bounds, math.inf) if bounds[-1] != math.inf else tuple(bounds)
 
 
 class HistogramReadAtScrape:
@@ -162,9 +167,5 @@ class HistogramReadAtScrape:
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self._name, self._documentation, labels=list(self._labels))
         counts, total = self._read()
-        buckets, running = [], 0
-        for le, n in zip(self._les, counts, strict=True):
-            running += n
-            buckets.append((le, running))
-        family.add_metric(list(self._labels.values()), buckets, total)
+        family.add_metric(list(self._labels.values()), cumulative(self._les, counts), total)
         yield family

@@ -202,7 +202,7 @@ class VllmSeries:
         generated, n = request.generated_tokens, request.n
         per_choice = -(-generated // n)  # each choice's tokens, had they all as many
         self._e2e.observe(now - request.arrival)
-        self._queue_time.observe(dispatched - request.arrival)
+        self._queue_time.observe(max(0.0, dispatched - request.arrival))
         self._prefill_time.observe(first - dispatched)
         self._decode_time.observe(last - first)
         self._inference_time.observe(last - dispatched)

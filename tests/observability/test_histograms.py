@@ -89,6 +89,7 @@ def test_an_engine_s_step_counts_are_read_at_scrape() -> None:
     assert found['_sum{engine="0"}'] == 1 + 7 + 8 + 300 + 20000
 
 
+@pytest.mark.vllm  # (vLLM's library, imported in this process: out of the quick tiers)
 def test_the_bounds_are_vllm_s_own() -> None:
     from vllm.v1.metrics import buckets as vllm
 

@@ -6,6 +6,7 @@ continuous-batching model `sim`, the fixed-batch model `sim-batch`) implements `
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import astuple, dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
@@ -250,6 +251,37 @@ class ModelInfo:
     adapters: Mapping[str, str] = field(default_factory=dict)
 
 
+# The bounds a step's tokens are counted into (`EngineStats.step_tokens`): vLLM's own, for its
+# `vllm:iteration_tokens_total` histogram.
+STEP_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What an engine's own scheduler knows, as of its last step: its adapter keeps it (counts
+    only grow), and the server reads it when Prometheus scrapes (`EngineClient.stats`), so
+    nothing is recorded per token. Sequences, not requests: n choices are n."""
+
+    running: int = 0  # in its running batch
+    waiting: int = 0  # waiting inside it for room
+    deferred: int = 0  # of those waiting, passed over for a while (a LoRA adapter's slot)
+    kv_cache_usage: float = 0.0  # the share of its KV cache's blocks in use, 0 to 1
+    prefix_cache_queries: int = 0  # prompt tokens of new sequences looked up in its prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found there
+    preemptions: int = 0  # sequences it stopped for room, to compute again later
+    # Its steps, by the tokens each computed (prompt and generated), per bound of
+    # STEP_TOKEN_BOUNDS and one more above them all (not cumulative); and their tokens' sum.
+    step_tokens: list[int] = field(default_factory=lambda: [0] * (len(STEP_TOKEN_BOUNDS) + 1))
+    step_tokens_sum: int = 0
+    running_adapters: tuple[str, ...] = ()  # the LoRA adapters of its running sequences
+    waiting_adapters: tuple[str, ...] = ()  # and of its waiting ones
+
+    def count_step(self, tokens: int) -> None:
+        """A step that computed `tokens` tokens."""
+        self.step_tokens[bisect_left(STEP_TOKEN_BOUNDS, tokens)] += 1
+        self.step_tokens_sum += tokens
+
+
 @dataclass(frozen=True, slots=True)
 class OutputRequest:
     """How the client wants a generation's output shaped, in the request's own OpenAI/vLLM
@@ -403,4 +435,9 @@ class EngineClient(Protocol):
 
     def num_unfinished_requests(self) -> int:
         """Requests the engine still holds (running or waiting inside it)."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Its scheduler's state and counts as of its last step. Cheap (read at each scrape);
+        read it at once: the engine may go on updating the object it returns."""
         ...

@@ -14,6 +14,7 @@ from typing import Any
 from engine_adapters.protocol import (
     EngineDeadError,
     EngineRequestError,
+    EngineStats,
     GenerationRequest,
     ModelInfo,
     OutputPlan,
@@ -102,6 +103,7 @@ class SimEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
+        self._stats = EngineStats()  # its counts; the rest is read from the model (`stats`)
 
     @property
     def model(self) -> ModelInfo:
@@ -341,6 +343,19 @@ class SimEngine:
     def num_unfinished_requests(self) -> int:
         return self._model.num_unfinished + len(self._finishing)
 
+    def stats(self) -> EngineStats:
+        model, stats = self._model, self._stats
+        stats.running = model.num_running
+        stats.waiting = model.num_waiting
+        stats.kv_cache_usage = model.kv_blocks_in_use / self.config.kv_blocks
+        stats.prefix_cache_queries = model.prefix_cache_queries
+        stats.prefix_cache_hits = model.prefix_cache_hits
+        if self.config.max_loras:
+            stats.deferred = model.num_deferred
+            stats.running_adapters = model.running_adapters
+            stats.waiting_adapters = model.waiting_adapters
+        return stats
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -356,6 +371,7 @@ class SimEngine:
                 now = loop.time()
                 due = max(due, now - MAX_LAG_S) if catch_up else now
                 result = self._model.step()
+                self._counted(result)
                 self._finishing.update(
                     rid
                     for rid, reason in zip(result.request_ids, result.finish_reasons, strict=True)
@@ -372,6 +388,15 @@ class SimEngine:
         except Exception as exc:  # a bug in the model: the engine is dead, as a crash would be
             _log.exception("sim engine step failed")
             self._die(EngineDeadError(f"the sim engine failed: {exc!r}"))
+
+    def _counted(self, result: StepResult) -> None:
+        """A step's counts in `stats`: its tokens, its preemptions."""
+        stats = self._stats
+        tokens = result.prefill_tokens + result.decode_tokens
+        if tokens:
+            stats.count_step(tokens)
+        if result.preempted:
+            stats.preemptions += len(result.preempted)
 
     def _deliver(self, result: StepResult) -> None:
         cached = result.num_cached_tokens

@@ -24,6 +24,7 @@ from engine_adapters.protocol import (
     EngineDeadError,
     EngineError,
     EngineLimits,
+    EngineStats,
     GenerationRequest,
     KVCacheInfo,
     ModelInfo,
@@ -160,6 +161,7 @@ class SimBatchEngine:
         self._kills: dict[int, asyncio.Event] = {}
         self._running = 0
         self._started = False
+        self._stats = EngineStats()  # its batches' tokens; the rest is read (`stats`)
 
     # --- the batch API the batch runtime uses ---
     async def run_batch(self, worker_id: int, items: Sequence[BatchItem]) -> list[BatchItemResult]:
@@ -179,6 +181,8 @@ class SimBatchEngine:
             except TimeoutError:
                 if crash:
                     raise WorkerCrashed(f"worker {worker_id} crashed mid-batch") from None
+                # A batch is one step here: it computes its prompts and answers at once.
+                self._stats.count_step(sum(len(i.prompt_token_ids) + i.max_tokens for i in items))
                 return [self.batch_model.output(i) for i in items]
             raise WorkerCrashed(f"worker {worker_id} was killed mid-batch")
         finally:
@@ -253,3 +257,11 @@ class SimBatchEngine:
 
     def num_unfinished_requests(self) -> int:
         return self._running
+
+    def stats(self) -> EngineStats:
+        """Every running sequence holds a block (one seat of one batch's cache; several workers
+        may run more than a batch holds); nothing waits inside, nothing is cached."""
+        stats = self._stats
+        stats.running = self._running
+        stats.kv_cache_usage = min(1.0, self._running / self._info.limits.kv_cache.num_blocks)
+        return stats

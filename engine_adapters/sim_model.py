@@ -401,6 +401,10 @@ class SimTimingModel:
         self._slots: OrderedDict[str, None] = OrderedDict()  # adapters in a slot, LRU first
         self._on_adapter: dict[str, int] = {}  # running sequences on each adapter
         self.slot_waits = 0  # times a waiting sequence was passed over for want of a slot
+        # Prompt tokens of new sequences looked up in the prefix cache, and of those found
+        # there (as vLLM counts them; counted at each one's first token).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def has_work(self) -> bool:
@@ -421,6 +425,23 @@ class SimTimingModel:
     @property
     def kv_blocks_in_use(self) -> int:
         return self._blocks_used
+
+    @property
+    def running_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters running sequences are on."""
+        return tuple(self._on_adapter)
+
+    @property
+    def waiting_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters waiting sequences are on, in their order."""
+        return tuple(dict.fromkeys(s.adapter for s in self._waiting if s.adapter is not None))
+
+    @property
+    def num_deferred(self) -> int:
+        """Waiting sequences that cannot start for want of a LoRA slot."""
+        return sum(
+            1 for s in self._waiting if s.adapter is not None and not self._has_slot(s.adapter)
+        )
 
     def add(
         self,
@@ -624,6 +645,9 @@ class SimTimingModel:
             add_reason(reason)
             if length == seq.prompt_len + 1:  # its first token
                 num_cached_tokens[seq.request_id] = seq.cache_hit
+                if cfg.prefix_caching:
+                    self.prefix_cache_queries += seq.prompt_len
+                    self.prefix_cache_hits += seq.cache_hit
             if reason is not None:
                 self._finish(seq)
 

@@ -26,6 +26,7 @@ from engine_adapters.protocol import (
     EngineError,
     EngineLimits,
     EngineRequestError,
+    EngineStats,
     EngineUnsupported,
     GenerationRequest,
     KVCacheInfo,
@@ -176,6 +177,7 @@ class VLLMEngine:
         self._tokenizer: Any = None
         self._planner: VLLMOutputPlanner | None = None
         self._info: ModelInfo | None = None  # known once the engine has started
+        self._stats = EngineStats()  # kept by vLLM's steps (`engine_stats_logger`)
 
     @property
     def model(self) -> ModelInfo:
@@ -186,15 +188,24 @@ class VLLMEngine:
     async def start(self) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.envs import enable_envs_cache
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from engine_adapters.vllm_stats import engine_stats_logger
+
+        # vLLM's own stat loggers off (its log line, its Prometheus series): with a logger of
+        # ours, vLLM computes each step's stats for it alone (docs/observability.md).
         args = AsyncEngineArgs(
             model=self._model_path,
             served_model_name=[self._served_name],
             disable_log_stats=True,
             **self._engine_args,
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[engine_stats_logger(self._stats)])
+        # Those stats read an environment variable of vLLM's for each output token (most of
+        # what they cost): cached from now on, as vLLM's engine core caches them in its own
+        # processes once they have started. Nothing here sets vLLM's variables later.
+        enable_envs_cache()
         config = self._llm.vllm_config
         cache = config.cache_config
         if not cache.num_gpu_blocks:
@@ -577,3 +588,6 @@ class VLLMEngine:
         if self._llm is None:
             return 0
         return int(self._llm.get_num_unfinished_requests())
+
+    def stats(self) -> EngineStats:
+        return self._stats

@@ -205,6 +205,8 @@ def build_app(
                 stack.push_async_callback(parts.responses.stop)
             await dispatcher.start()
             stack.push_async_callback(dispatcher.stop)
+            if metrics.vllm is None:  # (once per app: a lifespan run again keeps its series)
+                metrics.vllm_series(served_model, engine, dispatcher.queued)
             if shared is not None:
                 await shared.start()
                 stack.push_async_callback(shared.stop)

@@ -84,6 +84,7 @@ class BatchGeneration:
         self.preemptions = 0  # batch mode never preempts
         self.pauses: tuple[tuple[float, float | None], ...] = ()
         self.cached_tokens: int | None = None  # nor reads a prefix cache
+        self.finish_reasons: list[str] = []
 
     @property
     def dispatched_at(self) -> float:
@@ -100,6 +101,7 @@ class BatchGeneration:
         except TimeoutError:
             raise DeadlineExceeded("the request's deadline passed while its batch ran") from None
         self.completed = True
+        self.finish_reasons.append(result.finish_reason)
         yield TokenDelta(result.text, result.token_ids, finish_reason=result.finish_reason)
 
 
@@ -145,6 +147,9 @@ class BatchRuntime:
 
     def slo(self, ticket: Ticket) -> SloWatch | None:
         return None  # whole answers from fixed-time batches: no stream to pace
+
+    def queued(self) -> int:
+        return sum(self.core.queue_depth(model) for model in self.core.models)
 
     def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[BatchGeneration]:
         if self._stopping:

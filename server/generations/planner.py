@@ -123,7 +123,11 @@ class Planner:
             raise
         timeline.model = adapter or self.served_model
         prompt = self.plan_prompt(parsed)
-        timeline.prompt_tokens = prompt.tokens
+        timeline.prompt_tokens, timeline.n, timeline.max_tokens = (
+            prompt.tokens,
+            parsed.n,
+            prompt.max_tokens,
+        )
         ticket = self.tenants.make_ticket(
             tenant=tenant,
             request_id=timeline.request_id,

@@ -8,7 +8,8 @@ access line written and, with tracing on, the request's span made (at its end, i
 Per-token metrics (generated tokens, the inter-token latency histogram) are accumulated by the
 request and flushed into the registry at most every `FLUSH_SECONDS` and at its end, not
 observed per token: the histogram's buckets get exactly the counts per-token observations
-would have given them.
+would have given them. vLLM's series (`vllm:*`) are fed from the same points: the first token,
+the flushes (in the same pass), and the end of a request that reached the engine.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class RequestTimeline:
     sampling: SamplingOptions | None = None  # once planned
     generation_id: str | None = None  # its run's public id, once it has one
     queued_at: float | None = None  # admitted to the scheduler's queue
+    n: int = 1  # choices
+    max_tokens: int = 0  # per choice, as planned (0: not known here)
     dispatched_at: float | None = None
     generation: Generation | None = None  # once dispatched
     first_token_at: float | None = None
@@ -91,6 +94,8 @@ class RequestTimeline:
         series = self._series()
         series.queue_wait.observe(max(0.0, at - self.arrival))
         series.prompt_tokens.inc(self.prompt_tokens)
+        if series.vllm is not None:
+            series.vllm.prompt_tokens.inc(self.prompt_tokens)
 
     @property
     def cached_tokens(self) -> int | None:
@@ -106,7 +111,10 @@ class RequestTimeline:
         now = self.clock()
         if self.first_token_at is None:
             self.first_token_at = self._flushed_at = now
-            self._series().time_to_first_token.observe(now - self.arrival)
+            series = self._series()
+            series.time_to_first_token.observe(now - self.arrival)
+            if series.vllm is not None:
+                series.vllm.time_to_first_token.observe(now - self.arrival)
         else:
             assert self.last_write_at is not None
             gap = now - self.last_write_at
@@ -137,6 +145,8 @@ class RequestTimeline:
         series = self._series()
         if tokens:
             series.generated_tokens.inc(tokens)
+            if series.vllm is not None:
+                series.vllm.generation_tokens.inc(tokens)
             self._flushed_tokens = self.generated_tokens
         if gaps:
             self._flushed_gaps = len(self.itl)
@@ -185,6 +195,15 @@ class RequestTimeline:
         if outcome == "cancelled":
             stage = "queued" if self.dispatched_at is None else "running"
             self.metrics.cancellations.labels(model, traffic_class, stage).inc()
+        generation = self.generation
+        if series.vllm is not None and self.dispatched_at is not None:
+            series.vllm.finished(
+                self,
+                outcome,
+                now,
+                generation.finish_reasons if generation is not None else (),
+                self.cached_tokens,
+            )
         if self.dispatched_at is not None and outcome in ("cancelled", "expired"):
             # Sluice aborted the engine request: the client left, or the deadline passed.
             reason = "client_cancelled" if outcome == "cancelled" else "deadline"
@@ -206,7 +225,6 @@ class RequestTimeline:
             if self.meter is not None:
                 assert self.slo is not None
                 self.meter.ended(Ended.of(self.slo, median_gap_s=median_gap))
-        generation = self.generation
         median_itl = median(self.itl)
         trace_id = None
         if self.tracing is not None:

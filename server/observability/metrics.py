@@ -3,20 +3,23 @@
 Naming follows Prometheus conventions: `sluice_` prefix, base units with `_seconds`, counters
 end in `_total`. Label sets are bounded: model (served names), traffic_class (two values),
 outcome/reason/budget (fixed vocabularies), tenant (configured tenants only, counters only).
-docs/operations.md ("Metrics") defines each one precisely.
+docs/operations.md ("Metrics") defines each one precisely. Beside them, vLLM's own series
+(`vllm:*`, `server/observability/vllm_series.py`), as vLLM's server names them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine_adapters.protocol import EngineClient
 from server.core.errors import OUTCOMES, REJECTION_CODES
 from server.observability.counters import CounterReadAtScrape
-from server.observability.histograms import BatchedChild, BatchedHistogram
+from server.observability.histograms import BatchedChild, BatchedHistogram, BatchedPair
+from server.observability.vllm_series import VllmSeries
 
 
 def _by_decade(*decades: tuple[float, ...]) -> tuple[float, ...]:
@@ -119,6 +122,7 @@ class Metrics:
     def __init__(self) -> None:
         registry = self.registry = CollectorRegistry(auto_describe=True)
         self._series: dict[tuple[str, str], RequestSeries] = {}
+        self.vllm: VllmSeries | None = None  # once the engine has started (`vllm_series`)
         counter = partial(Counter, registry=registry)
         gauge = partial(Gauge, registry=registry)
         histogram = partial(Histogram, registry=registry)
@@ -388,6 +392,13 @@ class Metrics:
         for field in fields:
             self.ignored_fields.labels(api, field if field in known else OTHER_FIELD).inc()
 
+    def vllm_series(self, model: str, engine: EngineClient, queued: Callable[[], int]) -> None:
+        """vLLM's series for the served `model`, at zero, once its `engine` has started (and
+        the scheduler, whose queues `queued` counts): the requests that reach the engine from
+        now on record into them too."""
+        self.vllm = VllmSeries(self.registry, model, engine, queued)
+        self._series.clear()  # (bound again, with them)
+
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format, for a scrape."""
         return generate_latest(self.registry)
@@ -462,21 +473,26 @@ class RequestSeries:
     prompt_tokens: Counter
     time_to_first_token: Histogram
     generated_tokens: Counter
-    inter_token_latency: BatchedChild
+    # Sluice's, and with vLLM's series vLLM's too, counted in one pass.
+    inter_token_latency: BatchedChild | BatchedPair
     request_duration: Histogram
     stream_median_gap: Histogram
     requests: dict[str, Counter]  # by outcome
+    vllm: VllmSeries | None  # vLLM's series, once the engine has started
 
     @classmethod
     def bind(cls, metrics: Metrics, model: str, traffic_class: str) -> RequestSeries:
         labels = (model, traffic_class)
+        vllm = metrics.vllm
+        itl = metrics.inter_token_latency.labels(*labels)
         return cls(
             metrics.queue_wait.labels(*labels),
             metrics.prompt_tokens.labels(*labels),
             metrics.time_to_first_token.labels(*labels),
             metrics.generated_tokens.labels(*labels),
-            metrics.inter_token_latency.labels(*labels),
+            itl if vllm is None else BatchedPair(itl, vllm.inter_token_latency),
             metrics.request_duration.labels(*labels),
             metrics.stream_median_gap.labels(*labels),
             {outcome: metrics.requests.labels(*labels, outcome) for outcome in OUTCOMES},
+            vllm,
         )

@@ -55,6 +55,7 @@ class RunningGeneration:
         # Prompt tokens the engine found cached: the first engine request's that said (a
         # continuation's only if it was preempted, or taken over, before saying).
         self.cached_tokens: int | None = None
+        self.finish_reasons: list[str] = []  # the engine's, of each choice as it finished
         # The tokens to resume from, kept only by what the scheduler may preempt (preemptible
         # bulk: one choice only); a chat keeps no token of its own here.
         self._generated: list[int] | None = (
@@ -176,6 +177,7 @@ class RunningGeneration:
             if self._generated is not None:
                 self._generated.extend(delta.token_ids)
         if delta.finish_reason is not None and delta.finish_reason != "abort":
+            self.finish_reasons.append(delta.finish_reason)
             self._choices_left -= 1
             self.completed = self._choices_left == 0
 
@@ -264,6 +266,10 @@ class SchedulerRuntime:
             return None
         steered = ticket.traffic_class is TrafficClass.INTERACTIVE and core.controller.enabled
         return SloWatch(targets, core.meter if steered else None)
+
+    def queued(self) -> int:
+        core = self.core
+        return sum(core.queue_depth(tc) for tc in TrafficClass)
 
     def generation(
         self, ticket: Ticket, request: GenerationRequest

@@ -115,6 +115,12 @@ class Generation(Protocol):
         """Prompt tokens the engine found in its prefix cache (None: it did not say)."""
         ...
 
+    @property
+    def finish_reasons(self) -> Sequence[str]:
+        """The engine's finish reason of each choice that finished ("stop", "length"...), in
+        the order they finished."""
+        ...
+
     def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
 
 
@@ -180,4 +186,9 @@ class Dispatcher(Protocol):
     def slo(self, ticket: Ticket) -> SloWatch | None:
         """The latency targets `ticket` is judged by now, and where the times its tokens are
         written go (None: no targets)."""
+        ...
+
+    def queued(self) -> int:
+        """Requests admitted and waiting in its queues, not dispatched yet (a preempted one
+        waiting to resume too)."""
         ...

@@ -231,6 +231,9 @@ class SharedQuotaDispatcher:
     def slo(self, ticket: Ticket) -> SloWatch | None:
         return self.inner.slo(ticket)
 
+    def queued(self) -> int:
+        return self.inner.queued()
+
     def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[Any]:
         admission = self.inner.generation(ticket, request)
         hold: Hold | None = None

@@ -6,6 +6,7 @@ the fixed-batch `sim-batch` engine (for the batch-size panels). Prometheus, from
 package, scrapes both every second with the shipped rule files loaded. Then each expression in
 the Grafana dashboard, its variables, the alerting and recording rules and the autoscaler
 examples goes through /api/v1/query; any error, or a result with no series, fails the test.
+So does each query of vLLM's own Grafana dashboard, which reads vLLM's series (`vllm:*`).
 """
 
 from __future__ import annotations
@@ -416,9 +417,8 @@ async def _drive_load(
 # --- the test ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[RunningPrometheus, InProcessSluice, InProcessSluice]]:
-    require_tool("prometheus")
+@contextmanager
+def _stack(tmp_path: Path) -> Iterator[tuple[RunningPrometheus, InProcessSluice, InProcessSluice]]:
     config_path = tmp_path / "sluice.yml"
     config_path.write_text(yaml.safe_dump(SLUICE_CONFIG))
     common = ("--served-model-name", MODEL, "--config", str(config_path))
@@ -465,40 +465,70 @@ def _finite(value: str) -> bool:
     return value not in ("NaN", "+Inf", "-Inf")
 
 
-def test_every_expression_returns_data_from_a_real_prometheus(
-    stack: tuple[RunningPrometheus, InProcessSluice, InProcessSluice],
-) -> None:
-    prometheus, continuous, batch = stack
+@dataclass
+class Loaded:
+    """The stack after its load: every Sluice scraped and every rule evaluated since."""
 
-    async def load() -> list[list[int]]:
-        return list(
-            await asyncio.gather(
-                _drive_load(continuous, seconds=8.0, with_pressure=True),
-                _drive_load(batch, seconds=8.0, poison=True),
+    prometheus: RunningPrometheus
+    continuous: InProcessSluice
+    continuous_statuses: list[int]
+    batch_statuses: list[int]
+    rules: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
+    require_tool("prometheus")
+    with _stack(tmp_path_factory.mktemp("prometheus-stack")) as (prometheus, continuous, batch):
+
+        async def load() -> list[list[int]]:
+            return list(
+                await asyncio.gather(
+                    _drive_load(continuous, seconds=8.0, with_pressure=True),
+                    _drive_load(batch, seconds=8.0, poison=True),
+                )
             )
-        )
 
-    continuous_statuses, batch_statuses = asyncio.run(load())
+        continuous_statuses, batch_statuses = asyncio.run(load())
+        load_ended = time.time()
+        wait_until(
+            lambda: _scraped_after(prometheus, load_ended + 1.0),
+            timeout_s=SCRAPE_TIMEOUT_S,
+            what="a scrape of every Sluice after the load",
+        )
+        rules = wait_until(
+            lambda: _rules_evaluated(prometheus, load_ended + 1.0),
+            timeout_s=SCRAPE_TIMEOUT_S,
+            what="an evaluation of every rule after the load",
+        )
+        yield Loaded(prometheus, continuous, continuous_statuses, batch_statuses, rules)
+
+
+def test_every_expression_returns_data_from_a_real_prometheus(loaded: Loaded) -> None:
+    prometheus, continuous = loaded.prometheus, loaded.continuous
+    continuous_statuses, batch_statuses = loaded.continuous_statuses, loaded.batch_statuses
     assert 200 in continuous_statuses and 200 in batch_statuses
     assert any(s in (429, 503) for s in continuous_statuses), continuous_statuses
     assert 400 in continuous_statuses, continuous_statuses
-    load_ended = time.time()
-
-    wait_until(
-        lambda: _scraped_after(prometheus, load_ended + 1.0),
-        timeout_s=SCRAPE_TIMEOUT_S,
-        what="a scrape of every Sluice after the load",
-    )
-    rules = wait_until(
-        lambda: _rules_evaluated(prometheus, load_ended + 1.0),
-        timeout_s=SCRAPE_TIMEOUT_S,
-        what="an evaluation of every rule after the load",
-    )
-    unhealthy = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
+    unhealthy = [(r["name"], r.get("lastError")) for r in loaded.rules if r["health"] != "ok"]
     assert not unhealthy, unhealthy
 
-    failures: list[str] = []
     expressions = dashboard_expressions() + rule_expressions() + autoscaler_expressions()
+    failures = _without_data(prometheus, expressions)
+    for variable, selector, label in dashboard_variable_queries():
+        values = prometheus.api(f"label/{label}/values", **{"match[]": selector})
+        if not values:
+            failures.append(f"variable ${variable}: label_values({selector}, {label}) is empty")
+    assert not failures, (
+        f"{len(failures)} of {len(expressions)} expressions failed:\n"
+        + "\n".join(failures)
+        + f"\n--- sim log ---\n{log_tail(continuous.log_path)}"
+    )
+
+
+def _without_data(prometheus: RunningPrometheus, expressions: list[Expression]) -> list[str]:
+    """Each expression that is invalid, or returns no series or only NaN/Inf, and why."""
+    failures = []
     for expression in expressions:
         try:
             result = prometheus.query(expression.expr)
@@ -509,12 +539,86 @@ def test_every_expression_returns_data_from_a_real_prometheus(
             failures.append(f"{expression.where}: no series\n    {expression.expr}")
         elif not _has_data(result):
             failures.append(f"{expression.where}: only NaN/Inf: {result}\n    {expression.expr}")
-    for variable, selector, label in dashboard_variable_queries():
-        values = prometheus.api(f"label/{label}/values", **{"match[]": selector})
-        if not values:
-            failures.append(f"variable ${variable}: label_values({selector}, {label}) is empty")
-    assert not failures, (
-        f"{len(failures)} of {len(expressions)} expressions failed:\n"
-        + "\n".join(failures)
-        + f"\n--- sim log ---\n{log_tail(continuous.log_path)}"
+    return failures
+
+
+# --- vLLM's own dashboard ----------------------------------------------------------------------
+# What vLLM's Grafana dashboard queries (in vLLM's repository:
+# examples/observability/prometheus_grafana/grafana.json, formerly under examples/online_serving/),
+# described here in our words, not copied: its variable `model_name` is
+# `label_values(model_name)`, and every query selects `{model_name="$model_name"}`.
+VLLM_QUANTILES = (0.99, 0.95, 0.9, 0.5)
+# Latencies it draws as those quantiles of their histograms and as their means (sum over count).
+VLLM_LATENCIES = (
+    "vllm:e2e_request_latency_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+)
+VLLM_RATES = (  # counters, and histograms' sums, it draws as rates
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+VLLM_LENGTHS = ("vllm:request_prompt_tokens", "vllm:request_generation_tokens")  # by bucket
+VLLM_BY_REASON = "vllm:request_success_total"  # increases by finished_reason
+
+
+def vllm_dashboard_expressions() -> list[Expression]:
+    chosen, window = f'{{model_name="{MODEL}"}}', RATE_WINDOW
+    found = []
+    for name in VLLM_LATENCIES:
+        for q in VLLM_QUANTILES:
+            found.append(
+                Expression(
+                    f"{name} p{q * 100:g}",
+                    f"histogram_quantile({q}, sum by(le) (rate({name}_bucket{chosen}[{window}])))",
+                )
+            )
+        found.append(
+            Expression(
+                f"{name} mean",
+                f"rate({name}_sum{chosen}[{window}]) / rate({name}_count{chosen}[{window}])",
+            )
+        )
+    found += [Expression(f"{n} rate", f"rate({n}{chosen}[{window}])") for n in VLLM_RATES]
+    found += [Expression(n, f"{n}{chosen}") for n in VLLM_GAUGES]
+    found += [
+        Expression(f"{n} by bucket", f"sum by(le) (increase({n}_bucket{chosen}[{window}]))")
+        for n in VLLM_LENGTHS
+    ]
+    found.append(
+        Expression(
+            "finish reasons",
+            f"sum by(finished_reason) (increase({VLLM_BY_REASON}{chosen}[{window}]))",
+        )
     )
+    return found
+
+
+def test_vllm_s_dashboard_reads_sluice_replicas(loaded: Loaded) -> None:
+    """vLLM's own dashboard, pointed at Sluice replicas (the sim and sim-batch engines): its
+    variable lists the served model, each of its queries returns data, and each replica exports
+    every series it reads."""
+    prometheus = loaded.prometheus
+    assert MODEL in prometheus.api("label/model_name/values")  # label_values(model_name)
+    expressions = vllm_dashboard_expressions()
+    failures = _without_data(prometheus, expressions)
+    assert not failures, f"{len(failures)} of {len(expressions)} failed:\n" + "\n".join(failures)
+    read = {
+        *VLLM_GAUGES,
+        VLLM_BY_REASON,
+        *VLLM_RATES,
+        *(f"{n}_bucket" for n in (*VLLM_LATENCIES, *VLLM_LENGTHS)),
+    }
+    for pod in ("sluice-0", "sluice-batch-0"):
+        exported = {
+            series["metric"]["__name__"]
+            for series in prometheus.query(
+                f'count by(__name__) ({{__name__=~"vllm:.+", pod="{pod}", model_name="{MODEL}"}})'
+            )
+        }
+        assert read - exported == set(), pod

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 import httpx
 import pytest
@@ -174,7 +174,61 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     )
 
 
-class SluiceProcess:
+class ServiceProcess:
+    """A server in a subprocess of its own process group (stopped as a whole), its output in
+    `log_path`: ready once GET `ready_path` answers 200, stopped by `stop_signal` (then SIGKILL
+    after `stop_timeout`). Subclasses start `proc` and set `url`."""
+
+    name = "server"
+    ready_path = "/ready"
+    stop_signal = signal.SIGINT
+    stop_timeout = 30.0
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+    _log: Any
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling interval for start-up, not a stand-in for a condition
+        raise TimeoutError(f"{self.name} not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def __enter__(self) -> Self:
+        """Ready (stopped if it never gets there); stopped on leaving."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, self.stop_signal)
+            try:
+                self.proc.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+        return self.proc.returncode
+
+
+class SluiceProcess(ServiceProcess):
     """`sluice serve` in a subprocess on a free loopback port, its output in a log file.
 
     It serves on a listening socket bound here and inherited (`--fd`): `listener` when given
@@ -227,48 +281,9 @@ class SluiceProcess:
         # The server's copy alone: once it exits, connecting is refused, not left queued.
         listener.close()
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)  # polling interval for start-up, not a stand-in for a condition
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""
         return metric_sum(httpx.get(self.url + "/metrics", timeout=5).text, name, **labels)
-
-    def __enter__(self) -> SluiceProcess:
-        """Ready (stopped if it never gets there); stopped on leaving."""
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self._log.close()
-        return self.proc.returncode
 
 
 class InProcessSluice:
@@ -531,6 +546,32 @@ ROUTER_COMPLETION = {
 }
 
 
+@contextlib.contextmanager
+def sim_fleet(
+    root: Path, more_config: str = "", *, replicas: int = 2
+) -> Iterator[tuple[RouterProcess, list[InProcessSluice]]]:
+    """Sim replicas in this process on one real Redis (uncalibrated, with `more_config`'s
+    YAML: tenants, say), and vLLM's router (cache_aware) in front of them."""
+    config = uncalibrated_config(root, more_config)
+    with RedisProcess(root) as redis:
+        servers = [
+            InProcessSluice(
+                ["--engine", "sim", "--config", str(config), "--state-url", redis.url],
+                root / f"replica-{i}.log",
+            )
+            for i in range(replicas)
+        ]
+        try:
+            for server in servers:
+                server.wait_ready(60)
+            workers = [server.url for server in servers]
+            with RouterProcess(workers, root / "router.log") as router:
+                yield router, servers
+        finally:
+            for server in servers:
+                server.stop()
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine_adapters.demo_model import build_demo_model
@@ -640,10 +681,15 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSl
         server.stop()
 
 
-class RouterProcess:
+class RouterProcess(ServiceProcess):
     """vLLM's router (`vllm-router`, the dev extra's) in front of `workers`, on a reserved
     loopback port (it binds by number), its log in a file; ready once it answers `/health`
     (it waits for a healthy worker first)."""
+
+    name = "vllm-router"
+    ready_path = "/health"
+    stop_signal = signal.SIGTERM
+    stop_timeout = 10.0
 
     def __init__(
         self,
@@ -681,40 +727,3 @@ class RouterProcess:
         self.proc = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, process_group=0
         )
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)  # polling interval for start-up, not a stand-in for a condition
-        raise TimeoutError(f"vllm-router not ready in {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self._log.close()
-
-    def __enter__(self) -> RouterProcess:
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

@@ -15,15 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import (
-    InProcessSluice,
-    RedisProcess,
-    RouterProcess,
-    require_tool,
-    reserved_port,
-    uncalibrated_config,
-    wait_until,
-)
+from conftest import InProcessSluice, require_tool, reserved_port, sim_fleet, wait_until
 
 NGINX_CONF = Path(__file__).resolve().parents[2] / "deploy" / "compose" / "nginx.conf"
 KEY = {"Authorization": "Bearer demo-key"}
@@ -51,49 +43,31 @@ def local_conf(replicas: list[str], router: str, port: int, prefix: Path) -> str
 def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[InProcessSluice]]]:
     nginx = require_tool("nginx")
     root = tmp_path_factory.mktemp("compose-edge")
-    config = uncalibrated_config(root, "tenants:\n  demo: {api_keys: [demo-key]}\n")
-    with RedisProcess(root) as redis:
-        replicas = [
-            InProcessSluice(
-                ["--engine", "sim", "--config", str(config), "--state-url", redis.url],
-                root / f"replica-{i}.log",
-            )
-            for i in range(2)
-        ]
+    with sim_fleet(root, "tenants:\n  demo: {api_keys: [demo-key]}\n") as (router, replicas):
+        port = reserved_port()
+        conf = root / "nginx.conf"
+        addresses = [replica.url.removeprefix("http://") for replica in replicas]
+        conf.write_text(local_conf(addresses, router.url.removeprefix("http://"), port, root))
+        checked = subprocess.run(
+            [nginx, "-t", "-c", str(conf), "-p", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert checked.returncode == 0, checked.stderr
+        proc = subprocess.Popen(
+            [nginx, "-c", str(conf), "-p", str(root)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            process_group=0,
+        )
+        url = f"http://127.0.0.1:{port}"
         try:
-            for replica in replicas:
-                replica.wait_ready(60)
-            urls = [replica.url for replica in replicas]
-            with RouterProcess(urls, root / "router.log") as router:
-                port = reserved_port()
-                conf = root / "nginx.conf"
-                addresses = [url.removeprefix("http://") for url in urls]
-                conf.write_text(
-                    local_conf(addresses, router.url.removeprefix("http://"), port, root)
-                )
-                checked = subprocess.run(
-                    [nginx, "-t", "-c", str(conf), "-p", str(root)],
-                    capture_output=True,
-                    text=True,
-                    timeout=30,
-                )
-                assert checked.returncode == 0, checked.stderr
-                proc = subprocess.Popen(
-                    [nginx, "-c", str(conf), "-p", str(root)],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    process_group=0,
-                )
-                url = f"http://127.0.0.1:{port}"
-                try:
-                    wait_until(lambda: _answers(url + "/health"), 30, 0.1, "nginx answers")
-                    yield url, replicas
-                finally:
-                    proc.terminate()
-                    proc.wait(10)
+            wait_until(lambda: _answers(url + "/health"), 30, 0.1, "nginx answers")
+            yield url, replicas
         finally:
-            for replica in replicas:
-                replica.stop()
+            proc.terminate()
+            proc.wait(10)
 
 
 def _answers(url: str) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import InProcessSluice, RedisProcess, RouterProcess
+from conftest import RouterProcess, sim_fleet
 from openai import AuthenticationError, OpenAI
 
 ACME = {"Authorization": "Bearer acme-key"}
@@ -21,31 +21,13 @@ CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hello"}], "max
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, list]]:
-    root = tmp_path_factory.mktemp("tenants")
-    config = root / "sluice.yaml"
-    config.write_text(
+    tenants = (
         "tenants:\n"
         "  acme: {api_keys: [acme-key], max_concurrent: 1}\n"
         "  beta: {api_keys: [beta-key]}\n"
-        "estimates: {calibrate: false}\n"
     )
-    with RedisProcess(root) as redis:
-        replicas = [
-            InProcessSluice(
-                ["--engine", "sim", "--config", str(config), "--state-url", redis.url],
-                root / f"replica-{i}.log",
-            )
-            for i in range(2)
-        ]
-        try:
-            for replica in replicas:
-                replica.wait_ready(60)
-            workers = [replica.url for replica in replicas]
-            with RouterProcess(workers, root / "router.log") as router:
-                yield router, replicas
-        finally:
-            for replica in replicas:
-                replica.stop()
+    with sim_fleet(tmp_path_factory.mktemp("tenants"), tenants) as fleet:
+        yield fleet
 
 
 def test_a_chat_keeps_its_tenant_and_class_through_the_router(fleet) -> None:  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import os
 import shutil
@@ -570,6 +571,41 @@ def sim_fleet(
         finally:
             for server in servers:
                 server.stop()
+
+
+class AccessLines(logging.Handler):
+    """The access logger's lines, as JSON, from the logger itself (whether it propagates to
+    the root logger is another test's business)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(record.getMessage()))
+
+    def where(self, **fields: object) -> list[dict[str, Any]]:
+        """The lines so far whose fields hold these values."""
+        return [
+            line for line in list(self.lines) if all(line.get(k) == v for k, v in fields.items())
+        ]
+
+
+@pytest.fixture
+def access_lines() -> Iterator[AccessLines]:
+    """The access log's lines while the test runs (the servers in this process)."""
+    from server.observability.access_log import ACCESS_LOGGER_NAME
+
+    handler = AccessLines()
+    access_logger = logging.getLogger(ACCESS_LOGGER_NAME)
+    level = access_logger.level
+    access_logger.setLevel(logging.INFO)
+    access_logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        access_logger.removeHandler(handler)
+        access_logger.setLevel(level)
 
 
 @pytest.fixture(scope="session")

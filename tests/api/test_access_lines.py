@@ -6,61 +6,29 @@ generation requests keep their timeline's line alone."""
 from __future__ import annotations
 
 import json
-import logging
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import InProcessSluice, wait_until
-
-from server.observability.access_log import ACCESS_LOGGER_NAME
+from conftest import AccessLines, InProcessSluice, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-class AccessLines(logging.Handler):
-    """The access logger's lines, as JSON, from the logger itself (whether it propagates to
-    the root logger is another test's business)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[dict] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(record.getMessage()))
-
-
 @pytest.fixture(autouse=True)
-def access_lines() -> Iterator[AccessLines]:
-    handler = AccessLines()
-    access_logger = logging.getLogger(ACCESS_LOGGER_NAME)
-    level = access_logger.level
-    access_logger.setLevel(logging.INFO)
-    access_logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        access_logger.removeHandler(handler)
-        access_logger.setLevel(level)
-
-
-def _lines_where(handler: AccessLines, **fields: object) -> list[dict]:
-    return [
-        line
-        for line in list(handler.lines)
-        if all(line.get(key) == value for key, value in fields.items())
-    ]
+def every_line(access_lines: AccessLines) -> AccessLines:
+    """Every test here reads the access log."""
+    return access_lines
 
 
 def _settled_lines(server: InProcessSluice, handler: AccessLines, **fields: object) -> list[dict]:
     """The lines with `fields`, once one is written and a later request's line is too (so
     a second line for the same request would have been written by then)."""
-    wait_until(lambda: _lines_where(handler, **fields), 10, message=f"no access line {fields}")
+    wait_until(lambda: handler.where(**fields), 10, message=f"no access line {fields}")
     fence = f"fence-{uuid.uuid4().hex}"
     httpx.get(server.url + "/health", headers={"X-Request-Id": fence}, timeout=10)
-    wait_until(lambda: _lines_where(handler, request_id=fence), 10, message="no fence line")
-    return _lines_where(handler, **fields)
+    wait_until(lambda: handler.where(request_id=fence), 10, message="no fence line")
+    return handler.where(**fields)
 
 
 def test_an_unknown_route_is_answered_in_openai_shape_and_logged_once(

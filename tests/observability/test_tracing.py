@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ import httpx
 import openai
 import pytest
 import websockets
-from conftest import InProcessSluice, uncalibrated_config, wait_until
+from conftest import AccessLines, InProcessSluice, uncalibrated_config, wait_until
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -37,7 +36,6 @@ from otlp import OtlpReceiver, Parent, ReceivedSpan, decoded
 
 from server.api.serving import StartRefused, assemble
 from server.cli import build_parser
-from server.observability.access_log import ACCESS_LOGGER_NAME
 from server.observability.tracing import GenerationSpan, TraceParent, build_tracing
 
 pytestmark = [pytest.mark.service, pytest.mark.xdist_group("tracing")]
@@ -61,22 +59,6 @@ slo:
 
 
 # -- the server -----------------------------------------------------------------------------
-
-
-class AccessLines(logging.Handler):
-    """The access logger's lines, as JSON."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[dict[str, Any]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(json.loads(record.getMessage()))
-
-    def where(self, **fields: object) -> list[dict[str, Any]]:
-        return [
-            line for line in list(self.lines) if all(line.get(k) == v for k, v in fields.items())
-        ]
 
 
 @pytest.fixture(scope="module")
@@ -117,20 +99,6 @@ def traced(
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture
-def access_lines() -> Iterator[AccessLines]:
-    handler = AccessLines()
-    access_logger = logging.getLogger(ACCESS_LOGGER_NAME)
-    level = access_logger.level
-    access_logger.setLevel(logging.INFO)
-    access_logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        access_logger.removeHandler(handler)
-        access_logger.setLevel(level)
 
 
 def chat_client(server: InProcessSluice, key: str = KEY) -> openai.OpenAI:

@@ -432,7 +432,9 @@ def flooded(f: Fleet, args: argparse.Namespace, w: Workload) -> dict[str, Any]:
     process.start()
     try:
         time.sleep(args.flood_warmup)  # the flood reaching its steady state
-        turns = asyncio.run(converse(f.url, kind, w, args.seed + 1))
+        turns, sampled = asyncio.run(
+            chats_sampled(f, kind, w, args.seed + 1, sample=f.system == "sluice")
+        )
         span = time.time() - begin
     finally:
         release.set()
@@ -443,6 +445,51 @@ def flooded(f: Fleet, args: argparse.Namespace, w: Workload) -> dict[str, Any]:
         "counters": counter_increase(before, counters(f.replicas)),
         "bulk_tokens_per_s": round(counts["tokens"] / span, 1),
         "bulk_failures": counts["failures"],
+        **sluice_gauges(sampled),
+    }
+
+
+async def chats_sampled(
+    f: Fleet, kind: str, w: Workload, seed: int, sample: bool
+) -> tuple[list[Turn], list[flood.Measurements]]:
+    """The conversations, and (`sample`) each Sluice replica's gauges and SLO verdicts as
+    flood.py samples them, through the same span."""
+    stop = asyncio.Event()
+    sampled = [flood.Measurements(window_start=time.monotonic()) for _ in f.replicas]
+    async with contextlib.AsyncExitStack() as stack:
+        samplers = []
+        for url, m in zip(f.replicas, sampled, strict=True) if sample else ():
+            client = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
+            samplers.append(asyncio.create_task(flood.sample_gauges(client, m, stop)))
+        turns = await converse(f.url, kind, w, seed)
+        stop.set()
+        await asyncio.gather(*samplers)
+    return turns, sampled if sample else []
+
+
+SLUICE_GAUGES = ("within_slo_by_sluice", "ttft_target_ms", "itl_target_ms", "bulk_cap")
+
+
+def sluice_gauges(sampled: Sequence[flood.Measurements]) -> dict[str, Any]:
+    """The fleet's Sluice replicas through the flood: each one's mean interactive TTFT and gap
+    targets (ms) and bulk cap, and the share of chats that met the targets Sluice held, timed at its
+    writes (flood.py's `within_slo_by_sluice`)."""
+    if not sampled:
+        return {}
+
+    def means(key: str) -> list[float] | None:
+        values = [statistics.fmean(m.samples[key]) for m in sampled if m.samples.get(key)]
+        return [round(v, 1) for v in values] if len(values) == len(sampled) else None
+
+    def increase(key: str) -> float:
+        return sum(m.counted[key][-1] - m.counted[key][0] for m in sampled if m.counted.get(key))
+
+    ended = sum(increase(key) for key in flood.VERDICTS)
+    return {
+        "ttft_target_ms": means("ttft_target_ms"),
+        "itl_target_ms": means("itl_target_ms"),
+        "bulk_cap": means("bulk_cap"),
+        "within_slo_by_sluice": round(increase("slo_met_none") / ended, 4) if ended else None,
     }
 
 
@@ -522,6 +569,7 @@ def flood_row(
         "bulk_tokens_per_s": result["bulk_tokens_per_s"],
         "bulk_failures": result["bulk_failures"],
         "replica_token_split": cached.get("replica_token_split"),
+        **{k: result.get(k) for k in SLUICE_GAUGES},
     }
 
 
@@ -581,12 +629,14 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     def cell(key: str, value: Any) -> str:
         if value is None:
             return "-"
-        if key.endswith("share") or key == "within_slo":
+        if key.endswith("share") or key.startswith("within_slo"):
             return share(value)
         if key.startswith("ttft_vs"):
             return f"{value:.2f}x"
-        if isinstance(value, list):
+        if isinstance(value, list) and key.endswith("split"):
             return "/".join(f"{100 * v:.0f}%" for v in value)
+        if isinstance(value, list):
+            return "/".join(f"{v:.1f}" for v in value)
         return f"{value:.1f}" if isinstance(value, float) else str(value)
 
     lines = [" | ".join(t for _, t in columns), " | ".join("---" for _ in columns)]
@@ -615,18 +665,24 @@ FLOOD_COLUMNS = [
     ("chats", "chat turns"),
     ("failures", "errors"),
     ("within_slo", "within SLO"),
+    ("within_slo_by_sluice", "by Sluice's measure"),
     ("ttft_p50_ms", "TTFT p50 ms"),
     ("ttft_p99_ms", "TTFT p99 ms"),
     ("hit_share", "prompt cached (later)"),
     ("bulk_tokens_per_s", "bulk tok/s"),
     ("bulk_failures", "bulk errors"),
     ("replica_token_split", "replicas' token split"),
+    ("ttft_target_ms", "Sluice's TTFT target ms"),
+    ("itl_target_ms", "Sluice's gap target ms"),
+    ("bulk_cap", "Sluice's bulk cap"),
 ]
 
 
 def format_report(report: dict[str, Any]) -> str:
     size = report["sizing"]
     lines = [
+        f"{report.get('date', '?')} on {report.get('host', '?')} at {report.get('commit', '?')}"
+        f" (load average {report.get('load_average', '?')}): {report.get('command', '')}",
         f"Sizing: {size['kv_blocks_per_replica']} KV blocks a replica; the conversations hold "
         f"{size['all_conversations_blocks']} at their end ({size['conversation_blocks']} each): "
         f"one replica holds {share(size['one_replica_holds'])} of them, the fleet "
@@ -686,6 +742,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     policies = [p for p in args.policies.split(",") if p]
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="fleet-bench-"))
     print(f"# logs in {logs}", file=sys.stderr, flush=True)
+    load = [round(os.getloadavg()[0], 2)]  # (a host others share: its load, start and end)
     rows: list[dict[str, Any]] = []
     floods: list[dict[str, Any]] = []
     flood_results: dict[str, dict[str, Any]] = {}
@@ -708,10 +765,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         floods.append(flood_row(system, args.flood_policy, result, slo))
         print(f"# {json.dumps(floods[-1])}", file=sys.stderr, flush=True)
     add_ratios(rows)
+    load.append(round(os.getloadavg()[0], 2))
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "host": host(),
         "commit": commit(),
+        "load_average": load,
         "command": " ".join(["python", "bench/fleet.py", *sys.argv[1:]]),
         "args": {k: v for k, v in vars(args).items() if k not in ("report",)},
         "sizing": sizing(w, args.kv_blocks, args.replicas),

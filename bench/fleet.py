@@ -25,9 +25,9 @@ Sluice's fleet, then vLLM's, one at a time, and offers each the same chats:
   replica of the conversation's previous turn one time in two, and that replica may still
   hold it: round_robin's hits are that chance's;
 * the prefix is long enough that prefill dominates the time to the first token on this CPU:
-  on one replica, straight, a cold 1,800-token prompt took about 100 ms, the same prompt
-  cached 20 ms (1,000 tokens: 50-80 ms against 13 ms); through the router, with its render
-  calls, about 120 ms against 36 ms.
+  on one replica, straight, a cold 1,600-token prompt took about 72 ms, the same prompt
+  cached 13 ms (either server); through the router, with its render calls, a conversation's
+  first turn about 85-100 ms, a later turn that found its prefix 31-36 ms at the median.
 
 For each fleet and policy, over turns 2 and later (the first turn of a conversation can find
 nothing): the share of prompt tokens found cached (usage's
@@ -110,7 +110,9 @@ HALF = 0.5  # a turn "finds its prompt cached" with at least this share cached
 TARGET_CACHED_TURNS = 0.9
 TARGET_TTFT_RATIO = 0.5
 TARGET_WITHIN_SLO = 0.95
-PREFIX_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+SLUICE_PROMPT_TOKENS = "sluice_prompt_tokens"  # (by class: bulk's too, under the flood)
+COUNTERS = (PREFIX_QUERIES, PREFIX_HITS, SLUICE_PROMPT_TOKENS)
 
 
 # The workload.
@@ -367,7 +369,7 @@ def warm_up(replicas: Sequence[str]) -> None:
 
 
 def counters(replicas: Sequence[str]) -> list[dict[str, float]]:
-    """Each replica's vLLM prefix-cache counters, where its /metrics has them."""
+    """Each replica's prefix-cache and prompt-token counters, those its /metrics has."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = []
@@ -377,7 +379,7 @@ def counters(replicas: Sequence[str]) -> list[dict[str, float]]:
             with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
                 text = response.read().decode()
             for family in text_string_to_metric_families(text):
-                if family.name in PREFIX_COUNTERS:
+                if family.name in COUNTERS:
                     values[family.name] = sum(
                         s.value for s in family.samples if s.name.endswith("_total")
                     )
@@ -523,12 +525,23 @@ def summarise(
         "first_turn_ttft_mean_ms": statistics.fmean(firsts) if firsts else None,
         "ttft_vs_round_robin": None,
     }
-    queried = [c.get("vllm:prefix_cache_queries") for c in counted]
-    hits = [c.get("vllm:prefix_cache_hits") for c in counted]
-    if counted and all(q is not None for q in queried) and sum(queried) > 0:  # type: ignore[arg-type]
-        total = sum(queried)  # type: ignore[arg-type]
-        row["replica_hit_share"] = round(sum(hits) / total, 4)  # type: ignore[arg-type]
-        row["replica_token_split"] = [round(q / total, 3) for q in queried]  # type: ignore[operator]
+    return {**row, **replica_counters(counted)}
+
+
+def replica_counters(counted: list[dict[str, float]]) -> dict[str, Any]:
+    """From each replica's counters: vLLM's prefix-cache hit share (all turns), and each
+    replica's share of the prompt tokens (vLLM's prefix-cache queries, else Sluice's
+    `sluice_prompt_tokens`)."""
+    row: dict[str, Any] = {}
+    for name in (PREFIX_QUERIES, SLUICE_PROMPT_TOKENS):
+        tokens = [c[name] for c in counted if name in c]
+        if counted and len(tokens) == len(counted) and sum(tokens) > 0:
+            row["replica_token_split"] = [round(t / sum(tokens), 3) for t in tokens]
+            if name == PREFIX_QUERIES and all(PREFIX_HITS in c for c in counted):
+                row["replica_hit_share"] = round(
+                    sum(c[PREFIX_HITS] for c in counted) / sum(tokens), 4
+                )
+            break
     return row
 
 
@@ -742,6 +755,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     policies = [p for p in args.policies.split(",") if p]
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="fleet-bench-"))
     print(f"# logs in {logs}", file=sys.stderr, flush=True)
+    began = time.strftime("%Y-%m-%d %H:%M")
     load = [round(os.getloadavg()[0], 2)]  # (a host others share: its load, start and end)
     rows: list[dict[str, Any]] = []
     floods: list[dict[str, Any]] = []
@@ -767,7 +781,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     add_ratios(rows)
     load.append(round(os.getloadavg()[0], 2))
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "date": f"{began} to {time.strftime('%H:%M')}",
         "host": host(),
         "commit": commit(),
         "load_average": load,

@@ -66,6 +66,12 @@ def test_without_the_replicas_counters_the_row_says_nothing_of_them() -> None:
     assert "replica_hit_share" not in row and "replica_token_split" not in row
 
 
+def test_without_vllms_counters_the_split_is_sluices_prompt_tokens() -> None:
+    counted = [{"sluice_prompt_tokens": 600.0}, {"sluice_prompt_tokens": 200.0}]
+    row = bench.summarise("sluice", "cache_aware", [turn(0, 2, 100, 0, 5.0)], counted)
+    assert row["replica_token_split"] == [0.75, 0.25] and "replica_hit_share" not in row
+
+
 def rows_of(sluice_rr: float, sluice_ca: float, vllm_rr: float) -> list[dict[str, Any]]:
     def row(system: str, policy: str, mean: float, hit: float, half: float) -> dict[str, Any]:
         return {

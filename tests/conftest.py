@@ -654,6 +654,7 @@ class RouterProcess:
         more: list[str] | None = None,
         kv_sources: dict[str, str] | None = None,
         kv_block_size: int | None = None,
+        kv_model: str | None = None,
     ) -> None:
         from server.fleet import find_router, router_command
 
@@ -672,6 +673,7 @@ class RouterProcess:
             prometheus_port=reserved_port(),
             kv_sources=kv_sources,
             kv_block_size=kv_block_size,
+            kv_model=kv_model,
             more=more or (),
         )
         self.log_path = log_path

@@ -223,7 +223,9 @@ def test_a_conversations_next_turn_lands_where_its_prefix_is_cached(
         {replica.url: replica.kv_events for replica in replicas} if policy == "kv_aware" else None
     )  # type: ignore[attr-defined]
     log = tmp_path_factory.mktemp(policy) / "router.log"
-    with RouterProcess(workers, log, policy=policy, kv_sources=sources, kv_block_size=128) as front:
+    with RouterProcess(
+        workers, log, policy=policy, kv_sources=sources, kv_block_size=128, kv_model=MODEL
+    ) as front:
         openai = client(front)
         for salt in range(3):  # three conversations: the router places each on one replica
             system = {"role": "system", "content": f"conversation {policy} {salt}. " + SYSTEM}

@@ -25,9 +25,9 @@ Sluice's fleet, then vLLM's, one at a time, and offers each the same chats:
   replica of the conversation's previous turn one time in two, and that replica may still
   hold it: round_robin's hits are that chance's;
 * the prefix is long enough that prefill dominates the time to the first token on this CPU:
-  on one replica, straight, a cold 1,800-token prompt took about 100 ms, the same prompt
-  cached 20 ms (1,000 tokens: 50-80 ms against 13 ms); through the router, with its render
-  calls, about 120 ms against 36 ms.
+  on one replica, straight, a cold 1,600-token prompt took about 72 ms, the same prompt
+  cached 13 ms (either server); through the router, with its render calls, a conversation's
+  first turn about 85-100 ms, a later turn that found its prefix 31-36 ms at the median.
 
 For each fleet and policy, over turns 2 and later (the first turn of a conversation can find
 nothing): the share of prompt tokens found cached (usage's
@@ -56,9 +56,11 @@ beside it).
 
 The two cores of this host are shared by everything, so each replica's engine is bound to a
 core of its own (`VLLM_CPU_OMP_THREADS_BIND`, replica i on core i-1, both fleets alike: by
-default each binds to the same core), as two machines would be. Run from the repository root:
+default each binds to the same core), as two machines would be. `--kv-block-size 128` until
+Sluice's `/metrics` says its block size (`vllm:cache_config_info`), which kv_aware's router
+needs. Run from the repository root:
 
-    python bench/fleet.py                                         # everything, ~25 minutes
+    python bench/fleet.py --kv-block-size 128                     # everything, ~13 minutes here
     python bench/fleet.py --systems vllm --policies cache_aware --no-flood --conversations 6
     python bench/fleet.py --json > docs/fleet-runs/DATE-COMMIT.json
     python bench/fleet.py --report docs/fleet-runs/FILE.json      # its tables again
@@ -110,7 +112,9 @@ HALF = 0.5  # a turn "finds its prompt cached" with at least this share cached
 TARGET_CACHED_TURNS = 0.9
 TARGET_TTFT_RATIO = 0.5
 TARGET_WITHIN_SLO = 0.95
-PREFIX_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+SLUICE_PROMPT_TOKENS = "sluice_prompt_tokens"  # (by class: bulk's too, under the flood)
+COUNTERS = (PREFIX_QUERIES, PREFIX_HITS, SLUICE_PROMPT_TOKENS)
 
 
 # The workload.
@@ -367,7 +371,7 @@ def warm_up(replicas: Sequence[str]) -> None:
 
 
 def counters(replicas: Sequence[str]) -> list[dict[str, float]]:
-    """Each replica's vLLM prefix-cache counters, where its /metrics has them."""
+    """Each replica's prefix-cache and prompt-token counters, those its /metrics has."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = []
@@ -377,7 +381,7 @@ def counters(replicas: Sequence[str]) -> list[dict[str, float]]:
             with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
                 text = response.read().decode()
             for family in text_string_to_metric_families(text):
-                if family.name in PREFIX_COUNTERS:
+                if family.name in COUNTERS:
                     values[family.name] = sum(
                         s.value for s in family.samples if s.name.endswith("_total")
                     )
@@ -432,7 +436,9 @@ def flooded(f: Fleet, args: argparse.Namespace, w: Workload) -> dict[str, Any]:
     process.start()
     try:
         time.sleep(args.flood_warmup)  # the flood reaching its steady state
-        turns = asyncio.run(converse(f.url, kind, w, args.seed + 1))
+        turns, sampled = asyncio.run(
+            chats_sampled(f, kind, w, args.seed + 1, sample=f.system == "sluice")
+        )
         span = time.time() - begin
     finally:
         release.set()
@@ -443,6 +449,51 @@ def flooded(f: Fleet, args: argparse.Namespace, w: Workload) -> dict[str, Any]:
         "counters": counter_increase(before, counters(f.replicas)),
         "bulk_tokens_per_s": round(counts["tokens"] / span, 1),
         "bulk_failures": counts["failures"],
+        **sluice_gauges(sampled),
+    }
+
+
+async def chats_sampled(
+    f: Fleet, kind: str, w: Workload, seed: int, sample: bool
+) -> tuple[list[Turn], list[flood.Measurements]]:
+    """The conversations, and (`sample`) each Sluice replica's gauges and SLO verdicts as
+    flood.py samples them, through the same span."""
+    stop = asyncio.Event()
+    sampled = [flood.Measurements(window_start=time.monotonic()) for _ in f.replicas]
+    async with contextlib.AsyncExitStack() as stack:
+        samplers = []
+        for url, m in zip(f.replicas, sampled, strict=True) if sample else ():
+            client = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
+            samplers.append(asyncio.create_task(flood.sample_gauges(client, m, stop)))
+        turns = await converse(f.url, kind, w, seed)
+        stop.set()
+        await asyncio.gather(*samplers)
+    return turns, sampled if sample else []
+
+
+SLUICE_GAUGES = ("within_slo_by_sluice", "ttft_target_ms", "itl_target_ms", "bulk_cap")
+
+
+def sluice_gauges(sampled: Sequence[flood.Measurements]) -> dict[str, Any]:
+    """The fleet's Sluice replicas through the flood: each one's mean interactive TTFT and gap
+    targets (ms) and bulk cap, and the share of chats that met the targets Sluice held, timed at its
+    writes (flood.py's `within_slo_by_sluice`)."""
+    if not sampled:
+        return {}
+
+    def means(key: str) -> list[float] | None:
+        values = [statistics.fmean(m.samples[key]) for m in sampled if m.samples.get(key)]
+        return [round(v, 1) for v in values] if len(values) == len(sampled) else None
+
+    def increase(key: str) -> float:
+        return sum(m.counted[key][-1] - m.counted[key][0] for m in sampled if m.counted.get(key))
+
+    ended = sum(increase(key) for key in flood.VERDICTS)
+    return {
+        "ttft_target_ms": means("ttft_target_ms"),
+        "itl_target_ms": means("itl_target_ms"),
+        "bulk_cap": means("bulk_cap"),
+        "within_slo_by_sluice": round(increase("slo_met_none") / ended, 4) if ended else None,
     }
 
 
@@ -476,12 +527,23 @@ def summarise(
         "first_turn_ttft_mean_ms": statistics.fmean(firsts) if firsts else None,
         "ttft_vs_round_robin": None,
     }
-    queried = [c.get("vllm:prefix_cache_queries") for c in counted]
-    hits = [c.get("vllm:prefix_cache_hits") for c in counted]
-    if counted and all(q is not None for q in queried) and sum(queried) > 0:  # type: ignore[arg-type]
-        total = sum(queried)  # type: ignore[arg-type]
-        row["replica_hit_share"] = round(sum(hits) / total, 4)  # type: ignore[arg-type]
-        row["replica_token_split"] = [round(q / total, 3) for q in queried]  # type: ignore[operator]
+    return {**row, **replica_counters(counted)}
+
+
+def replica_counters(counted: list[dict[str, float]]) -> dict[str, Any]:
+    """From each replica's counters: vLLM's prefix-cache hit share (all turns), and each
+    replica's share of the prompt tokens (vLLM's prefix-cache queries, else Sluice's
+    `sluice_prompt_tokens`)."""
+    row: dict[str, Any] = {}
+    for name in (PREFIX_QUERIES, SLUICE_PROMPT_TOKENS):
+        tokens = [c[name] for c in counted if name in c]
+        if counted and len(tokens) == len(counted) and sum(tokens) > 0:
+            row["replica_token_split"] = [round(t / sum(tokens), 3) for t in tokens]
+            if name == PREFIX_QUERIES and all(PREFIX_HITS in c for c in counted):
+                row["replica_hit_share"] = round(
+                    sum(c[PREFIX_HITS] for c in counted) / sum(tokens), 4
+                )
+            break
     return row
 
 
@@ -522,6 +584,7 @@ def flood_row(
         "bulk_tokens_per_s": result["bulk_tokens_per_s"],
         "bulk_failures": result["bulk_failures"],
         "replica_token_split": cached.get("replica_token_split"),
+        **{k: result.get(k) for k in SLUICE_GAUGES},
     }
 
 
@@ -581,12 +644,14 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     def cell(key: str, value: Any) -> str:
         if value is None:
             return "-"
-        if key.endswith("share") or key == "within_slo":
+        if key.endswith("share") or key.startswith("within_slo"):
             return share(value)
         if key.startswith("ttft_vs"):
             return f"{value:.2f}x"
-        if isinstance(value, list):
+        if isinstance(value, list) and key.endswith("split"):
             return "/".join(f"{100 * v:.0f}%" for v in value)
+        if isinstance(value, list):
+            return "/".join(f"{v:.1f}" for v in value)
         return f"{value:.1f}" if isinstance(value, float) else str(value)
 
     lines = [" | ".join(t for _, t in columns), " | ".join("---" for _ in columns)]
@@ -615,18 +680,24 @@ FLOOD_COLUMNS = [
     ("chats", "chat turns"),
     ("failures", "errors"),
     ("within_slo", "within SLO"),
+    ("within_slo_by_sluice", "by Sluice's measure"),
     ("ttft_p50_ms", "TTFT p50 ms"),
     ("ttft_p99_ms", "TTFT p99 ms"),
     ("hit_share", "prompt cached (later)"),
     ("bulk_tokens_per_s", "bulk tok/s"),
     ("bulk_failures", "bulk errors"),
     ("replica_token_split", "replicas' token split"),
+    ("ttft_target_ms", "Sluice's TTFT target ms"),
+    ("itl_target_ms", "Sluice's gap target ms"),
+    ("bulk_cap", "Sluice's bulk cap"),
 ]
 
 
 def format_report(report: dict[str, Any]) -> str:
     size = report["sizing"]
     lines = [
+        f"{report.get('date', '?')} on {report.get('host', '?')} at {report.get('commit', '?')}"
+        f" (load average {report.get('load_average', '?')}): {report.get('command', '')}",
         f"Sizing: {size['kv_blocks_per_replica']} KV blocks a replica; the conversations hold "
         f"{size['all_conversations_blocks']} at their end ({size['conversation_blocks']} each): "
         f"one replica holds {share(size['one_replica_holds'])} of them, the fleet "
@@ -686,6 +757,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     policies = [p for p in args.policies.split(",") if p]
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="fleet-bench-"))
     print(f"# logs in {logs}", file=sys.stderr, flush=True)
+    began = time.strftime("%Y-%m-%d %H:%M")
+    load = [round(os.getloadavg()[0], 2)]  # (a host others share: its load, start and end)
     rows: list[dict[str, Any]] = []
     floods: list[dict[str, Any]] = []
     flood_results: dict[str, dict[str, Any]] = {}
@@ -708,10 +781,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         floods.append(flood_row(system, args.flood_policy, result, slo))
         print(f"# {json.dumps(floods[-1])}", file=sys.stderr, flush=True)
     add_ratios(rows)
+    load.append(round(os.getloadavg()[0], 2))
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "date": f"{began} to {time.strftime('%H:%M')}",
         "host": host(),
         "commit": commit(),
+        "load_average": load,
         "command": " ".join(["python", "bench/fleet.py", *sys.argv[1:]]),
         "args": {k: v for k, v in vars(args).items() if k not in ("report",)},
         "sizing": sizing(w, args.kv_blocks, args.replicas),

@@ -66,6 +66,12 @@ def test_without_the_replicas_counters_the_row_says_nothing_of_them() -> None:
     assert "replica_hit_share" not in row and "replica_token_split" not in row
 
 
+def test_without_vllms_counters_the_split_is_sluices_prompt_tokens() -> None:
+    counted = [{"sluice_prompt_tokens": 600.0}, {"sluice_prompt_tokens": 200.0}]
+    row = bench.summarise("sluice", "cache_aware", [turn(0, 2, 100, 0, 5.0)], counted)
+    assert row["replica_token_split"] == [0.75, 0.25] and "replica_hit_share" not in row
+
+
 def rows_of(sluice_rr: float, sluice_ca: float, vllm_rr: float) -> list[dict[str, Any]]:
     def row(system: str, policy: str, mean: float, hit: float, half: float) -> dict[str, Any]:
         return {
@@ -120,3 +126,20 @@ def test_the_targets_say_which_were_met_and_which_were_not() -> None:
 def test_unmeasured_targets_are_not_verdicts() -> None:
     verdicts = bench.targets([], [])
     assert [t["met"] for t in verdicts] == [None] * 4
+
+
+def test_sluice_replicas_gauges_are_each_replicas_mean_and_its_verdicts_the_fleets() -> None:
+    flood = sys.modules["flood"]  # (the one the bench imported)
+    one, two = flood.Measurements(), flood.Measurements()
+    one.samples = {"itl_target_ms": [5.0, 7.0], "bulk_cap": [3.0, 5.0]}
+    two.samples = {"itl_target_ms": [9.0], "bulk_cap": [2.0]}
+    one.counted = {"slo_met_none": [10.0, 40.0], "slo_missed_itl": [0.0, 5.0]}
+    two.counted = {"slo_met_none": [0.0, 15.0], "slo_missed_ttft": [1.0, 1.0]}
+    gauges = bench.sluice_gauges([one, two])
+    assert gauges == {
+        "ttft_target_ms": None,  # (not sampled on every replica)
+        "itl_target_ms": [6.0, 9.0],
+        "bulk_cap": [4.0, 2.0],
+        "within_slo_by_sluice": round(45 / 50, 4),
+    }
+    assert bench.sluice_gauges([]) == {}  # (vLLM's fleet: none sampled)

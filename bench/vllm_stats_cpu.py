@@ -9,17 +9,22 @@ CPU time (user + system; the engine core is another process) per token, in four 
 - `beside-default`: Sluice's logger as a plain one, so vLLM makes its own Prometheus logger too.
 
     python bench/vllm_stats_cpu.py [--alternations 3] [--rounds 3]
+    python bench/vllm_stats_cpu.py --calls     # Python function calls per token instead
 
 Each set-up runs in a process of its own (an engine each), in turn, `--alternations` times;
 the medians over every round are printed last. Run it with no other engine busy (the tests
-take /tmp/vllm.lock: `flock /tmp/vllm.lock python bench/vllm_stats_cpu.py`).
+take /tmp/vllm.lock: `flock /tmp/vllm.lock python bench/vllm_stats_cpu.py`). On a busy host a
+few µs drown in the noise; `--calls` counts the function calls the API process makes per token
+(under cProfile), which do not depend on the host.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -30,8 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("off", "sluice", "uncached", "beside-default")
 
 
-async def measure(mode: str, rounds: int, streams: int, tokens: int) -> list[float]:
-    """API-process CPU µs per token, per round, of one set-up."""
+async def measure(
+    mode: str, rounds: int, streams: int, tokens: int, calls: bool = False
+) -> list[float]:
+    """API-process CPU µs per token, per round, of one set-up (`calls`: function calls per
+    token instead)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     sys.path.insert(0, str(ROOT))
     from vllm import SamplingParams
@@ -87,9 +95,16 @@ async def measure(mode: str, rounds: int, streams: int, tokens: int) -> list[flo
         await asyncio.gather(*(one(f"warm-{i}", i) for i in range(8)))
         per_token = []
         for r in range(rounds):
+            profile = cProfile.Profile() if calls else None
             cpu = time.process_time()
+            if profile is not None:
+                profile.enable()
             got = sum(await asyncio.gather(*(one(f"{r}-{i}", i) for i in range(streams))))
-            per_token.append(1e6 * (time.process_time() - cpu) / got)
+            if profile is not None:
+                profile.disable()
+                per_token.append(pstats.Stats(profile).total_calls / got)
+            else:
+                per_token.append(1e6 * (time.process_time() - cpu) / got)
         return per_token
     finally:
         llm.shutdown()
@@ -102,11 +117,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--calls", action="store_true", help="count function calls per token")
     args = parser.parse_args()
     shape = ["--rounds", str(args.rounds), "--streams", str(args.streams)]
-    shape += ["--tokens", str(args.tokens)]
+    shape += ["--tokens", str(args.tokens), *(["--calls"] if args.calls else [])]
+    unit = "calls/token" if args.calls else "µs/token"
     if args.mode is not None:
-        rounds = asyncio.run(measure(args.mode, args.rounds, args.streams, args.tokens))
+        rounds = asyncio.run(measure(args.mode, args.rounds, args.streams, args.tokens, args.calls))
         print("rounds:", " ".join(f"{x:.2f}" for x in rounds))  # (vLLM logs to stdout too)
         return
     found: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -121,9 +138,11 @@ def main() -> None:
             line = next(line for line in out if line.startswith("rounds:"))
             rounds = [float(x) for x in line.removeprefix("rounds:").split()]
             found[mode] += rounds
-            print(f"{mode:15} " + " ".join(f"{x:5.1f}" for x in rounds) + " µs/token", flush=True)
+            print(f"{mode:15} " + " ".join(f"{x:5.1f}" for x in rounds) + f" {unit}", flush=True)
     for mode, rounds in found.items():
-        print(f"median API-process CPU per token, {mode}: {statistics.median(rounds):.1f} µs")
+        print(
+            f"median per token in the API process, {mode}: {statistics.median(rounds):.1f} {unit}"
+        )
 
 
 if __name__ == "__main__":

@@ -56,11 +56,11 @@ beside it).
 
 The two cores of this host are shared by everything, so each replica's engine is bound to a
 core of its own (`VLLM_CPU_OMP_THREADS_BIND`, replica i on core i-1, both fleets alike: by
-default each binds to the same core), as two machines would be. `--kv-block-size 128` until
-Sluice's `/metrics` says its block size (`vllm:cache_config_info`), which kv_aware's router
-needs. Run from the repository root:
+default each binds to the same core), as two machines would be. kv_aware's router hashes in
+the engine's block size, which a replica's `vllm:cache_config_info` says (`--kv-block-size`
+overrides it). Run from the repository root:
 
-    python bench/fleet.py --kv-block-size 128                     # everything, ~13 minutes here
+    python bench/fleet.py                                         # everything, ~13 minutes here
     python bench/fleet.py --systems vllm --policies cache_aware --no-flood --conversations 6
     python bench/fleet.py --json > docs/fleet-runs/DATE-COMMIT.json
     python bench/fleet.py --report docs/fleet-runs/FILE.json      # its tables again

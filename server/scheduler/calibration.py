@@ -19,10 +19,10 @@ count, nor one disturbed stream. The idle step, whose multiple is the default ga
 that median over the solo runs before the rest or over those after it, whichever is faster:
 they come over a second apart because a host's slow phases outlast a run (on another 2-core
 Xeon, the first five runs' fastest step ranged 1.71-2.04 ms over twelve probes on three engine
-starts, the fastest of all ten 1.68-1.81 ms: `docs/scheduler.md`). The median, not the fastest
-run's: that is how a person's stream is judged, against the idle median gap of chats; the
-fastest of ten runs is below it by the runs' spread (on the 2-core Xeon of CPU model 167,
-1.38-1.43 ms against a median of 1.42-1.46 over six probes). The prefill rate is the long
+starts, the fastest of all ten 1.68-1.81 ms: `docs/design/bulk-controller-tuning-2026-12-05.md`).
+The median, not the fastest run's: that is how a person's stream is judged, against the idle median
+gap of chats; the fastest of ten runs is below it by the runs' spread (on the 2-core Xeon of CPU
+model 167, 1.38-1.43 ms against a median of 1.42-1.46 over six probes). The prefill rate is the long
 prompt's extra time to first token over the short one's. The online estimates go on from
 these values.
 

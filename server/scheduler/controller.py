@@ -25,7 +25,7 @@ Gaps steer the scale, in two loops, one inside the other:
   neighbour), the window's median is mostly that noise: a loop as quick to grow as to shrink
   chases it, and the bulk it lets start in a calm second is still running in the next slow
   one. Half the gain for growth halves that chase, and costs only slack left unused for a
-  few seconds (docs/scheduler.md has what it bought in virtual time).
+  few seconds (docs/design/bulk-controller.md has what it bought in virtual time).
 * outer, as chats end: the aim, the window's median that leaves `goal` of chats within their
   gap target. Each chat that ends is a ratio: its own median gap share over the aim it lived
   under. It holds all that the inner loop does not: how far one chat strays from what chats

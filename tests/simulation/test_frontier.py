@@ -192,12 +192,13 @@ def stated(slo: tuple[float, float]) -> dict[str, Any]:
     return {"interactive": {"ttft_ms": 1000 * slo[0], "itl_ms": 1000 * slo[1]}}
 
 
-# Known short (docs/scheduler.md, "The flat curve" and "A fresh server's aim"). A fresh server's
-# aim starts at 0.65, below where the loop settles, and until chats show how they stray it rises
-# only with the ceiling: on the flat curves that is 0.78-0.95x the best fixed cap over seeds 1-4
-# (the real flood on such a host: 0.96-1.16x told the SLO, which is what the start was set by).
-# With a noisy neighbour, seed 1's slow second 15 s in meets bulk grown in the calm before it
-# (0.89x). Strict: a controller that meets them turns this into a failure to remove.
+# Known short (docs/design/bulk-controller-tuning-2026-12-04.md, "The flat curve", and -05.md, "A
+# fresh server's aim"). A fresh server's aim starts at 0.65, below where the loop settles, and until
+# chats show how they stray it rises only with the ceiling: on the flat curves that is 0.78-0.95x
+# the best fixed cap over seeds 1-4 (the real flood on such a host: 0.96-1.16x told the SLO, which
+# is what the start was set by). With a noisy neighbour, seed 1's slow second 15 s in meets bulk
+# grown in the calm before it (0.89x). Strict: a controller that meets them turns this into a
+# failure to remove.
 SHORT = {
     "a flat curve": "a fresh server's aim starts below what this curve keeps",
     "a flat curve, this machine's noise": "a slow second's chats hold the aim down",

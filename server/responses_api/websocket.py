@@ -8,7 +8,7 @@ response's events as `POST /v1/responses` streams them (`sequence_number` 0, 1, 
 create or retrieve that passed validation (`response.completed`, `.incomplete`, `.failed`,
 `.cancelled`, or an `error` when it was refused before it began); `error` (`status`,
 `error`) for a message that was refused. Lanes run at once; the messages of one lane run one
-after another, in order. docs/api.md documents the protocol."""
+after another, in order. docs/api/responses.md documents the protocol."""
 
 from __future__ import annotations
 

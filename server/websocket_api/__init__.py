@@ -1,2 +1,2 @@
 """Sluice's own WebSocket API (`/v1/ws`): many generations multiplexed over one socket, each
-resumable and cancellable by its id (`routes`; the protocol is in docs/api.md)."""
+resumable and cancellable by its id (`routes`; the protocol is in docs/api/websocket.md)."""

@@ -14,7 +14,7 @@ when n > 1)
 or `{"type": "error", "id", "error": {...}}` per generate or resume that passed validation
 (finish_reason "cancelled" after a cancel), and errors with id null for a message that could
 not be attributed. `seq` numbers the generation's events as the `id:` of its SSE events does.
-docs/api.md documents the protocol.
+docs/api/websocket.md documents the protocol.
 """
 
 from __future__ import annotations

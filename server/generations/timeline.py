@@ -32,8 +32,8 @@ from server.observability.access_log import (
 from server.observability.metrics import Metrics, RequestSeries
 from server.observability.tracing import GenerationSpan, TraceParent, Tracing
 from server.scheduler.attainment import ChatMeter, Ended
-from server.scheduler.slo import slo_result
-from server.scheduler.types import Generation, SloTargets
+from server.scheduler.slo import SloTargets, slo_result
+from server.scheduler.types import Generation
 
 FLUSH_SECONDS = 1.0  # a running request's per-token metrics reach the registry this often
 

@@ -7,11 +7,25 @@ So a ticket on an adapter starts only where its adapter already runs or a slot i
 the scheduler decides who gets a slot: chats first (a chat waiting for a slot stops the bulk
 that holds one), then bulk, and within a class the queues' turns (flows of a tenant and an
 adapter) share the slots. Base-model tickets hold none.
+
+Bulk whose head needs a slot it cannot have does not stall behind it: the first line's head
+that needs no slot starts instead (`bulk_head`), for `ADAPTER_TURN_S`, then only the base
+model's, so that the adapters that hold the slots end their turn and one frees. Stopping bulk
+for a chat that waits for a slot is preemption's (`preemption.py`).
 """
 
 from __future__ import annotations
 
+from server.scheduler.queues import TenantFairQueue
 from server.scheduler.types import INTERACTIVE, Ticket
+
+# While bulk's head waits for an adapter slot, bulk on the adapters that hold the slots goes on
+# starting for this long, then stops starting, so that they end and free one (`_bulk_instead`).
+ADAPTER_TURN_S = 10.0
+
+
+def on_base_model(ticket: Ticket) -> bool:
+    return ticket.adapter is None
 
 
 class AdapterSlots:
@@ -19,6 +33,7 @@ class AdapterSlots:
         self.slots = slots
         self._sequences: dict[str, int] = {}  # running sequences on each adapter
         self._chats: dict[str, int] = {}  # of which interactive
+        self._bulk_waits_since: float | None = None  # bulk's head has waited for a slot
 
     def fits(self, ticket: Ticket) -> bool:
         """Whether `ticket` may start now: on the base model, on an adapter that runs, or with
@@ -52,6 +67,37 @@ class AdapterSlots:
 
     def in_use(self) -> int:
         return len(self._sequences)
+
+    def bulk_head(
+        self, bulk: TenantFairQueue, chat_head: Ticket | None, now: float
+    ) -> Ticket | None:
+        """The bulk ticket to start next, if bulk's other limits allow, while `chat_head` (if
+        any) waits: bulk's head, unless it needs a slot. A free slot is a chat's first: while a
+        chat waits for one, bulk starts on the base model only (bulk started on an adapter now
+        would only be stopped for the chat), and bulk takes a free slot only while no chat
+        waits. A head that needs a slot it cannot have waits (`_bulk_instead`)."""
+        head = bulk.peek()
+        if head is None or head.adapter is None:
+            self._bulk_waits_since = None  # it waits for no slot
+            return head
+        if chat_head is not None and not self.fits(chat_head):
+            return bulk.first(on_base_model)
+        if self.resident(head) or (chat_head is None and self.fits(head)):
+            self._bulk_waits_since = None  # it waits for no slot
+            return head
+        return self._bulk_instead(bulk, now)
+
+    def _bulk_instead(self, bulk: TenantFairQueue, now: float) -> Ticket | None:
+        """What bulk starts while its head waits for an adapter slot: for `ADAPTER_TURN_S`,
+        the first line's head that needs no slot (the base model's, or an adapter's that runs):
+        the slots stay busy. Then only the base model's, so that the adapters that hold the
+        slots end their turn and one frees (a line that always had a request waiting would
+        otherwise keep its slot for ever)."""
+        if self._bulk_waits_since is None:
+            self._bulk_waits_since = now
+        if now - self._bulk_waits_since < ADAPTER_TURN_S:
+            return bulk.first(self.resident)
+        return bulk.first(on_base_model)
 
 
 def _take(counts: dict[str, int], adapter: str, n: int) -> None:

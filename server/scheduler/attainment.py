@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from server.scheduler.types import SloTargets
+from server.scheduler.slo import SloTargets
 
 # The window of gaps the controller steers by: long enough for about a hundred gaps of a few
 # chats, short enough that a step cost that changes shows within it.

@@ -57,6 +57,20 @@ class BudgetLimits:
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.tokens, self.kv_blocks, self.sequences)
 
+    def prefill_tokens(self, ticket: Ticket) -> int:
+        """Tokens the engine prefills for `ticket`: its whole prompt, or for a continuation
+        what follows its last full KV block (an engine with prefix caching holds the rest)."""
+        tokens = ticket.prompt_tokens
+        if ticket.resumed_tokens:
+            tokens = tokens % self.block_size or 1
+        return tokens
+
+    def prefill_steps(self, ticket: Ticket) -> int:
+        """Engine steps `ticket`'s prefill spans: one, or its chunks on an engine that
+        prefills a long prompt a chunk a step (a chat arriving meanwhile waits behind them)."""
+        chunk = self.prefill_chunk
+        return -(-self.prefill_tokens(ticket) // chunk) if chunk > 0 else 1
+
 
 class BudgetLedger:
     """In-use amounts of each budget, in total and per traffic class."""

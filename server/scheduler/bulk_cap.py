@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from server.core.config import SloConfig
 from server.scheduler.controller import BulkController
 from server.scheduler.estimates import RateEstimates
-from server.scheduler.types import SloTargets
+from server.scheduler.slo import SloTargets
 
 # The prompt of a typical chat, to guess the idle time to first token before one is observed.
 TYPICAL_CHAT_PROMPT_TOKENS = 64

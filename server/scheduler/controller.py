@@ -58,7 +58,7 @@ Gaps steer the scale, in two loops, one inside the other:
   jumping to a ceiling that a long calm run left at its bound.
 
 First tokens steer the pace: a chat whose first token came late behind bulk's prefills (the
-scheduler judges that as it sees the token: `SchedulerCore._late_behind_bulk`) slows the pace
+scheduler judges that as it sees the token: `BulkAllowance._late_behind_bulk`) slows the pace
 by `PACE_STEP` (in log); each other first token speeds it back by a share of that, so that
 half the goal's misses at most are such first tokens (a stochastic approximation). Fewer bulk
 starts mean fewer prefills in the steps a chat's first token waits for, and, where bulk's
@@ -78,6 +78,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from server.core.config import SloConfig
 from server.scheduler.attainment import ChatMeter, Ended
 
 PERIOD_S = 0.2
@@ -112,6 +113,15 @@ class BulkController:
         self.median = 0.0  # the window's median gap share when last read (0: none)
         self._first_tokens = 0  # chats' first tokens since the last period
         self._late = False  # whether one of them came late behind bulk's prefills
+
+    @classmethod
+    def for_slo(cls, slo: SloConfig) -> BulkController:
+        """Steering only where there is a cap to steer (`cap_bulk`), set by the model (no
+        fixed `bulk_cap_sequences`), and feedback is on."""
+        return cls(
+            slo.attainment_goal,
+            enabled=slo.feedback and slo.cap_bulk and slo.bulk_cap_sequences is None,
+        )
 
     def due(self, now: float) -> bool:
         return self.enabled and now >= self.next_at

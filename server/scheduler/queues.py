@@ -6,14 +6,20 @@ each turn credits a line one quantum, and its oldest request leaves once its cre
 request's tokens. A tenant flooding the queue therefore gets the same token share as one
 sending a trickle, an adapter's flood the same as another adapter's, and within a line requests
 leave in arrival order.
+
+`ClassQueues` holds one model's queues, one per class, with what they hold in common: the
+queued tickets by id, their expected work (`backlog.py`) and their deadlines, soonest first.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable
 
-from server.scheduler.types import Ticket
+from server.scheduler.backlog import Backlog
+from server.scheduler.types import BULK, INTERACTIVE, Ticket, TrafficClass
 
 Flow = tuple[str, str | None]  # (tenant, adapter)
 
@@ -123,3 +129,72 @@ class TenantFairQueue:
 
     def tickets(self) -> list[Ticket]:
         return [t for waiting in self._by_flow.values() for t in waiting.values()]
+
+
+class ClassQueues:
+    """Where admitted tickets wait for their dispatch: interactive's queue and bulk's."""
+
+    def __init__(self, *, quantum_tokens: int) -> None:
+        self.by_class = {c: TenantFairQueue(quantum_tokens=quantum_tokens) for c in TrafficClass}
+        self.interactive = self.by_class[INTERACTIVE]
+        self.bulk = self.by_class[BULK]
+        self.backlog = Backlog()  # the queued tickets' expected work
+        self._queued: dict[str, Ticket] = {}
+        self._deadlines: list[tuple[float, int, str]] = []  # (deadline, order, request id)
+        self._order = itertools.count()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._queued
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def get(self, request_id: str) -> Ticket | None:
+        return self._queued.get(request_id)
+
+    def add(self, ticket: Ticket, expected_output: float, *, front: bool = False) -> None:
+        """Queue `ticket`, expected to generate `expected_output` tokens; `front`: a preempted
+        bulk ticket's continuation, first in its line."""
+        if front:
+            self.bulk.push_front(ticket)
+        else:
+            self.by_class[ticket.traffic_class].push(ticket)
+        self._queued[ticket.request_id] = ticket
+        self.backlog.add(ticket, expected_output)
+        heapq.heappush(self._deadlines, (ticket.deadline, next(self._order), ticket.request_id))
+
+    def remove(self, ticket: Ticket) -> None:
+        """Take a queued ticket out (cancelled, or expired)."""
+        del self._queued[ticket.request_id]
+        self.by_class[ticket.traffic_class].remove(ticket)
+        self.backlog.remove(ticket)
+
+    def start(self, ticket: Ticket) -> float:
+        """Take out `ticket`, which its queue's `peek` or `first` just returned, for dispatch;
+        returns the output tokens it was expected to generate."""
+        self.by_class[ticket.traffic_class].pop(ticket)
+        del self._queued[ticket.request_id]
+        return self.backlog.remove(ticket)
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Take out the queued tickets whose deadline is `now` or earlier, soonest first."""
+        expired: list[Ticket] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, request_id = heapq.heappop(heap)
+            ticket = self._queued.get(request_id)
+            if ticket is not None:
+                self.remove(ticket)
+                expired.append(ticket)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        """The soonest deadline of a ticket still queued."""
+        heap = self._deadlines
+        while heap and heap[0][2] not in self._queued:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def oldest_age(self, traffic_class: TrafficClass, now: float) -> float:
+        oldest = self.by_class[traffic_class].oldest_arrival()
+        return 0.0 if oldest is None else max(0.0, now - oldest)

@@ -1,7 +1,7 @@
 """Per-tenant limits checked at admission: requests in flight and tokens per rolling minute.
 
 Plain values and `now` passed in, like the rest of the core. The tenant's share of a class
-queue is checked by the core itself, which owns the queues.
+queue is checked beside them, by admission (`admission.py`), which reads the queues.
 """
 
 from __future__ import annotations

@@ -1,15 +1,27 @@
-"""Whether a request that ended met its class's service-level objective.
+"""A request's service-level objective: what it is promised (`SloTargets`), and whether, once
+it ended, it met them (`slo_result`).
 
 Interactive: completed, its first token within the TTFT target and the median gap of its
 stream within the inter-token target. Bulk (no latency targets): completed. Refusals for
 capacity, expiry and failure are misses; invalid input and a tenant's own refusals (key, class,
 quota) do not count, nor does a client that left before any target was broken. The server
 (`server/generations/timeline.py`) and the simulator judge every request with this one function.
+A leaf: what measures chats against their targets (`attainment.py`) and what sets them
+(`bulk_cap.py`, `targets.py`) import it.
 """
 
 from __future__ import annotations
 
-from server.scheduler.types import SloTargets
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SloTargets:
+    """What an interactive request is promised: seconds to its first token, and between
+    tokens (the median gap of its stream)."""
+
+    ttft_s: float
+    itl_s: float
 
 
 def slo_result(

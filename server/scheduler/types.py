@@ -42,15 +42,6 @@ class PreemptCause(StrEnum):
     ADAPTER_SLOT = "adapter_slot"  # a chat on an adapter waits for a slot bulk holds
 
 
-@dataclass(frozen=True, slots=True)
-class SloTargets:
-    """What an interactive request is promised: seconds to its first token, and between
-    tokens (the median gap of its stream)."""
-
-    ttft_s: float
-    itl_s: float
-
-
 @dataclass(slots=True)
 class Ticket:
     """An admitted request as the scheduler sees it. Times are seconds on the shell's clock."""

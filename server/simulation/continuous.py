@@ -44,8 +44,8 @@ from server.scheduler.budgets import BudgetLimits
 from server.scheduler.calibration import seed
 from server.scheduler.core import Rejected, SchedulerCore
 from server.scheduler.refusals import REFUSALS
-from server.scheduler.slo import slo_result
-from server.scheduler.types import BULK, INTERACTIVE, SloTargets, Ticket, TrafficClass
+from server.scheduler.slo import SloTargets, slo_result
+from server.scheduler.types import BULK, INTERACTIVE, Ticket, TrafficClass
 from server.simulation.continuous_report import Tally, Timeline
 from server.simulation.continuous_workload import (
     RequestShape,

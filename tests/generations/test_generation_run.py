@@ -30,7 +30,7 @@ from server.openai.chunks import ChunkEncoder
 from server.openai.requests import parse_request
 from server.scheduler.attainment import ChatMeter
 from server.scheduler.runtime import SchedulerRuntime
-from server.scheduler.types import SloTargets
+from server.scheduler.slo import SloTargets
 
 OPTIMISTIC = {
     "estimates": {"decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9, "calibrate": False}

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import itertools
 
-from server.scheduler.core import ADAPTER_TURN_S, SchedulerCore
+from server.scheduler.adapters import ADAPTER_TURN_S
+from server.scheduler.core import SchedulerCore
 from server.scheduler.types import PreemptCause
 
 from .helpers import BULK, admit, config, core, ids, ticket

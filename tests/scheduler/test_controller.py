@@ -20,7 +20,7 @@ from server.scheduler.controller import (
     SCALE_BOUNDS,
     BulkController,
 )
-from server.scheduler.types import SloTargets
+from server.scheduler.slo import SloTargets
 
 TARGETS = SloTargets(ttft_s=0.1, itl_s=0.01)
 

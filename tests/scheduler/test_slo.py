@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from server.core.errors import DeadlineUnmeetable, Overloaded, TenantQuotaExceeded
-from server.scheduler.slo import slo_result
-from server.scheduler.types import SloTargets
+from server.scheduler.slo import SloTargets, slo_result
 
 TARGETS = SloTargets(ttft_s=0.1, itl_s=0.01)
 

@@ -32,7 +32,7 @@ def flood(*, bulk: bool = True, knows_slots: bool = True, seed: int = 1) -> Cont
     if not knows_slots:
         # A stand-in for a scheduler that does not know the engine's slots (vLLM's server
         # leaves them to its engine): as many as it likes.
-        simulation.core.slots = AdapterSlots(1_000)
+        simulation.core.seats.slots = AdapterSlots(1_000)
     chats = poisson_mix(4.0, SECONDS - 2.0, WorkloadMix(interactive=CHATS), seed=seed)
     simulation.add_arrivals([dataclasses.replace(a, model="chat-b") for a in chats])
     if bulk:

@@ -3,20 +3,19 @@ serve flags derived from it."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
-from server.cli import build_parser
+from server.cli import parse_serve
 from server.core.config import ConfigError, TrafficClass, parse_config
-from server.core.settings import config_flags, load_config
+from server.core.settings import ServeOptions, config_flags, load_config
 
 BULK = TrafficClass.BULK
 
 
-def serve_args(*flags: str) -> argparse.Namespace:
-    return build_parser().parse_args(["serve", *flags])
+def serve_args(*flags: str) -> ServeOptions:
+    return parse_serve(flags).options
 
 
 def write(tmp_path: Path, text: str) -> Path:

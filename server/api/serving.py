@@ -1,14 +1,15 @@
 """`sluice serve`: the app its options assemble, the servers that serve it, and the process.
 
 `ServeCommand` is what the command line said, typed (`server.cli` makes it from its parser's
-result; nothing here reads an `argparse.Namespace`). `assemble` builds what it asks for
-(engine, dispatcher, configuration, batch store: Redis's with `state.url`, else SQLite's
-under `--data-dir`; the app's tracer with `--otlp-traces-endpoint`; and one `Metrics` that
-all of them record into); `Serving` runs the result under uvicorn, with /metrics on a port of
-its own when asked, until it is told to stop or the engine dies; `serve` is the process
-around them: logging, the event loop, the collector frozen once start-up is done, and
-uvicorn's signal handlers. The first two do nothing process-wide, so tests run them in a
-thread of their own process (`tests/conftest.py`).
+result; nothing here reads an `argparse.Namespace`). `assemble` is the composition root: it
+builds every adapter the app is handed (the engine and its dispatcher; with `state.url`, the
+Redis state, the quotas replicas share and Redis's stores, the only place Redis is known;
+SQLite's stores under `--data-dir`; the app's tracer with `--otlp-traces-endpoint`; and one
+`Metrics` that all of them record into), then the app; `Serving` runs the result under uvicorn,
+with /metrics on a port of its own when asked, until it is told to stop or the engine dies;
+`serve` is the process around them: logging, the event loop, the collector frozen once start-up
+is done, and uvicorn's signal handlers. The first two do nothing process-wide, so tests run
+them in a thread of their own process (`tests/conftest.py`).
 
 If the engine dies, /ready and new requests get 503 for `--engine-death-exit-seconds`, then the
 process exits 3 so an orchestrator restarts it. On SIGTERM or SIGINT (Ctrl-C) it drains: /ready
@@ -33,6 +34,7 @@ import socket
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +43,7 @@ from starlette.applications import Starlette
 from uvicorn.config import LOGGING_CONFIG
 
 from engine_adapters.protocol import EngineClient
-from server.api.app import SluiceApp, build_app, metrics_app
+from server.api.app import SharedStores, SluiceApp, Stores, build_app, metrics_app
 from server.batch_api.sqlite_store import SqliteBatchStore
 from server.batch_api.store import BatchStore
 from server.core import last_exit
@@ -52,10 +54,14 @@ from server.observability import redaction
 from server.observability.access_log import install_handler
 from server.observability.metrics import Metrics
 from server.observability.tracing import build_tracing
+from server.responses_api.store import SqliteResponses
 from server.scheduler.types import Dispatcher
+from server.state.adapters import RuntimeAdapters
 from server.state.backend import RedisState
 from server.state.batches import RedisBatchStore
 from server.state.quotas import SharedQuotaDispatcher, SharedQuotas
+from server.state.responses import RedisResponses
+from server.state.runs import RedisRuns
 
 if TYPE_CHECKING:
     from engine_adapters.sim import SimConfig
@@ -118,20 +124,11 @@ def assemble(command: ServeCommand, environ: Mapping[str, str] = os.environ) -> 
     if config.state.url is not None:
         state = RedisState(config.state, metrics)
         dispatcher = SharedQuotaDispatcher(dispatcher, SharedQuotas(state, config.tenants))
-    batch_store: BatchStore
-    if state is not None:
-        batch_store = RedisBatchStore(state)
-    else:
-        try:
-            batch_store = SqliteBatchStore(options.data_dir)
-        except (OSError, sqlite3.Error) as exc:
-            raise StartRefused(
-                f"the data directory {options.data_dir} cannot be used: {exc}"
-            ) from None
     try:
         tracing = build_tracing(config.tracing.otlp_traces_endpoint, environ)
     except ValueError as exc:
         raise StartRefused(f"tracing: {exc}") from None
+    stores = build_stores(engine, config, metrics, options.data_dir, state)
     engine_died = asyncio.Event()
     app = build_app(
         engine,
@@ -139,15 +136,47 @@ def assemble(command: ServeCommand, environ: Mapping[str, str] = os.environ) -> 
         config,
         name,
         metrics=metrics,
+        stores=stores,
         options=options,
         on_engine_death=engine_died,
-        batch_store=batch_store,
-        state=state,
-        responses_dir=options.data_dir,
         tracing=tracing,
     )
     scrape_app = None if options.metrics_port is None else metrics_app(app.services)
     return Assembled(options, app, scrape_app, engine_died)
+
+
+def build_stores(
+    engine: EngineClient,
+    config: SluiceConfig,
+    metrics: Metrics,
+    data_dir: Path | None = None,
+    state: RedisState | None = None,
+) -> Stores:
+    """What the app keeps beyond a request: on the host, under `data_dir` (None: ended
+    responses in memory, and no Batch API), and with `state` (`state.url`) in Redis, shared by
+    replicas. StartRefused: the data directory cannot be used."""
+    kept = config.responses
+    try:
+        batches: BatchStore | None = None
+        if state is not None:
+            batches = RedisBatchStore(state)
+        elif data_dir is not None:
+            batches = SqliteBatchStore(data_dir)
+        responses = SqliteResponses(data_dir, kept.retention_seconds, kept.max_bytes)
+    except (OSError, sqlite3.Error) as exc:
+        raise StartRefused(f"the data directory {data_dir} cannot be used: {exc}") from None
+    adapters = RuntimeAdapters(engine, state)
+    if state is None:
+        return Stores(responses, adapters, batches)
+    shared = SharedStores(
+        RedisRuns(
+            state, config.idempotency.retention_seconds, config.resume.grace_seconds, metrics
+        ),
+        RedisResponses(state, kept.retention_seconds, kept.max_bytes),
+        state.replica,
+        state.stop,
+    )
+    return Stores(responses, adapters, batches, shared)
 
 
 def _build_serving(

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from server.core import last_exit
 from server.core.settings import ServeOptions, add_arguments
+
+if TYPE_CHECKING:
+    from server.api.serving import ServeCommand
 
 # First: the handler atexit runs last (after every library's), for `sluice serve`.
 last_exit.install()
@@ -116,6 +121,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_command(args: argparse.Namespace) -> ServeCommand:
+    """`sluice serve`'s parsed arguments as one typed, frozen object: nothing past the command
+    line reads the Namespace. An engine's own flags are read only when it is the one served."""
+    from server.api.serving import ServeCommand
+
+    options = ServeOptions.model_validate(vars(args))
+    if options.engine == "sim":
+        from engine_adapters.sim import SimConfig
+
+        return ServeCommand(options, sim=SimConfig.from_args(args))
+    if options.engine == "sim-batch":
+        from server.fixed_batch.cli import BatchShape
+
+        return ServeCommand(options, batch=BatchShape.model_validate(vars(args)))
+    return ServeCommand(options)
+
+
+def parse_serve(argv: Sequence[str]) -> ServeCommand:
+    """`sluice serve ARGV` as the command reads it (its parser, then `serve_command`)."""
+    return serve_command(build_parser().parse_args(["serve", *argv]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -126,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         terminal.die_with_parent()
         from server.api.serving import serve
 
-        return serve(args)
+        return serve(serve_command(args))
     if args.command == "fleet":
         from server import fleet
 

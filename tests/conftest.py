@@ -306,7 +306,7 @@ class InProcessSluice:
         *,
         metrics_port: bool = False,
     ) -> None:
-        from server.cli import build_parser
+        from server.cli import parse_serve
 
         self._socket = listener or loopback_listener()
         self.port = int(self._socket.getsockname()[1])
@@ -324,7 +324,7 @@ class InProcessSluice:
             [] if self.metrics_port is None else ["--metrics-port", str(self.metrics_port)]
         )
         where = ["--host", "127.0.0.1", "--port", str(self.port), *data_dir, *metrics_args]
-        self.args = build_parser().parse_args(["serve", *where, *args])
+        self.command = parse_serve([*where, *args])
         self.log_path = log_path
         self.returncode: int | None = None
         self._environ = {**os.environ, **(env or {})}
@@ -339,7 +339,7 @@ class InProcessSluice:
     def _capture_log(self) -> logging.Handler:
         """What the server's thread logs, at its --log-level, into `log_path` (the levels of
         Sluice's and uvicorn's loggers are this test process's, lowered if need be)."""
-        level = logging.getLevelName(self.args.log_level.upper())
+        level = logging.getLevelName(self.command.options.log_level.upper())
         for name in ("sluice", "uvicorn"):
             named = logging.getLogger(name)
             if named.getEffectiveLevel() > level:
@@ -366,7 +366,7 @@ class InProcessSluice:
         from server.api.serving import Serving, assemble
 
         serving = Serving(
-            assemble(self.args, self._environ), log_config=None, on_started=self._ready.set
+            assemble(self.command, self._environ), log_config=None, on_started=self._ready.set
         )
         self._loop, self._serving = asyncio.get_running_loop(), serving
         metrics_sockets = None if self._metrics_socket is None else [self._metrics_socket]

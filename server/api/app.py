@@ -2,7 +2,10 @@
 
 If the engine dies, /ready fails, new requests get 503, in-flight streams end with an error
 event, and `on_engine_death` is set (the process then exits non-zero: `server.api.serving`).
-The process itself (signals, the drain, logging) is `server.api.serving`'s.
+The process itself (signals, the drain, logging) is `server.api.serving`'s, and so is what
+the app is handed: the engine, the dispatcher, the stores (`Stores`: SQLite's, and with
+`state.url` Redis's), the tracer and the metrics. The app wires routes to them and starts and
+stops them; it knows no Redis.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
+from typing import Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -24,7 +28,7 @@ from starlette.routing import Route
 
 from engine_adapters.protocol import EngineClient, EngineDeadError
 from server.api.access import AccessLogMiddleware
-from server.api.routes import Parts, ignorable_fields, prometheus_metrics, routes
+from server.api.routes import Parts, RuntimeLoras, ignorable_fields, prometheus_metrics, routes
 from server.batch_api.routes import BatchServices
 from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore
@@ -36,6 +40,7 @@ from server.core.errors import (
 )
 from server.core.settings import ServeOptions
 from server.generations.planner import Planner
+from server.generations.ports import ResponseStore, SharedRuns
 from server.generations.registry import RunStore
 from server.generations.service import Generations
 from server.http.edge import Edge
@@ -47,10 +52,6 @@ from server.observability.tracing import Tracing
 from server.responses_api.service import Responses
 from server.responses_api.store import SqliteResponses
 from server.scheduler.types import Dispatcher, TrafficClass
-from server.state.adapters import RuntimeAdapters
-from server.state.backend import RedisState
-from server.state.responses import RedisResponses
-from server.state.runs import RedisRuns
 from server.tenancy.tenants import TenantDirectory
 
 logger = logging.getLogger("sluice.server")
@@ -61,6 +62,50 @@ class SluiceApp(Starlette):
     """The Starlette app, with the services its routes were handed."""
 
     services: Services
+
+
+class Started(Protocol):
+    """A part the app's lifespan starts, and stops in reverse."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class SharedRunStore(SharedRuns, Started, Protocol):
+    """Resumable generations shared by replicas (`server.state.runs`)."""
+
+
+class SharedResponseStore(ResponseStore, Protocol):
+    """Ended responses shared by replicas (`server.state.responses`)."""
+
+    async def start(self) -> None: ...
+
+
+class LoraAdapters(RuntimeLoras, Started, Protocol):
+    """LoRA adapters loaded at runtime, on every replica with `state.url`
+    (`server.state.adapters`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedStores:
+    """With `state.url`: what replicas share, in Redis, built by `server.api.serving`."""
+
+    runs: SharedRunStore
+    responses: SharedResponseStore
+    replica: str  # this replica's id: the owner of the batches it runs
+    close: Callable[[], Awaitable[None]]  # the connections, once all that uses them stopped
+
+
+@dataclass(frozen=True, slots=True)
+class Stores:
+    """What the app keeps beyond a request, built by the composition root
+    (`server.api.serving.build_stores`); the app's lifespan starts and stops them."""
+
+    responses: SqliteResponses  # ended responses on the host (with `shared`: while Redis is away)
+    adapters: LoraAdapters
+    batches: BatchStore | None = None  # the Batch API's (None: it is not served)
+    shared: SharedStores | None = None
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -97,37 +142,23 @@ def build_app(
     served_model: str,
     *,
     metrics: Metrics,
+    stores: Stores,
     options: ServeOptions | None = None,
     on_engine_death: asyncio.Event | None = None,
-    batch_store: BatchStore | None = None,
-    state: RedisState | None = None,
-    responses_dir: Path | None = None,
     clock: Callable[[], float] = time.monotonic,
     tracing: Tracing | None = None,
 ) -> SluiceApp:
-    """`metrics`: the app's registry, which the dispatcher and `state` record into too.
-    `options`: the serve flags the app reads (bodies' and files' limits, the streams' pings,
-    coalescing, interval and send timeout, and whether /metrics is its own, without
-    --metrics-port); None: their defaults.
-    `state`: Redis, for quotas (the dispatcher's), and resumable generations and stored
-    responses shared by replicas. `responses_dir`: where ended responses are kept (SQLite;
-    None: in memory), or, with `state`, kept while Redis does not answer. `clock`: what the
+    """`metrics`: the app's registry, which the dispatcher and the stores record into too.
+    `stores`: what outlives a request (`build_stores`; with `stores.shared`, the dispatcher
+    holds the quotas replicas share). `options`: the serve flags the app reads (bodies' and
+    files' limits, the streams' pings, coalescing, interval and send timeout, and whether
+    /metrics is its own, without --metrics-port); None: their defaults. `clock`: what the
     tenant directory and the run store read (in-process tests in virtual time pass the
     loop's, as they do to the dispatcher). `tracing`: the app's own tracer provider, with
     tracing on (None: no span is made); shut down (its last spans sent) when the app is."""
     options = options or ServeOptions()
-    shared = (
-        None
-        if state is None
-        else RedisRuns(
-            state, config.idempotency.retention_seconds, config.resume.grace_seconds, metrics
-        )
-    )
-    kept = config.responses
-    local_responses = SqliteResponses(responses_dir, kept.retention_seconds, kept.max_bytes)
-    shared_responses = (
-        None if state is None else RedisResponses(state, kept.retention_seconds, kept.max_bytes)
-    )
+    shared = stores.shared
+    local_responses = stores.responses
     planner = Planner(
         engine, TenantDirectory(config, clock), dispatcher, served_model, options.stream_interval
     )
@@ -136,7 +167,7 @@ def build_app(
         dispatcher=dispatcher,
         store=RunStore(config.idempotency.retention_seconds, config.idempotency.max_bytes, clock),
         metrics=metrics,
-        shared=shared,
+        shared=None if shared is None else shared.runs,
         grace_seconds=config.resume.grace_seconds,
         tracing=tracing,
     )
@@ -153,26 +184,26 @@ def build_app(
         metrics=metrics,
         started=int(time.time()),
     )
-    adapters = RuntimeAdapters(engine, state)
+    adapters = stores.adapters
     parts = Parts(
         adapters=adapters,
         batches=None
-        if batch_store is None
+        if stores.batches is None
         else BatchServices(
-            batch_store,
+            stores.batches,
             BatchRunner(
                 generations,
-                batch_store,
+                stores.batches,
                 metrics,
                 lease_s=config.state.lease_s,
-                owner=None if state is None else state.replica,
+                owner=None if shared is None else shared.replica,
             ),
             options.max_file_bytes,
         ),
         responses=Responses(
             generations,
-            local_responses if shared_responses is None else shared_responses,
-            None if shared_responses is None else local_responses,
+            local_responses if shared is None else shared.responses,
+            None if shared is None else local_responses,
         ),
         metrics=options.metrics_port is None,
     )
@@ -197,10 +228,9 @@ def build_app(
             await engine.start()
             stack.push_async_callback(engine.stop)
             stack.callback(local_responses.close)
-            if state is not None:
-                stack.push_async_callback(state.stop)  # (started by the parts that use it)
-            if shared_responses is not None:
-                await shared_responses.start()
+            if shared is not None:
+                stack.push_async_callback(shared.close)  # (opened by the parts that use it)
+                await shared.responses.start()
             if parts.responses is not None:
                 stack.push_async_callback(parts.responses.stop)
             await dispatcher.start()
@@ -208,8 +238,8 @@ def build_app(
             if metrics.vllm is None:  # (once per app: a lifespan run again keeps its series)
                 metrics.vllm_series(served_model, engine, dispatcher.queued)
             if shared is not None:
-                await shared.start()
-                stack.push_async_callback(shared.stop)
+                await shared.runs.start()
+                stack.push_async_callback(shared.runs.stop)
             await adapters.start()
             stack.push_async_callback(adapters.stop)
             if parts.batches is not None:

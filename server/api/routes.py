@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -61,7 +61,6 @@ from server.responses_api import routes as responses_routes
 from server.responses_api.service import Responses
 from server.responses_api.websocket import responses_websocket
 from server.responses_api.wire import CreateResponse
-from server.state.adapters import RuntimeAdapters
 from server.websocket_api.routes import websocket_endpoint
 
 STATIC = Path(__file__).parent / "static"
@@ -97,6 +96,15 @@ async def models(services: Services, request: Request) -> Response:
     return JSONResponse(ModelList(data=cards).model_dump())
 
 
+class RuntimeLoras(Protocol):
+    """LoRA adapters loaded at runtime, for vLLM's load and unload endpoints (on every replica
+    that shares the state, `server.state.adapters`)."""
+
+    async def load(self, name: str, path: str) -> None: ...
+
+    async def unload(self, name: str) -> None: ...
+
+
 async def _admin_body(services: Services, request: Request) -> Any:
     """The JSON body of a request only an admin key may make (403 for any other)."""
     tenant = services.planner.tenant_of(context_of(request))
@@ -106,7 +114,7 @@ async def _admin_body(services: Services, request: Request) -> Any:
 
 
 async def load_lora_adapter(
-    services: Services, adapters: RuntimeAdapters, request: Request
+    services: Services, adapters: RuntimeLoras, request: Request
 ) -> Response:
     """vLLM's runtime loading: the adapter served as a model from now on (on every replica
     that shares the state)."""
@@ -136,7 +144,7 @@ async def load_lora_adapter(
 
 
 async def unload_lora_adapter(
-    services: Services, adapters: RuntimeAdapters, request: Request
+    services: Services, adapters: RuntimeLoras, request: Request
 ) -> Response:
     """New requests for the adapter get the 404 at once; those running on it finish."""
     body = validated(UnloadLoRAAdapter, await _admin_body(services, request))
@@ -300,7 +308,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 class Parts:
     """The app's optional parts, each with what its routes are handed after the services."""
 
-    adapters: RuntimeAdapters  # LoRA adapters loaded at runtime (vLLM's endpoints)
+    adapters: RuntimeLoras  # LoRA adapters loaded at runtime (vLLM's endpoints)
     responses: Responses | None = None  # OpenAI's Responses API
     batches: BatchServices | None = None  # OpenAI's Batch API
     metrics: bool = False  # /metrics on the API's port (no port of its own)

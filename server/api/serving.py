@@ -1,13 +1,15 @@
-"""`sluice serve`: the app its arguments assemble, the servers that serve it, and the process.
+"""`sluice serve`: the app its options assemble, the servers that serve it, and the process.
 
-`assemble` builds what the arguments ask for (engine, dispatcher, configuration, batch store:
-Redis's with `state.url`, else SQLite's under `--data-dir`; the app's tracer with
-`--otlp-traces-endpoint`; and one `Metrics` that all of them record into); `Serving` runs
-the result under uvicorn, with /metrics on a port of its own when asked, until it is told to
-stop or the engine dies; `serve` is the process around them:
-logging, the event loop, the collector frozen once start-up is done, and uvicorn's signal
-handlers. The first two do nothing process-wide, so tests run them in a thread of their own
-process (`tests/conftest.py`).
+`ServeCommand` is what the command line said, typed (`server.cli` makes it from its parser's
+result; nothing here reads an `argparse.Namespace`). `assemble` is the composition root: it
+builds every adapter the app is handed (the engine and its dispatcher; with `state.url`, the
+Redis state, the quotas replicas share and Redis's stores, the only place Redis is known;
+SQLite's stores under `--data-dir`; the app's tracer with `--otlp-traces-endpoint`; and one
+`Metrics` that all of them record into), then the app; `Serving` runs the result under uvicorn,
+with /metrics on a port of its own when asked, until it is told to stop or the engine dies;
+`serve` is the process around them: logging, the event loop, the collector frozen once start-up
+is done, and uvicorn's signal handlers. The first two do nothing process-wide, so tests run
+them in a thread of their own process (`tests/conftest.py`).
 
 If the engine dies, /ready and new requests get 503 for `--engine-death-exit-seconds`, then the
 process exits 3 so an orchestrator restarts it. On SIGTERM or SIGINT (Ctrl-C) it drains: /ready
@@ -20,7 +22,6 @@ no waiting for connections, no shutdown of the app, whose cancelled tasks uvicor
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -33,15 +34,16 @@ import socket
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
 from uvicorn.config import LOGGING_CONFIG
 
 from engine_adapters.protocol import EngineClient
-from server.api.app import SluiceApp, build_app, metrics_app
+from server.api.app import SharedStores, SluiceApp, Stores, build_app, metrics_app
 from server.batch_api.sqlite_store import SqliteBatchStore
 from server.batch_api.store import BatchStore
 from server.core import last_exit
@@ -52,10 +54,18 @@ from server.observability import redaction
 from server.observability.access_log import install_handler
 from server.observability.metrics import Metrics
 from server.observability.tracing import build_tracing
+from server.responses_api.store import SqliteResponses
 from server.scheduler.types import Dispatcher
+from server.state.adapters import RuntimeAdapters
 from server.state.backend import RedisState
 from server.state.batches import RedisBatchStore
 from server.state.quotas import SharedQuotaDispatcher, SharedQuotas
+from server.state.responses import RedisResponses
+from server.state.runs import RedisRuns
+
+if TYPE_CHECKING:
+    from engine_adapters.sim import SimConfig
+    from server.fixed_batch.cli import BatchShape
 
 logger = logging.getLogger("sluice.server")
 ENGINE_DIED_STATUS = 3
@@ -64,6 +74,16 @@ DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class StartRefused(Exception):
     """The configuration or the data directory does not allow a start (exit status 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeCommand:
+    """What `sluice serve` was told: its own flags, and those of the engine it runs (each
+    group the model its flags are derived from, read once, frozen)."""
+
+    options: ServeOptions
+    sim: SimConfig | None = None  # the --sim-* flags, with --engine sim
+    batch: BatchShape | None = None  # the batch engine's flags, with --engine sim-batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,46 +96,39 @@ class Assembled:
     engine_died: asyncio.Event
 
 
-def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Assembled:
-    """The app `sluice serve` runs with `args` (parsed by `server.cli`'s parser), its API keys
-    and its OTLP protocol read from `environ`. StartRefused: the configuration is invalid or
-    the data directory cannot be used."""
+def assemble(command: ServeCommand, environ: Mapping[str, str] = os.environ) -> Assembled:
+    """The app `sluice serve` runs as `command` says, its API keys and its OTLP protocol read
+    from `environ`. StartRefused: the configuration is invalid or the data directory cannot be
+    used."""
+    options = command.options
     try:
-        config = load_config(args.config, environ, config_flags(args))
+        config = load_config(options.config, environ, config_flags(options))
     except ConfigError as exc:
         raise StartRefused(f"invalid configuration: {exc}") from None
-    if args.engine != "vllm" and (
-        args.tool_call_parser or args.enable_auto_tool_choice or args.reasoning_parser
+    if options.engine != "vllm" and (
+        options.tool_call_parser or options.enable_auto_tool_choice or options.reasoning_parser
     ):
         raise SystemExit(
             "--tool-call-parser, --enable-auto-tool-choice and --reasoning-parser "
             "read vLLM's output: they need --engine vllm"
         )
-    if args.engine == "sim-batch" and (args.lora_modules or args.enable_lora or args.demo_lora):
+    if options.engine == "sim-batch" and (
+        options.lora_modules or options.enable_lora or options.demo_lora
+    ):
         raise SystemExit("the sim-batch engine serves no LoRA adapters")
-    if args.engine == "sim" and args.demo_lora:
+    if options.engine == "sim" and options.demo_lora:
         raise SystemExit("--demo-lora is the demo model's adapter: it needs --engine vllm")
-    options = ServeOptions.model_validate(vars(args))
     metrics = Metrics()
-    engine, dispatcher, name = _build_serving(args, config, metrics)
+    engine, dispatcher, name = _build_serving(command, config, metrics)
     state = None
     if config.state.url is not None:
         state = RedisState(config.state, metrics)
         dispatcher = SharedQuotaDispatcher(dispatcher, SharedQuotas(state, config.tenants))
-    batch_store: BatchStore
-    if state is not None:
-        batch_store = RedisBatchStore(state)
-    else:
-        try:
-            batch_store = SqliteBatchStore(options.data_dir)
-        except (OSError, sqlite3.Error) as exc:
-            raise StartRefused(
-                f"the data directory {options.data_dir} cannot be used: {exc}"
-            ) from None
     try:
         tracing = build_tracing(config.tracing.otlp_traces_endpoint, environ)
     except ValueError as exc:
         raise StartRefused(f"tracing: {exc}") from None
+    stores = build_stores(engine, config, metrics, options.data_dir, state)
     engine_died = asyncio.Event()
     app = build_app(
         engine,
@@ -123,37 +136,71 @@ def assemble(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) 
         config,
         name,
         metrics=metrics,
+        stores=stores,
         options=options,
         on_engine_death=engine_died,
-        batch_store=batch_store,
-        state=state,
-        responses_dir=options.data_dir,
         tracing=tracing,
     )
     scrape_app = None if options.metrics_port is None else metrics_app(app.services)
     return Assembled(options, app, scrape_app, engine_died)
 
 
+def build_stores(
+    engine: EngineClient,
+    config: SluiceConfig,
+    metrics: Metrics,
+    data_dir: Path | None = None,
+    state: RedisState | None = None,
+) -> Stores:
+    """What the app keeps beyond a request: on the host, under `data_dir` (None: ended
+    responses in memory, and no Batch API), and with `state` (`state.url`) in Redis, shared by
+    replicas. StartRefused: the data directory cannot be used."""
+    kept = config.responses
+    try:
+        batches: BatchStore | None = None
+        if state is not None:
+            batches = RedisBatchStore(state)
+        elif data_dir is not None:
+            batches = SqliteBatchStore(data_dir)
+        responses = SqliteResponses(data_dir, kept.retention_seconds, kept.max_bytes)
+    except (OSError, sqlite3.Error) as exc:
+        raise StartRefused(f"the data directory {data_dir} cannot be used: {exc}") from None
+    adapters = RuntimeAdapters(engine, state)
+    if state is None:
+        return Stores(responses, adapters, batches)
+    shared = SharedStores(
+        RedisRuns(
+            state, config.idempotency.retention_seconds, config.resume.grace_seconds, metrics
+        ),
+        RedisResponses(state, kept.retention_seconds, kept.max_bytes),
+        state.replica,
+        state.stop,
+    )
+    return Stores(responses, adapters, batches, shared)
+
+
 def _build_serving(
-    args: argparse.Namespace, config: SluiceConfig, metrics: Metrics
+    command: ServeCommand, config: SluiceConfig, metrics: Metrics
 ) -> tuple[EngineClient, Dispatcher, str]:
     """(engine, dispatcher, served model name) for `--engine`."""
-    if args.engine == "sim-batch":
-        from server.fixed_batch.cli import build_serving
+    if command.options.engine == "sim-batch":
+        from server.fixed_batch.cli import BatchShape, build_serving
 
-        return build_serving(args, config, metrics)
+        shape = command.batch or BatchShape()
+        return build_serving(shape, command.options.served_model_name, metrics)
     from server.scheduler.runtime import SchedulerRuntime
 
-    engine, name = _build_engine(args)
+    engine, name = _build_engine(command)
     return engine, SchedulerRuntime(config, engine, name, metrics), name
 
 
-def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
+def _build_engine(command: ServeCommand) -> tuple[EngineClient, str]:
     from engine_adapters.lora_modules import plan_adapters
 
-    modules = list(args.lora_modules)
-    if args.demo_lora:
-        if args.model is not None:
+    options = command.options
+    modules = list(options.lora_modules)
+    if options.demo_lora:
+        if options.model is not None:
             raise StartRefused("--demo-lora is the demo model's adapter: it needs no --model")
         from engine_adapters.demo_model import (
             DEMO_ADAPTER_NAME,
@@ -161,41 +208,41 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
             build_demo_model,
         )
 
-        demo = build_demo_model(args.cache_dir / "demo-model")
-        path = build_demo_adapter(args.cache_dir / "demo-lora", demo)
+        demo = build_demo_model(options.cache_dir / "demo-model")
+        path = build_demo_adapter(options.cache_dir / "demo-lora", demo)
         modules.append(f"{DEMO_ADAPTER_NAME}={path}")
     try:
         plan = plan_adapters(
             modules,
-            enable_lora=args.enable_lora,
-            max_loras=args.max_loras,
-            max_cpu_loras=args.max_cpu_loras,
+            enable_lora=options.enable_lora,
+            max_loras=options.max_loras,
+            max_cpu_loras=options.max_cpu_loras,
         )
     except ValueError as exc:
         raise StartRefused(str(exc)) from None
-    if args.engine != "vllm" and args.kv_events_config is not None:
+    if options.engine != "vllm" and options.kv_events_config is not None:
         raise StartRefused("--kv-events-config is vLLM's: the sim engines publish no KV events")
-    if args.engine == "sim":
+    if options.engine == "sim":
         from engine_adapters.sim import SimConfig, SimEngine
 
-        name = args.served_model_name or "sim"
+        name = options.served_model_name or "sim"
         if name in plan.adapters:
             raise StartRefused(f"LoRA module {name!r} has the served model's name")
-        config = dataclasses.replace(SimConfig.from_args(args), max_loras=plan.slots)
+        config = dataclasses.replace(command.sim or SimConfig(), max_loras=plan.slots)
         return SimEngine(config, model_name=name, adapters=plan.adapters), name
     from engine_adapters.vllm_adapter import VLLMEngine, parse_engine_args
     from engine_adapters.vllm_output import ParserOptions
 
     try:
-        engine_args = parse_engine_args(args.engine_arg)
+        engine_args = parse_engine_args(options.engine_arg)
     except ValueError as exc:
         raise StartRefused(str(exc)) from None
-    if args.kv_events_config is not None:
+    if options.kv_events_config is not None:
         try:
-            engine_args["kv_events_config"] = json.loads(args.kv_events_config)
+            engine_args["kv_events_config"] = json.loads(options.kv_events_config)
         except json.JSONDecodeError as exc:
             raise StartRefused(f"--kv-events-config is not JSON: {exc}") from None
-    if args.demo_lora:
+    if options.demo_lora:
         engine_args.setdefault("dtype", "float32")
     if plan.room:
         # Every adapter in a slot of vLLM's own, and one slot more that none takes: vLLM 0.32's
@@ -204,18 +251,18 @@ def _build_engine(args: argparse.Namespace) -> tuple[EngineClient, str]:
         # taken first free, so with one more than are ever loaded the last stays empty. How
         # many adapters one step runs (`plan.slots`) is the scheduler's to hold, chats first.
         engine_args.update(enable_lora=True, max_loras=plan.room + 1, max_cpu_loras=plan.room + 1)
-        if args.max_lora_rank is not None:
-            engine_args["max_lora_rank"] = args.max_lora_rank
-    if args.model is None:
+        if options.max_lora_rank is not None:
+            engine_args["max_lora_rank"] = options.max_lora_rank
+    if options.model is None:
         from engine_adapters.demo_model import DEMO_MODEL_NAME, build_demo_model
 
-        model = str(build_demo_model(args.cache_dir / "demo-model"))
-        name = args.served_model_name or DEMO_MODEL_NAME
+        model = str(build_demo_model(options.cache_dir / "demo-model"))
+        name = options.served_model_name or DEMO_MODEL_NAME
     else:
-        model = args.model
-        name = args.served_model_name or model
+        model = options.model
+        name = options.served_model_name or model
     parsers = ParserOptions(
-        args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser
+        options.tool_call_parser, options.enable_auto_tool_choice, options.reasoning_parser
     )
     if name in plan.adapters:
         raise StartRefused(f"LoRA module {name!r} has the served model's name")
@@ -320,15 +367,16 @@ def inherited_listener(fd: int) -> socket.socket:
     return socket.socket(fileno=fd)
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(command: ServeCommand) -> int:
     """The `sluice serve` process; its exit status."""
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=command.options.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     install_handler()
     redaction.install()
     try:
-        assembled = assemble(args)
+        assembled = assemble(command)
     except StartRefused as exc:
         logger.error("%s", exc)
         return 2

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import EnvSettingsSource
 
@@ -53,7 +53,10 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 
 
 class ServeOptions(BaseModel):
-    """The flags of `sluice serve` (the sim and batch engines add their own)."""
+    """The flags of `sluice serve` (the sim and batch engines add their own), read once from
+    the command line and never changed."""
+
+    model_config = ConfigDict(frozen=True)
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: Port = Field(8000, description="port to listen on")
@@ -271,12 +274,12 @@ def _without_none(annotation: Any) -> Any:
     return annotation
 
 
-def config_flags(args: argparse.Namespace) -> dict[str, Any]:
+def config_flags(options: ServeOptions) -> dict[str, Any]:
     """The configuration the flags set (`--state-url` -> `state.url`), as a layer."""
     layer: dict[str, Any] = {}
     for name, field in ServeOptions.model_fields.items():
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        value = getattr(args, name, None)
+        value = getattr(options, name)
         if "sets" in extra and value is not None:
             *sections, key = str(extra["sets"]).split(".")
             target = layer

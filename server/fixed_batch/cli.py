@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine_adapters.sim_batch import DEFAULT_POISON_MARKER, BatchModel, SimBatchEngine
 from server.core.settings import add_arguments
@@ -39,6 +39,8 @@ class BatchShape(BaseModel):
     """The flags of the batch engine's shape, for `serve --engine sim-batch` and `simulate
     --mode batch`."""
 
+    model_config = ConfigDict(frozen=True)
+
     workers: int = Field(1, description="batch workers (one batch at a time each)")
     batch_ms: float = Field(100.0, description="fixed time of one batch")
     max_batch: int = Field(32, description="most requests in one batch")
@@ -61,6 +63,18 @@ class BatchShape(BaseModel):
     batch_fail_rate: float = Field(
         0.0, description="probability that any batch crashes its worker (failure injection)"
     )
+
+    def config(self, workers: tuple[str, ...]) -> BatchConfig:
+        """The scheduler's configuration for this shape, with `workers` (a model per worker)."""
+        return BatchConfig(
+            workers=workers,
+            batch_time_s=self.batch_ms / 1000,
+            max_batch=self.max_batch,
+            max_delay_s=self.max_delay_ms / 1000,
+            max_queue=self.max_queue,
+            max_attempts=self.attempts,
+            lease_s=None if self.lease_ms is None else self.lease_ms / 1000,
+        )
 
 
 class BatchFaults(BaseModel):
@@ -92,27 +106,17 @@ def add_serve_arguments(serve_parser: argparse.ArgumentParser) -> None:
     add_arguments(serve_parser.add_argument_group("batch engine (--engine sim-batch)"), BatchShape)
 
 
-def sim_batch_from_args(
-    args: argparse.Namespace, served_model_name: str, metrics: Metrics
-) -> tuple[SimBatchEngine, BatchRuntime]:
-    """The `--engine sim-batch` engine and its batch runtime (the Dispatcher), for `serve`."""
-    config = replace(config_from_args(args), workers=(served_model_name,) * args.workers)
-    model = BatchModel(config.batch_time_s, config.max_batch, args.poison_marker or None)
-    engine = SimBatchEngine(model, name=served_model_name, fail_rate=args.batch_fail_rate)
-    return engine, BatchRuntime(config, engine, metrics)
-
-
 def build_serving(
-    args: argparse.Namespace, config: object, metrics: Metrics
+    shape: BatchShape, served_model_name: str | None, metrics: Metrics
 ) -> tuple[SimBatchEngine, BatchRuntime, str]:
-    """What `serve --engine sim-batch` runs: (engine, dispatcher, served model name).
-
-    `config` (the SluiceConfig) is accepted for symmetry; batch mode's queue bound is
-    --max-queue for now, not the per-class limits.
-    """
-    name = getattr(args, "served_model_name", None) or DEFAULT_MODEL
-    engine, runtime = sim_batch_from_args(args, name, metrics)
-    return engine, runtime, name
+    """What `serve --engine sim-batch` runs: (engine, its batch runtime as the dispatcher,
+    served model name). Batch mode's queue bound is --max-queue for now, not the per-class
+    limits."""
+    name = served_model_name or DEFAULT_MODEL
+    config = shape.config((name,) * shape.workers)
+    model = BatchModel(config.batch_time_s, config.max_batch, shape.poison_marker or None)
+    engine = SimBatchEngine(model, name=name, fail_rate=shape.batch_fail_rate)
+    return engine, BatchRuntime(config, engine, metrics), name
 
 
 def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
@@ -155,18 +159,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def config_from_args(args: argparse.Namespace) -> BatchConfig:
-    models = _parse_models(args.models) if getattr(args, "models", None) else None
-    lease_ms = getattr(args, "lease_ms", None)
-    workers = models or (DEFAULT_MODEL,) * args.workers
-    return BatchConfig(
-        workers=workers,
-        batch_time_s=args.batch_ms / 1000,
-        max_batch=args.max_batch,
-        max_delay_s=args.max_delay_ms / 1000,
-        max_queue=args.max_queue,
-        max_attempts=args.attempts,
-        lease_s=None if lease_ms is None else lease_ms / 1000,
-    )
+    shape = BatchShape.model_validate(vars(args))
+    models = _parse_models(args.models) if args.models else None
+    return shape.config(models or (DEFAULT_MODEL,) * shape.workers)
 
 
 def run_simulate(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import pytest
 
 from engine_adapters.sim import SimConfig, SimEngine
 from server.api.app import build_app
+from server.api.serving import build_stores
 from server.core.config import parse_config
 from server.observability.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
@@ -23,7 +24,12 @@ async def test_a_part_that_fails_to_start_stops_the_engine_started_before_it() -
     config = parse_config({"estimates": {"calibrate": False}})
     metrics = Metrics()
     app = build_app(
-        engine, RefusesToStart(config, engine, "sim", metrics), config, "sim", metrics=metrics
+        engine,
+        RefusesToStart(config, engine, "sim", metrics),
+        config,
+        "sim",
+        metrics=metrics,
+        stores=build_stores(engine, config, metrics),
     )
     with pytest.raises(RuntimeError, match="could not start"):
         async with app.router.lifespan_context(app):
@@ -37,7 +43,8 @@ async def test_the_app_starts_and_stops_its_parts() -> None:
     config = parse_config({"estimates": {"calibrate": False}})
     metrics = Metrics()
     runtime = SchedulerRuntime(config, engine, "sim", metrics)
-    app = build_app(engine, runtime, config, "sim", metrics=metrics)
+    stores = build_stores(engine, config, metrics)
+    app = build_app(engine, runtime, config, "sim", metrics=metrics, stores=stores)
     async with app.router.lifespan_context(app):
         assert app.services.ready and engine.is_healthy
     assert not app.services.ready and not engine.is_healthy

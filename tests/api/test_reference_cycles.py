@@ -28,6 +28,7 @@ import websockets
 
 from engine_adapters.sim import SimEngine
 from server.api.app import build_app
+from server.api.serving import build_stores
 from server.core.config import BudgetConfig, EstimateConfig, SluiceConfig
 from server.observability.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
@@ -53,7 +54,8 @@ async def sim_server(config: SluiceConfig) -> AsyncIterator[tuple[int, Scheduler
     engine = SimEngine()
     metrics = Metrics()
     runtime = SchedulerRuntime(config, engine, "sim", metrics)
-    app = build_app(engine, runtime, config, "sim", metrics=metrics)
+    stores = build_stores(engine, config, metrics)
+    app = build_app(engine, runtime, config, "sim", metrics=metrics, stores=stores)
     listener = socket.socket()  # bound here: no free port to race another process for
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)

@@ -23,7 +23,7 @@ from conftest import ROOT, InProcessSluice, SluiceProcess, loopback_listener, un
 
 from engine_adapters.sim import SimEngine
 from server.api.app import build_app
-from server.batch_api.sqlite_store import SqliteBatchStore
+from server.api.serving import build_stores
 from server.core.config import SluiceConfig, key_digest
 from server.observability.metrics import Metrics
 from server.scheduler.runtime import SchedulerRuntime
@@ -141,16 +141,18 @@ def test_metrics_live_on_their_own_port(server: InProcessSluice) -> None:
 def _routes_with_resources(tmp_path: Path) -> list[tuple[str, str]]:
     """(method, path) of every route of the app that names a tenant's resource (`{id}`)."""
     engine, metrics = SimEngine(), Metrics()
-    store = SqliteBatchStore(tmp_path / "walk-data")
+    stores = build_stores(engine, SluiceConfig(), metrics, tmp_path / "walk-data")
     app = build_app(
         engine,
         SchedulerRuntime(SluiceConfig(), engine, "sim", metrics),
         SluiceConfig(),
         "sim",
         metrics=metrics,
-        batch_store=store,
+        stores=stores,
     )
-    asyncio.run(store.close())
+    stores.responses.close()
+    assert stores.batches is not None
+    asyncio.run(stores.batches.close())
     return [
         (method, route.path)
         for route in app.routes

@@ -529,7 +529,12 @@ def test_a_held_write_lock_delays_the_batch_not_a_chat(slow_server) -> None:  # 
     batch_id = start_batch(client, chat_lines(200, max_tokens=60))
     wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 3, 60)
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_WRITE_LOCK, str(server.args.data_dir / "batches.sqlite3")],
+        [
+            sys.executable,
+            "-c",
+            HOLD_WRITE_LOCK,
+            str(server.command.options.data_dir / "batches.sqlite3"),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

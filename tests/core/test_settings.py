@@ -3,20 +3,22 @@ serve flags derived from it."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from server.cli import build_parser
+from engine_adapters.sim import SimConfig
+from server.cli import parse_serve
 from server.core.config import ConfigError, TrafficClass, parse_config
-from server.core.settings import config_flags, load_config
+from server.core.settings import ServeOptions, config_flags, load_config
 
 BULK = TrafficClass.BULK
 
 
-def serve_args(*flags: str) -> argparse.Namespace:
-    return build_parser().parse_args(["serve", *flags])
+def serve_args(*flags: str) -> ServeOptions:
+    return parse_serve(flags).options
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -220,3 +222,17 @@ def test_serve_flags_keep_their_names_defaults_and_refuse_what_is_out_of_bounds(
 def test_a_tenants_default_model_is_the_first_of_its_models() -> None:
     tenants = parse_config({"tenants": {"t": {"models": ["a", "b"]}, "u": {}}}).tenants
     assert (tenants["t"].default_model, tenants["u"].default_model) == ("a", None)
+
+
+def test_the_command_line_becomes_one_frozen_object_with_the_served_engines_flags() -> None:
+    sim = parse_serve(["--engine", "sim", "--sim-step-base-ms", "2.5"])
+    assert (sim.sim, sim.batch) == (SimConfig(step_base_ms=2.5), None)
+    batch = parse_serve(["--engine", "sim-batch", "--workers", "3", "--batch-ms", "20"])
+    assert batch.sim is None and batch.batch is not None
+    assert (batch.batch.workers, batch.batch.batch_ms) == (3, 20.0)
+    vllm = parse_serve(["--sim-max-num-seqs", "0"])  # the flags of an engine not served: unread
+    assert (vllm.options.engine, vllm.sim, vllm.batch) == ("vllm", None, None)
+    with pytest.raises(ValidationError, match="frozen"):
+        vllm.options.port = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        vllm.sim = SimConfig()  # type: ignore[misc]

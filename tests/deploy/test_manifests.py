@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from server.cli import build_parser
+from server.cli import parse_serve
 from server.core.config import parse_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -26,7 +26,7 @@ def _documents(path: Path) -> list[dict[str, Any]]:
 
 def _serve_args(args: list[str]) -> Any:
     """Sluice's own parser reads the arguments (the image's entry point is `sluice serve`)."""
-    return build_parser().parse_args(["serve", *args])
+    return parse_serve(args).options
 
 
 def _router_args(args: list[str]) -> Any:

@@ -17,6 +17,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine_adapters.sim import SimConfig, SimEngine
 from server.api.app import build_app
+from server.api.serving import build_stores
 from server.core.config import parse_config
 from server.core.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
 from server.generations.planner import RequestContext
@@ -54,7 +55,8 @@ async def sluice():  # type: ignore[no-untyped-def]  # the app's Generations
     config = parse_config(OPTIMISTIC)
     metrics = Metrics()
     runtime = SchedulerRuntime(config, engine, "sim", metrics, clock=clock)
-    app = build_app(engine, runtime, config, "sim", metrics=metrics, clock=clock)
+    stores = build_stores(engine, config, metrics)
+    app = build_app(engine, runtime, config, "sim", metrics=metrics, stores=stores, clock=clock)
     await engine.start()
     await runtime.start()
     yield app.services.generations

@@ -35,7 +35,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status as ProtoStatus
 from otlp import OtlpReceiver, Parent, ReceivedSpan, decoded
 
 from server.api.serving import StartRefused, assemble
-from server.cli import build_parser
+from server.cli import parse_serve
 from server.observability.tracing import GenerationSpan, TraceParent, build_tracing
 
 pytestmark = [pytest.mark.service, pytest.mark.xdist_group("tracing")]
@@ -428,8 +428,7 @@ def test_a_batch_s_lines_are_spans_of_the_batch_creating_request_s_trace(
 
 
 def _assembled(*args: str, env: dict[str, str] | None = None) -> Any:
-    parsed = build_parser().parse_args(["serve", "--engine", "sim", *args])
-    return assemble(parsed, env or {})
+    return assemble(parse_serve(["--engine", "sim", *args]), env or {})
 
 
 def test_with_no_endpoint_no_tracer_is_built_even_with_the_otel_variables_set(

@@ -48,7 +48,10 @@ can hold every slot delays the chats of another adapter.
 
 `--variant 'LABEL=YAML'` (repeatable) adds a Sluice run with that scheduler configuration, and
 `--tradeoff` adds a ladder of interactive gap targets: bulk tokens/s against chat end-to-end
-time as the target varies. Usage:
+time as the target varies. `--root-variant 'LABEL=PATH'` (repeatable) adds a Sluice run in its
+default configuration served by the checkout at PATH (its server started there, PATH first on
+`PYTHONPATH`, as token_cpu.py's `--root` does; Sluice's other rows are served by this
+checkout): a change measured before and after in one run. Usage:
 
     python bench/flood.py                                  # idle, vLLM FCFS, vLLM priority, Sluice
     python bench/flood.py --tradeoff                       # ... and the trade-off curve
@@ -56,6 +59,8 @@ time as the target varies. Usage:
     python bench/flood.py --repeat 3 --ladder 4,6,9 --keep-servers  # #32's three runs in a row
     python bench/flood.py --systems idle,vllm-fcfs,sluice --chat-apis chat,responses,messages
     python bench/flood.py --adapters --systems idle,vllm-priority,sluice --ladder ''
+    git worktree add --detach /tmp/before f47f4c3  # then this checkout against it:
+    python bench/flood.py --systems idle,sluice --root-variant before=/tmp/before --ladder ''
 """
 
 from __future__ import annotations
@@ -85,6 +90,9 @@ import yaml
 from server.core.stats import quantile
 from server.observability.metrics import SLO_RESULTS
 from server.scheduler.types import PreemptCause
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (loaded by path, as the tests do)
+from checkouts import ROOT, checkout, served_from
 
 SERVED_NAME = "sluice-demo"
 # With --adapters: the flood's two adapters and the chats' (demo variants 1-3), both servers,
@@ -134,6 +142,7 @@ class System:
     chat_api: str = "chat"  # the API the chats speak (CHAT_APIS)
     ladder: int | None = None  # the fixed cap of a rung of the frontier's ladder
     stated_slo: bool = False  # told the idle run's SLO in ms (`slo.interactive`)
+    root: Path = ROOT  # the checkout whose code serves a Sluice row (--root-variant)
 
     def configured(self, slo: tuple[float, float] | None) -> System:
         """This row with the SLO it is told, once the idle run has set it."""
@@ -461,10 +470,14 @@ async def start_server(
     log = None
     if args.log_dir:
         log = stack.enter_context((Path(args.log_dir) / f"{log_name}.log").open("wb"))
-    env = {**os.environ, "SLUICE_API_KEYS": ""} if system.is_sluice else dict(os.environ)
+    served = (
+        served_from(system.root, {**os.environ, "SLUICE_API_KEYS": ""})
+        if system.is_sluice
+        else {"env": dict(os.environ)}
+    )
     process = await asyncio.create_subprocess_exec(
         *server_command(system, args, port, config_path),
-        env=env,
+        **served,
         stdout=log or subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
         process_group=0,
@@ -663,12 +676,22 @@ def parse_variant(text: str) -> System:
     return System(f"sluice[{label}]", "sluice", config)
 
 
+def parse_root_variant(text: str) -> System:
+    label, sep, path = text.partition("=")
+    if not label or not sep:
+        raise argparse.ArgumentTypeError(f"--root-variant expects LABEL=PATH, got {text!r}")
+    try:
+        return System(f"sluice[{label}]", "sluice", root=checkout(path))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def plan(args: argparse.Namespace) -> list[System]:
     systems = [System(name, name) for name in args.systems.split(",") if name.strip()]
     unknown = {s.kind for s in systems} - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems: {sorted(unknown)}")
-    systems += args.variant
+    systems += args.variant + args.root_variant
     apis = [api.strip() for api in args.chat_apis.split(",") if api.strip()]
     if set(apis) - set(CHAT_APIS):
         raise SystemExit(f"unknown chat APIs: {sorted(set(apis) - set(CHAT_APIS))}")
@@ -734,6 +757,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=parse_variant,
         metavar="LABEL=YAML",
         help="another Sluice run with this configuration",
+    )
+    p.add_argument(
+        "--root-variant",
+        action="append",
+        default=[],
+        type=parse_root_variant,
+        metavar="LABEL=PATH",
+        help="another Sluice run in its default configuration, served by the checkout at "
+        "PATH (e.g. one before a change: `git worktree add --detach PATH COMMIT`)",
     )
     p.add_argument(
         "--tradeoff",
@@ -856,6 +888,8 @@ def main(argv: list[str] | None = None) -> int:
         from server.core.settings import default_cache_dir
 
         args.model = str(build_demo_model(default_cache_dir() / "demo-model"))
+    elif Path(args.model).exists():  # (Sluice's servers run in their checkout's folder)
+        args.model = str(Path(args.model).resolve())
     if args.adapters:  # (the demo model's: needs no --model)
         from engine_adapters.demo_model import build_demo_adapter
         from server.core.settings import default_cache_dir

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+from checkouts import ROOT, checkout, served_from
 
-ROOT = Path(__file__).resolve().parents[1]
 ENGINE = [
     "--engine", "sim", "--sim-step-base-ms", "0.2", "--sim-decode-ms-per-token", "0",
     "--sim-prefill-ms-per-token", "0", "--sim-max-num-seqs", "512", "--sim-kv-blocks", "8192",
@@ -75,7 +75,7 @@ async def stream(port: int, tokens: int, traced: bool) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=Path, default=ROOT, help="the checkout to serve")
+    parser.add_argument("--root", type=checkout, default=ROOT, help="the checkout to serve")
     parser.add_argument(
         "--port",
         type=int,
@@ -93,7 +93,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--against",
-        type=Path,
+        type=checkout,
         help="also serve this checkout (one with `serve --fd`, without tracing) and alternate "
         "the rounds between the two servers, so that both see the same load from the rest "
         "of the host; prints each round's ratio",
@@ -166,8 +166,8 @@ def served(
         server = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", *where,
              "--data-dir", data, "--log-level", "warning", *ENGINE, *tracing],
-            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            process_group=0, pass_fds=[fd.fileno() for fd in fds], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0,
+            pass_fds=[fd.fileno() for fd in fds], **served_from(root, env),
         )  # fmt: skip
         try:
             ready(f"http://127.0.0.1:{port}/ready", server)

@@ -1,24 +1,24 @@
 """The batch dispatcher: the functional core of batch mode.
 
 Requests wait in one queue per model version; each worker holds one version and runs one
-batch at a time. When a compatible worker is free, a batch leaves if it is full, if its oldest
-request has waited `max_delay_s`, or if waiting longer would make a member miss its deadline.
-The oldest arrival time is kept while workers are busy, so an overdue batch leaves the moment
-a worker frees up. Every dispatch is a lease; its id is the attempt id of each member, and
-only the current attempt of a live request may complete it (fencing). A failed batch is
-retried whole once, then bisected until the request that crashes it is alone and failed.
+batch at a time. Every method takes `now` (seconds, the shell's clock) and returns decisions;
+nothing here sleeps, awaits or reads a clock.
 
-Every method takes `now` (seconds, the shell's clock) and returns decisions; nothing here
-sleeps, awaits or reads a clock.
+Each decision is one object's, handed its slice of the configuration; `BatchDispatcher`
+composes them and moves the requests between them:
+
+- whether a request is admitted: `admit` (`admission.py`, shared with the continuous core);
+- the queue of each model version, fresh requests and retry groups: `ModelQueue` (`queues.py`);
+- when a batch leaves: `Departures` (`departures.py`);
+- the workers, which are free and which are down: `WorkerPool` (`workers.py`);
+- fencing, each dispatch a lease whose id is its members' attempt id: `Leases` (`leases.py`);
+- what a failed batch retries, and who fails: `Retries` (`retries.py`).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from server.fixed_batch.admission import RejectReason, admit, latest_start
 from server.fixed_batch.decisions import (
@@ -31,63 +31,23 @@ from server.fixed_batch.decisions import (
     Ended,
     FailureOutcome,
 )
+from server.fixed_batch.departures import Departures
+from server.fixed_batch.leases import Lease, Leases, is_current
+from server.fixed_batch.queues import DONE, QUEUED, RUNNING, LiveRequest, ModelQueue
+from server.fixed_batch.retries import Retries
+from server.fixed_batch.workers import WorkerPool
 from server.scheduler.types import Ticket, TrafficClass
-
-_QUEUED, _RUNNING, _DONE = 0, 1, 2
-
-
-@dataclass(slots=True, eq=False)
-class _Live:
-    ticket: Ticket
-    latest_start: float
-    state: int = _QUEUED
-    grouped: bool = False  # waiting in a retry group rather than the fresh queue
-    attempts: int = 0
-    crashes: int = 0
-    attempt_id: int = -1
-
-
-@dataclass(slots=True, eq=False)
-class _Queue:
-    fresh: deque[_Live] = field(default_factory=deque)
-    fresh_count: int = 0
-    groups: deque[list[_Live]] = field(default_factory=deque)
-    grouped_count: int = 0
-    deadlines: list[tuple[float, int, _Live]] = field(default_factory=list)
-    free: list[int] = field(default_factory=list)  # heap of free worker ids
-    workers: list[int] = field(default_factory=list)
-
-    @property
-    def depth(self) -> int:
-        return self.fresh_count + self.grouped_count
-
-
-@dataclass(slots=True, eq=False)
-class _Lease:
-    lease_id: int
-    worker_id: int
-    members: list[_Live]
-    expected_finish: float
-    expires: float
 
 
 class BatchDispatcher:
     def __init__(self, config: BatchConfig) -> None:
         self.config = config
-        self._queues: dict[str, _Queue] = {}
-        self._worker_model = list(config.workers)
-        self._worker_lease: list[_Lease | None] = [None] * len(config.workers)
-        self._worker_up = [True] * len(config.workers)
-        for worker_id, model in enumerate(config.workers):
-            queue = self._queues.setdefault(model, _Queue())
-            queue.workers.append(worker_id)
-            heapq.heappush(queue.free, worker_id)
-        self._live: dict[str, _Live] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._lease_expiry: list[tuple[float, int]] = []
-        self._next_lease = 0
-        self._seq = 0
-        self._depth_by_class: dict[tuple[str, TrafficClass], int] = {}
+        self.workers = WorkerPool(config.workers)
+        self.departures = Departures(config.max_batch, config.max_delay_s)
+        self.leases = Leases(config.batch_time_s, config.lease_timeout_s)
+        self.retries = Retries(config.attempt_budget)
+        self._queues = {model: ModelQueue(model) for model in self.workers.models}
+        self._live: dict[str, LiveRequest] = {}
 
     # --- admission ---
     def submit(self, ticket: Ticket, now: float) -> RejectReason | None:
@@ -100,7 +60,7 @@ class BatchDispatcher:
         if queue is None:
             free_at: float | None = None
         elif math.isfinite(deadline):
-            free_at = self._earliest_free(queue, now)
+            free_at = self.workers.earliest_free(queue.model, now)
         else:
             free_at = now
         reason = admit(
@@ -113,23 +73,19 @@ class BatchDispatcher:
         )
         if reason is not None or queue is None:
             return reason
-        live = _Live(ticket, latest_start(deadline, service))
+        live = LiveRequest(ticket, latest_start(deadline, service))
         self._live[ticket.request_id] = live
-        queue.fresh.append(live)
-        queue.fresh_count += 1
-        self._count_queued(live, 1)
-        if live.latest_start != math.inf:
-            self._track_deadline(queue, live)
+        queue.push(live)
         return None
 
     # --- time passing ---
     def poll(self, now: float) -> BatchStep:
         """Dispatch every batch that should leave now; expire what can no longer finish."""
         step = BatchStep()
-        if self._lease_expiry and self._lease_expiry[0][0] <= now:
+        if self.leases.due(now):
             self._expire_leases(now, step)
-        for queue in self._queues.values():
-            if queue.free:
+        for model, queue in self._queues.items():
+            if self.workers.has_free(model):
                 self._dispatch_ready(queue, now, step)
             if queue.deadlines:
                 self._expire_unmeetable(queue, now, step)
@@ -137,22 +93,19 @@ class BatchDispatcher:
 
     def next_timer(self) -> float | None:
         """When `poll` next has something to do if nothing else happens (call after `poll`)."""
-        expiry = self._lease_expiry
-        while expiry and expiry[0][1] not in self._leases:
-            heapq.heappop(expiry)
-        best = expiry[0][0] if expiry else math.inf
-        for queue in self._queues.values():
-            if queue.free and queue.fresh_count:
-                best = min(best, self._ready_at(queue))
+        best = self.leases.next_expiry()
+        for model, queue in self._queues.items():
+            if self.workers.has_free(model) and queue.fresh_count:
+                best = min(best, self.departures.ready_at(queue))
         return best if best != math.inf else None
 
     # --- results and failures ---
     def on_result(self, request_id: str, attempt_id: int) -> Ticket | None:
         """The ticket to resolve if this is the current attempt of a live request, else None."""
         live = self._live.get(request_id)
-        if live is None or live.state != _RUNNING or live.attempt_id != attempt_id:
+        if live is None or not is_current(live, attempt_id):
             return None
-        live.state = _DONE
+        live.state = DONE
         del self._live[request_id]
         return live.ticket
 
@@ -168,46 +121,35 @@ class BatchDispatcher:
                 discarded.append((request_id, attempt_id))
             else:
                 delivered.append(ticket)
-        lease = self._leases.pop(lease_id, None)
+        lease = self.leases.end(lease_id)
         if lease is not None:
-            for live in lease.members:  # members the worker did not answer for
-                if live.state == _RUNNING and live.attempt_id == lease_id:
-                    self._requeue_group([live], now, self._queues[live.ticket.model], [])
-            self._free_worker(lease.worker_id)
+            for live in self.leases.unanswered(lease):  # members the worker did not answer for
+                self._requeue_group([live], now, self._queues[live.ticket.model], [])
+            self.workers.finished(lease.worker_id)
         return BatchCompletion(delivered, discarded, lease is not None)
 
     def on_worker_failure(self, worker_id: int, now: float) -> FailureOutcome:
         """The worker died (mid-batch or idle): it is down until `worker_up`."""
-        self._worker_up[worker_id] = False
-        queue = self._queues[self._worker_model[worker_id]]
-        if worker_id in queue.free:
-            queue.free.remove(worker_id)
-            heapq.heapify(queue.free)
-        lease = self._worker_lease[worker_id]
+        lease = self.workers.lost(worker_id)
         if lease is None:
             return FailureOutcome(None, [], [])
-        self._worker_lease[worker_id] = None
-        del self._leases[lease.lease_id]
+        self.leases.end(lease.lease_id)
         ended: list[Ended] = []
         retried = self._fail_members(lease, now, ended)
         return FailureOutcome(lease.lease_id, retried, ended)
 
     def worker_up(self, worker_id: int) -> None:
-        if self._worker_up[worker_id]:
-            return
-        self._worker_up[worker_id] = True
-        if self._worker_lease[worker_id] is None:
-            heapq.heappush(self._queues[self._worker_model[worker_id]].free, worker_id)
+        self.workers.restored(worker_id)
 
     def cancel(self, request_id: str) -> CancelStage | None:
         """Remove a queued request or fence a running one; None if it already ended."""
         live = self._live.pop(request_id, None)
         if live is None:
             return None
-        stage = CancelStage.RUNNING if live.state == _RUNNING else CancelStage.QUEUED
-        if live.state == _QUEUED:
-            self._forget_queued(live)
-        live.state = _DONE
+        stage = CancelStage.RUNNING if live.state == RUNNING else CancelStage.QUEUED
+        if live.state == QUEUED:
+            self._queues[live.ticket.model].forget(live)
+        live.state = DONE
         return stage
 
     # --- introspection for metrics ---
@@ -216,17 +158,12 @@ class BatchDispatcher:
         return queue.depth if queue else 0
 
     def queue_depth_by_class(self, model: str, traffic_class: TrafficClass) -> int:
-        return self._depth_by_class.get((model, traffic_class), 0)
+        queue = self._queues.get(model)
+        return queue.by_class.get(traffic_class, 0) if queue else 0
 
     def oldest_queued_arrival(self, model: str) -> float | None:
         queue = self._queues.get(model)
-        if queue is None:
-            return None
-        arrivals = [g[0].ticket.arrival for g in queue.groups if g]
-        head = self._fresh_head(queue)
-        if head is not None:
-            arrivals.append(head.ticket.arrival)
-        return min(arrivals, default=None)
+        return None if queue is None else queue.oldest_arrival()
 
     @property
     def models(self) -> list[str]:
@@ -237,165 +174,73 @@ class BatchDispatcher:
         return len(self._live)
 
     # --- internals ---
-    def _earliest_free(self, queue: _Queue, now: float) -> float:
-        if queue.free:
-            return now
-        finishes = [
-            lease.expected_finish
-            for w in queue.workers
-            if (lease := self._worker_lease[w]) is not None
-        ]
-        return max(now, min(finishes)) if finishes else now  # all down: assume a restart
+    def _dispatch_ready(self, queue: ModelQueue, now: float, step: BatchStep) -> None:
+        while self.workers.has_free(queue.model):
+            batch = self.departures.next_batch(queue, now)
+            if batch is None:
+                return
+            members, retry = batch
+            worker_id = self.workers.take(queue.model)
+            lease = self.leases.grant(worker_id, members, now)
+            self.workers.runs(worker_id, lease)
+            tickets = [live.ticket for live in members]
+            step.dispatches.append(
+                Dispatch(
+                    worker_id,
+                    lease.lease_id,
+                    queue.model,
+                    tickets,
+                    now,
+                    lease.expected_finish,
+                    retry,
+                )
+            )
 
-    def _fresh_head(self, queue: _Queue) -> _Live | None:
-        fresh = queue.fresh
-        while fresh and fresh[0].state != _QUEUED:
-            fresh.popleft()
-        return fresh[0] if fresh else None
-
-    def _ready_at(self, queue: _Queue) -> float:
-        if queue.fresh_count >= self.config.max_batch:
-            return -math.inf
-        head = self._fresh_head(queue)
-        ready = head.ticket.arrival + self.config.max_delay_s if head else math.inf
-        deadlines = queue.deadlines
-        while deadlines and deadlines[0][2].state != _QUEUED:
-            heapq.heappop(deadlines)
-        if deadlines and deadlines[0][0] < ready:
-            ready = deadlines[0][0]
-        return ready
-
-    def _dispatch_ready(self, queue: _Queue, now: float, step: BatchStep) -> None:
-        while queue.free and queue.groups:
-            group = [m for m in queue.groups.popleft() if m.state == _QUEUED]
-            queue.grouped_count -= len(group)
-            if group:
-                step.dispatches.append(self._dispatch(queue, group, now, retry=True))
-        while queue.free and queue.fresh_count and self._ready_at(queue) <= now:
-            take = min(self.config.max_batch, queue.fresh_count)
-            members: list[_Live] = []
-            fresh = queue.fresh
-            while len(members) < take:
-                live = fresh.popleft()
-                if live.state == _QUEUED:
-                    members.append(live)
-            queue.fresh_count -= take
-            step.dispatches.append(self._dispatch(queue, members, now, retry=False))
-
-    def _dispatch(self, queue: _Queue, members: list[_Live], now: float, retry: bool) -> Dispatch:
-        worker_id = heapq.heappop(queue.free)
-        lease_id = self._next_lease
-        self._next_lease += 1
-        finish = now + self.config.batch_time_s
-        lease = _Lease(lease_id, worker_id, members, finish, now + self.config.lease_timeout_s)
-        self._leases[lease_id] = lease
-        self._worker_lease[worker_id] = lease
-        heapq.heappush(self._lease_expiry, (lease.expires, lease_id))
-        for live in members:
-            self._count_queued(live, -1)
-            live.state = _RUNNING
-            live.grouped = False
-            live.attempts += 1
-            live.attempt_id = lease_id
-        tickets = [live.ticket for live in members]
-        model = self._worker_model[worker_id]
-        return Dispatch(worker_id, lease_id, model, tickets, now, finish, retry)
-
-    def _expire_unmeetable(self, queue: _Queue, now: float, step: BatchStep) -> None:
-        start = self._earliest_free(queue, now)
-        deadlines = queue.deadlines
-        while deadlines and (deadlines[0][2].state != _QUEUED or deadlines[0][0] < start):
-            live = heapq.heappop(deadlines)[2]
-            if live.state == _QUEUED:
-                self._end(live, BatchOutcome.EXPIRED, "deadline can no longer be met", step.ended)
+    def _expire_unmeetable(self, queue: ModelQueue, now: float, step: BatchStep) -> None:
+        for live in queue.unmeetable(self.workers.earliest_free(queue.model, now)):
+            self._end(live, BatchOutcome.EXPIRED, "deadline can no longer be met", step.ended)
 
     def _expire_leases(self, now: float, step: BatchStep) -> None:
-        expiry = self._lease_expiry
-        while expiry and expiry[0][0] <= now:
-            _, lease_id = heapq.heappop(expiry)
-            lease = self._leases.get(lease_id)
-            if lease is None:
-                continue
+        for lease in self.leases.expired(now):
             outcome = self.on_worker_failure(lease.worker_id, now)
             step.lost_workers.append(lease.worker_id)
             step.retried.extend(outcome.retried)
             step.ended.extend(outcome.ended)
 
-    def _fail_members(self, lease: _Lease, now: float, ended: list[Ended]) -> list[Ticket]:
-        members = [
-            m for m in lease.members if m.state == _RUNNING and m.attempt_id == lease.lease_id
-        ]
-        first_failure = all(m.crashes == 0 for m in members)
-        for m in members:
-            m.crashes += 1
-            m.attempt_id = -1
-        queue = self._queues[self._worker_model[lease.worker_id]]
-        if len(members) == 1 and members[0].crashes >= 2:
-            live = members[0]
-            reason = f"request crashed its batch {live.crashes} times, the last time alone"
-            self._end(live, BatchOutcome.FAILED, reason, ended)
+    def _fail_members(self, lease: Lease, now: float, ended: list[Ended]) -> list[Ticket]:
+        crashed = self.leases.unanswered(lease)
+        groups = self.retries.regroup(crashed)
+        if groups is None:
+            self._end(
+                crashed[0], BatchOutcome.FAILED, self.retries.culprit_reason(crashed[0]), ended
+            )
             return []
-        if first_failure or len(members) == 1:
-            groups = [members]
-        else:
-            half = (len(members) + 1) // 2
-            groups = [members[:half], members[half:]]
+        queue = self._queues[self.workers.model[lease.worker_id]]
         retried: list[Ticket] = []
         for group in groups:
             retried.extend(self._requeue_group(group, now, queue, ended))
         return retried
 
     def _requeue_group(
-        self, group: list[_Live], now: float, queue: _Queue, ended: list[Ended]
+        self, group: list[LiveRequest], now: float, queue: ModelQueue, ended: list[Ended]
     ) -> list[Ticket]:
-        start = self._earliest_free(queue, now)
-        budget = self.config.attempt_budget
-        kept: list[_Live] = []
+        start = self.workers.earliest_free(queue.model, now)
+        kept: list[LiveRequest] = []
         for live in group:
-            if live.attempts >= budget:
-                self._end(live, BatchOutcome.FAILED, f"attempt budget of {budget} exhausted", ended)
-            elif live.latest_start < start:
-                self._end(live, BatchOutcome.EXPIRED, "deadline cannot be met by a retry", ended)
-            else:
-                live.state = _QUEUED
-                live.grouped = True
-                self._count_queued(live, 1)
+            refusal = self.retries.refusal(live, start)
+            if refusal is None:
                 kept.append(live)
-                if live.latest_start != math.inf:
-                    self._track_deadline(queue, live)
+            else:
+                self._end(live, *refusal, ended)
         if kept:
-            queue.groups.append(kept)
-            queue.grouped_count += len(kept)
+            queue.push_group(kept)
         return [live.ticket for live in kept]
 
-    def _end(self, live: _Live, outcome: BatchOutcome, reason: str, ended: list[Ended]) -> None:
-        if live.state == _QUEUED:
-            self._forget_queued(live)
-        live.state = _DONE
+    def _end(
+        self, live: LiveRequest, outcome: BatchOutcome, reason: str, ended: list[Ended]
+    ) -> None:
+        if live.state == QUEUED:
+            self._queues[live.ticket.model].forget(live)
+        live.state = DONE
         self._live.pop(live.ticket.request_id, None)
         ended.append(Ended(live.ticket, outcome, reason))
-
-    def _forget_queued(self, live: _Live) -> None:
-        self._count_queued(live, -1)
-        queue = self._queues[live.ticket.model]
-        if live.grouped:
-            queue.grouped_count -= 1
-            for group in queue.groups:
-                if live in group:
-                    group.remove(live)
-                    break
-        else:
-            queue.fresh_count -= 1  # the entry itself is skipped lazily
-
-    def _count_queued(self, live: _Live, delta: int) -> None:
-        key = (live.ticket.model, live.ticket.traffic_class)
-        self._depth_by_class[key] = self._depth_by_class.get(key, 0) + delta
-
-    def _track_deadline(self, queue: _Queue, live: _Live) -> None:
-        self._seq += 1
-        heapq.heappush(queue.deadlines, (live.latest_start, self._seq, live))
-
-    def _free_worker(self, worker_id: int) -> None:
-        self._worker_lease[worker_id] = None
-        if self._worker_up[worker_id]:
-            heapq.heappush(self._queues[self._worker_model[worker_id]].free, worker_id)

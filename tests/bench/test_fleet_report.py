@@ -105,10 +105,22 @@ def test_the_targets_say_which_were_met_and_which_were_not() -> None:
     floods = [
         bench.flood_row("sluice", "cache_aware", {**result, "bulk_failures": 0}, slo),
         bench.flood_row("vllm", "cache_aware", {**result, "bulk_failures": 0}, None),
+        # Sluice's fleet told the SLO: judged apart, by the same SLO (2 of 20 over it: 90%).
+        bench.flood_row(
+            bench.TOLD,
+            "cache_aware",
+            {
+                **result,
+                "turns": [*fast[:18], *[turn(0, 3, 100, 90, 500.0)] * 2],
+                "bulk_failures": 0,
+            },
+            slo,
+        ),
     ]
     assert floods[0]["within_slo"] == 0.95 and floods[1]["within_slo"] is None
+    assert floods[2]["within_slo"] == 0.9
     verdicts = bench.targets(rows, floods)
-    assert [t["met"] for t in verdicts] == [True, True, False, True]
+    assert [t["met"] for t in verdicts] == [True, True, False, True, False]
     assert verdicts[2]["value"] == round(0.9 - 0.92, 4)
     report = {
         "sizing": bench.sizing(bench.Workload(4, 1000, 3, 40, 32, 1.0), 30),
@@ -125,7 +137,7 @@ def test_the_targets_say_which_were_met_and_which_were_not() -> None:
 
 def test_unmeasured_targets_are_not_verdicts() -> None:
     verdicts = bench.targets([], [])
-    assert [t["met"] for t in verdicts] == [None] * 4
+    assert [t["met"] for t in verdicts] == [None] * 5
 
 
 def test_sluice_replicas_gauges_are_each_replicas_mean_and_its_verdicts_the_fleets() -> None:

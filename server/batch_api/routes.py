@@ -25,8 +25,8 @@ from server.core.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound
 from server.http.edge import context_of, trace_parent_from
 from server.http.replies import JSONResponse, read_json
 from server.http.services import Services
-from server.openai.requests import parse_request
-from server.openai.wire import validated
+from server.openai_wire.requests import parse_request
+from server.openai_wire.wire import validated
 
 WINDOWS = {"24h": 24 * 3600}
 MAX_ERRORS = 100  # errors listed for a batch that failed validation

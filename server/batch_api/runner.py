@@ -36,7 +36,7 @@ from server.generations.run import GenerationRun, Kind
 from server.generations.service import Generations
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent
-from server.openai.requests import parse_request
+from server.openai_wire.requests import parse_request
 from server.scheduler.types import TrafficClass
 
 logger = logging.getLogger("sluice.batches")

@@ -22,9 +22,9 @@ from typing import Any
 
 from engine_adapters.protocol import OutputParser, TokenDelta
 from server.generations.log import Event, Kind
-from server.openai.choices import Choice, Choices
-from server.openai.chunks import ChunkEncoder, Echo, completion_id, usage
-from server.openai.parsed import ParsedRequest
+from server.openai_wire.choices import Choice, Choices
+from server.openai_wire.chunks import ChunkEncoder, Echo, completion_id, usage
+from server.openai_wire.parsed import ParsedRequest
 
 
 @dataclass(frozen=True, slots=True)

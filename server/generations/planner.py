@@ -30,8 +30,8 @@ from server.generations.assembler import Shape
 from server.generations.run import engine_failure
 from server.generations.timeline import RequestTimeline
 from server.observability.metrics import OTHER_MODEL
-from server.openai.chunks import Echo
-from server.openai.parsed import ParsedRequest
+from server.openai_wire.chunks import Echo
+from server.openai_wire.parsed import ParsedRequest
 from server.scheduler.types import Dispatcher, Ticket, TrafficClass
 from server.tenancy.tenants import Tenant, TenantDirectory
 

@@ -38,7 +38,7 @@ from server.generations.assembler import Shape, StreamAssembler, Unrendered
 from server.generations.log import Event, EventLog, Kind
 from server.generations.ports import LogFollower, LogMirror
 from server.generations.timeline import RequestTimeline
-from server.openai.chunks import DONE, ChunkEncoder, whole_response
+from server.openai_wire.chunks import DONE, ChunkEncoder, whole_response
 from server.scheduler.types import Admission, Generation
 
 logger = logging.getLogger("sluice.server")

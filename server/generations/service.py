@@ -33,9 +33,9 @@ from server.generations.timeline import RequestTimeline
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent, Tracing
-from server.openai.chunks import completion_id
-from server.openai.parsed import ParsedRequest
-from server.openai.requests import parse_request
+from server.openai_wire.chunks import completion_id
+from server.openai_wire.parsed import ParsedRequest
+from server.openai_wire.requests import parse_request
 from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass
 
 CHUNK_APIS = ("chat", "completions")  # whose streams are OpenAI's chunks

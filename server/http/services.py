@@ -17,9 +17,9 @@ from server.http.ignored import note_ignored
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent
-from server.openai.parsed import ParsedRequest
-from server.openai.requests import REQUEST_MODELS
-from server.openai.wire import WireModel, ignored_fields
+from server.openai_wire.parsed import ParsedRequest
+from server.openai_wire.requests import REQUEST_MODELS
+from server.openai_wire.wire import WireModel, ignored_fields
 
 
 @dataclass(slots=True)

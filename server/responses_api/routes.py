@@ -17,8 +17,8 @@ from server.http.leaving import ClientWatch, unless_gone
 from server.http.rendering import render_request, rendered
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.services import Services
-from server.openai.requests import parse_request
-from server.openai.wire import validated
+from server.openai_wire.requests import parse_request
+from server.openai_wire.wire import validated
 from server.responses_api.service import Responses, feed, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
 from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent, sse

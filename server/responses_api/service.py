@@ -31,7 +31,7 @@ from server.generations.ports import ResponseStore
 from server.generations.run import GenerationRun
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
-from server.openai.requests import parse_request
+from server.openai_wire.requests import parse_request
 from server.responses_api.store import KeptResponse, ResponseRecord
 from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent
 

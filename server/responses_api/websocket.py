@@ -24,7 +24,7 @@ from server.generations.run import GenerationRun
 from server.http.edge import request_id_from
 from server.http.services import Services
 from server.http.websocket_session import WebSocketSession
-from server.openai.wire import validated
+from server.openai_wire.wire import validated
 from server.responses_api.service import Responses, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
 from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent

@@ -39,8 +39,8 @@ from server.http.edge import api_key_from, timeout_from, traffic_class_from
 from server.http.services import Services
 from server.http.websocket_session import WebSocketSession
 from server.observability.tracing import TraceParent
-from server.openai.chunks import chat_logprobs, usage
-from server.openai.requests import parse_request
+from server.openai_wire.chunks import chat_logprobs, usage
+from server.openai_wire.requests import parse_request
 
 MAX_GENERATIONS_PER_CONNECTION = 256
 _NOT_FINGERPRINTED = ("type", "id", "idempotency_key", "traceparent", "tracestate")

@@ -11,7 +11,7 @@ from engine_adapters.protocol import TokenDelta
 from server.core.errors import GenerationFailed
 from server.generations.assembler import Shape, StreamAssembler
 from server.generations.log import Event, Kind
-from server.openai.requests import parse_request
+from server.openai_wire.requests import parse_request
 
 TIMINGS = {"queued_ms": 1.0}
 

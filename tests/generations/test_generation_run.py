@@ -26,8 +26,8 @@ from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.http.send_guard import SendGuard
 from server.observability.metrics import Metrics
-from server.openai.chunks import ChunkEncoder
-from server.openai.requests import parse_request
+from server.openai_wire.chunks import ChunkEncoder
+from server.openai_wire.requests import parse_request
 from server.scheduler.attainment import ChatMeter
 from server.scheduler.runtime import SchedulerRuntime
 from server.scheduler.types import SloTargets

@@ -10,9 +10,9 @@ from starlette.responses import Response
 from server.http.rendering import render_request, rendered
 from server.http.replies import JSONResponse
 from server.http.services import Services
-from server.openai.chunks import completion_id
-from server.openai.completion import split_prompts
-from server.openai.requests import parse_request
+from server.openai_wire.chunks import completion_id
+from server.openai_wire.completion import split_prompts
+from server.openai_wire.requests import parse_request
 
 
 async def render_chat(services: Services, request: Request) -> Response:

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from engine_adapters.protocol import PromptLogprob, TokenLogprob
-from server.openai.choices import Choices
+from server.openai_wire.choices import Choices
 
 DONE = b"data: [DONE]\n\n"
 

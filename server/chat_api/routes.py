@@ -26,10 +26,10 @@ from server.http.leaving import ClientWatch, unless_gone
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.run_response import RunResponse
 from server.http.services import Services
-from server.openai.chat import NOT_IN_BATCH
-from server.openai.chunks import DONE, ChunkEncoder, completion_id, summed_usage
-from server.openai.completion import split_prompts
-from server.openai.requests import parse_request
+from server.openai_wire.chat import NOT_IN_BATCH
+from server.openai_wire.chunks import DONE, ChunkEncoder, completion_id, summed_usage
+from server.openai_wire.completion import split_prompts
+from server.openai_wire.requests import parse_request
 
 logger = logging.getLogger("sluice.server")
 

@@ -12,7 +12,7 @@ from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
 from server.core.errors import InvalidRequest
-from server.openai_wire.parsed import ParsedRequest
+from server.generations.parsed import ParsedRequest
 from server.openai_wire.requests import parse_request
 from server.openai_wire.wire import (
     UNSUPPORTED,

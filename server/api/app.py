@@ -28,6 +28,7 @@ from server.api.routes import Parts, ignorable_fields, prometheus_metrics, route
 from server.batch_api.routes import BatchServices
 from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore
+from server.chat_api.chunks import CHAT_WIRE
 from server.core.config import SluiceConfig
 from server.core.errors import (
     MethodNotAllowed,
@@ -129,7 +130,12 @@ def build_app(
         None if state is None else RedisResponses(state, kept.retention_seconds, kept.max_bytes)
     )
     planner = Planner(
-        engine, TenantDirectory(config, clock), dispatcher, served_model, options.stream_interval
+        engine,
+        TenantDirectory(config, clock),
+        dispatcher,
+        served_model,
+        options.stream_interval,
+        wire=CHAT_WIRE,
     )
     generations = Generations(
         planner=planner,

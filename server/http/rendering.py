@@ -13,10 +13,10 @@ from typing import Any
 from starlette.requests import Request
 
 from server.core.errors import InvalidRequest
+from server.generations.parsed import ParsedRequest
 from server.http.edge import context_of, request_id_from
 from server.http.replies import read_json
 from server.http.services import Services
-from server.openai_wire.parsed import ParsedRequest
 from server.openai_wire.render import RenderReply, render_reply
 from server.tenancy.tenants import Tenant
 

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from server.core.errors import InvalidRequest
+from server.generations.parsed import ParsedRequest
 from server.openai_wire.generation_body import GenerationBody, Logprobs
-from server.openai_wire.parsed import ParsedRequest
 from server.openai_wire.wire import TokenId, ignored_fields
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from server.generations.parsed import ParsedRequest
 from server.openai_wire.chat import ChatCompletionRequest
 from server.openai_wire.completion import CompletionRequest
-from server.openai_wire.parsed import ParsedRequest
 from server.openai_wire.wire import validated
 
 REQUEST_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {

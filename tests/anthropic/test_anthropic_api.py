@@ -24,7 +24,7 @@ from server.core.errors import (
     TenantQuotaExceeded,
     UnsupportedParameter,
 )
-from server.openai_wire.chunks import usage
+from server.generations.usage import usage
 from server.openai_wire.wire import ignored_fields
 
 # `anthropic` (~2 s to import) in the tests that call it: every pytest-xdist worker collects

@@ -17,16 +17,17 @@ from prometheus_client.utils import floatToGoString
 
 from engine_adapters.sim import SimConfig, SimEngine
 from server.api.app import build_app
+from server.chat_api.chunks import ChunkEncoder
 from server.core.config import parse_config
 from server.core.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
 from server.generations.planner import RequestContext
+from server.generations.reading import sse
 from server.generations.registry import RunStore
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.http.send_guard import SendGuard
 from server.observability.metrics import Metrics
-from server.openai_wire.chunks import ChunkEncoder
 from server.openai_wire.requests import parse_request
 from server.scheduler.attainment import ChatMeter
 from server.scheduler.runtime import SchedulerRuntime
@@ -138,7 +139,7 @@ async def test_an_idle_stream_sends_one_token_per_event(sluice: Generations) -> 
     with run.reading():
         async for last, batch in run.log.batches():
             assert run.log.held == 1  # (no run that nobody can resume keeps what was read)
-            sent = sse_events(run.sse(last, batch, merge=True))
+            sent = sse_events(sse(run, last, batch, merge=True))
             assert len(sent) == sum(e.kind is not Kind.DONE for e in batch)
             in_batch = [e for e in batch if e.kind is Kind.PIECE]
             assert len(in_batch) <= 1 and all(e.tokens == 1 for e in in_batch)
@@ -158,7 +159,7 @@ async def test_a_run_read_by_one_reader_writes_each_token_in_its_own_task(
     finals: list[bool] = []
 
     async def write(last: int, batch: list[Event], final: bool) -> None:
-        writes.append((asyncio.current_task(), run.sse(last, batch, merge=True), run.log.held))
+        writes.append((asyncio.current_task(), sse(run, last, batch, merge=True), run.log.held))
         finals.append(final)
 
     with run.reading():
@@ -185,7 +186,7 @@ async def test_a_slow_client_holds_its_run_and_the_engine_keeps_the_backlog(
     held: list[int] = []
 
     async def write(last: int, batch: list[Event], final: bool) -> None:
-        texts.extend(content_of([c for _, c in sse_events(run.sse(last, batch, merge=True))]))
+        texts.extend(content_of([c for _, c in sse_events(sse(run, last, batch, merge=True))]))
         held.append(run.log.held)
         await asyncio.sleep(0.010)  # the client's socket accepts the bytes 10 ms later
 
@@ -205,8 +206,8 @@ async def test_a_reader_that_fell_behind_gets_the_waiting_text_as_one_chunk(
         await run.until_ended()  # the reader took nothing while the run went on
         assert run.log.held == len(run.log)  # what it has not taken is all there
         ((last, batch),) = [taken async for taken in run.log.batches()]
-    merged = sse_events(run.sse(last, batch, merge=True))
-    one_each = sse_events(run.sse(last, batch, merge=False))
+    merged = sse_events(sse(run, last, batch, merge=True))
+    one_each = sse_events(sse(run, last, batch, merge=False))
     assert len(content_of([c for _, c in one_each])) == 30
     (text,) = content_of([c for _, c in merged])
     assert text == "".join(content_of([c for _, c in one_each]))

@@ -1,6 +1,6 @@
 """OpenAI's chat and completion wire format: stream chunks and whole responses. Built for
 the per-token hot path (the Responses API's is `server.responses_api.wire`). `CHAT_WIRE` is
-the port a run's log is written in (`server.generations.rendering.RunWire`), which the
+the port a run's log is written in (`server.generations.shape.RunWire`), which the
 composition root hands to the planner.
 
 Each stream chunk is the same JSON around a few changing values, so `ChunkEncoder` renders the
@@ -17,9 +17,9 @@ import orjson
 
 from engine_adapters.protocol import PromptLogprob, TokenLogprob
 from server.core.ids import public_id
-from server.generations.assembler import Shape
 from server.generations.choices import Choices, Echo
 from server.generations.parsed import ParsedRequest
+from server.generations.shape import Shape
 from server.generations.usage import usage
 from server.openai_wire.logprobs import chat_logprobs
 from server.openai_wire.requests import parse_request
@@ -375,7 +375,7 @@ def whole_response(
 
 class ChatWire:
     """A run's log written in OpenAI's chunks, its whole body a chat.completion or
-    text_completion, its requests OpenAI's (`server.generations.rendering.RunWire`)."""
+    text_completion, its requests OpenAI's (`server.generations.shape.RunWire`)."""
 
     done = DONE
 

@@ -18,46 +18,13 @@ is encoded once, into the format its client speaks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from engine_adapters.protocol import OutputParser, TokenDelta
-from server.core.ids import public_id
-from server.generations.choices import Choice, Choices, Echo
+from engine_adapters.protocol import TokenDelta
+from server.generations.choices import Choice, Choices
 from server.generations.log import Event, Kind
-from server.generations.parsed import ParsedRequest
-from server.generations.rendering import RunWire, StreamEncoder, Unrendered
+from server.generations.shape import Shape, StreamEncoder, Unrendered
 from server.generations.usage import usage
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """What the client asked the output to look like, fixed when the run is made."""
-
-    parsed: ParsedRequest
-    model: str
-    response_id: str  # its id's own part (`server.core.ids`): the id of its chunks and body
-    stream: bool
-    new_parser: Callable[[], OutputParser] | None = None  # one per choice
-    prompt_token_ids: Sequence[int] | None = None  # with vLLM's return_token_ids
-    echo: Echo | None = None  # what comes before the generated text
-    first_index: int = 0  # its choice 0's index in the response (one of several prompts)
-    created: int | None = None  # its chunks' `created` (None: when its encoder is made)
-    stream_interval: int = 1  # tokens per chunk, but a choice's first and last (vLLM's)
-    chunks: bool = True  # its stream's events carry the wire's bytes (else: none)
-    wire: RunWire = field(kw_only=True)  # what its log is written in
-
-    @property
-    def public_id(self) -> str:
-        return public_id(self.parsed.kind, self.response_id)
-
-    def choices(self, *, keep: bool) -> Choices:
-        return Choices(
-            self.parsed.n,
-            self.new_parser,
-            keep=keep,
-            logprobs=self.parsed.sampling.get("logprobs") is not None,
-        )
 
 
 def _filled(

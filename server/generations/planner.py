@@ -26,11 +26,10 @@ from server.core.errors import (
     ModelNotFound,
     UnsupportedParameter,
 )
-from server.generations.assembler import Shape
 from server.generations.choices import Echo
 from server.generations.parsed import ParsedRequest
-from server.generations.rendering import RunWire
 from server.generations.run import engine_failure
+from server.generations.shape import RunWire, Shape
 from server.generations.timeline import RequestTimeline
 from server.observability.metrics import OTHER_MODEL
 from server.scheduler.types import Dispatcher, Ticket, TrafficClass

@@ -34,10 +34,10 @@ from server.core.errors import (
     StateUnavailable,
     UnsupportedParameter,
 )
-from server.generations.assembler import Shape, StreamAssembler
+from server.generations.assembler import StreamAssembler
 from server.generations.log import Event, EventLog, Kind
 from server.generations.ports import LogFollower, LogMirror
-from server.generations.rendering import StreamEncoder
+from server.generations.shape import Shape, StreamEncoder
 from server.generations.timeline import RequestTimeline
 from server.scheduler.types import Admission, Generation
 
@@ -90,7 +90,7 @@ class GenerationRun:
     (`server.generations.reading.reader`, which every API's reply uses) + `events(after)` /
     `log.batches(after)`; `cancel(error)` it from anywhere. Its events are typed (`Event`);
     those of a run whose readers speak the wire its shape names also carry their bytes,
-    rendered once by the wire's encoder (`server.generations.rendering`).
+    rendered once by the wire's encoder (`server.generations.shape`).
 
     Shared by replicas (the ports in `server.generations.ports`), a run either writes its
     log to the shared state as it goes (`mirror`: its readers see what is written), or

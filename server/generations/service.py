@@ -36,7 +36,7 @@ from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent, Tracing
 from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass
 
-CHUNK_APIS = ("chat", "completions")  # whose streams are OpenAI's chunks
+CHUNK_APIS = ("chat", "completions")  # whose readers speak the wire's chunks (`RunWire`)
 
 
 @dataclass(slots=True)

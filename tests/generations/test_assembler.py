@@ -10,8 +10,9 @@ import pytest
 from engine_adapters.protocol import TokenDelta
 from server.chat_api.chunks import CHAT_WIRE
 from server.core.errors import GenerationFailed
-from server.generations.assembler import Shape, StreamAssembler
+from server.generations.assembler import StreamAssembler
 from server.generations.log import Event, Kind
+from server.generations.shape import Shape
 from server.openai_wire.requests import parse_request
 
 TIMINGS = {"queued_ms": 1.0}

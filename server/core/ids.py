@@ -15,6 +15,8 @@ PREFIXES: dict[str, str] = {
     "file": "file-",
 }
 
+_LONGEST_FIRST = sorted(PREFIXES.values(), key=len, reverse=True)
+
 
 def own_id() -> str:
     """A new id's own part: what follows its prefix."""
@@ -28,12 +30,12 @@ def public_id(kind: str, own: str) -> str:
 
 def new_id(kind: str) -> str:
     """A new id of `kind`."""
-    return PREFIXES[kind] + uuid.uuid4().hex
+    return public_id(kind, own_id())
 
 
 def own_part(public: str) -> str:
     """What follows a public id's prefix."""
-    for prefix in PREFIXES.values():
+    for prefix in _LONGEST_FIRST:  # ("batch_req_" before "batch_")
         if public.startswith(prefix):
             return public[len(prefix) :]
     return public

@@ -21,7 +21,7 @@ from server.chat_api.chunks import ChunkEncoder
 from server.core.config import parse_config
 from server.core.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
 from server.generations.planner import RequestContext
-from server.generations.reading import sse
+from server.generations.reading import reader, sse
 from server.generations.registry import RunStore
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.service import Generations
@@ -312,6 +312,28 @@ async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: G
     finished = await resumable.until_ended()
     assert finished.kind is Kind.DONE
     assert not any(event.kind is Kind.FAILED for event in resumable.log)
+
+
+async def test_a_reader_is_handed_the_error_that_ended_the_run_before_dispatch(
+    sluice: Generations,
+) -> None:
+    run, _ = await open_run(sluice)
+    run.cancel(GenerationCancelled("at once"))  # before it reached the engine
+    async with reader(run) as failure:
+        assert isinstance(failure, GenerationCancelled) and run.ended and not run.dispatched
+
+
+async def test_a_reader_begins_at_dispatch_or_at_the_end_and_its_leaving_cancels(
+    sluice: Generations,
+) -> None:
+    whole, _ = await open_run(sluice, {**BODY, "stream": False})
+    async with reader(whole, "ended") as failure:
+        assert failure is None and whole.ended and whole.log[-1].kind is Kind.WHOLE
+    run, _ = await open_run(sluice, {**BODY, "max_tokens": 500})
+    async with reader(run) as failure:
+        assert failure is None and run.dispatched and not run.ended
+    last = await run.until_ended()  # its one reader left: cancelled
+    assert last.kind is Kind.DONE and isinstance(run.log[-2].error, GenerationCancelled)
 
 
 async def test_the_same_key_attaches_and_another_body_is_refused(sluice: Generations) -> None:

@@ -4,7 +4,8 @@
 
 Three bodies: a typical chat, a typical completion, and a large chat (200 messages, a
 logit_bias of 300 tokens, stop strings and token lists). Runs against whichever request
-parser this checkout has (`server.openai.requests` or, before it, `server.openai_requests`).
+parser this checkout has (`server.openai_wire.requests`; before #58 `server.openai.requests`;
+before that `server.openai_requests`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 try:
-    from server.openai.requests import parse_request
-except ImportError:  # the hand-written parser this replaced
-    from server.openai_requests import parse_request  # type: ignore[no-redef]
+    from server.openai_wire.requests import parse_request
+except ImportError:
+    try:  # before #58's rename
+        from server.openai.requests import parse_request  # type: ignore[no-redef]
+    except ImportError:  # the hand-written parser this replaced
+        from server.openai_requests import parse_request  # type: ignore[no-redef]
 
 CHAT: dict[str, Any] = {
     "model": "demo",

@@ -12,9 +12,9 @@ from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
 from server.core.errors import InvalidRequest
-from server.openai.parsed import ParsedRequest
-from server.openai.requests import parse_request
-from server.openai.wire import (
+from server.generations.parsed import ParsedRequest
+from server.openai_wire.requests import parse_request
+from server.openai_wire.wire import (
     UNSUPPORTED,
     NoEffect,
     Number,

@@ -14,7 +14,7 @@ import orjson
 from pydantic import BaseModel
 
 from server.core.errors import SluiceError
-from server.openai.chunks import cached_tokens
+from server.generations.usage import cached_tokens
 
 # Anthropic's error `type` by HTTP status (Sluice's statuses are kept); any other 4xx is an
 # invalid request, any other 5xx an API error.

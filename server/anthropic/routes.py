@@ -19,6 +19,7 @@ from starlette.types import ASGIApp
 from server.anthropic.messages import parse_count_tokens, parse_messages
 from server.anthropic.replies import MessageStream, error_body, message_reply
 from server.core.errors import SluiceError
+from server.core.ids import public_id
 from server.generations.log import Kind
 from server.generations.run import GenerationRun
 from server.http.edge import context_of
@@ -82,7 +83,7 @@ class MessageResponse(RunResponse):
 
     def __init__(self, services: Services, run: GenerationRun, *, replayed: bool) -> None:
         super().__init__(services, run, replayed=replayed)
-        self.message_id = "msg_" + run.shape.response_id
+        self.message_id = public_id("message", run.shape.response_id)
 
     def error(self, error: SluiceError) -> Response:
         return anthropic_error(error, self.run.timeline.request_id)

@@ -32,6 +32,7 @@ from server.api.routes import Parts, RuntimeLoras, ignorable_fields, prometheus_
 from server.batch_api.routes import BatchServices
 from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore
+from server.chat_api.chunks import CHAT_WIRE
 from server.core.config import SluiceConfig
 from server.core.errors import (
     MethodNotAllowed,
@@ -160,7 +161,12 @@ def build_app(
     shared = stores.shared
     local_responses = stores.responses
     planner = Planner(
-        engine, TenantDirectory(config, clock), dispatcher, served_model, options.stream_interval
+        engine,
+        TenantDirectory(config, clock),
+        dispatcher,
+        served_model,
+        options.stream_interval,
+        wire=CHAT_WIRE,
     )
     generations = Generations(
         planner=planner,

@@ -2,10 +2,10 @@
 
 The route table (`server.api.routes.ENDPOINTS`) names each endpoint's builder; the document
 lists those the app serves. Every body is a model's schema, lifted into `components`: a request
-body is its request model's (`server.openai`, `server.anthropic`); a reply is the model its
+body is its request model's (`server.openai_wire`, `server.anthropic`); a reply is the model its
 API's own SDK declares (`openai.types`, `anthropic.types`: the wire formats as their makers
 maintain them; Sluice's replies add fields, such as `timings`, that clients ignore), or
-Sluice's own (`server.openai.models`) for what no SDK describes. The SDKs are imported when
+Sluice's own (`server.openai_wire.models`) for what no SDK describes. The SDKs are imported when
 the document is first built, not when the server starts. The schemas describe what is
 well-formed; what the engine then accepts (a tool choice needing a parser, logprobs on an
 engine without them) is answered with a 400 naming the field, as everywhere else.
@@ -24,10 +24,10 @@ from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from server.anthropic.messages import CountTokensRequest, MessagesRequest
 from server.anthropic.replies import AnthropicErrorBody
 from server.batch_api.wire import CreateBatch, FileUpload
-from server.openai.chat import NOT_IN_BATCH, ChatCompletionRequest
-from server.openai.completion import CompletionRequest
-from server.openai.error_body import ErrorBody
-from server.openai.models import (
+from server.openai_wire.chat import NOT_IN_BATCH, ChatCompletionRequest
+from server.openai_wire.completion import CompletionRequest
+from server.openai_wire.error_body import ErrorBody
+from server.openai_wire.models import (
     LoadLoRAAdapter,
     ModelList,
     Ready,
@@ -35,8 +35,8 @@ from server.openai.models import (
     UnloadLoRAAdapter,
     VersionReply,
 )
-from server.openai.render import RenderReply
-from server.openai.tokenizer import (
+from server.openai_wire.render import RenderReply
+from server.openai_wire.tokenizer import (
     Detokenize,
     DetokenizeReply,
     TokenizeChat,

@@ -24,6 +24,16 @@ from server.api import openapi
 from server.batch_api import routes as batch_api_routes
 from server.batch_api.routes import BatchServices
 from server.batch_api.wire import CreateBatch
+from server.chat_api.render import render_chat, render_completion
+from server.chat_api.routes import (
+    chat_completions,
+    chat_completions_batch,
+    completions,
+    invocations,
+    resume_chat_completion,
+    resume_completion,
+)
+from server.chat_api.tokenizer import VERSION, detokenize, tokenize, version
 from server.core.errors import (
     AdapterLoadError,
     EngineUnavailable,
@@ -35,9 +45,9 @@ from server.core.errors import (
 from server.http.edge import context_of
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.services import Services
-from server.openai.chat import ChatCompletionRequest
-from server.openai.completion import CompletionRequest
-from server.openai.models import (
+from server.openai_wire.chat import ChatCompletionRequest
+from server.openai_wire.completion import CompletionRequest
+from server.openai_wire.models import (
     LoadLoRAAdapter,
     ModelCard,
     ModelList,
@@ -45,18 +55,8 @@ from server.openai.models import (
     Status,
     UnloadLoRAAdapter,
 )
-from server.openai.tokenizer import Detokenize, TokenizeChat, TokenizeText
-from server.openai.wire import WireModel, ignorable_paths, validated
-from server.openai_api.render import render_chat, render_completion
-from server.openai_api.routes import (
-    chat_completions,
-    chat_completions_batch,
-    completions,
-    invocations,
-    resume_chat_completion,
-    resume_completion,
-)
-from server.openai_api.tokenizer import VERSION, detokenize, tokenize, version
+from server.openai_wire.tokenizer import Detokenize, TokenizeChat, TokenizeText
+from server.openai_wire.wire import WireModel, ignorable_paths, validated
 from server.responses_api import routes as responses_routes
 from server.responses_api.service import Responses
 from server.responses_api.websocket import responses_websocket

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,11 +21,12 @@ from server.batch_api.runner import KINDS, BatchRunner
 from server.batch_api.store import Batch, BatchStore, Line, read_all
 from server.batch_api.wire import CreateBatch
 from server.core.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
+from server.core.ids import new_id
 from server.http.edge import context_of, trace_parent_from
 from server.http.replies import JSONResponse, read_json
 from server.http.services import Services
-from server.openai.requests import parse_request
-from server.openai.wire import validated
+from server.openai_wire.requests import parse_request
+from server.openai_wire.wire import validated
 
 WINDOWS = {"24h": 24 * 3600}
 MAX_ERRORS = 100  # errors listed for a batch that failed validation
@@ -117,7 +117,7 @@ async def create_batch(services: Services, api: BatchServices, request: Request)
     content = await read_all(_found(await store.file_content(tenant, file_id), "file", file_id))
     now = int(time.time())
     batch = Batch(
-        id="batch_" + uuid.uuid4().hex,
+        id=new_id("batch"),
         tenant=tenant,
         input_file_id=file_id,
         endpoint=endpoint,

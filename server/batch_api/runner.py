@@ -31,12 +31,14 @@ from server.core.errors import (
     GenerationCancelled,
     SluiceError,
 )
+from server.core.ids import new_id
 from server.generations.planner import RequestContext
+from server.generations.reading import reader
 from server.generations.run import GenerationRun, Kind
 from server.generations.service import Generations
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent
-from server.openai.requests import parse_request
+from server.openai_wire.requests import parse_request
 from server.scheduler.types import TrafficClass
 
 logger = logging.getLogger("sluice.batches")
@@ -57,7 +59,7 @@ def line_result(
 ) -> dict[str, Any]:
     """One line of the output or error file, as OpenAI's."""
     return {
-        "id": "batch_req_" + uuid.uuid4().hex,
+        "id": new_id("batch_request"),
         "custom_id": line.custom_id,
         "response": None
         if status is None
@@ -264,8 +266,8 @@ class BatchRunner:
             return "failed"
         runs[line.index] = run
         try:
-            with run.reading():
-                last = await run.until_ended()
+            async with reader(run, "ended"):
+                last = run.log[-1]
         finally:
             runs.pop(line.index, None)
         if last.kind is Kind.WHOLE:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from server.batch_api.store import (
     one_chunk,
     result_files,
 )
+from server.core.ids import new_id
 from server.core.sqlite import SqliteDatabase, statements
 
 # A batch's status: a column read from its body, where it is written once (indexed, and added
@@ -89,9 +89,7 @@ class SqliteBatchStore:
     async def add_file(
         self, tenant: str, purpose: str, filename: str, content: bytes
     ) -> dict[str, Any]:
-        file = file_object(
-            "file-" + uuid.uuid4().hex, len(content), int(time.time()), filename, purpose
-        )
+        file = file_object(new_id("file"), len(content), int(time.time()), filename, purpose)
         await self._sql.transaction(_insert_file, tenant, file, content)
         return file
 

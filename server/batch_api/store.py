@@ -24,10 +24,11 @@ is never whole in memory.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from server.core.ids import new_id
 
 # A batch's statuses, in the order it may pass them (OpenAI's); each after the first stamps
 # its `<status>_at` time.
@@ -134,7 +135,7 @@ def result_files(
     for (attribute, name, states), size in zip(RESULT_FILES, sizes, strict=True):
         if size:
             file = file_object(
-                "file-" + uuid.uuid4().hex, size, now, f"{batch.id}_{name}.jsonl", "batch_output"
+                new_id("file"), size, now, f"{batch.id}_{name}.jsonl", "batch_output"
             )
             setattr(batch, attribute, file["id"])
             files.append((file, states))

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from server.openai.wire import WireModel
+from server.openai_wire.wire import WireModel
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 

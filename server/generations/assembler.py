@@ -8,7 +8,8 @@ hands each event to `emit` (the run's log; a list in tests).
 Each event carries what it holds as typed fields (text, parsed fields, logprobs, token ids),
 from which every API's reader renders its own wire format: Anthropic's events, the Responses
 API's and Sluice's WebSocket messages. Only OpenAI's chunks are rendered here, once for every
-reader (`Event.sse`), and only for a run whose readers speak them: a run of the chat or
+reader (`Event.sse`), by the encoder of the wire the shape names (`RunWire`, a port the
+Chat API implements), and only for a run whose readers speak it: a run of the chat or
 completions API, or one kept to be resumed (any transport may come back for it by its id,
 an SSE stream as well). Any other run's events carry no bytes (`Unrendered`), so each token
 is encoded once, into the format its client speaks.
@@ -17,59 +18,13 @@ is encoded once, into the format its client speaks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from engine_adapters.protocol import OutputParser, TokenDelta
+from engine_adapters.protocol import TokenDelta
+from server.generations.choices import Choice, Choices
 from server.generations.log import Event, Kind
-from server.openai.choices import Choice, Choices
-from server.openai.chunks import ChunkEncoder, Echo, completion_id, usage
-from server.openai.parsed import ParsedRequest
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """What the client asked the output to look like, fixed when the run is made."""
-
-    parsed: ParsedRequest
-    model: str
-    response_id: str  # after "chatcmpl-"/"cmpl-": the id of its chunks and body
-    stream: bool
-    new_parser: Callable[[], OutputParser] | None = None  # one per choice
-    prompt_token_ids: Sequence[int] | None = None  # with vLLM's return_token_ids
-    echo: Echo | None = None  # what comes before the generated text
-    first_index: int = 0  # its choice 0's index in the response (one of several prompts)
-    created: int | None = None  # its chunks' `created` (None: when its encoder is made)
-    stream_interval: int = 1  # tokens per chunk, but a choice's first and last (vLLM's)
-    chunks: bool = True  # its stream's events carry OpenAI's chunks (else: no bytes)
-
-    @property
-    def public_id(self) -> str:
-        return completion_id(self.parsed.kind, self.response_id)
-
-    def choices(self, *, keep: bool) -> Choices:
-        return Choices(
-            self.parsed.n,
-            self.new_parser,
-            keep=keep,
-            logprobs=self.parsed.sampling.get("logprobs") is not None,
-        )
-
-
-class Unrendered:
-    """`ChunkEncoder`'s calls for a run whose readers render their own wire format from the
-    events' fields: each renders no bytes."""
-
-    def __init__(self, plain: bool) -> None:
-        self.plain = plain
-
-    def continuing(self, sent: dict[int, int]) -> None:
-        pass
-
-    def _nothing(self, *args: Any, **kwargs: Any) -> bytes:
-        return b""
-
-    role = text = delta = finish = usage_chunk = _nothing
+from server.generations.shape import Shape, StreamEncoder, Unrendered
+from server.generations.usage import usage
 
 
 def _filled(
@@ -105,19 +60,8 @@ class StreamAssembler:
         self.shape = shape
         self.prompt_tokens = prompt_tokens
         self.emit = emit
-        self.encoder: ChunkEncoder | Unrendered = (
-            ChunkEncoder(
-                parsed.kind,
-                shape.response_id,
-                shape.model,
-                parsed.include_usage,
-                parsed.continuous_usage,
-                prompt_tokens,
-                shape.prompt_token_ids,
-                shape.first_index,
-                shape.created,
-                cached,
-            )
+        self.encoder: StreamEncoder = (
+            shape.wire.encoder(shape, prompt_tokens, cached)
             if shape.chunks
             else Unrendered(not (parsed.continuous_usage or shape.prompt_token_ids is not None))
         )

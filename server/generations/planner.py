@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapters.protocol import (
@@ -26,12 +26,12 @@ from server.core.errors import (
     ModelNotFound,
     UnsupportedParameter,
 )
-from server.generations.assembler import Shape
+from server.generations.choices import Echo
+from server.generations.parsed import ParsedRequest
 from server.generations.run import engine_failure
+from server.generations.shape import RunWire, Shape
 from server.generations.timeline import RequestTimeline
 from server.observability.metrics import OTHER_MODEL
-from server.openai.chunks import Echo
-from server.openai.parsed import ParsedRequest
 from server.scheduler.types import Dispatcher, Ticket, TrafficClass
 from server.tenancy.tenants import Tenant, TenantDirectory
 
@@ -93,6 +93,7 @@ class Planner:
     dispatcher: Dispatcher
     served_model: str
     stream_interval: int = 1  # the server's tokens per streamed chunk (a request may raise it)
+    wire: RunWire = field(kw_only=True)  # what runs' logs are written in (the Chat API's)
 
     def tenant_of(self, context: RequestContext) -> Tenant:
         """The caller's tenant (401 for a missing or wrong key, 429 after too many)."""
@@ -316,6 +317,7 @@ class Planner:
             echo=self._echo(parsed, prompt_ids),
             stream_interval=max(self.stream_interval, parsed.stream_interval or 1),
             chunks=chunks,
+            wire=self.wire,
         )
 
     def _echo(self, parsed: ParsedRequest, prompt_ids: Sequence[int]) -> Echo | None:

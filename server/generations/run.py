@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,24 +34,14 @@ from server.core.errors import (
     StateUnavailable,
     UnsupportedParameter,
 )
-from server.generations.assembler import Shape, StreamAssembler, Unrendered
+from server.generations.assembler import StreamAssembler
 from server.generations.log import Event, EventLog, Kind
 from server.generations.ports import LogFollower, LogMirror
+from server.generations.shape import Shape, StreamEncoder
 from server.generations.timeline import RequestTimeline
-from server.openai.chunks import DONE, ChunkEncoder, whole_response
 from server.scheduler.types import Admission, Generation
 
 logger = logging.getLogger("sluice.server")
-
-
-def _joins(first: Event, event: Event) -> bool:
-    """Whether `event` merges into a group that `first` begins: pieces of one choice's text."""
-    return (
-        first.kind is Kind.PIECE
-        and event.kind is Kind.PIECE
-        and event.index == first.index
-        and not (first.local or event.local)
-    )
 
 
 def engine_failure(exc: EngineError) -> SluiceError:
@@ -96,8 +86,11 @@ class _Writer:
 
 
 class GenerationRun:
-    """A generation and its event log. `start()` it once; read it with `reading()` +
-    `events(after)` / `started()` / `until_ended()`; `cancel(error)` it from anywhere.
+    """A generation and its event log. `start()` it once; read it as one reader
+    (`server.generations.reading.reader`, which every API's reply uses) + `events(after)` /
+    `log.batches(after)`; `cancel(error)` it from anywhere. Its events are typed (`Event`);
+    those of a run whose readers speak the wire its shape names also carry their bytes,
+    rendered once by the wire's encoder (`server.generations.shape`).
 
     Shared by replicas (the ports in `server.generations.ports`), a run either writes its
     log to the shared state as it goes (`mirror`: its readers see what is written), or
@@ -126,7 +119,7 @@ class GenerationRun:
         # one reader has not taken.
         self.log = EventLog(stream=shape.stream, keep=resumable)
         # A stream's, once it is dispatched here (`Unrendered`: its readers render their own).
-        self.encoder: ChunkEncoder | Unrendered | None = None
+        self.encoder: StreamEncoder | None = None
         self._admission: Admission[Any] | None = admission
         self._on_end = on_end
         self._mirror = mirror
@@ -254,7 +247,7 @@ class GenerationRun:
                 await self._writer.flush()
         assembler.end(timeline.timings(), timeline.cached_tokens or 0)
         timeline.finish("completed")
-        log.append(Event(Kind.DONE, DONE))
+        log.append(Event(Kind.DONE, self.shape.wire.done))
 
     async def _whole(self, generation: Generation) -> None:
         shape, timeline = self.shape, self.timeline
@@ -263,17 +256,13 @@ class GenerationRun:
             timeline.wrote_tokens(len(delta.token_ids))
             choices.add(delta)
         choices.check_all_finished()
-        body = whole_response(
-            shape.parsed.kind,
-            shape.response_id,
-            shape.model,
+        body = shape.wire.whole(
+            shape,
             choices,
             timeline.prompt_tokens,
             timeline.generated_tokens,
             timeline.cached_tokens or 0,
             timeline.timings(),
-            shape.prompt_token_ids,
-            shape.echo,
         )
         timeline.finish("completed")
         self.log.append(Event(Kind.WHOLE, body=body))
@@ -285,12 +274,10 @@ class GenerationRun:
             return
         error.__traceback__ = error.__cause__ = error.__context__ = None
         self.timeline.fail(error)
-        local = self._handed_over
-        self.log.append(
-            Event(Kind.FAILED, ChunkEncoder.error(error.to_body()), error=error, local=local)
-        )
+        local, wire = self._handed_over, self.shape.wire
+        self.log.append(Event(Kind.FAILED, wire.error(error.to_body()), error=error, local=local))
         if self.shape.stream:
-            self.log.append(Event(Kind.DONE, DONE, local=local))
+            self.log.append(Event(Kind.DONE, wire.done, local=local))
 
     def _end(self) -> None:
         if self.ended:
@@ -307,57 +294,6 @@ class GenerationRun:
             self._on_end(self)
 
     # -- readers ----------------------------------------------------------------------------
-
-    @property
-    def mergeable(self) -> bool:
-        """Whether pieces of its text can be sent merged, as one chunk: a plain stream (no
-        parsed output, logprobs, token ids or usage in each chunk), rendered here."""
-        parsed = self.shape.parsed
-        return (
-            self.encoder is not None
-            and self.encoder.plain
-            and self.shape.new_parser is None
-            and parsed.sampling.get("logprobs") is None
-        )
-
-    def coalesced(
-        self, last: int, batch: Sequence[Event], merge: bool
-    ) -> Iterator[tuple[int, Sequence[Event]]]:
-        """A batch of events a reader took at once (the last numbered `last`), as (number of
-        the last, events) groups to send as one each: with `merge` (and a mergeable run),
-        consecutive pieces of one choice's text form a group; every other event is alone."""
-        if not (merge and len(batch) > 1 and self.mergeable):
-            for seq, event in enumerate(batch, last - len(batch) + 1):
-                yield seq, (event,)
-            return
-        start = 0
-        for end in range(1, len(batch) + 1):
-            if end < len(batch) and _joins(batch[start], batch[end]):
-                continue
-            yield last - len(batch) + end, batch[start:end]
-            start = end
-
-    def sse(self, last: int, batch: Sequence[Event], merge: bool) -> bytes:
-        """The SSE bytes of a batch a reader took at once: each group of `coalesced` one
-        event, under its (last) number when the run is resumable. A plain stream stays as
-        OpenAI's and vLLM's are, which clients that take each event for one `data:` line
-        (vLLM's benchmark client among them) read."""
-        numbered = self.resumable
-        if len(batch) == 1 and not numbered:
-            return batch[0].sse
-        parts = []
-        for seq, group in self.coalesced(last, batch, merge):
-            event = group[0]
-            if len(group) > 1:
-                assert self.encoder is not None
-                text = "".join(e.text for e in group)
-                sse = self.encoder.text(text, 0, None, event.index)
-            else:
-                sse = event.sse
-            # (An event of this replica's alone has no number: a client resuming elsewhere
-            # names the last event of the generation it had.)
-            parts.append(b"id: %d\n%s" % (seq, sse) if numbered and not event.local else sse)
-        return b"".join(parts)
 
     @property
     def writable(self) -> bool:
@@ -400,10 +336,6 @@ class GenerationRun:
         else:
             self.cancel(GenerationCancelled("the client left"))
 
-    @property
-    def readers(self) -> int:
-        return self._readers
-
     def _has_readers(self) -> bool:
         return self._readers > 0
 
@@ -433,7 +365,8 @@ class GenerationRun:
 
     @contextmanager
     def reading(self) -> Iterator[None]:
-        """A reader while the block runs."""
+        """A reader while the block runs (`server.generations.reading.reader`: one that
+        waits for the run's dispatch or end)."""
         self.attach()
         try:
             yield

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapters.protocol import (
     GenerationRequest,
 )
+from server.core import ids
 from server.core.errors import (
     GenerationFailed,
     IdempotencyKeyReused,
@@ -25,6 +25,7 @@ from server.core.errors import (
     SluiceError,
     StateUnavailable,
 )
+from server.generations.parsed import ParsedRequest
 from server.generations.planner import Planner, RequestContext
 from server.generations.ports import LogMirror, RunRecord, SharedRuns
 from server.generations.registry import MAX_KEY_LENGTH, RunStore, fingerprint
@@ -33,12 +34,9 @@ from server.generations.timeline import RequestTimeline
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent, Tracing
-from server.openai.chunks import completion_id
-from server.openai.parsed import ParsedRequest
-from server.openai.requests import parse_request
 from server.scheduler.types import Admission, Dispatcher, Ticket, TrafficClass
 
-CHUNK_APIS = ("chat", "completions")  # whose streams are OpenAI's chunks
+CHUNK_APIS = ("chat", "completions")  # whose readers speak the wire's chunks (`RunWire`)
 
 
 @dataclass(slots=True)
@@ -144,10 +142,10 @@ class Generations:
         None: the shared state did not answer (the generation is to be this replica's
         alone)."""
         assert self.shared is not None
-        response_id = uuid.uuid4().hex
+        response_id = ids.own_id()
         record = RunRecord(
             tenant,
-            completion_id(parsed.kind, response_id),
+            ids.public_id(parsed.kind, response_id),
             parsed.kind,
             request,
             stream,
@@ -224,10 +222,10 @@ class Generations:
         it is this replica's alone."""
         if self.shared is None or not self.shared.up:
             return self._open(parsed, timeline, context, stream=True, resumable=True)
-        response_id = uuid.uuid4().hex
+        response_id = ids.own_id()
         record = RunRecord(
             self.planner.tenant_of(context).name,
-            completion_id("chat", response_id),
+            ids.public_id("chat", response_id),
             parsed.kind,
             body,
             True,
@@ -281,7 +279,7 @@ class Generations:
             raise ShuttingDown(
                 "the server is shutting down; retry on another replica", retry_after=1
             )
-        parsed = parse_request(record.request, record.kind)
+        parsed = self.planner.wire.parse(record.request, record.kind)
         timeline = self.timeline(
             record.request_id, "chat" if record.kind == "chat" else "completions", recorded=False
         )
@@ -299,7 +297,7 @@ class Generations:
             engine_request,
             plan,
             stream=record.stream,
-            response_id=record.public_id.partition("-")[2],
+            response_id=ids.own_part(record.public_id),
             created=record.created,
         )
         run = GenerationRun(
@@ -369,7 +367,7 @@ class Generations:
             stream=stream,
             first_index=first_index,
             # A resumable generation's id is found again by it: never the client's.
-            response_id=response_id or (uuid.uuid4().hex if resumable else timeline.request_id),
+            response_id=response_id or (ids.own_id() if resumable else timeline.request_id),
             created=created,
             # OpenAI's chunks, for the APIs that speak them, and for any transport that may
             # come back for a resumable run by its id; the other APIs' readers render their own.

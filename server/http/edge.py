@@ -4,13 +4,13 @@ limit). Past the edge nothing reads headers."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
 
 from server.core.errors import InvalidRequest
+from server.core.ids import own_id
 from server.generations.planner import RequestContext
 from server.http.send_guard import SendGuard
 from server.http.sse import SSEResponse
@@ -48,7 +48,7 @@ def request_id_from(header: str | None) -> str:
     """The client's X-Request-Id when it is a sane token, else a fresh one."""
     if header and len(header) <= 128 and set(header) <= _REQUEST_ID_CHARS:
         return header
-    return uuid.uuid4().hex
+    return own_id()
 
 
 def api_key_from(headers: Mapping[str, str]) -> str | None:

@@ -1,5 +1,5 @@
 """What vLLM's render endpoints share, each API's route for its own body: a request rendered
-into what the engine would run, without running it (`server.openai.render`'s answer).
+into what the engine would run, without running it (`server.openai_wire.render`'s answer).
 
 The prompt, the model's checks and max_tokens are a generation's own (`Planner.plan_prompt`:
 the same chat template, tools and truncation), so the token ids are those a generation of the
@@ -13,11 +13,11 @@ from typing import Any
 from starlette.requests import Request
 
 from server.core.errors import InvalidRequest
+from server.generations.parsed import ParsedRequest
 from server.http.edge import context_of, request_id_from
 from server.http.replies import read_json
 from server.http.services import Services
-from server.openai.parsed import ParsedRequest
-from server.openai.render import RenderReply, render_reply
+from server.openai_wire.render import RenderReply, render_reply
 from server.tenancy.tenants import Tenant
 
 

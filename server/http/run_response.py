@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from server.core.errors import SluiceError
+from server.generations.reading import reader, sse
 from server.generations.run import GenerationRun
 from server.http.leaving import ClientWatch
 from server.http.replies import JSONResponse, error_response
@@ -43,23 +44,21 @@ class RunResponse:
             self.headers["Idempotent-Replayed"] = "true"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        run = self.run
+        run, stream = self.run, self.run.shape.stream
         # The client leaving ends the block (the run is cancelled if it was the last reader).
-        with ClientWatch(receive), run.reading():
-            stream = run.shape.stream
-            await (run.started() if stream else run.until_ended())
-            failure = run.failure
-            if failure is not None:
-                await self.error(failure)(scope, receive, send)
-                return
-            if stream:
-                self._response = self.services.edge.sse(self._events(), self.headers, self.ping)
-                await self._response(scope, receive, send)
-                return
-            last = run.log[-1]
-            error = last.error
-            response = self.error(error) if error is not None else self.whole(last.body or {})
-            await response(scope, receive, send)
+        with ClientWatch(receive):
+            async with reader(run, "dispatched" if stream else "ended") as failure:
+                if failure is not None:
+                    response: Response | SSEResponse = self.error(failure)
+                elif stream:
+                    response = self._response = self.services.edge.sse(
+                        self._events(), self.headers, self.ping
+                    )
+                else:
+                    error = run.log[-1].error
+                    body = run.log[-1].body or {}
+                    response = self.error(error) if error is not None else self.whole(body)
+                await response(scope, receive, send)
 
     def error(self, error: SluiceError) -> Response:
         return error_response(error, self.run.timeline.request_id)
@@ -75,8 +74,8 @@ class RunResponse:
         if run.writable and self._response is not None:
             write = self._response.write
             await run.written(
-                lambda last, batch, final: write(run.sse(last, batch, merge), final=final)
+                lambda last, batch, final: write(sse(run, last, batch, merge), final=final)
             )
             return
         async for last, batch in run.log.batches(self.after):
-            yield run.sse(last, batch, merge)
+            yield sse(run, last, batch, merge)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from starlette.requests import HTTPConnection
 
 from engine_adapters.protocol import EngineClient
+from server.generations.parsed import ParsedRequest
 from server.generations.planner import Planner
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
@@ -17,9 +18,8 @@ from server.http.ignored import note_ignored
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent
-from server.openai.parsed import ParsedRequest
-from server.openai.requests import REQUEST_MODELS
-from server.openai.wire import WireModel, ignored_fields
+from server.openai_wire.requests import REQUEST_MODELS
+from server.openai_wire.wire import WireModel, ignored_fields
 
 
 @dataclass(slots=True)

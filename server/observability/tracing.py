@@ -68,7 +68,7 @@ class SluiceAttributes:
     API = "sluice.api"
     TENANT = "sluice.tenant"
     TRAFFIC_CLASS = "sluice.traffic_class"
-    GENERATION_ID = "sluice.generation_id"  # what resumes it (`chatcmpl-…`), once it ran
+    GENERATION_ID = "sluice.generation_id"  # what resumes it (its public id), once it ran
     OUTCOME = "sluice.outcome"
     STATUS = "sluice.status"  # the HTTP status it was answered with (a stream's: 200)
     CACHED_TOKENS = "sluice.usage.cached_tokens"

@@ -11,14 +11,16 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
+from server.core.ids import public_id
+from server.generations.reading import reader
 from server.generations.run import GenerationRun
 from server.http.edge import context_of
 from server.http.leaving import ClientWatch, unless_gone
 from server.http.rendering import render_request, rendered
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.services import Services
-from server.openai.requests import parse_request
-from server.openai.wire import validated
+from server.openai_wire.requests import parse_request
+from server.openai_wire.wire import validated
 from server.responses_api.service import Responses, feed, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
 from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent, sse
@@ -62,7 +64,9 @@ async def render_response(services: Services, responses: Responses, request: Req
             param="previous_response_id",
         )
     chat = {**body.chat_body([]), "stream": bool(body.stream)}
-    reply = rendered(services, tenant, parse_request(chat, "chat"), "resp_" + request_id)
+    reply = rendered(
+        services, tenant, parse_request(chat, "chat"), public_id("response", request_id)
+    )
     kv = body.kv_transfer_params
     reply.kv_transfer_params = None if kv is None else kv.model_dump(exclude_none=True)
     return JSONResponse(reply.model_dump())
@@ -134,7 +138,7 @@ class WholeResponse:
         record, run = self.record, self.record.run
         assert run is not None
         request_id = run.timeline.request_id
-        with run.reading():
+        async with reader(run, None):
             if not await unless_gone(self._read(run), receive):
                 return
         await self.responses.ended(record)
@@ -187,15 +191,14 @@ class ResponseStream:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         run = self.run
         request_id = run.timeline.request_id
-        with ClientWatch(receive), run.reading():
-            if self.owner:
-                await run.started()
-                if run.failure is not None:
-                    await error_response(run.failure, request_id)(scope, receive, send)
+        with ClientWatch(receive):
+            async with reader(run, "dispatched" if self.owner else None) as failure:
+                if failure is not None:
+                    await error_response(failure, request_id)(scope, receive, send)
                     return
-            await self.services.edge.sse(self._events(), {"X-Request-Id": request_id})(
-                scope, receive, send
-            )
+                await self.services.edge.sse(self._events(), {"X-Request-Id": request_id})(
+                    scope, receive, send
+                )
 
     async def _events(self) -> AsyncIterator[bytes]:
         stores = self.owner or self.keeper

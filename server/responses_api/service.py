@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,13 +24,14 @@ from server.core.errors import (
     SluiceError,
     StateUnavailable,
 )
+from server.core.ids import new_id
 from server.generations.log import Event, Kind
 from server.generations.planner import RequestContext
 from server.generations.ports import ResponseStore
 from server.generations.run import GenerationRun
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
-from server.openai.requests import parse_request
+from server.openai_wire.requests import parse_request
 from server.responses_api.store import KeptResponse, ResponseRecord
 from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent
 
@@ -146,7 +146,7 @@ class Responses:
                 parsed, chat, timeline, context, None, stream=True
             )
         builder = ResponseBuilder(
-            "resp_" + uuid.uuid4().hex, run.shape.model, int(time.time()), request.echoed()
+            new_id("response"), run.shape.model, int(time.time()), request.echoed()
         )
         record = ResponseRecord(
             tenant, builder, [*earlier, *request.messages()], run, background=background

@@ -20,11 +20,12 @@ import orjson
 from starlette.websockets import WebSocket
 
 from server.core.errors import GenerationCancelled, InvalidRequest, SluiceError
+from server.generations.reading import reader
 from server.generations.run import GenerationRun
 from server.http.edge import request_id_from
 from server.http.services import Services
 from server.http.websocket_session import WebSocketSession
-from server.openai.wire import validated
+from server.openai_wire.wire import validated
 from server.responses_api.service import Responses, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
 from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent
@@ -186,18 +187,19 @@ class ResponsesSession(WebSocketSession):
             return
         run = record.run
         assert run is not None
-        with run.reading():  # (no await since the run was made: it is never left unread)
-            if record.background:
-                await self._send_events(record, run, record.builder.fresh(), -1, lane)
-                return
+        owner = not record.background
+        if owner:
             self.live[record.response_id] = record
-            try:
-                await run.started()
-                if run.failure is not None:  # refused before it began: as over HTTP
-                    await self.send(error_event(run.failure, lane))
+        try:
+            # (no await since the run was made: it is never left unread)
+            async with reader(run, "dispatched" if owner else None) as failure:
+                if failure is not None:  # refused before it began: as over HTTP
+                    await self.send(error_event(failure, lane))
                     return
-                await self._send_events(record, run, record.builder, -1, lane, owner=True)
-            finally:
+                builder = record.builder if owner else record.builder.fresh()
+                await self._send_events(record, run, builder, -1, lane, owner=owner)
+        finally:
+            if owner:
                 del self.live[record.response_id]
 
     def _held(self, response_id: str | None) -> ResponseRecord | None:
@@ -223,7 +225,7 @@ class ResponsesSession(WebSocketSession):
             await asyncio.wait({before})
         # (followed from another replica: its builder is the one made for it, from its start)
         builder = record.builder if keeper else record.builder.fresh()
-        with run.reading():
+        async with reader(run, None):
             await self._send_events(record, run, builder, after, lane, keeper=keeper)
 
     async def _send_stored(

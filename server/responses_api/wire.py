@@ -10,16 +10,18 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import orjson
 from pydantic import Discriminator, Field, Tag
 
-from server.openai.chat import REASONING_EFFORTS
-from server.openai.chunks import cached_tokens, chat_logprobs
-from server.openai.generation_body import (
+from server.core.ids import own_part
+from server.generations.usage import cached_tokens
+from server.openai_wire.chat import REASONING_EFFORTS
+from server.openai_wire.generation_body import (
     TEXT_ONLY,
     KvTransferParams,
     Logprobs,
     SamplingFields,
     VllmFields,
 )
-from server.openai.wire import NoEffect, OnlyDefault, WireModel
+from server.openai_wire.logprobs import chat_logprobs
+from server.openai_wire.wire import NoEffect, OnlyDefault, WireModel
 
 if TYPE_CHECKING:
     from engine_adapters.protocol import TokenLogprob
@@ -355,7 +357,7 @@ class ResponseBuilder:
 
     @property
     def suffix(self) -> str:
-        return self.response_id.removeprefix("resp_")
+        return own_part(self.response_id)
 
     def snapshot(self) -> dict[str, Any]:
         """The response object as it stands."""

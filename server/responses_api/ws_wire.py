@@ -14,7 +14,7 @@ import orjson
 from pydantic import Field
 
 from server.core.errors import InvalidRequest, SluiceError
-from server.openai.wire import WireModel, validated
+from server.openai_wire.wire import WireModel, validated
 from server.responses_api.wire import CreateResponse, ResponseEvent
 
 # As the `openai` SDK checks a lane's id.

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Collection
 from typing import Any
 
@@ -47,6 +46,7 @@ from server.batch_api.store import (
     result_files,
 )
 from server.core.errors import StateUnavailable, StoreUnavailable
+from server.core.ids import new_id
 from server.state.backend import PROBE_SECONDS, RedisState
 from server.state.runs import LET_GO
 
@@ -171,9 +171,7 @@ class RedisBatchStore:
     async def add_file(
         self, tenant: str, purpose: str, filename: str, content: bytes
     ) -> dict[str, Any]:
-        file = file_object(
-            "file-" + uuid.uuid4().hex, len(content), int(time.time()), filename, purpose
-        )
+        file = file_object(new_id("file"), len(content), int(time.time()), filename, purpose)
         pipe = self._client.pipeline(transaction=True)
         _add_file(pipe, tenant, file, content=content)
         await self._call(pipe.execute(), FILE_TIMEOUT_S)

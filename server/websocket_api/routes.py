@@ -3,7 +3,7 @@
 Client → server: `{"type": "generate", "id": ID, "request": {chat-completion body},
 "traffic_class"?: "interactive"|"bulk", "timeout_ms"?: N, "idempotency_key"?: KEY,
 "traceparent"?: W3C, "tracestate"?: W3C}` (each absent field: the upgrade request's header),
-`{"type": "resume", "id": ID, "generation": "chatcmpl-…", "after"?: N}` and
+`{"type": "resume", "id": ID, "generation": GENERATION-ID, "after"?: N}` and
 `{"type": "cancel", "id": ID}`.
 Server → client: `{"type": "delta", "id", "seq", "text", "tokens"}` (with "logprobs" when
 asked, "tool_calls" / "reasoning" as in a chat chunk's delta when the output is parsed, the
@@ -34,23 +34,25 @@ from server.core.errors import (
     SluiceError,
 )
 from server.generations.planner import RequestContext
+from server.generations.reading import coalesced, mergeable
 from server.generations.run import Event, GenerationRun, Kind
+from server.generations.usage import usage
 from server.http.edge import api_key_from, timeout_from, traffic_class_from
 from server.http.services import Services
 from server.http.websocket_session import WebSocketSession
 from server.observability.tracing import TraceParent
-from server.openai.chunks import chat_logprobs, usage
-from server.openai.requests import parse_request
+from server.openai_wire.logprobs import chat_logprobs
+from server.openai_wire.requests import parse_request
 
 MAX_GENERATIONS_PER_CONNECTION = 256
 _NOT_FINGERPRINTED = ("type", "id", "idempotency_key", "traceparent", "tracestate")
 
 
 def ws_message(local_id: str, seq: int, group: Sequence[Event], run: GenerationRun) -> bytes | None:
-    """The WebSocket message for a group of a run's events (`GenerationRun.coalesced`: one
+    """The WebSocket message for a group of a run's events (`coalesced`: one
     event, or pieces of one choice's text merged), rendered once (None: it has none)."""
     event = group[0]
-    if event.kind is Kind.PIECE and run.mergeable:  # text alone: no dict per token
+    if event.kind is Kind.PIECE and mergeable(run):  # text alone: no dict per token
         text = "".join(e.text for e in group) if len(group) > 1 else event.text
         tokens = sum(e.tokens for e in group)
         index = b',"index":%d' % event.index if run.shape.parsed.n > 1 else b""
@@ -266,7 +268,7 @@ class Connection(WebSocketSession):
         merge = self.services.edge.coalesce
 
         async def deliver(last: int, batch: list[Event], final: bool = False) -> None:
-            for seq, group in run.coalesced(last, batch, merge):
+            for seq, group in coalesced(run, last, batch, merge):
                 message = ws_message(gen_id, seq, group, run)
                 if message is not None:
                     await self.outbox.put(message)

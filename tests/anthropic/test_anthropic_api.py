@@ -24,8 +24,8 @@ from server.core.errors import (
     TenantQuotaExceeded,
     UnsupportedParameter,
 )
-from server.openai.chunks import usage
-from server.openai.wire import ignored_fields
+from server.generations.usage import usage
+from server.openai_wire.wire import ignored_fields
 
 # `anthropic` (~2 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.

@@ -12,7 +12,7 @@ import pytest
 import websockets
 from conftest import InProcessSluice, wait_until
 
-from server.openai.requests import parse_request
+from server.openai_wire.requests import parse_request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

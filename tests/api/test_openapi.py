@@ -10,7 +10,7 @@ import httpx
 import pytest
 from conftest import InProcessSluice, uncalibrated_config
 
-from server.openai.requests import REQUEST_MODELS
+from server.openai_wire.requests import REQUEST_MODELS
 
 # schemathesis (and the hypothesis it loads, ~1 s) is imported by the tests that use it, not
 # here: every pytest-xdist worker collects this module, and most never fuzz.

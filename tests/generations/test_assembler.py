@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 
 from engine_adapters.protocol import TokenDelta
+from server.chat_api.chunks import CHAT_WIRE
 from server.core.errors import GenerationFailed
-from server.generations.assembler import Shape, StreamAssembler
+from server.generations.assembler import StreamAssembler
 from server.generations.log import Event, Kind
-from server.openai.requests import parse_request
+from server.generations.shape import Shape
+from server.openai_wire.requests import parse_request
 
 TIMINGS = {"queued_ms": 1.0}
 
@@ -19,7 +21,7 @@ TIMINGS = {"queued_ms": 1.0}
 def shape(*, chunks: bool = True, interval: int = 1, **body: Any) -> Shape:
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     parsed = parse_request({**request, **body}, "chat")
-    return Shape(parsed, "m", "abc", True, stream_interval=interval, chunks=chunks)
+    return Shape(parsed, "m", "abc", True, stream_interval=interval, chunks=chunks, wire=CHAT_WIRE)
 
 
 def assemble(s: Shape, deltas: list[TokenDelta]) -> list[Event]:

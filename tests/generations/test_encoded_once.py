@@ -17,7 +17,7 @@ import websockets
 from conftest import InProcessSluice
 
 from server.anthropic.replies import MessageStream
-from server.openai.chunks import ChunkEncoder
+from server.chat_api.chunks import ChunkEncoder
 from server.responses_api.wire import ResponseBuilder
 from server.websocket_api import routes as ws_routes
 

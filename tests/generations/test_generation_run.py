@@ -18,17 +18,18 @@ from prometheus_client.utils import floatToGoString
 from engine_adapters.sim import SimConfig, SimEngine
 from server.api.app import build_app
 from server.api.serving import build_stores
+from server.chat_api.chunks import ChunkEncoder
 from server.core.config import parse_config
 from server.core.errors import GenerationCancelled, IdempotencyKeyReused, InvalidRequest
 from server.generations.planner import RequestContext
+from server.generations.reading import reader, sse
 from server.generations.registry import RunStore
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.http.send_guard import SendGuard
 from server.observability.metrics import Metrics
-from server.openai.chunks import ChunkEncoder
-from server.openai.requests import parse_request
+from server.openai_wire.requests import parse_request
 from server.scheduler.attainment import ChatMeter
 from server.scheduler.runtime import SchedulerRuntime
 from server.scheduler.slo import SloTargets
@@ -140,7 +141,7 @@ async def test_an_idle_stream_sends_one_token_per_event(sluice: Generations) -> 
     with run.reading():
         async for last, batch in run.log.batches():
             assert run.log.held == 1  # (no run that nobody can resume keeps what was read)
-            sent = sse_events(run.sse(last, batch, merge=True))
+            sent = sse_events(sse(run, last, batch, merge=True))
             assert len(sent) == sum(e.kind is not Kind.DONE for e in batch)
             in_batch = [e for e in batch if e.kind is Kind.PIECE]
             assert len(in_batch) <= 1 and all(e.tokens == 1 for e in in_batch)
@@ -160,7 +161,7 @@ async def test_a_run_read_by_one_reader_writes_each_token_in_its_own_task(
     finals: list[bool] = []
 
     async def write(last: int, batch: list[Event], final: bool) -> None:
-        writes.append((asyncio.current_task(), run.sse(last, batch, merge=True), run.log.held))
+        writes.append((asyncio.current_task(), sse(run, last, batch, merge=True), run.log.held))
         finals.append(final)
 
     with run.reading():
@@ -187,7 +188,7 @@ async def test_a_slow_client_holds_its_run_and_the_engine_keeps_the_backlog(
     held: list[int] = []
 
     async def write(last: int, batch: list[Event], final: bool) -> None:
-        texts.extend(content_of([c for _, c in sse_events(run.sse(last, batch, merge=True))]))
+        texts.extend(content_of([c for _, c in sse_events(sse(run, last, batch, merge=True))]))
         held.append(run.log.held)
         await asyncio.sleep(0.010)  # the client's socket accepts the bytes 10 ms later
 
@@ -207,8 +208,8 @@ async def test_a_reader_that_fell_behind_gets_the_waiting_text_as_one_chunk(
         await run.until_ended()  # the reader took nothing while the run went on
         assert run.log.held == len(run.log)  # what it has not taken is all there
         ((last, batch),) = [taken async for taken in run.log.batches()]
-    merged = sse_events(run.sse(last, batch, merge=True))
-    one_each = sse_events(run.sse(last, batch, merge=False))
+    merged = sse_events(sse(run, last, batch, merge=True))
+    one_each = sse_events(sse(run, last, batch, merge=False))
     assert len(content_of([c for _, c in one_each])) == 30
     (text,) = content_of([c for _, c in merged])
     assert text == "".join(content_of([c for _, c in one_each]))
@@ -313,6 +314,28 @@ async def test_the_last_reader_leaving_cancels_only_what_cannot_resume(sluice: G
     finished = await resumable.until_ended()
     assert finished.kind is Kind.DONE
     assert not any(event.kind is Kind.FAILED for event in resumable.log)
+
+
+async def test_a_reader_is_handed_the_error_that_ended_the_run_before_dispatch(
+    sluice: Generations,
+) -> None:
+    run, _ = await open_run(sluice)
+    run.cancel(GenerationCancelled("at once"))  # before it reached the engine
+    async with reader(run) as failure:
+        assert isinstance(failure, GenerationCancelled) and run.ended and not run.dispatched
+
+
+async def test_a_reader_begins_at_dispatch_or_at_the_end_and_its_leaving_cancels(
+    sluice: Generations,
+) -> None:
+    whole, _ = await open_run(sluice, {**BODY, "stream": False})
+    async with reader(whole, "ended") as failure:
+        assert failure is None and whole.ended and whole.log[-1].kind is Kind.WHOLE
+    run, _ = await open_run(sluice, {**BODY, "max_tokens": 500})
+    async with reader(run) as failure:
+        assert failure is None and run.dispatched and not run.ended
+    last = await run.until_ended()  # its one reader left: cancelled
+    assert last.kind is Kind.DONE and isinstance(run.log[-2].error, GenerationCancelled)
 
 
 async def test_the_same_key_attaches_and_another_body_is_refused(sluice: Generations) -> None:

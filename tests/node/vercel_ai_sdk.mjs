@@ -4,7 +4,7 @@
 //   node vercel_ai_sdk.mjs BASE_URL MODEL PROMPT MAX_OUTPUT_TOKENS TEMPERATURE
 //
 // BASE_URL is the server's OpenAI base (`http://127.0.0.1:8000/v1`); the key is
-// $OPENAI_API_KEY's, or "unused". Prints one JSON object for tests/openai/test_vercel_ai_sdk.py
+// $OPENAI_API_KEY's, or "unused". Prints one JSON object for tests/chat_api/test_vercel_ai_sdk.py
 // to assert on; an error's message, and its cause's, go to stderr with exit status 1.
 import { createOpenAI } from "@ai-sdk/openai";
 import { generateText, streamText } from "ai";

@@ -5,7 +5,7 @@ connection (1007); a final message's usage counts the prompt tokens found in the
 prefix cache, a cancelled generation's too. Elsewhere: a cancel message and the connection's
 close on the real engine in tests/api/test_cancellation.py, resuming in
 tests/generations/test_resumption.py, the bearer subprotocol in tests/api/test_security.py,
-tool-call deltas in tests/openai/test_structured_outputs.py."""
+tool-call deltas in tests/chat_api/test_structured_outputs.py."""
 
 from __future__ import annotations
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.chat_api.chunks import DONE, ChunkEncoder
 from server.core.errors import (
     GenerationCancelled,
     InvalidRequest,
@@ -18,18 +19,20 @@ from server.core.errors import (
     SluiceError,
     UnsupportedParameter,
 )
+from server.core.ids import public_id
 from server.generations.planner import RequestContext
+from server.generations.reading import reader
 from server.generations.run import Event, GenerationRun, Kind
 from server.generations.timeline import RequestTimeline
+from server.generations.usage import summed_usage
 from server.http.edge import context_of
 from server.http.leaving import ClientWatch, unless_gone
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.run_response import RunResponse
 from server.http.services import Services
-from server.openai.chat import NOT_IN_BATCH
-from server.openai.chunks import DONE, ChunkEncoder, completion_id, summed_usage
-from server.openai.completion import split_prompts
-from server.openai.requests import parse_request
+from server.openai_wire.chat import NOT_IN_BATCH
+from server.openai_wire.completion import split_prompts
+from server.openai_wire.requests import parse_request
 
 logger = logging.getLogger("sluice.server")
 
@@ -242,12 +245,13 @@ async def _each(
             future.cancel()
 
 
-@contextmanager
-def _reading(runs: list[GenerationRun]) -> Iterator[None]:
-    """A reader of every run while the block runs."""
-    with ExitStack() as reading:
+@asynccontextmanager
+async def _reading(runs: list[GenerationRun]) -> AsyncIterator[None]:
+    """A reader of every run while the block runs (each entered at once: none is left
+    unread while another is entered)."""
+    async with AsyncExitStack() as reading:
         for run in runs:
-            reading.enter_context(run.reading())
+            await reading.enter_async_context(reader(run, None))
         yield
 
 
@@ -272,15 +276,16 @@ class StreamedBatchResponse:
         self.runs = runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with ClientWatch(receive), _reading(self.runs):
-            await _each(self.runs, GenerationRun.started, lambda run: run.failure is not None)
-            failure = next((run.failure for run in self.runs if run.failure), None)
-            if failure is not None:
-                await error_response(failure, self.request_id)(scope, receive, send)
-                return
-            await self.services.edge.sse(self._events(), {"X-Request-Id": self.request_id})(
-                scope, receive, send
-            )
+        with ClientWatch(receive):
+            async with _reading(self.runs):
+                await _each(self.runs, GenerationRun.started, lambda run: run.failure is not None)
+                failure = next((run.failure for run in self.runs if run.failure), None)
+                if failure is not None:
+                    await error_response(failure, self.request_id)(scope, receive, send)
+                    return
+                await self.services.edge.sse(self._events(), {"X-Request-Id": self.request_id})(
+                    scope, receive, send
+                )
 
     async def _events(self) -> AsyncIterator[bytes]:
         arrived: asyncio.Queue[Event] = asyncio.Queue()  # (each run's log holds them anyway)
@@ -328,7 +333,7 @@ class BatchResponse:
         self.runs = runs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with _reading(self.runs):
+        async with _reading(self.runs):
             if not await unless_gone(_settled(self.runs), receive):
                 return  # the client left: each part is cancelled as its reader leaves
         failed = next(
@@ -346,7 +351,7 @@ class BatchResponse:
         totals = summed_usage(body["usage"] for body in bodies)
         reply = {
             **bodies[0],
-            "id": completion_id(self.kind, self.request_id),
+            "id": public_id(self.kind, self.request_id),
             "choices": choices,
             "usage": totals,
         }

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.openai.chat import ChatCompletionRequest
-from server.openai.completion import CompletionRequest
-from server.openai.parsed import ParsedRequest
-from server.openai.wire import validated
+from server.generations.parsed import ParsedRequest
+from server.openai_wire.chat import ChatCompletionRequest
+from server.openai_wire.completion import CompletionRequest
+from server.openai_wire.wire import validated
 
 REQUEST_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "chat": ChatCompletionRequest,

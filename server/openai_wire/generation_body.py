@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import ConfigDict, Field
 
 from server.core.errors import InvalidRequest, UnsupportedParameter
-from server.openai.wire import (
+from server.openai_wire.wire import (
     MAX_CHOICES,
     MAX_LOGPROBS,
     NoEffect,

@@ -1,5 +1,7 @@
-"""OpenAI's chat and completion wire format: stream chunks, whole responses, usage. Built for
-the per-token hot path (the Responses API's is `server.responses_api.wire`).
+"""OpenAI's chat and completion wire format: stream chunks and whole responses. Built for
+the per-token hot path (the Responses API's is `server.responses_api.wire`). `CHAT_WIRE` is
+the port a run's log is written in (`server.generations.shape.RunWire`), which the
+composition root hands to the planner.
 
 Each stream chunk is the same JSON around a few changing values, so `ChunkEncoder` renders the
 constant prefix once per request and encodes only the token text per chunk (orjson).
@@ -8,31 +10,21 @@ constant prefix once per request and encodes only the token text per chunk (orjs
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 
 from engine_adapters.protocol import PromptLogprob, TokenLogprob
-from server.openai.choices import Choices
+from server.core.ids import public_id
+from server.generations.choices import Choices, Echo
+from server.generations.parsed import ParsedRequest
+from server.generations.shape import Shape
+from server.generations.usage import usage
+from server.openai_wire.logprobs import chat_logprobs
+from server.openai_wire.requests import parse_request
 
 DONE = b"data: [DONE]\n\n"
-
-
-def chat_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    """OpenAI's chat `logprobs.content` entries."""
-    return [
-        {
-            "token": e.token,
-            "logprob": e.logprob,
-            "bytes": list(e.token.encode()),
-            "top_logprobs": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top
-            ],
-        }
-        for e in entries
-    ]
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> dict[str, Any]:
@@ -48,24 +40,6 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> di
         "tokens": [e.token for e in entries],
         "top_logprobs": [{e.token: e.logprob, **dict(e.top)} for e in entries],
     }
-
-
-def completion_id(kind: str, response_id: str) -> str:
-    """The id a chat ("chat") or text completion answers with: its prefix, then its own."""
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + response_id
-
-
-@dataclass(frozen=True, slots=True)
-class Echo:
-    """What comes first with `echo`: a completion's prompt (in its text and logprobs), or the
-    assistant message a chat's answer continues (in its content). The text of the prompt's
-    first token names that token in the logprobs (no logprob there: nothing precedes it);
-    `prompt_only` when max_tokens was 0, so the one token generated is left out."""
-
-    text: str
-    token_ids: Sequence[int]
-    first_token: str
-    prompt_only: bool
 
 
 def echoed_logprobs(
@@ -98,36 +72,6 @@ def echoed_logprobs(
     return part
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
-    """OpenAI's `usage`. `cached_tokens`: of the prompt's, those the engine found in its prefix
-    cache, in `prompt_tokens_details` as OpenAI (and vLLM's `--enable-prompt-tokens-details`)
-    sends them (None: the engine has not looked the prompt up yet, and they are left out)."""
-    counts: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if cached_tokens is not None:
-        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return counts
-
-
-def cached_tokens(counts: dict[str, Any]) -> int:
-    """The prompt tokens found cached that a `usage` counts (0 where it says none)."""
-    details = counts.get("prompt_tokens_details")
-    return details["cached_tokens"] if details else 0
-
-
-def summed_usage(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """The `usage` of generations answered as one (the prompts of one request)."""
-    prompt = completion = cached = 0
-    for counts in parts:
-        prompt += counts["prompt_tokens"]
-        completion += counts["completion_tokens"]
-        cached += cached_tokens(counts)
-    return usage(prompt, completion, cached)
-
-
 class ChunkEncoder:
     """Renders `data: {...}\\n\\n` events for one streamed chat or text completion."""
 
@@ -151,7 +95,7 @@ class ChunkEncoder:
         each chunk's continuous usage."""
         self.kind = kind
         self.first_index = first_index
-        self.id = completion_id(kind, request_id)
+        self.id = public_id(kind, request_id)
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.created = int(time.time()) if created is None else created
         self.model = model
@@ -415,7 +359,7 @@ def whole_response(
                 }
             )
     body: dict[str, Any] = {
-        "id": completion_id(kind, request_id),
+        "id": public_id(kind, request_id),
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()),
         "model": model,
@@ -427,3 +371,58 @@ def whole_response(
         body["prompt_logprobs"] = prompt
         body["prompt_token_ids"] = ids
     return body
+
+
+class ChatWire:
+    """A run's log written in OpenAI's chunks, its whole body a chat.completion or
+    text_completion, its requests OpenAI's (`server.generations.shape.RunWire`)."""
+
+    done = DONE
+
+    def encoder(
+        self, shape: Shape, prompt_tokens: int, cached: Callable[[], int | None]
+    ) -> ChunkEncoder:
+        parsed = shape.parsed
+        return ChunkEncoder(
+            parsed.kind,
+            shape.response_id,
+            shape.model,
+            parsed.include_usage,
+            parsed.continuous_usage,
+            prompt_tokens,
+            shape.prompt_token_ids,
+            shape.first_index,
+            shape.created,
+            cached,
+        )
+
+    def whole(
+        self,
+        shape: Shape,
+        choices: Choices,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        timings: dict[str, Any],
+    ) -> dict[str, Any]:
+        return whole_response(
+            shape.parsed.kind,
+            shape.response_id,
+            shape.model,
+            choices,
+            prompt_tokens,
+            completion_tokens,
+            cached_tokens,
+            timings,
+            shape.prompt_token_ids,
+            shape.echo,
+        )
+
+    def error(self, body: dict[str, Any]) -> bytes:
+        return ChunkEncoder.error(body)
+
+    def parse(self, body: Any, kind: str) -> ParsedRequest:
+        return parse_request(body, kind)
+
+
+CHAT_WIRE = ChatWire()

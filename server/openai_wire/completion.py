@@ -7,9 +7,9 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from server.core.errors import InvalidRequest
-from server.openai.generation_body import GenerationBody, Logprobs
-from server.openai.parsed import ParsedRequest
-from server.openai.wire import TokenId, ignored_fields
+from server.generations.parsed import ParsedRequest
+from server.openai_wire.generation_body import GenerationBody, Logprobs
+from server.openai_wire.wire import TokenId, ignored_fields
 
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 

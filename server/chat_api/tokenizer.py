@@ -21,16 +21,16 @@ from server.generations.planner import check_in_vocabulary
 from server.http.edge import context_of
 from server.http.replies import JSONResponse, read_json
 from server.http.services import Services
-from server.openai.chat import messages_of
-from server.openai.models import VersionReply
-from server.openai.tokenizer import (
+from server.openai_wire.chat import messages_of
+from server.openai_wire.models import VersionReply
+from server.openai_wire.tokenizer import (
     Detokenize,
     DetokenizeReply,
     TokenizeChat,
     TokenizeReply,
     tokenize_body,
 )
-from server.openai.wire import validated
+from server.openai_wire.wire import validated
 from server.tenancy.tenants import Tenant
 
 

@@ -115,3 +115,16 @@ class Choices:
 
     def in_order(self) -> list[Choice]:
         return [self.by_index[i] for i in sorted(self.by_index)]
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """What comes first with `echo`: a completion's prompt (in its text and logprobs), or the
+    assistant message a chat's answer continues (in its content). The text of the prompt's
+    first token names that token in the logprobs (no logprob there: nothing precedes it);
+    `prompt_only` when max_tokens was 0, so the one token generated is left out."""
+
+    text: str
+    token_ids: Sequence[int]
+    first_token: str
+    prompt_only: bool

@@ -9,9 +9,9 @@ from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict
 
 from server.core.errors import InvalidRequest, UnsupportedParameter
-from server.openai.generation_body import TEXT_ONLY, GenerationBody, Logprobs
-from server.openai.parsed import ParsedRequest
-from server.openai.wire import UNSUPPORTED, NoEffect, OnlyDefault, WireModel, ignored_fields
+from server.generations.parsed import ParsedRequest
+from server.openai_wire.generation_body import TEXT_ONLY, GenerationBody, Logprobs
+from server.openai_wire.wire import UNSUPPORTED, NoEffect, OnlyDefault, WireModel, ignored_fields
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's
 # vLLM's batched chat (`POST /v1/chat/completions/batch`, one conversation per choice) takes

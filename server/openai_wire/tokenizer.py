@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
-from server.openai.chat import ChatTemplateFields, Message
-from server.openai.wire import OnlyDefault, TokenId, WireModel, validated
+from server.openai_wire.chat import ChatTemplateFields, Message
+from server.openai_wire.wire import OnlyDefault, TokenId, WireModel, validated
 
 
 class TokenizeText(WireModel):

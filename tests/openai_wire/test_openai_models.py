@@ -1,4 +1,4 @@
-"""The request models (server/openai): what a refusal names, and the OpenAPI document they
+"""The request models (server/openai_wire): what a refusal names, and the OpenAPI document they
 generate. The routes' answers to bad input are in test_bad_input.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from server.api.routes import api_document
 from server.core.errors import InvalidRequest, UnsupportedParameter
-from server.openai.requests import REQUEST_MODELS, parse_request
+from server.openai_wire.requests import REQUEST_MODELS, parse_request
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -96,8 +96,8 @@ def test_the_document_holds_each_models_own_schema() -> None:
 def test_the_table_of_vllms_fields_names_every_field_served_at_its_default_or_ignored() -> None:
     from pathlib import Path
 
-    from server.openai.tokenizer import TokenizeChat
-    from server.openai.wire import NoEffect, OnlyDefault
+    from server.openai_wire.tokenizer import TokenizeChat
+    from server.openai_wire.wire import NoEffect, OnlyDefault
     from server.responses_api.wire import CreateResponse
 
     page = (Path(__file__).parents[2] / "docs" / "request-models.md").read_text()

@@ -7,19 +7,19 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from server.core.ids import public_id
 from server.http.rendering import render_request, rendered
 from server.http.replies import JSONResponse
 from server.http.services import Services
-from server.openai.chunks import completion_id
-from server.openai.completion import split_prompts
-from server.openai.requests import parse_request
+from server.openai_wire.completion import split_prompts
+from server.openai_wire.requests import parse_request
 
 
 async def render_chat(services: Services, request: Request) -> Response:
     tenant, body, request_id = await render_request(services, request)
     parsed = parse_request(body, "chat")
     services.note_ignored("chat", request.url.path, parsed)
-    reply = rendered(services, tenant, parsed, completion_id("chat", request_id))
+    reply = rendered(services, tenant, parsed, public_id("chat", request_id))
     return JSONResponse(reply.model_dump())
 
 
@@ -28,7 +28,7 @@ async def render_completion(services: Services, request: Request) -> Response:
     several)."""
     tenant, body, request_id = await render_request(services, request)
     bodies = split_prompts(body) or [body]
-    name = completion_id("completion", request_id)
+    name = public_id("completion", request_id)
     replies = []
     for i, one in enumerate(bodies):
         parsed = parse_request(one, "completion")

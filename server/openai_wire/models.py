@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from server.openai.wire import OnlyDefault, WireModel
+from server.openai_wire.wire import OnlyDefault, WireModel
 
 
 class ModelCard(BaseModel):

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from engine_adapters.protocol import SamplingOptions
-from server.openai.parsed import ParsedRequest
+from server.generations.parsed import ParsedRequest
 
 # vLLM's RequestOutputKind: a streamed request's outputs are deltas, a whole one's the end.
 _DELTA, _FINAL_ONLY = 1, 2

@@ -1,7 +1,7 @@
 """Request fields as vLLM's server accepts them, over HTTP: the bodies vLLM's router sends are
 answered; an undeclared field is answered, logged once and counted; a declared field Sluice
 cannot serve is a 400 `unsupported_parameter` naming it, at any value that would change the
-answer, and leaks nothing. (The models' own rules: tests/openai/test_openai_models.py.)"""
+answer, and leaks nothing. (The models' own rules: tests/openai_wire/test_openai_models.py.)"""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from conftest import ROUTER_CHAT, ROUTER_COMPLETION, InProcessSluice
 from pydantic import BaseModel
 
-from server.openai.chat import ChatCompletionRequest
-from server.openai.completion import CompletionRequest
-from server.openai.wire import OnlyDefault
+from server.openai_wire.chat import ChatCompletionRequest
+from server.openai_wire.completion import CompletionRequest
+from server.openai_wire.wire import OnlyDefault
 from server.responses_api.wire import CreateResponse
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -707,7 +707,10 @@ class SpareReplica:
         self.started = 0
 
     def get(self) -> SluiceProcess:
-        """The running replica, started if there is none."""
+        """The running replica, started if there is none (or it exited: a failed test's)."""
+        if self.replica is not None and self.replica.proc.poll() is not None:
+            self.replica.stop()
+            self.replica = None
         if self.replica is None:
             config = self.root / "spare.yaml"
             config.write_text("state: {lease_seconds: 2}\n")  # a killed one's stream moves on soon

@@ -81,7 +81,23 @@ VLLM_OUTPUT_FLAGS = [
 
 # Fixtures that start the real vLLM engine: a test that uses one is marked `vllm`, so that
 # `pytest -m "not vllm"` runs the pure and sim tests alone.
-VLLM_FIXTURES = {"vllm_server", "lora_server", "demo_model_dir", "demo_adapters"}
+VLLM_FIXTURES = {
+    "vllm_server",
+    "lora_server",
+    "keyed_vllm_server",
+    "demo_model_dir",
+    "demo_adapters",
+}
+
+
+# The session's servers on the real engine, and the xdist group of the tests that use each: the
+# spare replica beside the session's server goes with it (the fleet tests use both).
+SHARED_ENGINES = {
+    "vllm_server": "vllm_server",
+    "spare_replica": "vllm_server",
+    "lora_server": "lora_server",
+    "keyed_vllm_server": "keyed_vllm_server",
+}
 
 
 # The tiers (docs/testing.md): `unit` runs no server; `service` serves an app in this process on
@@ -98,12 +114,11 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     fixtures = set(getattr(item, "fixturenames", ()))
     if VLLM_FIXTURES & fixtures:
         item.add_marker(pytest.mark.vllm)
-    if "vllm_server" in fixtures:
-        # Under pytest-xdist (`--dist loadgroup`), the tests of the session's vLLM server all
-        # run in one worker, so that one engine starts, not one per worker.
-        item.add_marker(pytest.mark.xdist_group("vllm_server"))
-    if "lora_server" in fixtures:
-        item.add_marker(pytest.mark.xdist_group("lora_server"))
+    # Under pytest-xdist (`--dist loadgroup`), the tests of each session server on the real
+    # engine run in one worker, so that its engine starts once, not once per worker.
+    group = next((group for name, group in SHARED_ENGINES.items() if name in fixtures), None)
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
     marked = {marker.name for marker in item.iter_markers()}
     if marked & {"unit", "service", "system"}:
         return
@@ -166,10 +181,14 @@ def uncalibrated_config(directory: Path, more: str = "") -> Path:
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` (e.g. `sluice_requests_total`) in the exposition `text`
-    whose labels include `labels`; 0.0 when there are none yet."""
+    whose labels include `labels`; 0.0 when there are none yet.
+
+    Only the lines of `name`'s samples are parsed: a server's whole exposition (~1,000 lines
+    once it has served a few APIs) took ~30 ms to parse, at each of the suite's metric reads."""
+    own = "\n".join(line for line in text.splitlines() if line.startswith(name))
     return sum(
         sample.value
-        for family in text_string_to_metric_families(text)
+        for family in text_string_to_metric_families(own)
         for sample in family.samples
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
@@ -639,6 +658,10 @@ def vllm_args(demo_model_dir: Path) -> list[str]:
 
 
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# A vLLM server whose tests do not depend on the engine's measured speed starts without the
+# probe (4 s on an idle host, 7-9 s beside other work): the scheduler starts from its priors
+# and learns online. The session's server keeps it, as `sluice serve` runs.
+UNCALIBRATED_VLLM_ENV = {**VLLM_ENV, "SLUICE_ESTIMATES__CALIBRATE": "false"}
 
 
 def kv_events_args() -> tuple[list[str], str]:
@@ -670,6 +693,61 @@ def vllm_server(
         server.stop()
 
 
+class SpareReplica:
+    """A second vLLM replica beside the session's server, on its Redis, publishing KV events,
+    its claims lapsing 2 s after its last renewal: the fleet tests' second replica
+    (tests/fleet/test_router_vllm.py), then the replica the takeover test kills
+    (tests/generations/test_takeover_vllm.py), so one engine start serves both. Collected in
+    that order, in the session server's xdist group; in another order, a replica is started
+    again for whoever asks after it was taken."""
+
+    def __init__(self, demo_model_dir: Path, redis: RedisProcess, root: Path) -> None:
+        self.demo_model_dir, self.redis, self.root = demo_model_dir, redis, root
+        self.replica: SluiceProcess | None = None
+        self.started = 0
+
+    def get(self) -> SluiceProcess:
+        """The running replica, started if there is none (or it exited: a failed test's)."""
+        if self.replica is not None and self.replica.proc.poll() is not None:
+            self.replica.stop()
+            self.replica = None
+        if self.replica is None:
+            config = self.root / "spare.yaml"
+            config.write_text("state: {lease_seconds: 2}\n")  # a killed one's stream moves on soon
+            kv_args, kv_events = kv_events_args()
+            args = [*vllm_args(self.demo_model_dir), "--config", str(config)]
+            replica = SluiceProcess(
+                [*args, "--state-url", self.redis.url, *kv_args],
+                self.root / f"replica-{self.started}.log",
+                env=UNCALIBRATED_VLLM_ENV,
+            )
+            replica.kv_events = kv_events
+            self.started += 1
+            self.replica = replica.__enter__()  # ready (stopped if it never gets there)
+        return self.replica
+
+    def take(self) -> SluiceProcess:
+        """The running replica, for a test that kills it (and stops it): the next `get` starts
+        another."""
+        replica, self.replica = self.get(), None
+        return replica
+
+    def close(self) -> None:
+        if self.replica is not None:
+            self.replica.stop()
+
+
+@pytest.fixture(scope="session")
+def spare_replica(
+    demo_model_dir: Path, session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SpareReplica]:
+    spare = SpareReplica(demo_model_dir, session_redis, tmp_path_factory.mktemp("spare"))
+    try:
+        yield spare
+    finally:
+        spare.close()
+
+
 LORA_ADAPTERS = ("tenant-a", "tenant-b")  # the lora server's adapters: demo variants 1 and 2
 
 
@@ -698,8 +776,46 @@ def lora_server(
         "--lora-modules", *modules, "--engine-arg", "dtype=float32",
     ]  # fmt: skip
     with SluiceProcess(
-        args, tmp_path_factory.mktemp("lora") / "server.log", env=VLLM_ENV
+        args, tmp_path_factory.mktemp("lora") / "server.log", env=UNCALIBRATED_VLLM_ENV
     ) as server:
+        yield server
+
+
+# The keyed vLLM server's tenants, each with one key: the runtime LoRA tests' (an admin, a user,
+# and one limited to an adapter loaded later) and the prefix-cache tests' (two with caches of
+# their own, two sharing theirs). One engine serves both modules (tests/api/test_lora_runtime.py,
+# tests/tenancy/test_prefix_cache_vllm.py); neither's tenants see the other's.
+KEYED_TENANTS: dict[str, dict[str, Any]] = {
+    "ops": {"api_keys": ["sk-ops"], "admin": True},
+    "user": {"api_keys": ["sk-user"]},
+    "limited": {"api_keys": ["sk-limited"], "models": ["narrow"]},
+    "alpha": {"api_keys": ["sk-alpha"]},
+    "beta": {"api_keys": ["sk-beta"]},
+    "gamma": {"api_keys": ["sk-gamma"], "prefix_cache": "shared"},
+    "delta": {"api_keys": ["sk-delta"], "prefix_cache": "shared"},
+}
+
+
+def tenant_key(tenant: str) -> str:
+    """The key of one of `KEYED_TENANTS`."""
+    return str(KEYED_TENANTS[tenant]["api_keys"][0])
+
+
+@pytest.fixture(scope="session")
+def keyed_vllm_server(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SluiceProcess]:
+    """Sluice on vLLM with the demo model, closed to all but `KEYED_TENANTS`, adapters loaded
+    at runtime (`--enable-lora`, two held by the engine), in float32 as the LoRA server."""
+    root = tmp_path_factory.mktemp("keyed")
+    config = root / "sluice.json"
+    config.write_text(json.dumps({"tenants": KEYED_TENANTS}))  # (YAML reads JSON)
+    args = [
+        "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
+        "--config", str(config),
+        "--enable-lora", "--max-cpu-loras", "2", "--engine-arg", "dtype=float32",
+    ]  # fmt: skip
+    with SluiceProcess(args, root / "server.log", env=UNCALIBRATED_VLLM_ENV) as server:
         yield server
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import SluiceProcess, wait_until
+from conftest import UNCALIBRATED_VLLM_ENV, SluiceProcess, wait_until
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def doomed_server(demo_model_dir: Path, tmp_path: Path):  # type: ignore[no-unty
     server = SluiceProcess(
         ["--model", str(demo_model_dir), "--engine-death-exit-seconds", "8"],
         tmp_path / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        env=UNCALIBRATED_VLLM_ENV,
     )
     try:
         server.wait_ready()

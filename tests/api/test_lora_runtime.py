@@ -5,39 +5,22 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import VLLM_ENV, SluiceProcess
+from conftest import SluiceProcess, tenant_key
 
-pytestmark = pytest.mark.xdist_group("lora_runtime")
-
-ADMIN, USER, LIMITED = "sk-ops", "sk-user", "sk-limited"
+# The keyed server's tenants (tests/conftest.py): an admin, a user, and one limited to `narrow`,
+# an adapter loaded later.
+ADMIN, USER, LIMITED = (tenant_key(name) for name in ("ops", "user", "limited"))
 BASE = "sluice-demo"
 
 
-@pytest.fixture(scope="module")
-def server(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SluiceProcess]:
-    root = tmp_path_factory.mktemp("lora-runtime")
-    config = root / "sluice.json"
-    tenants = {
-        "ops": {"api_keys": [ADMIN], "admin": True},
-        "user": {"api_keys": [USER]},
-        "limited": {"api_keys": [LIMITED], "models": ["narrow"]},  # an adapter loaded later
-    }
-    config.write_text(json.dumps({"tenants": tenants}))
-    args = [
-        "--model", str(demo_model_dir), "--served-model-name", BASE, "--config", str(config),
-        "--enable-lora", "--max-cpu-loras", "2",
-        "--engine-arg", "dtype=float32",
-    ]  # fmt: skip
-    with SluiceProcess(args, root / "server.log", env=VLLM_ENV) as process:
-        yield process
+@pytest.fixture
+def server(keyed_vllm_server: SluiceProcess) -> SluiceProcess:
+    return keyed_vllm_server
 
 
 def post(

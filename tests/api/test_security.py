@@ -76,6 +76,7 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+@pytest.mark.system  # `sluice serve` in a process of its own: its logging is the subject
 async def test_keys_in_urls_and_headers_leave_no_trace_in_the_logs(
     process: SluiceProcess,
 ) -> None:
@@ -288,6 +289,7 @@ def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
         process.stop()
 
 
+@pytest.mark.system  # `sluice serve` run: its exit status is the subject
 def test_a_misspelt_configuration_key_stops_the_start_naming_its_path(tmp_path: Path) -> None:
     config = tmp_path / "sluice.yaml"
     config.write_text("tenants:\n  acme: {api_keys: [k1], max_concurent: 1}\n")

@@ -17,7 +17,13 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import READY_TIMEOUT_S, VLLM_ENV, reserved_port, vllm_args, wait_until
+from conftest import (
+    READY_TIMEOUT_S,
+    UNCALIBRATED_VLLM_ENV,
+    reserved_port,
+    vllm_args,
+    wait_until,
+)
 
 pytestmark = pytest.mark.system
 TOKENS = 400
@@ -46,7 +52,7 @@ def test_ctrl_c_in_a_terminal_drains_the_running_stream_and_exits_0(
             stdin=terminal,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**env, **VLLM_ENV},
+            env={**env, **UNCALIBRATED_VLLM_ENV},
             start_new_session=True,
             preexec_fn=_take_the_terminal,
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from conftest import ROOT, require_tool, reserved_port, uncalibrated_config, wait_until
 from openai import OpenAI
 
@@ -46,6 +47,7 @@ def test_the_routers_own_parser_reads_what_the_fleet_passes() -> None:
     assert '"topic": ""' in kv_events_config(5557)
 
 
+@pytest.mark.system  # Redis, replicas and the router, each a process of its own
 def test_one_command_serves_through_the_router_and_ctrl_c_stops_it_all(tmp_path: Path) -> None:
     require_tool("redis-server")
     port = reserved_port()

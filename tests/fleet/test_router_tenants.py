@@ -14,6 +14,8 @@ import pytest
 from conftest import RouterProcess, sim_fleet
 from openai import AuthenticationError, OpenAI
 
+pytestmark = pytest.mark.system  # the router's and Redis's processes
+
 ACME = {"Authorization": "Bearer acme-key"}
 BETA = {"Authorization": "Bearer beta-key"}
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}

@@ -3,8 +3,9 @@ vLLM engine, sharing one Redis: every API through it, a stored response and a ba
 either replica, a keyed stream resumed through it, and routing by prefix (`cache_aware` from
 Sluice's render endpoint, `kv_aware` from the engines' own KV events).
 
-The session's vLLM server is one replica; this module starts the second. Both publish vLLM's KV
-events (the session server's `--kv-events-config`, tests/conftest.py). Assertions on text hold
+The session's vLLM server is one replica; the second is the session's spare replica (which the
+takeover test kills afterwards, tests/conftest.py). Both publish vLLM's KV events (their
+`--kv-events-config`). Assertions on text hold
 on any CPU: the demo model's greedy text is decisive (docs/testing.md), and a resumed stream is
 compared with the same generation's replay, not with a second generation.
 """
@@ -17,16 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from anthropic import Anthropic
-from conftest import (
-    VLLM_ENV,
-    RedisProcess,
-    RouterProcess,
-    SluiceProcess,
-    kv_events_args,
-    parse_sse,
-    vllm_args,
-    wait_until,
-)
+from conftest import RouterProcess, SluiceProcess, SpareReplica, parse_sse, wait_until
 from openai import OpenAI
 
 MODEL = "sluice-demo"
@@ -36,19 +28,9 @@ SYSTEM = " ".join(f"rule {i}: answer plainly and briefly." for i in range(60))
 
 
 @pytest.fixture(scope="module")
-def second_replica(
-    demo_model_dir, session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SluiceProcess]:
+def second_replica(spare_replica: SpareReplica) -> SluiceProcess:
     """Another replica beside the session's vLLM server, on its Redis."""
-    args, kv_events = kv_events_args()
-    replica = SluiceProcess(
-        [*vllm_args(demo_model_dir), "--state-url", session_redis.url, *args],
-        tmp_path_factory.mktemp("second-replica") / "server.log",
-        env=VLLM_ENV,
-    )
-    replica.kv_events = kv_events
-    with replica:
-        yield replica
+    return spare_replica.get()
 
 
 @pytest.fixture(scope="module")

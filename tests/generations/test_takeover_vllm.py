@@ -4,12 +4,10 @@ uninterrupted run's."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import orjson
 import pytest
-from conftest import VLLM_ENV, RedisProcess, SluiceProcess, parse_sse, vllm_args
+from conftest import SluiceProcess, SpareReplica, parse_sse
 
 pytestmark = pytest.mark.system
 
@@ -35,17 +33,12 @@ def _text(events: list[tuple[int | None, str]]) -> str:
 
 
 def test_a_killed_replicas_greedy_generation_continues_unchanged(
-    vllm_server: SluiceProcess, session_redis: RedisProcess, demo_model_dir: Path, tmp_path: Path
+    vllm_server: SluiceProcess, spare_replica: SpareReplica
 ) -> None:
-    config = tmp_path / "doomed.yaml"
-    config.write_text("state: {lease_seconds: 2}\n")
-    doomed = SluiceProcess(
-        [*vllm_args(demo_model_dir), "--config", str(config), "--state-url", session_redis.url],
-        tmp_path / "doomed.log",
-        env=VLLM_ENV,
-    )
+    # The session's spare replica (its claims lapse 2 s after its last renewal), which the fleet
+    # tests used before: this test kills it.
+    doomed = spare_replica.take()
     try:
-        doomed.wait_ready()
         reference = httpx.post(vllm_server.url + "/v1/chat/completions", json=BODY, timeout=120)
         alone = parse_sse(reference.text.splitlines())
         before: list[str] = []

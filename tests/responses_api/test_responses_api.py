@@ -36,13 +36,15 @@ KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 DEADLINE_S = 30.0
 
 
-def serve(root: Path, *more: str) -> Iterator[InProcessSluice]:
+def serve(root: Path, *more: str, paced: bool = True) -> Iterator[InProcessSluice]:
+    """A sim server, `paced` at 10 ms a step (for tests that catch a stream mid-way), else at the
+    sim's own speed."""
+    pace = ["--sim-step-base-ms", "10"] if paced else []
     process = InProcessSluice(
         [
             "--engine",
             "sim",
-            "--sim-step-base-ms",
-            "10",
+            *pace,
             "--config",
             str(uncalibrated_config(root)),
             *more,
@@ -68,8 +70,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice
 
 @pytest.fixture(scope="module")
 def stopping_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    """Its model stops by itself (a chance of 1 in 20 each token): answers complete."""
-    yield from serve(tmp_path_factory.mktemp("stopping"), "--sim-eos-probability", "0.05")
+    """Its model stops by itself (a chance of 1 in 20 each token): answers complete. Unpaced:
+    its tests read whole answers (the sampling test 800 tokens, 8 s at 10 ms a step)."""
+    yield from serve(
+        tmp_path_factory.mktemp("stopping"), "--sim-eos-probability", "0.05", paced=False
+    )
 
 
 def client_of(server: InProcessSluice, key: str = "sk-acme") -> openai.OpenAI:

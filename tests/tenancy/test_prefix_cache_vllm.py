@@ -10,44 +10,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import VLLM_ENV, SluiceProcess, wait_until
+from conftest import SluiceProcess, tenant_key, wait_until
 
-pytestmark = pytest.mark.xdist_group("prefix_cache")
-
-KEYS = {"alpha": "sk-alpha", "beta": "sk-beta", "gamma": "sk-gamma", "delta": "sk-delta"}
+# The keyed server's tenants (tests/conftest.py): alpha and beta with caches of their own,
+# gamma and delta sharing theirs.
+KEYS = {name: tenant_key(name) for name in ("alpha", "beta", "gamma", "delta")}
 BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached
 PROMPT = list(range(10, 10 + 2 * BLOCK + 40))  # token ids: two whole blocks and a part
 
 
-@pytest.fixture(scope="module")
-def server(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SluiceProcess]:
-    root = tmp_path_factory.mktemp("prefix-cache")
-    tenants = {
-        name: {
-            "api_keys": [key],
-            **({"prefix_cache": "shared"} if name in ("gamma", "delta") else {}),
-        }
-        for name, key in KEYS.items()
-    }
-    config = root / "sluice.json"
-    config.write_text(json.dumps({"tenants": tenants}))  # (YAML reads JSON)
-    args = [
-        "--model",
-        str(demo_model_dir),
-        "--served-model-name",
-        "sluice-demo",
-        "--config",
-        str(config),
-    ]
-    with SluiceProcess(args, root / "server.log", env=VLLM_ENV) as process:
-        yield process
+@pytest.fixture
+def server(keyed_vllm_server: SluiceProcess) -> SluiceProcess:
+    return keyed_vllm_server
 
 
 def cached(server: SluiceProcess, tenant: str) -> int:

@@ -1,39 +1,32 @@
-"""Every route, declared once (`ENDPOINTS`): its method, path, handler and OpenAPI operation.
-The app's Starlette routes and `/openapi.json`'s paths are both read from it, so the document
-lists what is served and nothing else. The handlers of no API in particular (health, models,
-metrics, the chat page) are here too."""
+"""The app's endpoints: each API's table (`server.<api>.endpoints.ENDPOINTS`), joined, and the
+server's own (health, readiness, models, LoRA adapters, metrics, the chat page, this document),
+declared here beside their handlers. The app's Starlette routes and `/openapi.json`'s paths are
+both read from the joined table (`ENDPOINTS`), so the document lists what is served and nothing
+else."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from engine_adapters.protocol import AdapterLoadFailed, AdapterNotFound, EngineRequestError
-from server.anthropic import routes as anthropic_routes
+from server.anthropic import endpoints as anthropic
 from server.anthropic.messages import CountTokensRequest, MessagesRequest
 from server.api import openapi
-from server.batch_api import routes as batch_api_routes
+from server.batch_api import endpoints as batch_api
 from server.batch_api.routes import BatchServices
 from server.batch_api.wire import CreateBatch
-from server.chat_api.render import render_chat, render_completion
-from server.chat_api.routes import (
-    chat_completions,
-    chat_completions_batch,
-    completions,
-    invocations,
-    resume_chat_completion,
-    resume_completion,
-)
-from server.chat_api.tokenizer import VERSION, detokenize, tokenize, version
+from server.chat_api import endpoints as chat_api
+from server.chat_api.tokenizer import VERSION
 from server.core.errors import (
     AdapterLoadError,
     EngineUnavailable,
@@ -43,10 +36,13 @@ from server.core.errors import (
     ShuttingDown,
 )
 from server.http.edge import context_of
+from server.http.endpoints import Endpoint, Part
+from server.http.operations import Operation, Schema, get, json_content, post, request
 from server.http.replies import JSONResponse, error_response, read_json
 from server.http.services import Services
 from server.openai_wire.chat import ChatCompletionRequest
 from server.openai_wire.completion import CompletionRequest
+from server.openai_wire.error_body import ErrorBody
 from server.openai_wire.models import (
     LoadLoRAAdapter,
     ModelCard,
@@ -57,16 +53,15 @@ from server.openai_wire.models import (
 )
 from server.openai_wire.tokenizer import Detokenize, TokenizeChat, TokenizeText
 from server.openai_wire.wire import WireModel, ignorable_paths, validated
-from server.responses_api import routes as responses_routes
+from server.responses_api import endpoints as responses_api
 from server.responses_api.service import Responses
-from server.responses_api.websocket import responses_websocket
 from server.responses_api.wire import CreateResponse
-from server.websocket_api.routes import websocket_endpoint
+from server.websocket_api import endpoints as websocket_api
 
 STATIC = Path(__file__).parent / "static"
 
 
-async def health(request: Request) -> Response:
+async def health(services: Services, request: Request) -> Response:
     return JSONResponse(Status(status="alive").model_dump())
 
 
@@ -164,7 +159,7 @@ async def prometheus_metrics(services: Services, request: Request) -> Response:
     return Response(services.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def chat_page(request: Request) -> Response:
+async def chat_page(services: Services, request: Request) -> Response:
     page = STATIC / "index.html"
     if not page.is_file():
         return PlainTextResponse("Sluice is running. The chat page is not installed.")
@@ -175,132 +170,79 @@ async def openapi_json(services: Services, request: Request) -> Response:
     return JSONResponse(api_document(services.served))
 
 
-Method = Literal["GET", "POST", "DELETE", "WEBSOCKET"]
-# Which of the app's parts serves it: "responses" and "batches" only where the app has them.
-Part = Literal["core", "metrics", "adapters", "responses", "batches"]
+def _health() -> Operation:
+    return get("200 while the process is alive", Schema(Status))
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    method: Method
-    path: str
-    handler: Callable[..., Any]
-    operation: Callable[[], openapi.Operation] | None = None  # its builder (None: not in the API)
-    part: Part = "core"
-    bare: bool = False  # the handler takes the request alone (no `services`)
+def _ready() -> Operation:
+    return get("200 when the engine is ready, else 503", Schema(Ready))
 
 
-_BATCH_ID, _FILE_ID, _RESPONSE_ID = "a batch id", "a file id", "a response id"
-b = batch_api_routes
+def _models() -> Operation:
+    return get("the served model and its LoRA adapters", Schema(ModelList))
 
-# The generation endpoints first: Starlette tries each route in turn (a regex per miss), and
-# these take nearly every request.
-ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("POST", "/v1/chat/completions", chat_completions, openapi.chat),
-    Endpoint("POST", "/v1/completions", completions, openapi.completion),
-    Endpoint("POST", "/v1/messages", anthropic_routes.messages, openapi.messages),
-    Endpoint(
-        "POST",
-        "/v1/responses",
-        responses_routes.create_response,
-        openapi.create_response,
-        "responses",
-    ),
-    Endpoint("GET", "/", chat_page, bare=True),
-    Endpoint("GET", "/health", health, openapi.health, bare=True),
-    Endpoint("GET", "/ready", ready, openapi.ready),
+
+def _itself() -> Operation:
+    return get("this document", {"type": "object"})
+
+
+def _admin(summary: str, body: type[BaseModel], errors: dict[str, str]) -> Operation:
+    """An operation only an admin key may call (403 for any other), answered in plain text,
+    with its own error answers beside every operation's."""
+    operation = post(summary, request(body), {"type": "string"})
+    own = {"403": "a key that is not an admin's", **errors}
+    responses = {
+        status: {"description": description, "content": json_content(Schema(ErrorBody))}
+        for status, description in own.items()
+    }
+    return {**operation, "responses": {**operation["responses"], **responses}}
+
+
+def _load_lora_adapter() -> Operation:
+    return _admin(
+        "load a LoRA adapter, served as a model (an admin key's)",
+        LoadLoRAAdapter,
+        {  # as vLLM's server answers
+            "404": "no adapter at `lora_path`",
+            "500": "an adapter the engine cannot load (`adapter_load_failed`, with its reason)",
+        },
+    )
+
+
+def _unload_lora_adapter() -> Operation:
+    return _admin(
+        "unload a LoRA adapter (an admin key's); its running requests finish",
+        UnloadLoRAAdapter,
+        {"404": "no adapter of that name is loaded"},
+    )
+
+
+# The server's own endpoints, of no API in particular.
+OWN: tuple[Endpoint[None], ...] = (
+    Endpoint("GET", "/", chat_page),
+    Endpoint("GET", "/health", health, _health),
+    Endpoint("GET", "/ready", ready, _ready),
     Endpoint("GET", "/metrics", prometheus_metrics, part="metrics"),
-    Endpoint("GET", "/v1/models", models, openapi.models),
+    Endpoint("GET", "/v1/models", models, _models),
+    Endpoint("GET", "/openapi.json", openapi_json, _itself),
+)
+ADAPTERS: tuple[Endpoint[RuntimeLoras], ...] = (
+    Endpoint("POST", "/v1/load_lora_adapter", load_lora_adapter, _load_lora_adapter, "adapters"),
     Endpoint(
-        "POST",
-        "/v1/load_lora_adapter",
-        load_lora_adapter,
-        openapi.load_lora_adapter,
-        "adapters",
+        "POST", "/v1/unload_lora_adapter", unload_lora_adapter, _unload_lora_adapter, "adapters"
     ),
-    Endpoint(
-        "POST",
-        "/v1/unload_lora_adapter",
-        unload_lora_adapter,
-        openapi.unload_lora_adapter,
-        "adapters",
-    ),
-    Endpoint("GET", "/version", version, openapi.version, bare=True),
-    Endpoint("GET", "/openapi.json", openapi_json, openapi.itself),
-    Endpoint("POST", "/tokenize", tokenize, openapi.tokenize),
-    Endpoint("POST", "/v1/chat/completions/render", render_chat, openapi.render_chat),
-    Endpoint("POST", "/v1/completions/render", render_completion, openapi.render_completion),
-    Endpoint(
-        "POST",
-        "/v1/responses/render",
-        responses_routes.render_response,
-        openapi.render_response,
-        "responses",
-    ),
-    Endpoint("POST", "/detokenize", detokenize, openapi.detokenize),
-    Endpoint("POST", "/invocations", invocations, openapi.invocations),
-    Endpoint("POST", "/v1/chat/completions/batch", chat_completions_batch, openapi.chat_batch),
-    Endpoint(
-        "POST", "/v1/messages/count_tokens", anthropic_routes.count_tokens, openapi.count_tokens
-    ),
-    Endpoint(
-        "GET",
-        "/v1/chat/completions/{id}/stream",
-        resume_chat_completion,
-        openapi.resume("chat completion"),
-    ),
-    Endpoint("GET", "/v1/completions/{id}/stream", resume_completion, openapi.resume("completion")),
-    Endpoint(
-        "GET",
-        "/v1/responses/{id}",
-        responses_routes.get_response,
-        openapi.with_id(openapi.get_response, _RESPONSE_ID),
-        "responses",
-    ),
-    Endpoint(
-        "POST",
-        "/v1/responses/{id}/cancel",
-        responses_routes.cancel_response,
-        openapi.with_id(openapi.cancel_response, _RESPONSE_ID),
-        "responses",
-    ),
-    Endpoint("WEBSOCKET", "/v1/responses", responses_websocket, part="responses"),
-    Endpoint("WEBSOCKET", "/v1/ws", websocket_endpoint),
-    Endpoint("POST", "/v1/files", b.create_file, openapi.upload, "batches"),
-    Endpoint("GET", "/v1/files", b.list_files, openapi.list_files, "batches"),
-    Endpoint(
-        "GET", "/v1/files/{id}", b.get_file, openapi.with_id(openapi.file, _FILE_ID), "batches"
-    ),
-    Endpoint(
-        "DELETE",
-        "/v1/files/{id}",
-        b.delete_file,
-        openapi.with_id(openapi.delete_file, _FILE_ID),
-        "batches",
-    ),
-    Endpoint(
-        "GET",
-        "/v1/files/{id}/content",
-        b.file_content,
-        openapi.with_id(openapi.file_content, _FILE_ID),
-        "batches",
-    ),
-    Endpoint("POST", "/v1/batches", b.create_batch, openapi.create_batch, "batches"),
-    Endpoint("GET", "/v1/batches", b.list_batches, openapi.list_batches, "batches"),
-    Endpoint(
-        "GET",
-        "/v1/batches/{id}",
-        b.get_batch,
-        openapi.with_id(openapi.batch, _BATCH_ID),
-        "batches",
-    ),
-    Endpoint(
-        "POST",
-        "/v1/batches/{id}/cancel",
-        b.cancel_batch,
-        openapi.with_id(openapi.cancel_batch, _BATCH_ID),
-        "batches",
-    ),
+)
+
+# Each API's table, joined. The chat endpoints first: Starlette tries each route in turn (a
+# regex per miss), and theirs take nearly every request.
+ENDPOINTS: tuple[Endpoint[Any], ...] = (
+    *chat_api.ENDPOINTS,
+    *anthropic.ENDPOINTS,
+    *responses_api.ENDPOINTS,
+    *OWN,
+    *ADAPTERS,
+    *websocket_api.ENDPOINTS,
+    *batch_api.ENDPOINTS,
 )
 
 
@@ -323,8 +265,9 @@ class Parts:
             parts.add("batches")
         return frozenset(parts)
 
-    def handed(self, part: Part) -> tuple[object, ...]:
-        """What the routes of `part` take after the services."""
+    def handed(self, part: Part) -> tuple[Any, ...]:
+        """What the routes of `part` take after the services (its table's `Endpoint[D]` says
+        the type)."""
         if part == "adapters":
             return (self.adapters,)
         if part == "responses":
@@ -342,11 +285,7 @@ def routes(services: Services, parts: Parts) -> list[BaseRoute]:
     for endpoint in ENDPOINTS:
         if endpoint.part not in served:
             continue
-        handler = (
-            endpoint.handler
-            if endpoint.bare
-            else partial(endpoint.handler, services, *parts.handed(endpoint.part))
-        )
+        handler = partial(endpoint.handler, services, *parts.handed(endpoint.part))
         if endpoint.method == "WEBSOCKET":
             made.append(WebSocketRoute(endpoint.path, handler))
         else:

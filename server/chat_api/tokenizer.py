@@ -44,7 +44,7 @@ def _version() -> str:
 VERSION = _version()
 
 
-async def version(request: Request) -> Response:
+async def version(services: Services, request: Request) -> Response:
     return JSONResponse(VersionReply(version=VERSION).model_dump())
 
 

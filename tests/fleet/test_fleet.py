@@ -14,7 +14,6 @@ import httpx
 import psutil
 import pytest
 from conftest import ROOT, require_tool, reserved_port, uncalibrated_config, wait_until
-from openai import OpenAI
 
 from server.fleet import kv_events_config, router_command
 
@@ -70,6 +69,8 @@ def test_one_command_serves_through_the_router_and_ctrl_c_stops_it_all(tmp_path:
         assert len(replicas) == 2
         children = psutil.Process(fleet.pid).children(recursive=True)
         assert len(children) >= 4  # Redis, two replicas, the router (and engines' helpers)
+        from openai import OpenAI
+
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         answer = client.chat.completions.create(model="sim", **CHAT)
         assert answer.choices[0].message.content and answer.usage.completion_tokens > 0

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import RouterProcess, sim_fleet
-from openai import AuthenticationError, OpenAI
 
 pytestmark = pytest.mark.system  # the router's and Redis's processes
 
@@ -42,6 +41,8 @@ def test_a_chat_keeps_its_tenant_and_class_through_the_router(fleet) -> None:  #
     after = sum(r.metric("sluice_requests_total", traffic_class="bulk") for r in replicas)
     assert after - before == 1
     # A wrong key is the replica's 401, passed back as it is.
+    from openai import AuthenticationError, OpenAI
+
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=router.url + "/v1", api_key="wrong", max_retries=0).chat.completions.create(
             **CHAT

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from anthropic import Anthropic
 from conftest import RouterProcess, SluiceProcess, SpareReplica, parse_sse, wait_until
-from openai import OpenAI
+
+# `anthropic` and `openai` (~1.3 s and ~0.5 s to import) where they are called: every pytest-xdist
+# worker collects this module, and `make test-quick` runs none of it.
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 MODEL = "sluice-demo"
 # Long enough for two of the CPU backend's 128-token KV blocks, and the same on every run: a
@@ -49,6 +53,8 @@ def router(
 
 
 def client(router: RouterProcess) -> OpenAI:
+    from openai import OpenAI
+
     return OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
 
 
@@ -84,6 +90,8 @@ def test_chat_and_completions_answer_through_the_router(router: RouterProcess) -
 
 
 def test_anthropic_messages_answer_through_the_router(router: RouterProcess) -> None:
+    from anthropic import Anthropic
+
     anthropic = Anthropic(base_url=router.url, api_key="unused", max_retries=0)
     message = anthropic.messages.create(
         model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hello"}]
@@ -131,6 +139,8 @@ def test_a_batch_runs_through_the_router(
     body = "".join(json.dumps(line) + "\n" for line in lines).encode()
     # The router refuses multipart bodies: the file goes to a replica (docs/operations.md),
     # and every replica finds it in Redis.
+    from openai import OpenAI
+
     direct = OpenAI(base_url=replicas[1].url + "/v1", api_key="unused", max_retries=0)
     file = direct.files.create(file=("input.jsonl", body), purpose="batch")
     openai = client(router)

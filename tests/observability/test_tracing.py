@@ -18,10 +18,9 @@ import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 import pytest
 import websockets
 from conftest import AccessLines, InProcessSluice, uncalibrated_config, wait_until
@@ -37,6 +36,11 @@ from otlp import OtlpReceiver, Parent, ReceivedSpan, decoded
 from server.api.serving import StartRefused, assemble
 from server.cli import parse_serve
 from server.observability.tracing import GenerationSpan, TraceParent, build_tracing
+
+# `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
+# this module, and most never run them.
+if TYPE_CHECKING:
+    import openai
 
 pytestmark = [pytest.mark.service, pytest.mark.xdist_group("tracing")]
 
@@ -102,6 +106,8 @@ def traced(
 
 
 def chat_client(server: InProcessSluice, key: str = KEY) -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
@@ -184,6 +190,8 @@ def test_a_request_without_a_traceparent_is_a_root_span_whose_trace_its_access_l
 def test_a_refused_request_s_span_is_short_and_an_error_with_its_code(
     traced: InProcessSluice, receiver: OtlpReceiver
 ) -> None:
+    import openai
+
     parent = Parent()
     with pytest.raises(openai.RateLimitError):
         chat_client(traced, THRIFTY_KEY).chat.completions.create(

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from conftest import InProcessSluice, uncalibrated_config, wait_until
 from prometheus_client.parser import text_string_to_metric_families
@@ -151,6 +150,8 @@ def test_requests_streamed_whole_and_cancelled_feed_the_request_series(
     server: InProcessSluice,
 ) -> None:
     before = snapshot(server)
+    import openai  # here, not at collection: ~0.5 s in every pytest-xdist worker
+
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
     question = [{"role": "user", "content": "tell me about the locks on the canal"}]
     streamed = client.chat.completions.create(

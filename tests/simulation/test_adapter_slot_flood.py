@@ -23,6 +23,10 @@ from server.scheduler.types import PreemptCause
 from server.simulation.continuous import BulkStreams, ContinuousSimulation
 from server.simulation.continuous_workload import WorkloadMix, poisson_mix
 
+# One worker runs the module: the flood (a module fixture) is simulated once, not on each worker
+# that takes one of its tests.
+pytestmark = pytest.mark.xdist_group("adapter_slot_flood")
+
 ENGINE = dataclasses.replace(CPU, max_loras=2, lora_load_ms=5.0)
 BULK_ADAPTERS = ("bulk-a", "bulk-c")
 

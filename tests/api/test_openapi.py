@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     import schemathesis
 
 pytestmark = pytest.mark.service
+# The document's Anthropic schemas are the `anthropic` SDK's (~1.5 s to import): the tests that
+# read it run in the worker that imports it for its own tests.
+IN_ANTHROPICS_WORKER = pytest.mark.xdist_group("anthropic")
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,7 @@ def api_schema(sim_server: InProcessSluice) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(sim_server.url + "/openapi.json")
 
 
+@IN_ANTHROPICS_WORKER
 def test_the_document_lists_every_accepted_field(sim_server: InProcessSluice) -> None:
     document = httpx.get(sim_server.url + "/openapi.json", timeout=10).json()
     assert document["openapi"].startswith("3.1")
@@ -67,6 +71,7 @@ def test_the_document_lists_every_accepted_field(sim_server: InProcessSluice) ->
         assert schema["additionalProperties"] is True  # ignored, as vLLM's server does
 
 
+@IN_ANTHROPICS_WORKER
 def test_every_reply_has_a_schema_and_replies_match_theirs(sim_server: InProcessSluice) -> None:
     import jsonschema
 
@@ -107,6 +112,7 @@ def test_every_reply_has_a_schema_and_replies_match_theirs(sim_server: InProcess
     reply_matches("POST", "/v1/responses/render", {"model": model, "input": "hi"})
 
 
+@IN_ANTHROPICS_WORKER
 def test_the_adapter_operations_document_their_own_errors(sim_server: InProcessSluice) -> None:
     # vLLM's answers to a load (404: no adapter at the path; 500: one it cannot load) and an
     # unload (404), and the admin's 403, each an OpenAI error body.

@@ -42,7 +42,9 @@ from server.observability.tracing import GenerationSpan, TraceParent, build_trac
 if TYPE_CHECKING:
     import openai
 
-pytestmark = [pytest.mark.service, pytest.mark.xdist_group("tracing")]
+# One worker runs the module (one receiver, one server), the worker that imports `anthropic`
+# (~1.5 s) for its own tests: one of these sends an Anthropic request.
+pytestmark = [pytest.mark.service, pytest.mark.xdist_group("anthropic")]
 
 KEY, TENANT = "sk-traced", "acme"
 THRIFTY_KEY = "sk-thrifty"  # a tenant whose quota refuses any request of more than 8 tokens

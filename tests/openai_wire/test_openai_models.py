@@ -85,6 +85,9 @@ def test_only_the_assistant_may_send_null_content_and_text_parts_only() -> None:
     assert isinstance(_refused(image), UnsupportedParameter)
 
 
+# The document's Anthropic schemas are the `anthropic` SDK's (~1.5 s to import): in the worker
+# that imports it for its own tests.
+@pytest.mark.xdist_group("anthropic")
 def test_the_document_holds_each_models_own_schema() -> None:
     schemas = api_document(frozenset({"core"}))["components"]["schemas"]
     for kind, model in REQUEST_MODELS.items():

@@ -451,9 +451,10 @@ def test_a_stored_response_outlives_its_server(tmp_path: Path) -> None:
     import openai
 
     data = ["--data-dir", str(tmp_path / "data")]
+    # Unpaced: the test reads whole answers and stored events, never a stream caught mid-way.
     for lifetime in ("first", "second"):
         (tmp_path / lifetime).mkdir()
-    with served(tmp_path / "first", *data) as first:
+    with served(tmp_path / "first", *data, paced=False) as first:
         client = client_of(first)
         made = client.responses.create(model="sim", input="tell me a story", max_output_tokens=16)
         background = client.responses.create(
@@ -463,7 +464,7 @@ def test_a_stored_response_outlives_its_server(tmp_path: Path) -> None:
             events = list(stream)
         assert events[-1].type in ("response.completed", "response.incomplete")
         assert client.responses.retrieve(background.id).status == events[-1].response.status
-    with served(tmp_path / "second", *data) as second:
+    with served(tmp_path / "second", *data, paced=False) as second:
         client = client_of(second)
         assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
         after = client.responses.create(

@@ -508,7 +508,7 @@ class RedisProcess:
             stderr=subprocess.DEVNULL,
             process_group=0,
         )
-        wait_until(self.answers, 10, message="redis-server answers")
+        wait_until(self.answers, 60, message="redis-server answers")
 
     def answers(self) -> bool:
         try:

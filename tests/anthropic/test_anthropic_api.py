@@ -359,7 +359,7 @@ def test_nothing_leaks_after_bad_input_or_a_client_that_leaves(
             )
         )
 
-    wait_until(released, 10, message="the run that lost its client is released")
+    wait_until(released, 60, message="the run that lost its client is released")
     assert keyed.metric("sluice_requests_total", outcome="cancelled") >= 1
 
 

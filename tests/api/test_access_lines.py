@@ -24,10 +24,10 @@ def every_line(access_lines: AccessLines) -> AccessLines:
 def _settled_lines(server: InProcessSluice, handler: AccessLines, **fields: object) -> list[dict]:
     """The lines with `fields`, once one is written and a later request's line is too (so
     a second line for the same request would have been written by then)."""
-    wait_until(lambda: handler.where(**fields), 10, message=f"no access line {fields}")
+    wait_until(lambda: handler.where(**fields), 60, message=f"no access line {fields}")
     fence = f"fence-{uuid.uuid4().hex}"
     httpx.get(server.url + "/health", headers={"X-Request-Id": fence}, timeout=10)
-    wait_until(lambda: handler.where(request_id=fence), 10, message="no fence line")
+    wait_until(lambda: handler.where(request_id=fence), 60, message="no fence line")
     return handler.where(**fields)
 
 

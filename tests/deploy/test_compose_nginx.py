@@ -89,7 +89,7 @@ def test_a_chat_goes_through_the_router(edge: tuple[str, list[InProcessSluice]])
     body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     answer = httpx.post(url + "/v1/chat/completions", json=body, headers=KEY, timeout=30)
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
-    wait_until(lambda: _renders(replicas) > before, 10, message="the router rendered it")
+    wait_until(lambda: _renders(replicas) > before, 60, message="the router rendered it")
 
 
 def test_a_response_keeps_its_key_past_the_router(edge: tuple[str, list[InProcessSluice]]) -> None:

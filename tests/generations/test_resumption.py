@@ -179,7 +179,7 @@ def test_an_idempotent_retry_attaches_while_running_and_replays_after_the_end(
     assert two.headers["idempotent-replayed"] == "true"
     assert one.json()["id"] == two.json()["id"]
     assert one.json()["choices"] == two.json()["choices"]
-    wait_until(lambda: server.metric("sluice_running_requests") == 0, 10)
+    wait_until(lambda: server.metric("sluice_running_requests") == 0, 60)
     assert server.metric("sluice_requests_total") - requests_before == 2  # two generations
 
 

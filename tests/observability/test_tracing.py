@@ -170,7 +170,7 @@ def test_a_chat_s_span_is_the_traceparent_s_child_with_vllm_s_attributes_and_slu
     assert span.events[-1][2] == {"sluice.outcome": "completed"}
     assert span.status == ProtoStatus.STATUS_CODE_UNSET
     # Its access line names the trace.
-    wait_until(lambda: access_lines.where(request_id=request_id), 10, message="its access line")
+    wait_until(lambda: access_lines.where(request_id=request_id), 60, message="its access line")
     [line] = access_lines.where(request_id=request_id)
     assert line["trace_id"] == parent.trace_id
 
@@ -182,7 +182,7 @@ def test_a_request_without_a_traceparent_is_a_root_span_whose_trace_its_access_l
     chat_client(traced).completions.create(
         model="sim", prompt="hi", max_tokens=3, extra_headers={"X-Request-Id": request_id}
     )
-    wait_until(lambda: access_lines.where(request_id=request_id), 10, message="its access line")
+    wait_until(lambda: access_lines.where(request_id=request_id), 60, message="its access line")
     [line] = access_lines.where(request_id=request_id)
     [span] = receiver.wait_for(line["trace_id"])
     assert span.parent_span_id == ""

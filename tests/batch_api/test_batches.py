@@ -411,7 +411,9 @@ def test_replicas_on_one_redis_share_batches_and_take_over_a_dead_ones(
         doomed.proc.wait(timeout=10)
         done = wait_for(two, batch.id, {"completed"}, 120)
         ids = [line["custom_id"] for line in output_of(two, done.output_file_id)]
-        assert sorted(ids) == sorted(f"req-{i}" for i in range(120))  # each exactly once
+        # (Once, under load, 64 of the 120 were in the output: what the rest became says why.)
+        errors = output_of(two, done.error_file_id)[:3]
+        assert sorted(ids) == sorted(f"req-{i}" for i in range(120)), (done.request_counts, errors)
         # The other ran what the dead one left. (How many is not fixed: on a loaded host the
         # dead one's lease may lapse before it writes lines it ran, and those run again; each
         # is written once, as the output shows.)

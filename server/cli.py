@@ -47,9 +47,9 @@ def _add_fleet(sub: argparse._SubParsersAction) -> None:
         "Arguments after -- go to every replica, e.g. `sluice fleet -- --engine sim`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    from server import fleet
+    from server.fleet import add_fleet_arguments
 
-    fleet.add_arguments(p)
+    add_fleet_arguments(p)
 
 
 def _add_demo_model(sub: argparse._SubParsersAction) -> None:
@@ -71,29 +71,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--mode", choices=("continuous", "batch"), default="continuous")
     p.add_argument("--json", action="store_true", help="print per-request timelines as JSON")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--arrivals",
-        default=None,
-        help='explicit trace, e.g. "A@0,B@7,E@1:deadline=150" (times in ms)',
-    )
-    p.add_argument("--workload", choices=("poisson", "bursts", "mixed"), default=None)
-    p.add_argument("--rate", type=float, default=100.0, help="arrivals per second")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds of generated arrivals")
-    p.add_argument(
-        "--deadline-ms",
-        type=float,
-        default=None,
-        help="deadline of generated arrivals, relative to their arrival (default: continuous "
-        "mode, the class's; batch mode, none)",
-    )
-    p.add_argument(
-        "--cancel",
-        action="append",
-        default=[],
-        metavar="ID@MS",
-        help="the caller of request ID leaves at this time (repeatable)",
-    )
+    from server.simulation.workload import ArrivalOptions
+
+    add_arguments(p, ArrivalOptions)
     from server.fixed_batch.cli import add_simulate_arguments as add_batch
     from server.simulation.continuous import add_simulate_arguments as add_continuous
 
@@ -143,6 +123,34 @@ def parse_serve(argv: Sequence[str]) -> ServeCommand:
     return serve_command(build_parser().parse_args(["serve", *argv]))
 
 
+def simulate(args: argparse.Namespace) -> int:
+    """`sluice simulate`: its flags as each mode's typed options, then the mode's run."""
+    from pydantic import ValidationError
+
+    from server.simulation.workload import ArrivalOptions
+
+    arrivals = ArrivalOptions.model_validate(vars(args))
+    if args.mode == "batch":
+        from server.fixed_batch.cli import BatchFaults, BatchShape, run_simulate
+
+        shape, faults = (
+            BatchShape.model_validate(vars(args)),
+            BatchFaults.model_validate(vars(args)),
+        )
+        return run_simulate(arrivals, shape, faults, as_json=args.json)
+    from engine_adapters.sim import SimConfig
+    from server.simulation.continuous import ContinuousOptions, run
+    from server.simulation.host import HostConfig
+
+    try:
+        host = HostConfig.from_args(args)
+    except ValidationError as exc:  # (one rule across flags: argparse checked each alone)
+        print(f"sluice simulate: {exc.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    options = ContinuousOptions.model_validate(vars(args))
+    return run(arrivals, options, SimConfig.from_args(args), host, as_json=args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -155,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve(serve_command(args))
     if args.command == "fleet":
-        from server import fleet
+        from server.fleet import FleetOptions, run
 
-        return fleet.run(args)
+        return run(FleetOptions.model_validate(vars(args)), args.serve_args or ())
     if args.command == "demo-model":
         from engine_adapters.demo_model import build_demo_model
 
@@ -165,17 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
     if args.command == "simulate":
-        if args.mode == "batch":
-            from server.fixed_batch.cli import run_simulate
-
-            return run_simulate(args)
-        from server.simulation.continuous import run
-
-        return run(args)
+        return simulate(args)
     if args.command == "plan":
-        from server.fixed_batch.cli import run_plan
+        from server.fixed_batch.cli import PlanOptions, run_plan
 
-        return run_plan(args)
+        return run_plan(PlanOptions.model_validate(vars(args)), as_json=args.json)
     raise AssertionError(args.command)
 
 

@@ -27,57 +27,55 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.terminal import terminate_with_parent
+from server.core.settings import add_arguments
 
-POLICIES = ("cache_aware", "round_robin", "kv_aware", "power_of_two", "random")
+Policy = Literal["cache_aware", "round_robin", "kv_aware", "power_of_two", "random"]
 KV_EVENTS_PORT = 5557  # vLLM's default publisher port; replica i publishes on this + i
 READY_TIMEOUT_S = 600.0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replicas", type=int, default=2, help="replicas of `sluice serve`")
-    parser.add_argument("--host", default="127.0.0.1", help="address of the router and replicas")
-    parser.add_argument(
-        "--port", type=int, default=8000, help="the router's port (replica i serves on PORT + i)"
+class FleetOptions(BaseModel):
+    """The flags of `sluice fleet` (each replica's own `sluice serve` arguments apart)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    replicas: int = Field(2, description="replicas of `sluice serve`")
+    host: str = Field("127.0.0.1", description="address of the router and replicas")
+    port: int = Field(8000, description="the router's port (replica i serves on PORT + i)")
+    replica_port: int | None = Field(
+        None,
+        description="the first replica's port, the others' after it (default: --port + 1; 0: "
+        "any free ports, bound here and handed to each replica)",
     )
-    parser.add_argument(
-        "--replica-port",
-        type=int,
-        default=None,
-        help="the first replica's port, the others' after it (default: --port + 1; 0: any "
-        "free ports, bound here and handed to each replica)",
-    )
-    parser.add_argument(
-        "--policy",
-        choices=POLICIES,
-        default="cache_aware",
-        help="the router's policy; kv_aware turns on each replica's KV-event publisher "
+    policy: Policy = Field(
+        "cache_aware",
+        description="the router's policy; kv_aware turns on each replica's KV-event publisher "
         "(--kv-events-config) and points the router at it",
     )
-    parser.add_argument(
-        "--state-url",
-        default=None,
-        help="the replicas' Redis (default: a redis-server started here, in memory)",
+    state_url: str | None = Field(
+        None, description="the replicas' Redis (default: a redis-server started here, in memory)"
     )
-    parser.add_argument(
-        "--router",
-        default=None,
-        help="the vllm-router executable (default: beside this Python, else on PATH)",
+    router: str | None = Field(
+        None, description="the vllm-router executable (default: beside this Python, else on PATH)"
     )
-    parser.add_argument(
-        "--router-metrics-port",
-        type=int,
-        default=None,
-        help="the router's own /metrics (default: the port after the replicas')",
+    router_metrics_port: int | None = Field(
+        None, description="the router's own /metrics (default: the port after the replicas')"
     )
-    parser.add_argument(
-        "--router-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="one more argument for the router (repeatable), e.g. --router-arg=--log-level=debug",
+    router_arg: list[str] = Field(
+        [],
+        description="one more argument for the router (repeatable), e.g. "
+        "--router-arg=--log-level=debug",
+        json_schema_extra={"metavar": "ARG"},
     )
+
+
+def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser, FleetOptions)
     parser.add_argument(
         "serve_args",
         nargs=argparse.REMAINDER,
@@ -248,9 +246,10 @@ def redis_child(directory: Path) -> tuple[Child, str]:
     return Child("redis", command, directory / "redis.log"), f"unix://{socket_path}?db=0"
 
 
-def run(args: argparse.Namespace) -> int:
-    serve_args = [a for a in args.serve_args if a != "--"] if args.serve_args else []
-    router = find_router(args.router)
+def run(options: FleetOptions, serve_args: Sequence[str] = ()) -> int:
+    """`sluice fleet`, its flags read (`server/cli.py`); `serve_args`: each replica's."""
+    serve_args = [a for a in serve_args if a != "--"]
+    router = find_router(options.router)
     # A short folder: a unix socket's path holds at most 107 bytes.
     workdir = Path(tempfile.mkdtemp(prefix="sluice-fleet-"))
     children: list[Child] = []
@@ -268,52 +267,52 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
     try:
-        state_url = args.state_url
+        state_url = options.state_url
         if state_url is None:
             redis, state_url = redis_child(workdir)
             children.append(redis)
             redis.start()
         replicas = []
         kv_sources = {}
-        first = args.port + 1 if args.replica_port is None else args.replica_port
-        for i in range(1, args.replicas + 1):
+        first = options.port + 1 if options.replica_port is None else options.replica_port
+        for i in range(1, options.replicas + 1):
             # Bound here (no port to race for between its choice and its use), inherited.
-            listener = socket.create_server((args.host, first + i - 1 if first else 0))
+            listener = socket.create_server((options.host, first + i - 1 if first else 0))
             port = listener.getsockname()[1]
-            url = f"http://{args.host}:{port}"
-            publish = KV_EVENTS_PORT + i - 1 if args.policy == "kv_aware" else None
+            url = f"http://{options.host}:{port}"
+            publish = KV_EVENTS_PORT + i - 1 if options.policy == "kv_aware" else None
             command = replica_command(serve_args, listener.fileno(), state_url, publish)
             if publish is not None:
-                kv_sources[url] = f"tcp://{args.host}:{publish}"
+                kv_sources[url] = f"tcp://{options.host}:{publish}"
             replica = Child(f"replica {i} ({url})", command, workdir / f"replica-{i}.log")
             replicas.append((replica, url + "/ready"))
             children.append(replica)
             replica.start(listener)
             print(f"sluice fleet: replica {i} at {url}", flush=True)
-        print(f"sluice fleet: {args.replicas} replicas starting; logs in {workdir}", flush=True)
+        print(f"sluice fleet: {options.replicas} replicas starting; logs in {workdir}", flush=True)
         wait_ready(replicas, READY_TIMEOUT_S)
         one = replicas[0][1].removesuffix("/ready")
         block_size = kv_block_size(one) if kv_sources else None
         model = served_model(one) if kv_sources else None
         command = router_command(
             router,
-            host=args.host,
-            port=args.port,
+            host=options.host,
+            port=options.port,
             workers=[url.removesuffix("/ready") for _, url in replicas],
-            policy=args.policy,
-            prometheus_port=args.router_metrics_port or args.port + args.replicas + 1,
+            policy=options.policy,
+            prometheus_port=options.router_metrics_port or options.port + options.replicas + 1,
             kv_sources=kv_sources,
             kv_block_size=block_size,
             kv_model=model,
-            more=args.router_arg,
+            more=options.router_arg,
         )
         front = Child("vllm-router", command, workdir / "router.log")
         children.append(front)
         front.start()
-        wait_ready([(front, f"http://{args.host}:{args.port}/health")], 120)
+        wait_ready([(front, f"http://{options.host}:{options.port}/health")], 120)
         print(
-            f"sluice fleet: vllm-router --policy {args.policy} at http://{args.host}:{args.port}"
-            f" in front of {args.replicas} replicas (Ctrl-C stops them)",
+            f"sluice fleet: vllm-router --policy {options.policy} at http://{options.host}:{options.port}"
+            f" in front of {options.replicas} replicas (Ctrl-C stops them)",
             flush=True,
         )
         while all(child.running() for child in children):

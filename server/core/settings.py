@@ -249,10 +249,14 @@ def _argument(field: FieldInfo, options: type[BaseModel]) -> dict[str, Any]:
         }
     if typing.get_origin(annotation) is Literal:
         return {**kwargs, "default": default, "choices": typing.get_args(annotation)}
+    if field.is_required():  # (no default: argparse asks for the flag)
+        kwargs["required"] = True
+    else:
+        kwargs["default"] = default
     checked: Any = field.annotation
     if field.metadata:  # bounds (Field(gt=0)) travel with the type
         checked = Annotated[field.annotation, *field.metadata]
-    return {**kwargs, "default": default, "type": _parser(checked, options)}
+    return {**kwargs, "type": _parser(checked, options)}
 
 
 def _parser(annotation: Any, options: type[BaseModel]) -> Callable[[str], Any]:

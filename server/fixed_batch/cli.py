@@ -27,6 +27,7 @@ from server.observability.metrics import Metrics
 from server.simulation.workload import (
     DEFAULT_MODEL,
     Arrival,
+    ArrivalOptions,
     TraceError,
     parse_trace,
     poisson_arrivals,
@@ -125,6 +126,21 @@ def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     add_arguments(group, BatchFaults)
 
 
+class PlanOptions(BaseModel):
+    """The flags of `sluice plan`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rate: float = Field(description="arrivals per second")
+    batch_ms: float = 100.0
+    max_batch: int = 32
+    max_delay_ms: float = 10.0
+    p99_ms: float = Field(200.0, description="p99 latency target")
+    duration: float = Field(30.0, description="simulated seconds per candidate")
+    candidates: int = Field(3, description="worker counts to simulate")
+    seed: int = 0
+
+
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plan",
@@ -132,75 +148,74 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Capacity arithmetic for a fixed-time batch engine, then simulated latency "
         "percentiles for each candidate worker count under Poisson arrivals.",
     )
-    p.add_argument("--rate", type=float, required=True, help="arrivals per second")
-    p.add_argument("--batch-ms", type=float, default=100.0)
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--max-delay-ms", type=float, default=10.0)
-    p.add_argument("--p99-ms", type=float, default=200.0, help="p99 latency target")
-    p.add_argument("--duration", type=float, default=30.0, help="simulated seconds per candidate")
-    p.add_argument("--candidates", type=int, default=3, help="worker counts to simulate")
-    p.add_argument("--seed", type=int, default=0)
+    add_arguments(p, PlanOptions)
     p.add_argument("--json", action="store_true")
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_plan(options: PlanOptions, *, as_json: bool = False) -> int:
     result = plan(
-        args.rate,
-        batch_ms=args.batch_ms,
-        max_batch=args.max_batch,
-        max_delay_ms=args.max_delay_ms,
-        p99_target_ms=args.p99_ms,
-        duration_s=args.duration,
-        seed=args.seed,
-        candidates=args.candidates,
+        options.rate,
+        batch_ms=options.batch_ms,
+        max_batch=options.max_batch,
+        max_delay_ms=options.max_delay_ms,
+        p99_target_ms=options.p99_ms,
+        duration_s=options.duration,
+        seed=options.seed,
+        candidates=options.candidates,
     )
-    print(json.dumps(result.to_json(), indent=2) if args.json else format_plan(result))
+    print(json.dumps(result.to_json(), indent=2) if as_json else format_plan(result))
     return 0
 
 
-def config_from_args(args: argparse.Namespace) -> BatchConfig:
-    shape = BatchShape.model_validate(vars(args))
-    models = _parse_models(args.models) if args.models else None
+def batch_config(shape: BatchShape, faults: BatchFaults) -> BatchConfig:
+    models = _parse_models(faults.models) if faults.models else None
     return shape.config(models or (DEFAULT_MODEL,) * shape.workers)
 
 
-def run_simulate(args: argparse.Namespace) -> int:
+def run_simulate(
+    arrivals: ArrivalOptions, shape: BatchShape, faults: BatchFaults, *, as_json: bool = False
+) -> int:
+    """`sluice simulate --mode batch`, its flags read (`server/cli.py`)."""
     try:
-        config = config_from_args(args)
-        arrivals = _arrivals(args)
-        faults = Faults(
-            kills=tuple(_worker_at(k) for k in args.kill),
-            hangs=tuple(_worker_at(h) for h in args.hang),
-            hang_s=args.hang_ms / 1000,
-            cancels=tuple(_id_at(c) for c in args.cancel),
-            fail_rate=args.batch_fail_rate,
-            restart_s=args.restart_ms / 1000,
-            seed=args.seed,
+        config = batch_config(shape, faults)
+        trace = _arrivals(arrivals, shape, faults)
+        injected = Faults(
+            kills=tuple(_worker_at(k) for k in faults.kill),
+            hangs=tuple(_worker_at(h) for h in faults.hang),
+            hang_s=faults.hang_ms / 1000,
+            cancels=tuple(_id_at(c) for c in arrivals.cancel),
+            fail_rate=shape.batch_fail_rate,
+            restart_s=faults.restart_ms / 1000,
+            seed=arrivals.seed,
         )
-        model = BatchModel(config.batch_time_s, config.max_batch, args.poison_marker or None)
+        model = BatchModel(config.batch_time_s, config.max_batch, shape.poison_marker or None)
     except (TraceError, ValueError) as exc:
         print(f"sluice simulate: {exc}")
         return 2
-    small = args.arrivals is not None
-    result = simulate(config, arrivals, faults=faults, model=model, keep_batches=small)
-    if args.json:
+    small = arrivals.arrivals is not None
+    result = simulate(config, trace, faults=injected, model=model, keep_batches=small)
+    if as_json:
         print(json.dumps(result_json(result)))
     else:
         print(format_result(result, timeline=small))
     return 0
 
 
-def _arrivals(args: argparse.Namespace) -> Iterable[Arrival]:
-    if args.arrivals is not None:
-        return parse_trace(args.arrivals)
-    if args.workload != "poisson":
+def _arrivals(
+    arrivals: ArrivalOptions, shape: BatchShape, faults: BatchFaults
+) -> Iterable[Arrival]:
+    if arrivals.arrivals is not None:
+        return parse_trace(arrivals.arrivals)
+    if arrivals.workload != "poisson":
         raise ValueError("--mode batch needs --arrivals or --workload poisson")
-    deadline = None if args.deadline_ms is None else args.deadline_ms / 1000
     generated = poisson_arrivals(
-        args.rate, args.duration, seed=args.seed, relative_deadline_s=deadline
+        arrivals.rate,
+        arrivals.duration,
+        seed=arrivals.seed,
+        relative_deadline_s=arrivals.deadline_s,
     )
-    if args.poison_rate > 0:
-        return _with_poison(generated, args.poison_rate, args.poison_marker, args.seed)
+    if faults.poison_rate > 0:
+        return _with_poison(generated, faults.poison_rate, shape.poison_marker, arrivals.seed)
     return generated
 
 

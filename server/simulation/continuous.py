@@ -27,7 +27,7 @@ from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 
 from engine_adapters.sim_model import (
     SPECIAL_TOKENS,
@@ -57,7 +57,13 @@ from server.simulation.continuous_workload import (
 from server.simulation.events import EventHandle, EventLoop
 from server.simulation.host import Host, HostConfig
 from server.simulation.probe import probe_timing_model
-from server.simulation.workload import DEFAULT_MODEL, Arrival, TraceError, parse_trace
+from server.simulation.workload import (
+    DEFAULT_MODEL,
+    Arrival,
+    ArrivalOptions,
+    TraceError,
+    parse_trace,
+)
 
 
 @cache
@@ -494,41 +500,43 @@ def add_simulate_arguments(simulate_parser: argparse.ArgumentParser) -> None:
     add_arguments(host, HostConfig, prefix="host")
 
 
-def build_arrivals(args: argparse.Namespace) -> list[Arrival] | Iterator[Arrival]:
+def build_arrivals(
+    arrivals: ArrivalOptions, options: ContinuousOptions
+) -> list[Arrival] | Iterator[Arrival]:
     """A trace's arrivals, or generated ones, lazily."""
-    if args.arrivals:
-        return parse_trace(args.arrivals)
-    mix = workload_mix(args)
-    if args.workload == "bursts":
-        return burst_mix(args.rate, args.duration, args.burst_size, mix, args.seed)
-    return poisson_mix(args.rate, args.duration, mix, args.seed)
+    if arrivals.arrivals:
+        return parse_trace(arrivals.arrivals)
+    mix = workload_mix(arrivals, options)
+    if arrivals.workload == "bursts":
+        return burst_mix(arrivals.rate, arrivals.duration, options.burst_size, mix, arrivals.seed)
+    return poisson_mix(arrivals.rate, arrivals.duration, mix, arrivals.seed)
 
 
-def workload_mix(args: argparse.Namespace) -> WorkloadMix:
-    workload = args.workload or "poisson"
-    share = args.interactive_share
+def workload_mix(arrivals: ArrivalOptions, options: ContinuousOptions) -> WorkloadMix:
+    workload = arrivals.workload or "poisson"
+    share = options.interactive_share
     if share is None:
         share = 0.5 if workload == "mixed" else 1.0
-    tenants = args.tenants or ("flood=9,steady=1" if workload == "mixed" else "default")
-    relative = None if args.deadline_ms is None else args.deadline_ms / 1000.0
+    tenants = options.tenants or ("flood=9,steady=1" if workload == "mixed" else "default")
+    relative = arrivals.deadline_s
     return WorkloadMix(
         interactive_share=share,
         tenants=parse_tenant_weights(tenants),
-        interactive=RequestShape(args.prompt_tokens, args.max_tokens, relative),
-        bulk=RequestShape(args.bulk_prompt_tokens, args.bulk_max_tokens, relative),
+        interactive=RequestShape(options.prompt_tokens, options.max_tokens, relative),
+        bulk=RequestShape(options.bulk_prompt_tokens, options.bulk_max_tokens, relative),
     )
 
 
-def arrival_tenants(args: argparse.Namespace) -> set[str]:
+def arrival_tenants(arrivals: ArrivalOptions, options: ContinuousOptions) -> set[str]:
     """The tenants the arrivals name: a light tenant of generated load may draw none in a short
     run. Generated arrivals are read (again, from the same seed) only until each of the mix's
     tenants has been seen."""
-    arrivals = build_arrivals(args)
-    if isinstance(arrivals, list):
-        return {a.tenant for a in arrivals}
-    every = len(workload_mix(args).tenants)
+    given = build_arrivals(arrivals, options)
+    if isinstance(given, list):
+        return {a.tenant for a in given}
+    every = len(workload_mix(arrivals, options).tenants)
     seen: set[str] = set()
-    for arrival in arrivals:
+    for arrival in given:
         seen.add(arrival.tenant)
         if len(seen) == every:
             break
@@ -545,41 +553,40 @@ def with_tenants(config: SluiceConfig, names: Iterable[str]) -> SluiceConfig:
     return config.model_copy(update={"tenants": tenants})
 
 
-def run(args: argparse.Namespace) -> int:
+def run(
+    arrivals: ArrivalOptions,
+    options: ContinuousOptions,
+    sim: SimConfig,
+    host: HostConfig,
+    *,
+    as_json: bool = False,
+) -> int:
+    """`sluice simulate --mode continuous`, its flags read (`server/cli.py`)."""
     try:
-        tenants = arrival_tenants(args)
-        arrivals = build_arrivals(args)
-        host = HostConfig.from_args(args)
-    except ValidationError as exc:  # (a ValueError, and one per broken rule)
-        print(f"sluice simulate: {exc.errors()[0]['msg']}", file=sys.stderr)
-        return 2
+        tenants = arrival_tenants(arrivals, options)
+        trace = build_arrivals(arrivals, options)
     except (TraceError, ValueError) as exc:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2
-    config = with_tenants(load_config(args.config), tenants or {"default"})
-    simulation = ContinuousSimulation(
-        config,
-        SimConfig.from_args(args),
-        host=host,
-        keep_timelines=args.json,
-    )
-    simulation.add_arrivals(arrivals)
-    if args.bulk_streams:
+    config = with_tenants(load_config(options.config), tenants or {"default"})
+    simulation = ContinuousSimulation(config, sim, host=host, keep_timelines=as_json)
+    simulation.add_arrivals(trace)
+    if options.bulk_streams:
         simulation.add_bulk_streams(
             BulkStreams(
-                args.bulk_streams,
-                RequestShape(args.bulk_prompt_tokens, args.bulk_max_tokens, None),
-                until_s=args.duration,
+                options.bulk_streams,
+                RequestShape(options.bulk_prompt_tokens, options.bulk_max_tokens, None),
+                until_s=arrivals.duration,
                 tenant=next(iter(config.tenants)),
             )
         )
-    for item in args.cancel:
+    for item in arrivals.cancel:
         rid, _, at = item.partition("@")
         simulation.cancel_at(rid, float(at) / 1000.0)
     started = time.perf_counter()
     simulation.run()
     summary = summarize(simulation, time.perf_counter() - started)
-    if args.json:
+    if as_json:
         timelines = [asdict(t) for t in simulation.timelines.values()]
         json.dump({"summary": summary, "requests": timelines}, sys.stdout)
         print()

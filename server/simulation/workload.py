@@ -13,6 +13,9 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.scheduler.types import TrafficClass
 
@@ -33,6 +36,34 @@ class Arrival:
     max_tokens: int = 16
     model: str = DEFAULT_MODEL
     prompt: str = ""
+
+
+class ArrivalOptions(BaseModel):
+    """`sluice simulate`'s arrivals, in either mode: a trace given, or load generated."""
+
+    model_config = ConfigDict(frozen=True)
+
+    seed: int = 0
+    arrivals: str | None = Field(
+        None, description='explicit trace, e.g. "A@0,B@7,E@1:deadline=150" (times in ms)'
+    )
+    workload: Literal["poisson", "bursts", "mixed"] | None = None
+    rate: float = Field(100.0, description="arrivals per second")
+    duration: float = Field(10.0, description="seconds of generated arrivals")
+    deadline_ms: float | None = Field(
+        None,
+        description="deadline of generated arrivals, relative to their arrival (default: "
+        "continuous mode, the class's; batch mode, none)",
+    )
+    cancel: list[str] = Field(
+        [],
+        description="the caller of request ID leaves at this time (repeatable)",
+        json_schema_extra={"metavar": "ID@MS"},
+    )
+
+    @property
+    def deadline_s(self) -> float | None:
+        return None if self.deadline_ms is None else self.deadline_ms / 1000.0
 
 
 class TraceError(ValueError):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from conftest import InProcessSluice, uncalibrated_config, wait_until
+from conftest import AccessLines, InProcessSluice, uncalibrated_config, wait_until
 
 if TYPE_CHECKING:
     import openai
@@ -487,3 +487,60 @@ def test_a_conversations_items_render_as_the_responses_input() -> None:
     )
     held_items = json.loads(json.dumps([item.listed() for item in request.items]))
     assert chat_messages(read_items(held_items)) == request.messages()
+
+
+def test_the_access_log_and_metrics_name_the_operations(
+    server: InProcessSluice, client: openai.OpenAI, access_lines: AccessLines
+) -> None:
+    made = client.conversations.create(safety_identifier="user-1")  # (ignored: counted)
+    client.conversations.items.list(made.id)
+    client.responses.create(model="sim", input="hi", conversation=made.id, max_output_tokens=2)
+    wait_until(
+        lambda: access_lines.where(path="/v1/conversations/{id}/items", status=200),
+        DEADLINE_S,
+        message="no access line for the listing",
+    )
+    assert access_lines.where(method="POST", path="/v1/conversations", status=200)
+    assert not any(made.id in json.dumps(line) for line in access_lines.lines)  # ids: templates
+    assert wait_until_line(access_lines, api="responses", status=200)
+    ignored = server.metric(
+        "sluice_ignored_fields_total", api="conversations", field="safety_identifier"
+    )
+    assert ignored >= 1
+
+
+def wait_until_line(access_lines: AccessLines, **fields: object) -> list[dict[str, Any]]:
+    wait_until(lambda: access_lines.where(**fields), DEADLINE_S, message=f"no line {fields}")
+    return access_lines.where(**fields)
+
+
+def test_conversations_outlive_a_restart(tmp_path: Path) -> None:
+    """Under --data-dir (SQLite), two lifetimes of a server: the second finds the first's
+    conversation, its items and its metadata, and continues it."""
+    data = ["--data-dir", str(tmp_path / "data")]
+
+    def lifetime() -> InProcessSluice:
+        server = InProcessSluice(
+            ["--engine", "sim", "--config", str(uncalibrated_config(tmp_path)), *data],
+            tmp_path / "server.log",
+        )
+        server.wait_ready(60)
+        return server
+
+    first = lifetime()
+    try:
+        client = client_of(first)
+        made = client.conversations.create(metadata={"a": "b"})
+        client.responses.create(model="sim", input="hi", conversation=made.id, max_output_tokens=3)
+        before = listed(client, made.id)
+    finally:
+        first.stop()
+    second = lifetime()
+    try:
+        client = client_of(second)
+        assert client.conversations.retrieve(made.id).metadata == {"a": "b"}
+        assert listed(client, made.id) == before and len(before) == 2
+        client.responses.create(model="sim", input="on", conversation=made.id, max_output_tokens=3)
+        assert listed(client, made.id)[:2] == before and len(listed(client, made.id)) == 4
+    finally:
+        second.stop()

@@ -31,7 +31,8 @@ def _tenant(services: Services, request: Request) -> str:
 
 async def _body(services: Services, request: Request, model: type[M]) -> M:
     body = validated(model, await read_json(request, services.edge.max_body_bytes))
-    services.note_ignored("conversations", request.url.path, body)
+    route = request.scope["route"].path  # (logged: the template, not the ids)
+    services.note_ignored("conversations", f"{request.method} {route}", body)
     return body
 
 

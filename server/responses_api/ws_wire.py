@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import Field
 
-from server.core.errors import InvalidRequest, SluiceError, UnsupportedParameter
+from server.core.errors import InvalidRequest, SluiceError
 from server.openai_wire.wire import WireModel, validated
 from server.responses_api.wire import CreateResponse, ResponseEvent
 
@@ -50,11 +50,6 @@ def create_message(message: dict[str, Any]) -> tuple[CreateResponse, str | None]
     body = validated(CreateResponse, {k: v for k, v in message.items() if k not in _ENVELOPE})
     if body.stream is False:
         raise InvalidRequest("a response over the WebSocket always streams", param="stream")
-    if body.conversation is not None:
-        raise UnsupportedParameter(
-            "'conversation' is not served over the WebSocket yet: use POST /v1/responses",
-            param="conversation",
-        )
     return body, lane
 
 

@@ -9,6 +9,7 @@ a response runs long enough to be caught mid-way)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -544,3 +545,71 @@ def test_conversations_outlive_a_restart(tmp_path: Path) -> None:
         assert listed(client, made.id)[:2] == before and len(listed(client, made.id)) == 4
     finally:
         second.stop()
+
+
+TERMINAL = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
+
+
+async def test_responses_on_a_conversation_over_the_websocket(
+    server: InProcessSluice, client: openai.OpenAI
+) -> None:
+    """Over the Responses WebSocket as over HTTP: a lane's responses run one after another,
+    each seeing the one before; two lanes at once on one conversation, the second is refused;
+    a dropped connection adds nothing and lets go."""
+    import websockets
+
+    made = client.conversations.create()
+    url = server.url.replace("http://", "ws://") + "/v1/responses"
+    headers = {"Authorization": "Bearer sk-acme"}
+
+    def create(text: str, tokens: int, **more: Any) -> str:
+        return json.dumps(
+            {
+                "type": "response.create",
+                "model": "sim",
+                "input": text,
+                "conversation": made.id,
+                "max_output_tokens": tokens,
+                **more,
+            }
+        )
+
+    async def ends(ws: Any, count: int) -> list[dict[str, Any]]:
+        """The next `count` terminal or error events."""
+        found: list[dict[str, Any]] = []
+        while len(found) < count:
+            event = json.loads(await asyncio.wait_for(ws.recv(), DEADLINE_S))
+            if event["type"] in TERMINAL or event["type"] == "error":
+                found.append(event)
+        return found
+
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        await ws.send(create("one", 4))
+        await ws.send(create("two", 4))  # (the default lane: after "one" has ended)
+        first, second = await ends(ws, 2)
+        assert [first["type"], second["type"]] == ["response.incomplete"] * 2
+        outputs = [
+            event["response"]["output"][0]["content"][0]["text"] for event in (first, second)
+        ]
+        assert texts(listed(client, made.id)) == [
+            ("user", "one"),
+            ("assistant", outputs[0]),
+            ("user", "two"),
+            ("assistant", outputs[1]),
+        ]
+        assert (
+            second["response"]["usage"]["input_tokens"] > first["response"]["usage"]["input_tokens"]
+        )
+        await ws.send(create("x", 300, stream_id="x"))
+        await ws.send(create("y", 300, stream_id="y"))
+        ended = await ends(ws, 2)
+        refused = [event for event in ended if event["type"] == "error"]
+        assert len(refused) == 1 and refused[0]["error"]["code"] == "conversation_locked"
+        assert refused[0]["status"] == 400
+    assert len(listed(client, made.id)) == 6
+    async with websockets.connect(url, additional_headers=headers) as ws:
+        await ws.send(create("dropped", 600))
+        while json.loads(await ws.recv())["type"] != "response.output_text.delta":
+            pass
+    wait_until(lambda: not held(client, made.id), DEADLINE_S, message="still held")
+    assert len(listed(client, made.id)) == 6

@@ -382,8 +382,9 @@ class StateConfig(_Section):
     url: str | None = Field(None, description="redis://, rediss:// or unix:// URL")
     lease_seconds: Positive = Field(
         10.0,
-        description="a replica renews what it holds (quota slots, generations, batches) "
-        "every third of this; a dead one's holdings expire this long after",
+        description="a replica renews what it holds (quota slots, generations, batches, "
+        "conversations held by a response) every third of this; a dead one's holdings expire "
+        "this long after",
     )
     timeout_ms: Positive = Field(
         250.0, description="a call slower than this counts as Redis being unavailable"

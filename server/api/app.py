@@ -33,6 +33,8 @@ from server.batch_api.routes import BatchServices
 from server.batch_api.runner import BatchRunner
 from server.batch_api.store import BatchStore
 from server.chat_api.chunks import CHAT_WIRE
+from server.conversations_api.service import Conversations
+from server.conversations_api.store import ConversationStore
 from server.core.config import SluiceConfig
 from server.core.errors import (
     MethodNotAllowed,
@@ -105,6 +107,7 @@ class Stores:
 
     responses: SqliteResponses  # ended responses on the host (with `shared`: while Redis is away)
     adapters: LoraAdapters
+    conversations: ConversationStore  # SQLite's, or with `shared` Redis's
     batches: BatchStore | None = None  # the Batch API's (None: it is not served)
     shared: SharedStores | None = None
 
@@ -191,6 +194,9 @@ def build_app(
         started=int(time.time()),
     )
     adapters = stores.adapters
+    conversations = Conversations(
+        stores.conversations, config.conversations.max_item_bytes, config.state.lease_s
+    )
     parts = Parts(
         adapters=adapters,
         batches=None
@@ -210,7 +216,9 @@ def build_app(
             generations,
             local_responses if shared is None else shared.responses,
             None if shared is None else local_responses,
+            conversations,
         ),
+        conversations=conversations,
         metrics=options.metrics_port is None,
     )
     services.served = parts.served()
@@ -237,6 +245,8 @@ def build_app(
             if shared is not None:
                 stack.push_async_callback(shared.close)  # (opened by the parts that use it)
                 await shared.responses.start()
+            await conversations.start()  # (stopped once the responses' keepers are)
+            stack.push_async_callback(conversations.stop)
             if parts.responses is not None:
                 stack.push_async_callback(parts.responses.stop)
             await dispatcher.start()

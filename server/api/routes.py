@@ -27,6 +27,9 @@ from server.batch_api.routes import BatchServices
 from server.batch_api.wire import CreateBatch
 from server.chat_api import endpoints as chat_api
 from server.chat_api.tokenizer import VERSION
+from server.conversations_api import endpoints as conversations_api
+from server.conversations_api.service import Conversations
+from server.conversations_api.wire import AddItems, CreateConversation, UpdateConversation
 from server.core.errors import (
     AdapterLoadError,
     EngineUnavailable,
@@ -239,6 +242,7 @@ ENDPOINTS: tuple[Endpoint[Any], ...] = (
     *chat_api.ENDPOINTS,
     *anthropic.ENDPOINTS,
     *responses_api.ENDPOINTS,
+    *conversations_api.ENDPOINTS,
     *OWN,
     *ADAPTERS,
     *websocket_api.ENDPOINTS,
@@ -252,6 +256,7 @@ class Parts:
 
     adapters: RuntimeLoras  # LoRA adapters loaded at runtime (vLLM's endpoints)
     responses: Responses | None = None  # OpenAI's Responses API
+    conversations: Conversations | None = None  # OpenAI's Conversations API
     batches: BatchServices | None = None  # OpenAI's Batch API
     metrics: bool = False  # /metrics on the API's port (no port of its own)
 
@@ -261,6 +266,8 @@ class Parts:
             parts.add("metrics")
         if self.responses is not None:
             parts.add("responses")
+        if self.conversations is not None:
+            parts.add("conversations")
         if self.batches is not None:
             parts.add("batches")
         return frozenset(parts)
@@ -272,6 +279,8 @@ class Parts:
             return (self.adapters,)
         if part == "responses":
             return (self.responses,)
+        if part == "conversations":
+            return (self.conversations,)
         if part == "batches":
             return (self.batches,)
         return ()
@@ -298,6 +307,7 @@ _BODIES: dict[str, tuple[type[WireModel], ...]] = {
     "chat": (ChatCompletionRequest,),
     "completions": (CompletionRequest,),
     "responses": (CreateResponse,),
+    "conversations": (CreateConversation, UpdateConversation, AddItems),
     "messages": (MessagesRequest, CountTokensRequest),
     "tokenizer": (TokenizeText, TokenizeChat, Detokenize),
     "batches": (CreateBatch,),

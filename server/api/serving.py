@@ -46,6 +46,7 @@ from engine_adapters.protocol import EngineClient
 from server.api.app import SharedStores, SluiceApp, Stores, build_app, metrics_app
 from server.batch_api.sqlite_store import SqliteBatchStore
 from server.batch_api.store import BatchStore
+from server.conversations_api.store import ConversationStore, Limits, SqliteConversations
 from server.core import last_exit
 from server.core.config import ConfigError, SluiceConfig
 from server.core.settings import ServeOptions, config_flags, load_config
@@ -59,6 +60,7 @@ from server.scheduler.types import Dispatcher
 from server.state.adapters import RuntimeAdapters
 from server.state.backend import RedisState
 from server.state.batches import RedisBatchStore
+from server.state.conversations import RedisConversations
 from server.state.quotas import SharedQuotaDispatcher, SharedQuotas
 from server.state.responses import RedisResponses
 from server.state.runs import RedisRuns
@@ -153,8 +155,9 @@ def build_stores(
     state: RedisState | None = None,
 ) -> Stores:
     """What the app keeps beyond a request: on the host, under `data_dir` (None: ended
-    responses in memory, and no Batch API), and with `state` (`state.url`) in Redis, shared by
-    replicas. StartRefused: the data directory cannot be used."""
+    responses and conversations in memory, and no Batch API), and with `state` (`state.url`)
+    in Redis, shared by replicas (conversations there alone). StartRefused: the data directory
+    cannot be used."""
     kept = config.responses
     try:
         batches: BatchStore | None = None
@@ -163,11 +166,17 @@ def build_stores(
         elif data_dir is not None:
             batches = SqliteBatchStore(data_dir)
         responses = SqliteResponses(data_dir, kept.retention_seconds, kept.max_bytes)
+        limits = Limits(config.conversations.max_conversations, config.conversations.max_items)
+        conversations: ConversationStore = (
+            SqliteConversations(data_dir, limits)
+            if state is None
+            else RedisConversations(state, limits)
+        )
     except (OSError, sqlite3.Error) as exc:
         raise StartRefused(f"the data directory {data_dir} cannot be used: {exc}") from None
     adapters = RuntimeAdapters(engine, state)
     if state is None:
-        return Stores(responses, adapters, batches)
+        return Stores(responses, adapters, conversations, batches)
     shared = SharedStores(
         RedisRuns(
             state, config.idempotency.retention_seconds, config.resume.grace_seconds, metrics
@@ -176,7 +185,7 @@ def build_stores(
         state.replica,
         state.stop,
     )
-    return Stores(responses, adapters, batches, shared)
+    return Stores(responses, adapters, conversations, batches, shared)
 
 
 def _build_serving(

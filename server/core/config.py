@@ -359,6 +359,21 @@ class ResponsesConfig(_Section):
     )
 
 
+class ConversationsConfig(_Section):
+    """The Conversations API's conversations, kept until deleted: in Redis with `state.url`
+    (any replica finds them), else in SQLite under the data directory. Each bound is
+    checked when items are added (a conversation made or given items, a response's input at
+    its start), and one passed is a 4xx that changes nothing."""
+
+    max_conversations: PositiveWhole = Field(10_000, description="each tenant's conversations")
+    max_items: PositiveWhole = Field(
+        1_000_000, description="each tenant's items, in all its conversations together"
+    )
+    max_item_bytes: PositiveWhole = Field(
+        1 << 20, description="one item added by a client, as JSON (a response's output is not)"
+    )
+
+
 class StateConfig(_Section):
     """Where state shared by replicas lives. `url` null: in this process only, as with one
     replica. With a Redis URL, tenant quotas hold across every replica using it, and
@@ -367,8 +382,9 @@ class StateConfig(_Section):
     url: str | None = Field(None, description="redis://, rediss:// or unix:// URL")
     lease_seconds: Positive = Field(
         10.0,
-        description="a replica renews what it holds (quota slots, generations, batches) "
-        "every third of this; a dead one's holdings expire this long after",
+        description="a replica renews what it holds (quota slots, generations, batches, "
+        "conversations held by a response) every third of this; a dead one's holdings expire "
+        "this long after",
     )
     timeout_ms: Positive = Field(
         250.0, description="a call slower than this counts as Redis being unavailable"
@@ -449,6 +465,7 @@ class SluiceConfig(_Section):
     resume: ResumeConfig = ResumeConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
     responses: ResponsesConfig = ResponsesConfig()
+    conversations: ConversationsConfig = ConversationsConfig()
     state: StateConfig = StateConfig()
     tracing: TracingConfig = TracingConfig()
 

@@ -77,6 +77,24 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class MutuallyExclusiveParameters(InvalidRequest):
+    code = "mutually_exclusive_parameters"
+
+
+class ConversationLocked(InvalidRequest):
+    """A response runs on the conversation: another, or a change to its items, waits for its
+    end (OpenAI's answer, a 400)."""
+
+    code = "conversation_locked"
+
+
+class StorageLimitExceeded(InvalidRequest):
+    """What a tenant keeps is at a bound of the configuration (its conversations, their
+    items): nothing was changed."""
+
+    code = "storage_limit_exceeded"
+
+
 class Unauthorized(SluiceError):
     status = 401
     error_type = "authentication_error"
@@ -199,8 +217,8 @@ class EngineUnavailable(SluiceError):
 
 
 class StoreUnavailable(SluiceError):
-    """The store of the Batch API's files and batches did not answer (Redis, with
-    `state.url`): nothing was changed, and the same call may be made again."""
+    """The store of the Batch API's files and batches, or of conversations, did not answer
+    (Redis, with `state.url`): nothing was changed, and the same call may be made again."""
 
     status = 503
     error_type = "server_error"

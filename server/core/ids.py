@@ -9,7 +9,11 @@ PREFIXES: dict[str, str] = {
     "chat": "chatcmpl-",  # a chat completion (and its chunks)
     "completion": "cmpl-",  # a text completion
     "response": "resp_",  # the Responses API's
-    "message": "msg_",  # Anthropic's Messages API's
+    "message": "msg_",  # Anthropic's Messages API's, and a conversation's message items
+    "function_call": "fc_",  # a conversation's items (OpenAI's Conversations API)
+    "function_call_output": "fco_",
+    "reasoning": "rs_",
+    "conversation": "conv_",
     "batch": "batch_",
     "batch_request": "batch_req_",  # one line's answer in a batch's output
     "file": "file-",

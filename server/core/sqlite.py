@@ -44,6 +44,18 @@ class SqliteDatabase:
             else _Thread(f"sqlite-{name}-read", str(path), busy_timeout_s)
         )
 
+    @classmethod
+    def under(cls, directory: Path | None, name: str, schema: str) -> SqliteDatabase:
+        """A store's database: `directory/name` (the directory made if need be), or in memory
+        with no directory; `schema`'s statements run in one transaction first."""
+        path: Path | str = ":memory:"
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / name
+        database = cls(path)
+        database.transaction_now(statements, schema)
+        return database
+
     async def read(self, fn: Call[T], *args: Any) -> T:
         """`fn(connection, *args)` on the reading thread."""
         return await self._reader.run(fn, *args)

@@ -17,10 +17,10 @@ from server.http.operations import Operation
 from server.http.services import Services
 
 Method = Literal["GET", "POST", "DELETE", "WEBSOCKET"]
-# Which of the app's parts serves it: "metrics", "responses" and "batches" only where the app
-# has them. The handlers of "adapters", "responses" and "batches" are handed their part's own
-# after the services.
-Part = Literal["core", "metrics", "adapters", "responses", "batches"]
+# Which of the app's parts serves it: "metrics", "responses", "conversations" and "batches"
+# only where the app has them. The handlers of "adapters", "responses", "conversations" and
+# "batches" are handed their part's own after the services.
+Part = Literal["core", "metrics", "adapters", "responses", "conversations", "batches"]
 
 D = TypeVar("D")  # what an API's handlers are handed after the services (its own services)
 

@@ -129,15 +129,34 @@ def post(summary: str, body: Any, answer: Any) -> Operation:
     }
 
 
-def with_id(operation: Callable[[], Operation], name: str) -> Callable[[], Operation]:
-    """`operation` on a path naming one of the tenant's objects (`{id}`: `name`)."""
+def with_id(
+    operation: Callable[[], Operation], name: str, **within: str
+) -> Callable[[], Operation]:
+    """`operation` on a path naming one of the tenant's objects (`{id}`: `name`), and objects
+    within it (`within`: each path parameter's description, `item_id="an item id"`)."""
 
     def build() -> Operation:
         spec = operation()
+        ids = [param("id", "path", STR, name)]
+        ids += [param(key, "path", STR, description) for key, description in within.items()]
         return {
             **spec,
-            "parameters": [param("id", "path", STR, name), *spec.get("parameters", [])],
+            "parameters": [*ids, *spec.get("parameters", [])],
             "responses": {**spec["responses"], **errors()},
         }
 
     return build
+
+
+def query(model: type[BaseModel]) -> list[dict[str, Any]]:
+    """A query string's parameters, one per field of the model that reads it (a field that
+    may be null is left out of the string instead)."""
+    properties = model.model_json_schema()["properties"]
+    made = []
+    for name, field in model.model_fields.items():
+        schema = {k: v for k, v in properties[name].items() if k != "title" and v is not None}
+        alternatives = [a for a in schema.pop("anyOf", ()) if a != {"type": "null"}]
+        if alternatives:
+            schema = {**schema, **alternatives[0]}
+        made.append(param(name, "query", schema, field.description or ""))
+    return made

@@ -77,6 +77,7 @@ IGNORED_FIELD_APIS = (
     "chat",
     "completions",
     "responses",
+    "conversations",
     "messages",
     "tokenizer",
     "batches",
@@ -103,6 +104,7 @@ STATE_OPERATIONS = (
     "claim",
     "read",
     "batches",
+    "conversations",
     "keep",
     "adapters",
 )

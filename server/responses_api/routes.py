@@ -53,16 +53,16 @@ async def create_response(services: Services, responses: Responses, request: Req
 
 async def render_response(services: Services, responses: Responses, request: Request) -> Response:
     """vLLM's `POST /v1/responses/render` (`server.http.rendering`): the response's chat
-    rendered, without generating. Stateless, as vLLM's: no `previous_response_id`, and no
-    response of `responses` read."""
+    rendered, without generating. Stateless, as vLLM's: no `previous_response_id`, no
+    `conversation`, and no response of `responses` read."""
     tenant, raw, request_id = await render_request(services, request)
     body = validated(CreateResponse, raw)
     services.note_ignored("responses", request.url.path, body)
-    if body.previous_response_id is not None:  # (vLLM's words)
-        raise InvalidRequest(
-            "previous_response_id is not supported by the stateless render endpoint.",
-            param="previous_response_id",
-        )
+    for stateful in ("previous_response_id", "conversation"):
+        if getattr(body, stateful) is not None:  # (vLLM's words)
+            raise InvalidRequest(
+                f"{stateful} is not supported by the stateless render endpoint.", param=stateful
+            )
     chat = {**body.chat_body([]), "stream": bool(body.stream)}
     reply = rendered(
         services, tenant, parse_request(chat, "chat"), public_id("response", request_id)
@@ -139,9 +139,10 @@ class WholeResponse:
         assert run is not None
         request_id = run.timeline.request_id
         async with reader(run, None):
-            if not await unless_gone(self._read(run), receive):
-                return
-        await self.responses.ended(record)
+            read = await unless_gone(self._read(run), receive)
+        await self.responses.ended(record)  # (a client that left: nothing kept, nothing added)
+        if not read:
+            return
         if self.error is not None:
             await error_response(self.error, request_id)(scope, receive, send)
             return
@@ -191,14 +192,18 @@ class ResponseStream:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         run = self.run
         request_id = run.timeline.request_id
-        with ClientWatch(receive):
-            async with reader(run, "dispatched" if self.owner else None) as failure:
-                if failure is not None:
-                    await error_response(failure, request_id)(scope, receive, send)
-                    return
-                await self.services.edge.sse(self._events(), {"X-Request-Id": request_id})(
-                    scope, receive, send
-                )
+        try:
+            with ClientWatch(receive):
+                async with reader(run, "dispatched" if self.owner else None) as failure:
+                    if failure is not None:
+                        await error_response(failure, request_id)(scope, receive, send)
+                        return
+                    await self.services.edge.sse(self._events(), {"X-Request-Id": request_id})(
+                        scope, receive, send
+                    )
+        finally:
+            if self.owner:  # (its end, if its client left before: nothing kept, nothing added)
+                await self.responses.ended(self.record)
 
     async def _events(self) -> AsyncIterator[bytes]:
         stores = self.owner or self.keeper

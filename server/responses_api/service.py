@@ -11,18 +11,22 @@ events here, and (its run shared) on another replica from the shared log."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.conversations_api.service import Conversations, Turn
 from server.core.errors import (
     GenerationCancelled,
     InvalidRequest,
+    MutuallyExclusiveParameters,
     ResourceNotFound,
     SluiceError,
     StateUnavailable,
+    StoreUnavailable,
 )
 from server.core.ids import new_id
 from server.generations.log import Event, Kind
@@ -38,6 +42,7 @@ from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseE
 logger = logging.getLogger("sluice.responses")
 CANCEL_WAIT_SECONDS = 10.0  # for a cancelled background generation to end
 STOP_WAIT_SECONDS = 2.0  # at shutdown, for background responses' ends to be stored
+KEPT = ("completed", "incomplete")  # the ends a response is stored with, and adds its items
 
 
 def feed(builder: ResponseBuilder, event: Event, parsed: bool) -> list[ResponseEvent]:
@@ -86,6 +91,7 @@ class Responses:
     generations: Generations
     store: ResponseStore
     local: ResponseStore | None = None
+    conversations: Conversations | None = None  # a `conversation`'s (None: none are served)
     clock: Callable[[], float] = time.time  # when a response ended, for its retention
     running: dict[tuple[str, str], ResponseRecord] = field(default_factory=dict)
     _keepers: set[asyncio.Task[None]] = field(default_factory=set)
@@ -107,36 +113,72 @@ class Responses:
         stored or not (a WebSocket's last), found first as `previous_response_id`. Raises a
         SluiceError for anything refused; nothing is held when it does."""
         tenant = self.tenant(context)
-        earlier: list[dict[str, Any]] = []
-        if request.previous_response_id is not None:
-            previous: ResponseRecord | KeptResponse
-            if (
-                held is not None
-                and held.tenant == tenant
-                and held.response_id == request.previous_response_id
-            ):
-                previous = held
-            else:
-                previous = await self.find(
-                    tenant, request.previous_response_id, "previous_response_id"
-                )
-            # (a record here is running, but a held one once its conversation has its output)
-            ended = (
-                previous.ended
-                if isinstance(previous, KeptResponse)
-                else previous.settled.is_set() and previous.builder.ended
-            )
-            if not ended:
-                raise InvalidRequest(
-                    f"response '{request.previous_response_id}' has not ended yet",
-                    param="previous_response_id",
-                )
-            earlier = previous.conversation
         background = bool(request.background)
         if background and request.store is False:
             raise InvalidRequest(  # (the words of vLLM's server, which clients match)
                 "background can only be used when `store` is true", param="store"
             )
+        conversation = request.conversation_id
+        if conversation is not None and request.previous_response_id is not None:
+            raise MutuallyExclusiveParameters(  # (OpenAI's words)
+                "Mutually exclusive parameters. Ensure you are only providing one of: "
+                "'previous_response_id' or 'conversation'."
+            )
+        earlier: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            earlier = await self._continued(tenant, request.previous_response_id, held)
+        turn = None
+        if conversation is not None:
+            turn = await self._conversations().begin(tenant, conversation, request.items)
+            earlier = turn.messages()
+        try:
+            record = await self._start(request, tenant, earlier, timeline, context)
+        except BaseException:
+            if turn is not None:
+                await self._conversations().finish(turn, None)
+            raise
+        record.turn = turn
+        if background:
+            await self._keep_running(record)
+        return record
+
+    def _conversations(self) -> Conversations:
+        if self.conversations is None:
+            raise InvalidRequest("this server keeps no conversations", param="conversation")
+        return self.conversations
+
+    async def _continued(
+        self, tenant: str, previous_id: str, held: ResponseRecord | None
+    ) -> list[dict[str, Any]]:
+        """The conversation a response continues: its `previous_response_id`'s (`held`: a
+        response the caller holds, stored or not, found first)."""
+        previous: ResponseRecord | KeptResponse
+        if held is not None and held.tenant == tenant and held.response_id == previous_id:
+            previous = held
+        else:
+            previous = await self.find(tenant, previous_id, "previous_response_id")
+        # (a record here is running, but a held one once its conversation has its output)
+        ended = (
+            previous.ended
+            if isinstance(previous, KeptResponse)
+            else previous.settled.is_set() and previous.builder.ended
+        )
+        if not ended:
+            raise InvalidRequest(
+                f"response '{previous_id}' has not ended yet", param="previous_response_id"
+            )
+        return previous.conversation
+
+    async def _start(
+        self,
+        request: CreateResponse,
+        tenant: str,
+        earlier: list[dict[str, Any]],
+        timeline: RequestTimeline,
+        context: RequestContext,
+    ) -> ResponseRecord:
+        """The response's record, its generation admitted and started."""
+        background = bool(request.background)
         chat = request.chat_body(earlier)
         parsed = parse_request(chat, "chat")
         if background:
@@ -148,22 +190,25 @@ class Responses:
         builder = ResponseBuilder(
             new_id("response"), run.shape.model, int(time.time()), request.echoed()
         )
-        record = ResponseRecord(
+        return ResponseRecord(
             tenant, builder, [*earlier, *request.messages()], run, background=background
         )
-        if background:
-            self.running[(tenant, record.response_id)] = record
-            run.attach()  # the keeper's: it runs on with no client
-            try:
-                if run.shared:  # found on any replica from now, until its end replaces it
-                    await self.store.put(record.kept().stored(tenant, self.clock()))
-            except StateUnavailable:  # (found here alone until it ends)
-                pass
-            finally:
-                task = asyncio.get_running_loop().create_task(self._keep(record, run))
-                self._keepers.add(task)
-                task.add_done_callback(self._keepers.discard)
-        return record
+
+    async def _keep_running(self, record: ResponseRecord) -> None:
+        """A background response, kept running with no client until its end."""
+        run = record.run
+        assert run is not None
+        self.running[(record.tenant, record.response_id)] = record
+        run.attach()  # the keeper's: it runs on with no client
+        try:
+            if run.shared:  # found on any replica from now, until its end replaces it
+                await self.store.put(record.kept().stored(record.tenant, self.clock()))
+        except StateUnavailable:  # (found here alone until it ends)
+            pass
+        finally:
+            task = asyncio.get_running_loop().create_task(self._keep(record, run))
+            self._keepers.add(task)
+            task.add_done_callback(self._keepers.discard)
 
     async def stop(self) -> None:
         """At shutdown, once their runs are ended: let background responses' keepers store
@@ -180,25 +225,48 @@ class Responses:
             await self.ended(record)
 
     async def ended(self, record: ResponseRecord) -> None:
-        """A response's generation ended, read to its end by `record.builder`: stored, if it
-        is to be (its conversation then ends with its output)."""
+        """A response's generation ended, read to its end by `record.builder` (or left by its
+        client before): its turn in a conversation ended first, if it has one, then the
+        response stored if it is to be (its conversation then ends with its output)."""
         if record.settled.is_set():
             return
         record.settled.set()
         record.conversation = [*record.conversation, *record.builder.conversation()]
-        if record.background:
-            try:
-                # Not ended: handed over (this replica stops), its generation another's to
-                # continue, and what is stored of it stays as it began.
-                if record.builder.ended:
-                    await self._put(record)
-            finally:
+        builder = record.builder
+        # A background response not ended was handed over (this replica stops): its
+        # generation is another's to continue, and what is stored of it stays as it began.
+        kept = builder.echoed["store"] and builder.status in KEPT
+        try:
+            await self._end_turn(record)
+            if builder.ended if record.background else kept:
+                await self._put(record)
+        finally:
+            if record.background:
                 self.running.pop((record.tenant, record.response_id), None)
-                record.run = None
+            record.run = None  # (a response's log is its one reader's, a background one's kept)
+            record.finished.set()
+
+    async def _end_turn(self, record: ResponseRecord) -> None:
+        """The response's input and output added to its conversation if it completed (or
+        stopped at `max_output_tokens`); nothing if it failed or was cancelled. A background
+        response handed over is left to the replica that continues it."""
+        turn, record.turn = record.turn, None
+        if turn is None:
             return
-        record.run = None  # (its log is its one reader's)
-        if record.builder.echoed["store"] and record.builder.status in ("completed", "incomplete"):
-            await self._put(record)
+        conversations = self._conversations()
+        builder = record.builder
+        if record.background and not builder.ended:
+            conversations.forget(turn)
+            return
+        try:
+            await conversations.finish(turn, builder.output if builder.status in KEPT else None)
+        except StoreUnavailable:
+            logger.error(
+                "the conversations' store did not answer: response %s's items were not added "
+                "to conversation %s (its hold lapses by itself)",
+                record.response_id,
+                turn.conversation_id,
+            )
 
     async def _put(self, record: ResponseRecord) -> None:
         stored = record.kept().stored(record.tenant, self.clock())
@@ -222,6 +290,12 @@ class Responses:
         """The tenant's response: running here, or stored (ended, or running on another
         replica); 404: unknown, expired, dropped, or another tenant's."""
         record = self.running.get((tenant, response_id))
+        if record is not None and record.builder.ended:
+            # Shown ended once its end is kept (its items added to its conversation): read
+            # from the store then.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(record.finished.wait(), CANCEL_WAIT_SECONDS)
+            record = self.running.get((tenant, response_id))
         if record is not None:
             return record
         stored = None
@@ -244,7 +318,9 @@ class Responses:
                 f"response '{kept.response['id']}' no longer runs on any replica", param="id"
             )
         builder = ResponseBuilder.resumed(kept.response)
-        return ResponseRecord(self.tenant(context), builder, kept.conversation, run, True)
+        record = ResponseRecord(self.tenant(context), builder, kept.conversation, run, True)
+        record.turn = None if kept.turn is None else Turn.read(kept.turn)
+        return record
 
     async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:
         """Cancel a background response; the response object once it has ended."""
@@ -261,7 +337,7 @@ class Responses:
         if found.run is not None:
             found.run.cancel(GenerationCancelled("the response was cancelled"))
         try:
-            await asyncio.wait_for(found.settled.wait(), CANCEL_WAIT_SECONDS)
+            await asyncio.wait_for(found.finished.wait(), CANCEL_WAIT_SECONDS)
         except TimeoutError:
             raise SluiceError("the response did not stop in time; retry") from None
         return found.snapshot()

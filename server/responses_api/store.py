@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from server.core.sqlite import SqliteDatabase, statements
+from server.conversations_api.service import Turn
+from server.core.sqlite import SqliteDatabase
 from server.generations.ports import StoredResponse
 from server.generations.registry import evictions, past_retention
 from server.generations.run import GenerationRun
@@ -41,8 +42,9 @@ CREATE INDEX IF NOT EXISTS responses_by_end ON responses (ended_at);
 class ResponseRecord:
     """One response while it runs: its object as it stands (`builder`), the conversation it
     continues (chat messages: the earlier ones and its input, then its output once it ended),
-    its run (whose log replays its events) and, for a background one, its events as its
-    keeper read them (kept with it once it ends, to be streamed again)."""
+    its run (whose log replays its events), for a background one, its events as its keeper
+    read them (kept with it once it ends, to be streamed again) and, with `conversation`, its
+    turn in that conversation (ended with it)."""
 
     tenant: str
     builder: ResponseBuilder
@@ -51,6 +53,8 @@ class ResponseRecord:
     background: bool = False
     events: list[ResponseEvent] = field(default_factory=list)
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # its builder saw the end
+    finished: asyncio.Event = field(default_factory=asyncio.Event)  # and its end was kept
+    turn: Turn | None = None
 
     @property
     def response_id(self) -> str:
@@ -66,7 +70,10 @@ class ResponseRecord:
             return KeptResponse(self.builder.snapshot(), self.conversation, events)
         assert self.run is not None
         return KeptResponse(
-            self.builder.snapshot(), self.conversation, run_id=self.run.shape.public_id
+            self.builder.snapshot(),
+            self.conversation,
+            run_id=self.run.shape.public_id,
+            turn=None if self.turn is None else self.turn.kept(),
         )
 
 
@@ -74,12 +81,14 @@ class ResponseRecord:
 class KeptResponse:
     """A response as a store keeps it: its object, the conversation a next response
     continues, a background one's events once it ended and, while it runs (with Redis: on
-    any replica), its run's public id instead (its object is then as it began)."""
+    any replica), its run's public id instead (its object is then as it began), with its
+    turn in a conversation if it has one (the replica that continues it ends it)."""
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
     events: list[ResponseEvent] | None = None
     run_id: str | None = None
+    turn: dict[str, Any] | None = None
 
     @property
     def background(self) -> bool:
@@ -99,6 +108,7 @@ class KeptResponse:
                 "conversation": self.conversation,
                 "events": self.events,
                 "run_id": self.run_id,
+                "turn": self.turn,
             }
         )
         return StoredResponse(tenant, self.response["id"], body, ended_at)
@@ -107,7 +117,11 @@ class KeptResponse:
     def read(stored: StoredResponse) -> KeptResponse:
         fields = orjson.loads(stored.body)
         return KeptResponse(
-            fields["response"], fields["conversation"], fields["events"], fields["run_id"]
+            fields["response"],
+            fields["conversation"],
+            fields["events"],
+            fields["run_id"],
+            fields.get("turn"),  # (none in a response stored before conversations)
         )
 
 
@@ -136,12 +150,7 @@ class SqliteResponses:
         self.retention_seconds = retention_seconds
         self.max_bytes = max_bytes
         self._clock = clock
-        path: Path | str = ":memory:"
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            path = directory / "responses.sqlite3"
-        self._sql = SqliteDatabase(path)
-        self._sql.transaction_now(statements, SCHEMA)
+        self._sql = SqliteDatabase.under(directory, "responses.sqlite3", SCHEMA)
 
     def close(self) -> None:
         self._sql.close()

@@ -201,6 +201,8 @@ class ResponsesSession(WebSocketSession):
         finally:
             if owner:
                 del self.live[record.response_id]
+                # (its end, if the connection closed before: nothing kept, nothing added)
+                await self.responses.ended(record)
 
     def _held(self, response_id: str | None) -> ResponseRecord | None:
         return next((r for r in self.latest.values() if r.response_id == response_id), None)

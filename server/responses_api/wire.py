@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field
 
 from server.core.ids import own_part
 from server.generations.usage import cached_tokens
@@ -20,83 +20,19 @@ from server.openai_wire.generation_body import (
     SamplingFields,
     VllmFields,
 )
+from server.openai_wire.items import (
+    TEXT_LOGPROBS,
+    InputItem,
+    MessageItem,
+    Metadata,
+    add_call,
+    chat_messages,
+)
 from server.openai_wire.logprobs import chat_logprobs
 from server.openai_wire.wire import NoEffect, OnlyDefault, WireModel
 
 if TYPE_CHECKING:
     from engine_adapters.protocol import TokenLogprob
-
-Role = Literal["user", "assistant", "system", "developer"]
-# What `include` may ask for: the output text's logprobs (with `top_logprobs` alternatives).
-TEXT_LOGPROBS = "message.output_text.logprobs"
-_CHAT_ROLE = {"developer": "system"}  # as chat templates know it
-
-
-class TextPart(WireModel):
-    type: Literal["input_text", "output_text"]
-    text: str
-    annotations: list[Any] | None = None  # an earlier output's, sent back
-
-
-class MessageItem(WireModel):
-    type: Literal["message"] = "message"
-    role: Role
-    content: str | list[TextPart]
-    id: str | None = None  # an earlier output's, sent back
-    status: str | None = None
-
-
-class FunctionCallItem(WireModel):
-    type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
-    name: str = Field(min_length=1)
-    arguments: str
-    id: str | None = None
-    status: str | None = None
-
-
-class FunctionCallOutputItem(WireModel):
-    type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
-    output: str
-    id: str | None = None
-    status: str | None = None
-
-
-class ReasoningText(WireModel):
-    type: Literal["reasoning_text", "summary_text"]
-    text: str
-
-
-class ReasoningItem(WireModel):
-    """An earlier output's reasoning, sent back: the assistant's `reasoning` in the chat."""
-
-    type: Literal["reasoning"]
-    summary: list[ReasoningText] = []
-    content: list[ReasoningText] | None = None
-    encrypted_content: Annotated[Any, OnlyDefault(None)] = Field(
-        None, description="not served: this server encrypts no reasoning"
-    )
-    id: str | None = None
-    status: str | None = None
-
-    @property
-    def text(self) -> str:
-        """Its reasoning (the summary's, where it has no content)."""
-        return "".join(part.text for part in self.content or self.summary)
-
-
-def _item_type(value: Any) -> str | None:
-    return value.get("type", "message") if isinstance(value, dict) else None
-
-
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_type),
-]
 
 
 class FunctionTool(WireModel):
@@ -138,6 +74,10 @@ class Reasoning(WireModel):
     )
 
 
+class ConversationRef(WireModel):
+    id: str = Field(min_length=1)
+
+
 class CreateResponse(SamplingFields, VllmFields):
     """`POST /v1/responses`'s body, with the sampling parameters vLLM's server takes beside
     OpenAI's (`top_k`, `seed`, `stop`, ...) and its `chat_template_kwargs`, as a chat has
@@ -148,6 +88,11 @@ class CreateResponse(SamplingFields, VllmFields):
     input: list[InputItem] | str
     instructions: str | None = None
     previous_response_id: str | None = None
+    conversation: Annotated[str, Field(min_length=1)] | ConversationRef | None = Field(
+        None,
+        description="a conversation's id (OpenAI's Conversations API): its items come before "
+        "the input, and the input and output are added to it when the response ends",
+    )
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     reasoning: Reasoning | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
@@ -157,7 +102,7 @@ class CreateResponse(SamplingFields, VllmFields):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    metadata: Metadata | None = None
     store: bool | None = None
     background: bool | None = None
     stream: bool | None = None
@@ -187,41 +132,21 @@ class CreateResponse(SamplingFields, VllmFields):
         """Whether the output text comes with its tokens' logprobs."""
         return TEXT_LOGPROBS in (self.include or ())
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The input as chat messages (function calls and their outputs as the assistant's
-        tool calls and tool messages), without the instructions."""
+    @property
+    def conversation_id(self) -> str | None:
+        conversation = self.conversation
+        return conversation.id if isinstance(conversation, ConversationRef) else conversation
+
+    @property
+    def items(self) -> list[InputItem]:
+        """The input as items (a string is the user's message)."""
         if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
-        messages: list[dict[str, Any]] = []
-        for item in self.input:
-            if isinstance(item, MessageItem):
-                content = item.content
-                if not isinstance(content, str):
-                    content = "".join(part.text for part in content)
-                last = messages[-1] if messages else None
-                if item.role == "assistant" and last is not None and _thought_only(last):
-                    last["content"] = content  # the answer after its reasoning: one turn
-                else:
-                    role = _CHAT_ROLE.get(item.role, item.role)
-                    messages.append({"role": role, "content": content})
-            elif isinstance(item, ReasoningItem):
-                # (both names, as vLLM's server hands them to chat templates)
-                text = item.text
-                messages.append(
-                    {
-                        "role": "assistant",
-                        "content": "",
-                        "reasoning": text,
-                        "reasoning_content": text,
-                    }
-                )
-            elif isinstance(item, FunctionCallItem):
-                _add_call(messages, item.call_id, item.name, item.arguments)
-            else:
-                messages.append(
-                    {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
-                )
-        return messages
+            return [MessageItem(role="user", content=self.input)]
+        return self.input
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages, without the instructions."""
+        return chat_messages(self.items)
 
     def chat_body(self, earlier: list[dict[str, Any]]) -> dict[str, Any]:
         """The chat completion request that answers this one, streamed (`earlier`: the
@@ -286,6 +211,7 @@ class CreateResponse(SamplingFields, VllmFields):
             "metadata": self.metadata or {},
             "parallel_tool_calls": self.parallel_tool_calls is not False,
             "previous_response_id": self.previous_response_id,
+            "conversation": None if self.conversation_id is None else {"id": self.conversation_id},
             "reasoning": {
                 "effort": self.reasoning and self.reasoning.effort,
                 "summary": self.reasoning and self.reasoning.summary,
@@ -553,33 +479,8 @@ class ResponseBuilder:
                 text = "".join(part["text"] for part in item["content"])
                 messages.append({"role": "assistant", "content": text})
             elif item["type"] == "function_call":
-                _add_call(messages, item["call_id"], item["name"], item["arguments"])
+                add_call(messages, item["call_id"], item["name"], item["arguments"])
         return messages
-
-
-def _add_call(messages: list[dict[str, Any]], call_id: str, name: str, arguments: str) -> None:
-    """A function call as chat messages have it: one of the assistant's `tool_calls`, in the
-    assistant message just before when there is one (calls made together stay together)."""
-    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-    last = messages[-1] if messages else None
-    if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-        last["tool_calls"].append(call)
-    elif last is not None and _thought_only(last):
-        last["tool_calls"] = [call]
-    else:
-        # ("" rather than null: templates that iterate the content take it, as for
-        # Anthropic's tool uses in `server.anthropic.messages`)
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-
-
-def _thought_only(message: dict[str, Any]) -> bool:
-    """An assistant's turn of reasoning alone so far (its answer or calls may follow)."""
-    return (
-        message["role"] == "assistant"
-        and "reasoning" in message
-        and not message["content"]
-        and "tool_calls" not in message
-    )
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:

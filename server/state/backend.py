@@ -24,7 +24,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from server.core.config import StateConfig
-from server.core.errors import StateUnavailable
+from server.core.errors import StateUnavailable, StoreUnavailable
 from server.observability.metrics import STATE_OPERATIONS, Metrics
 
 logger = logging.getLogger("sluice.state")
@@ -184,3 +184,46 @@ class RedisState:
             raise StateUnavailable(str(exc)) from None
         self.metrics.state_latency.labels(operation).observe(time.perf_counter() - started)
         return result
+
+
+def tenant_key(space: str, tenant: str, *parts: str) -> str:
+    """A key of `tenant`'s (`sluice:SPACE:{TENANT}:PART…`): a tenant's keys of a space share a
+    hash slot, so that one script may touch them all."""
+    return ":".join((f"sluice:{space}:{{{tenant}}}", *parts))
+
+
+class RedisStore:
+    """What a store that clients call (the Batch API's, the conversations') shares: each call
+    through `state`'s client, counted under `OPERATION`, bounded by `CALL_TIMEOUT_S` (no call
+    is on a token's path: each is allowed more than `state.timeout_ms`, which quotas keep), a
+    failure answered 503 `store_unavailable` (`NAME`: the store, in its message); its scripts
+    registered at first use, once `state` has started."""
+
+    OPERATION = "store"
+    NAME = "the store"
+    CALL_TIMEOUT_S = 5.0
+
+    def __init__(self, state: RedisState) -> None:
+        self.state = state
+        self._scripts: dict[str, Any] = {}
+
+    async def close(self) -> None:
+        """Nothing of its own: `state`'s connections close with it."""
+
+    async def _call(self, call: Awaitable[T], limit_s: float | None = None) -> T:
+        try:
+            return await self.state.call(self.OPERATION, call, limit_s or self.CALL_TIMEOUT_S)
+        except StateUnavailable as exc:
+            raise StoreUnavailable(
+                f"{self.NAME} (Redis) did not answer: {exc!r}", retry_after=PROBE_SECONDS
+            ) from None
+
+    async def _script(self, source: str, keys: list[str], args: list[Any]) -> Any:
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = self._client.register_script(source)
+        return await self._call(script(keys=keys, args=args))
+
+    @property
+    def _client(self) -> Any:
+        return self.state.reader or self.state.client

@@ -19,7 +19,7 @@ A line's result is written by one script with its count, once: its index leaves 
 as it is written. A change to a batch's JSON (a cancel, its end) is computed here, by the same
 code as SQLite's, and applied by a script only if the JSON is still what was read (else it is
 read again): each change is atomic.
-Each call is bounded by `CALL_TIMEOUT_S` (a file's content by `FILE_TIMEOUT_S`); Redis
+Each call is bounded by `RedisStore.CALL_TIMEOUT_S` (a file's content by `FILE_TIMEOUT_S`); Redis
 unavailable, the Batch API answers 503 `store_unavailable` and runners try again at their next
 beat. Batches outlive a restart of Redis only if it persists (AOF or RDB).
 """
@@ -45,15 +45,11 @@ from server.batch_api.store import (
     one_chunk,
     result_files,
 )
-from server.core.errors import StateUnavailable, StoreUnavailable
+from server.core.errors import StoreUnavailable
 from server.core.ids import new_id
-from server.state.backend import PROBE_SECONDS, RedisState
+from server.state.backend import RedisStore, tenant_key
 from server.state.runs import LET_GO
 
-OPERATION = "batches"  # every call's label in the state backend's metrics
-# No call is on a token's path: each is allowed more than `state.timeout_ms` (which quotas
-# keep), through the state's client without a socket timeout of its own.
-CALL_TIMEOUT_S = 5.0
 FILE_TIMEOUT_S = 30.0  # a file's content (up to --max-file-bytes), or a page of a batch's results
 ATTEMPTS = 8  # compare-and-set rounds before a change gives up (another writes as often)
 STATUSES_KEY = "sluice:batches:status"
@@ -122,49 +118,27 @@ return held
 
 
 def _file_key(tenant: str, file_id: str) -> str:
-    return f"sluice:bfile:{{{tenant}}}:{file_id}"
+    return tenant_key("bfile", tenant, file_id)
 
 
 def _files_key(tenant: str) -> str:
-    return f"sluice:bfiles:{{{tenant}}}"
+    return tenant_key("bfiles", tenant)
 
 
 def _batches_key(tenant: str) -> str:
-    return f"sluice:batches:{{{tenant}}}"
+    return tenant_key("batches", tenant)
 
 
 def _batch_key(batch_id: str, suffix: str = "") -> str:
     return f"sluice:batch:{batch_id}{suffix}"
 
 
-class RedisBatchStore:
+class RedisBatchStore(RedisStore):
     """`BatchStore` (`server.batch_api.store`) in the Redis of `state` (see the module's
-    docstring). Its scripts are registered at first use, once `state` has started."""
+    docstring)."""
 
-    def __init__(self, state: RedisState) -> None:
-        self.state = state
-        self._scripts: dict[str, Any] = {}
-
-    async def close(self) -> None:
-        """Nothing of its own: `state`'s connections close with it."""
-
-    async def _call(self, call: Any, limit_s: float = CALL_TIMEOUT_S) -> Any:
-        try:
-            return await self.state.call(OPERATION, call, limit_s)
-        except StateUnavailable as exc:
-            raise StoreUnavailable(
-                f"the batch store (Redis) did not answer: {exc!r}", retry_after=PROBE_SECONDS
-            ) from None
-
-    async def _script(self, source: str, keys: list[str], args: list[Any]) -> Any:
-        script = self._scripts.get(source)
-        if script is None:
-            script = self._scripts[source] = self._client.register_script(source)
-        return await self._call(script(keys=keys, args=args))
-
-    @property
-    def _client(self) -> Any:
-        return self.state.reader or self.state.client
+    OPERATION = "batches"  # every call's label in the state backend's metrics
+    NAME = "the batch store"
 
     # -- files ------------------------------------------------------------------------------
 

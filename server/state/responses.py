@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from server.generations.ports import StoredResponse
 from server.generations.registry import evictions, past_retention
-from server.state.backend import RedisState
+from server.state.backend import RedisState, tenant_key
 
 PAGE = 128  # index entries read at a time by eviction
 
@@ -54,12 +54,12 @@ return tonumber(redis.call('GET', KEYS[3]) or '0')
 
 
 def response_key(tenant: str, response_id: str) -> str:
-    return f"sluice:resp:{{{tenant}}}:{response_id}"
+    return tenant_key("resp", tenant, response_id)
 
 
 def index_keys(tenant: str) -> list[str]:
     """The tenant's index, sizes and bytes."""
-    return [f"sluice:resp:{{{tenant}}}:{name}" for name in ("index", "sizes", "bytes")]
+    return [tenant_key("resp", tenant, name) for name in ("index", "sizes", "bytes")]
 
 
 class _Entry(NamedTuple):

@@ -41,7 +41,7 @@ from server.core.errors import GenerationFailed, SluiceError, StateUnavailable, 
 from server.generations.log import Event, EventLog, Kind
 from server.generations.ports import RunRecord
 from server.observability.metrics import Metrics
-from server.state.backend import PROBE_SECONDS, RedisState
+from server.state.backend import PROBE_SECONDS, RedisState, tenant_key
 
 logger = logging.getLogger("sluice.state")
 READ_BLOCK_MS = 1000  # a follower's wait for news before it checks the lease again
@@ -119,7 +119,7 @@ return 0
 
 
 def _key(record: RunRecord, suffix: str = "") -> str:
-    return f"sluice:run:{{{record.tenant}}}:{record.public_id}{suffix}"
+    return tenant_key("run", record.tenant, record.public_id + suffix)
 
 
 def run_keys(record: RunRecord) -> list[str]:
@@ -173,7 +173,7 @@ def record_of(tenant: str, public_id: str, fields: dict[str, str]) -> RunRecord:
 
 
 def idem_key(tenant: str, key: str) -> str:
-    return f"sluice:idem:{{{tenant}}}:{key}"
+    return tenant_key("idem", tenant, key)
 
 
 def encode(event: Event, dispatched: bool) -> str:

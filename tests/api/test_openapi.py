@@ -4,7 +4,7 @@ not, gets a server error. Against the sim engine (a generation costs microsecond
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -85,12 +85,16 @@ def test_every_reply_has_a_schema_and_replies_match_theirs(sim_server: InProcess
                     f"{method} {path} {media}: no schema"
                 )
 
-    def reply_matches(method: str, path: str, body: dict | None = None) -> None:
+    def reply_matches(
+        method: str, path: str, body: dict | None = None, template: str | None = None
+    ) -> Any:
         reply = httpx.request(method, sim_server.url + path, json=body, timeout=30)
         assert reply.status_code == 200, reply.text
-        content = document["paths"][path][method.lower()]["responses"]["200"]["content"]
+        operation = document["paths"][template or path][method.lower()]
+        content = operation["responses"]["200"]["content"]
         schema = {**content["application/json"]["schema"], "components": document["components"]}
         jsonschema.validate(reply.json(), schema, cls=jsonschema.Draft202012Validator)
+        return reply.json()
 
     model = httpx.get(sim_server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -110,6 +114,17 @@ def test_every_reply_has_a_schema_and_replies_match_theirs(sim_server: InProcess
     reply_matches("POST", "/v1/chat/completions/render", chat)
     reply_matches("POST", "/v1/completions/render", {"model": model, "prompt": ["a", "b"]})
     reply_matches("POST", "/v1/responses/render", {"model": model, "input": "hi"})
+    hello = {"items": [{"role": "user", "content": "hi"}]}
+    made = reply_matches("POST", "/v1/conversations", hello)
+    one, items = f"/v1/conversations/{made['id']}", "/v1/conversations/{id}/items"
+    reply_matches("GET", one, template="/v1/conversations/{id}")
+    reply_matches("POST", one, {"metadata": {"a": "b"}}, "/v1/conversations/{id}")
+    reply_matches("POST", one + "/items", hello, items)
+    item = reply_matches("GET", one + "/items", template=items)["data"][0]["id"]
+    an_item = "/v1/conversations/{id}/items/{item_id}"
+    reply_matches("GET", f"{one}/items/{item}", template=an_item)
+    reply_matches("DELETE", f"{one}/items/{item}", template=an_item)
+    reply_matches("DELETE", one, template="/v1/conversations/{id}")
 
 
 @IN_ANTHROPICS_WORKER
@@ -162,6 +177,14 @@ OPERATIONS = [
     ("POST", "/v1/responses"),
     ("GET", "/v1/responses/{id}"),
     ("POST", "/v1/responses/{id}/cancel"),
+    ("POST", "/v1/conversations"),
+    ("GET", "/v1/conversations/{id}"),
+    ("POST", "/v1/conversations/{id}"),
+    ("DELETE", "/v1/conversations/{id}"),
+    ("POST", "/v1/conversations/{id}/items"),
+    ("GET", "/v1/conversations/{id}/items"),
+    ("GET", "/v1/conversations/{id}/items/{item_id}"),
+    ("DELETE", "/v1/conversations/{id}/items/{item_id}"),
 ]
 
 # schemathesis's generation modes, by value (its enum, at collection, would import it).

@@ -13,6 +13,7 @@ from server.anthropic import endpoints as anthropic
 from server.api.routes import ENDPOINTS, Parts, routes
 from server.batch_api import endpoints as batch_api
 from server.chat_api import endpoints as chat_api
+from server.conversations_api import endpoints as conversations_api
 from server.responses_api import endpoints as responses_api
 from server.websocket_api import endpoints as websocket_api
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.mark.parametrize(
     "table",
-    (chat_api, anthropic, responses_api, batch_api, websocket_api),
+    (chat_api, anthropic, responses_api, conversations_api, batch_api, websocket_api),
     ids=lambda table: table.__name__,
 )
 def test_each_api_table_holds_its_own_packages_handlers(table: ModuleType) -> None:
@@ -42,8 +43,10 @@ def _paths(made: list[BaseRoute]) -> list[str]:
 
 def test_the_routes_of_the_parts_served_are_made_from_the_table() -> None:
     nothing: Any = object()  # (the handlers are bound, not called)
-    every = Parts(adapters=nothing, responses=nothing, batches=nothing, metrics=True)
+    every = Parts(
+        adapters=nothing, responses=nothing, conversations=nothing, batches=nothing, metrics=True
+    )
     assert _paths(routes(nothing, every)) == [e.path for e in ENDPOINTS]
     core = _paths(routes(nothing, Parts(adapters=nothing)))
-    assert {"/v1/files", "/v1/batches", "/metrics"}.isdisjoint(core)
+    assert {"/v1/files", "/v1/batches", "/v1/conversations", "/metrics"}.isdisjoint(core)
     assert "/v1/chat/completions" in core

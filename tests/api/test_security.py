@@ -152,6 +152,7 @@ def _routes_with_resources(tmp_path: Path) -> list[tuple[str, str]]:
         stores=stores,
     )
     stores.responses.close()
+    asyncio.run(stores.conversations.close())
     assert stores.batches is not None
     asyncio.run(stores.batches.close())
     return [
@@ -214,6 +215,27 @@ def _response(server: InProcessSluice, path: str) -> str:
     return str(made.json()["id"])
 
 
+ITEM_OF: dict[str, str] = {}  # a conversation's item, for the routes that name one
+
+
+def _conversation(server: InProcessSluice, path: str) -> str:
+    """A conversation of acme's, with an item (`ITEM_OF`)."""
+    made = httpx.post(
+        server.url + "/v1/conversations",
+        json={"items": [{"role": "user", "content": "hi"}]},
+        headers=bearer(ACME_KEY),
+    ).json()["id"]
+    items = httpx.get(f"{server.url}/v1/conversations/{made}/items", headers=bearer(ACME_KEY))
+    ITEM_OF[made] = items.json()["data"][0]["id"]
+    return str(made)
+
+
+# The bodies of the routes with an id that take one (another tenant's is refused as unknown).
+BODIES = {
+    ("POST", "/v1/conversations/{id}"): {"metadata": {}},
+    ("POST", "/v1/conversations/{id}/items"): {"items": [{"role": "user", "content": "hi"}]},
+}
+
 # How to make acme's resource behind each route with an id; a new such route must join here.
 MAKERS = {
     "/v1/chat/completions/{id}/stream": _generation,
@@ -224,6 +246,9 @@ MAKERS = {
     "/v1/batches/{id}/cancel": _batch,
     "/v1/responses/{id}": _response,
     "/v1/responses/{id}/cancel": _response,
+    "/v1/conversations/{id}": _conversation,
+    "/v1/conversations/{id}/items": _conversation,
+    "/v1/conversations/{id}/items/{item_id}": _conversation,
 }
 
 
@@ -235,11 +260,14 @@ def test_another_tenants_resources_are_not_found_on_every_route(
     assert {path for _, path in routes} == set(MAKERS)
     for method, path in routes:
         public_id = MAKERS[path](server, path)
-        url = server.url + path.replace("{id}", public_id)
-        as_other = httpx.request(method, url, headers=bearer(GLOBEX_KEY))
+        within = path.replace("{item_id}", ITEM_OF.get(public_id, ""))
+        url = server.url + within.replace("{id}", public_id)
+        body = BODIES.get((method, path))
+        as_other = httpx.request(method, url, json=body, headers=bearer(GLOBEX_KEY))
         unknown = httpx.request(
             method,
-            server.url + path.replace("{id}", public_id[:-4] + "0000"),
+            server.url + within.replace("{id}", public_id[:-4] + "0000"),
+            json=body,
             headers=bearer(GLOBEX_KEY),
         )
         assert as_other.status_code == unknown.status_code == 404, (method, path)
@@ -248,7 +276,8 @@ def test_another_tenants_resources_are_not_found_on_every_route(
             unknown.json()["error"]["message"].replace(public_id[:-4] + "0000", "X")
         )
         # The owner finds it (a cancel may come after the small batch ended: 400, not 404).
-        assert httpx.request(method, url, headers=bearer(ACME_KEY)).status_code in (200, 400)
+        owner = httpx.request(method, url, json=body, headers=bearer(ACME_KEY))
+        assert owner.status_code in (200, 400)
     # The WebSocket's resume, likewise.
     public_id = _generation(server, "/v1/chat/completions/{id}/stream")
     ws_url = server.url.replace("http://", "ws://") + "/v1/ws"

@@ -29,6 +29,7 @@ def test_each_prefix_is_spelled_in_the_server_once() -> None:
         '"batch_"',
         '"batch_req_"',
         '"file-"',
+        '"conv_"',
     ):
         spelled = [path.relative_to(SERVER) for path, text in sources.items() if prefix in text]
         assert [str(path) for path in spelled] == ["core/ids.py"], prefix

@@ -128,7 +128,9 @@ def assemble(command: ServeCommand, environ: Mapping[str, str] = os.environ) -> 
         tracing = build_tracing(config.tracing.otlp_traces_endpoint, environ)
     except ValueError as exc:
         raise StartRefused(f"tracing: {exc}") from None
-    stores = build_stores(engine, config, metrics, options.data_dir, state)
+    stores = build_stores(
+        engine, config, metrics, options.data_dir, state, adapter_loaded=dispatcher.adapter_loaded
+    )
     engine_died = asyncio.Event()
     app = build_app(
         engine,
@@ -151,10 +153,13 @@ def build_stores(
     metrics: Metrics,
     data_dir: Path | None = None,
     state: RedisState | None = None,
+    *,
+    adapter_loaded: Callable[[str], None] | None = None,
 ) -> Stores:
     """What the app keeps beyond a request: on the host, under `data_dir` (None: ended
     responses in memory, and no Batch API), and with `state` (`state.url`) in Redis, shared by
-    replicas. StartRefused: the data directory cannot be used."""
+    replicas; `adapter_loaded` is told of each LoRA adapter loaded at runtime. StartRefused: the
+    data directory cannot be used."""
     kept = config.responses
     try:
         batches: BatchStore | None = None
@@ -165,7 +170,7 @@ def build_stores(
         responses = SqliteResponses(data_dir, kept.retention_seconds, kept.max_bytes)
     except (OSError, sqlite3.Error) as exc:
         raise StartRefused(f"the data directory {data_dir} cannot be used: {exc}") from None
-    adapters = RuntimeAdapters(engine, state)
+    adapters = RuntimeAdapters(engine, state, adapter_loaded)
     if state is None:
         return Stores(responses, adapters, batches)
     shared = SharedStores(

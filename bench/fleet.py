@@ -487,7 +487,7 @@ async def chats_sampled(
         samplers = []
         for url, m in zip(f.replicas, sampled, strict=True) if sample else ():
             client = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
-            samplers.append(asyncio.create_task(flood.sample_gauges(client, m, stop)))
+            samplers.append(asyncio.create_task(flood.sample_gauges(client, m, stop, SERVED_NAME)))
         turns = await converse(f.url, kind, w, seed)
         stop.set()
         await asyncio.gather(*samplers)

@@ -395,13 +395,15 @@ async def chat_arrivals(client, system: System, args, m: Measurements, stop: asy
 
 
 # Sluice gauges sampled through the window: what the bulk cap allowed, what bulk ran, and the
-# interactive targets the cap aimed at (ms): (the line's start, what it must hold, scale).
+# interactive targets of the chats' model (ms; `CHATS`: its name, the served model's or with
+# --adapters the chats' adapter's): (the line's start, what it must hold, scale).
+CHATS = "{chats}"
 SAMPLED = {
     "bulk_cap": ("sluice_bulk_cap_sequences{", "", 1.0),
     "bulk_running": ('sluice_running_requests{model="sluice-demo",traffic_class="bulk"}', "", 1.0),
-    "itl_target_ms": ("sluice_slo_target_seconds{", 'target="itl"', 1e3),
+    "itl_target_ms": (f'sluice_slo_target_seconds{{model="{CHATS}"', 'target="itl"', 1e3),
     "ttft_target_ms": (
-        "sluice_slo_target_seconds{",
+        f'sluice_slo_target_seconds{{model="{CHATS}"',
         'target="ttft",traffic_class="interactive"',
         1e3,
     ),
@@ -431,14 +433,21 @@ COUNTED = {
 }
 
 
-async def sample_gauges(client: httpx.AsyncClient, m: Measurements, stop: asyncio.Event) -> None:
+async def sample_gauges(
+    client: httpx.AsyncClient, m: Measurements, stop: asyncio.Event, chats: str
+) -> None:
+    """Samples `SAMPLED` and `COUNTED` every 2 s of the window; `chats`: the chats' model."""
+    sampled = {
+        key: (prefix.replace(CHATS, chats), holds, scale)
+        for key, (prefix, holds, scale) in SAMPLED.items()
+    }
     while not stop.is_set():
         if m.in_window(time.monotonic()):
             with contextlib.suppress(httpx.HTTPError):
                 text = (await client.get("/metrics", timeout=2.0)).text
                 scrape = {"at": time.monotonic()}
                 for line in text.splitlines():
-                    for key, (prefix, holds, scale) in SAMPLED.items():
+                    for key, (prefix, holds, scale) in sampled.items():
                         if line.startswith(prefix) and holds in line:
                             value = scale * float(line.rsplit(" ", 1)[1])
                             if math.isfinite(value):
@@ -511,7 +520,9 @@ async def measure(system: System, args: argparse.Namespace, port: int) -> Measur
         stop = asyncio.Event()
         chats = asyncio.create_task(chat_arrivals(client, system, args, m, stop))
         sampler = (
-            asyncio.create_task(sample_gauges(client, m, stop)) if system.kind == "sluice" else None
+            asyncio.create_task(sample_gauges(client, m, stop, model_of(args, bulk=False)))
+            if system.kind == "sluice"
+            else None
         )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), args.warmup + args.duration)

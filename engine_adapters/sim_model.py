@@ -39,7 +39,10 @@ The model, one step at a time (`SimConfig` holds every parameter):
    with "stop" with probability `eos_probability` once it has `min_tokens` (and never with
    `ignore_eos`). Finished sequences free their blocks at the end of the step.
 5. Step duration = the decode part + `prefill_ms_per_token * prefill_tokens` (recomputed
-   tokens count as prefill). The decode part follows one of three step curves: linear, a CPU's
+   tokens count as prefill), times `lora_step_factor` when any running sequence is on a LoRA
+   adapter (a step that runs an adapter's sequence computes its low-rank products too: on
+   vLLM's CPU build, the demo model's adapters make a step about twice the base model's),
+   plus the adapters it loads. The decode part follows one of three step curves: linear, a CPU's
    (`step_base_ms + decode_ms_per_token * decode_tokens`); flat up to a knee, a GPU's (the
    same, less `decode_knee_tokens` tokens at no cost); or read from a calibration
    (`step_curve_ms`: the step time at several decode batch sizes, interpolated between them
@@ -163,6 +166,7 @@ class SimConfig:
     catch_up_steps: int = 0
     max_loras: int = 0  # LoRA slots: the most distinct adapters one step runs (0: serves none)
     lora_load_ms: float = 0.0  # loading an adapter into a slot, added to the step that does
+    lora_step_factor: float = 1.0  # a step that runs any adapter's sequence costs this more
 
     def __post_init__(self) -> None:
         if min(self.step_base_ms, self.decode_ms_per_token, self.prefill_ms_per_token) < 0:
@@ -184,6 +188,8 @@ class SimConfig:
             raise ValueError("catch_up_steps must be >= 0")
         if self.max_loras < 0 or self.lora_load_ms < 0:
             raise ValueError("max_loras and lora_load_ms must be >= 0")
+        if self.lora_step_factor < 1:
+            raise ValueError("lora_step_factor must be >= 1")
         if self.decode_knee_tokens < 0:
             raise ValueError("decode_knee_tokens must be >= 0")
         curve = self.step_curve_ms
@@ -261,6 +267,8 @@ _ARG_HELP = {
     "step_curve_ms": "the step curve read from a calibration, 'decode tokens:ms,...' (or the "
     "server's log line '1: 2.5 ms, 2: 3.2 ms, ...'); replaces the base, per-token and knee costs",
     "lora_load_ms": "cost of loading an adapter into a slot, added to the step that loads it",
+    "lora_step_factor": "a step that runs any LoRA adapter's sequence costs this many times "
+    "the base model's (1: no more)",
     "catch_up_steps": "when the server's loop falls behind the engine's clock, run up to N "
     "steps back to back, their tokens reaching each stream as one delta, as an engine in a "
     "process of its own runs on (0: the engine waits for the loop)",
@@ -596,6 +604,7 @@ class SimTimingModel:
             budget -= n
         if passed_over:  # first again, in their order
             self._waiting.extendleft(reversed(passed_over))
+        on_adapters = bool(self._on_adapter)  # (before this step's finished sequences leave)
 
         prefill_tokens = decode_tokens = 0
         request_ids: list[str] = []
@@ -651,13 +660,12 @@ class SimTimingModel:
             if reason is not None:
                 self._finish(seq)
 
-        duration_ms = (
-            cfg.decode_ms(decode_tokens)
-            + cfg.prefill_ms_per_token * prefill_tokens
-            + cfg.lora_load_ms * loaded
-            if scheduled
-            else 0.0
-        )
+        duration_ms = 0.0
+        if scheduled:
+            duration_ms = cfg.decode_ms(decode_tokens) + cfg.prefill_ms_per_token * prefill_tokens
+            if on_adapters:
+                duration_ms *= cfg.lora_step_factor
+            duration_ms += cfg.lora_load_ms * loaded
         return StepResult(
             duration_ms / 1000.0,
             request_ids,

@@ -130,7 +130,9 @@ def assemble(command: ServeCommand, environ: Mapping[str, str] = os.environ) -> 
         tracing = build_tracing(config.tracing.otlp_traces_endpoint, environ)
     except ValueError as exc:
         raise StartRefused(f"tracing: {exc}") from None
-    stores = build_stores(engine, config, metrics, options.data_dir, state)
+    stores = build_stores(
+        engine, config, metrics, options.data_dir, state, adapter_loaded=dispatcher.adapter_loaded
+    )
     engine_died = asyncio.Event()
     app = build_app(
         engine,
@@ -153,11 +155,13 @@ def build_stores(
     metrics: Metrics,
     data_dir: Path | None = None,
     state: RedisState | None = None,
+    *,
+    adapter_loaded: Callable[[str], None] | None = None,
 ) -> Stores:
     """What the app keeps beyond a request: on the host, under `data_dir` (None: ended
     responses and conversations in memory, and no Batch API), and with `state` (`state.url`)
-    in Redis, shared by replicas (conversations there alone). StartRefused: the data directory
-    cannot be used."""
+    in Redis, shared by replicas (conversations there alone); `adapter_loaded` is told of each
+    LoRA adapter loaded at runtime. StartRefused: the data directory cannot be used."""
     kept = config.responses
     try:
         batches: BatchStore | None = None
@@ -174,7 +178,7 @@ def build_stores(
         )
     except (OSError, sqlite3.Error) as exc:
         raise StartRefused(f"the data directory {data_dir} cannot be used: {exc}") from None
-    adapters = RuntimeAdapters(engine, state)
+    adapters = RuntimeAdapters(engine, state, adapter_loaded)
     if state is None:
         return Stores(responses, adapters, conversations, batches)
     shared = SharedStores(

@@ -151,6 +151,9 @@ class BatchRuntime:
     def queued(self) -> int:
         return sum(self.core.queue_depth(model) for model in self.core.models)
 
+    def adapter_loaded(self, name: str) -> None:
+        pass  # (its engine serves no adapters)
+
     def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[BatchGeneration]:
         if self._stopping:
             raise EngineUnavailable("the batch runtime is not running")

@@ -16,6 +16,8 @@ for a chat that waits for a slot is preemption's (`preemption.py`).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from server.scheduler.queues import TenantFairQueue
 from server.scheduler.types import INTERACTIVE, Ticket
 
@@ -67,6 +69,10 @@ class AdapterSlots:
 
     def in_use(self) -> int:
         return len(self._sequences)
+
+    def running(self) -> Collection[str]:
+        """The adapters sequences run on."""
+        return self._sequences.keys()
 
     def bulk_head(
         self, bulk: TenantFairQueue, chat_head: Ticket | None, now: float

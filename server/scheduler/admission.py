@@ -158,7 +158,7 @@ class AdmissionControl:
             return 0.0, 0.0
         concurrency = self._concurrency(tc)
         estimates = self._estimates
-        step = estimates.steps.at(concurrency)
+        step = estimates.step_s(concurrency)
         own = estimates.service_seconds(ticket, concurrency)
         ahead = queues.backlog.seconds_ahead(
             tc, ticket.tenant if fair else None, own, estimates.prefill_tokens_per_s, step

@@ -21,7 +21,7 @@ from server.scheduler.attainment import ChatMeter
 from server.scheduler.budgets import BudgetLimits
 from server.scheduler.bulk_cap import BulkCap, PrefillPacer
 from server.scheduler.controller import BulkController
-from server.scheduler.estimates import NEARLY_IDLE_OTHERS, RateEstimates
+from server.scheduler.estimates import NEARLY_IDLE_OTHERS, AdapterCost, RateEstimates
 from server.scheduler.queues import ClassQueues
 from server.scheduler.seats import Running, Seats
 from server.scheduler.targets import Targets
@@ -60,6 +60,7 @@ class BulkAllowance:
         self._meter = meter
         self._targets = targets
         self._chats_quiet_since: float | None = -math.inf  # None while chats run or wait
+        self._chats_on: dict[str | None, int] = {}  # chats about, by adapter (None: the base)
         self._pacer = PrefillPacer()  # bulk prefill per engine step
         self._prefill_until = -math.inf  # when the last bulk prefill started should end
 
@@ -68,7 +69,36 @@ class BulkAllowance:
         """Interactive sequences running, and requests waiting."""
         return self._seats.per_class[INTERACTIVE] + len(self._queues.interactive)
 
-    def chats_changed(self, now: float) -> None:
+    def chat_came(self, chat: Ticket, now: float) -> None:
+        """`chat` was admitted: it waits, then runs, until `chat_went`."""
+        on = self._chats_on
+        on[chat.adapter] = on.get(chat.adapter, 0) + 1
+        self._judge()
+        self._chats_changed(now)
+
+    def chat_went(self, chat: Ticket, now: float) -> None:
+        """`chat` ended, running or queued."""
+        on = self._chats_on
+        left = on[chat.adapter] - 1
+        if left:
+            on[chat.adapter] = left
+        else:
+            del on[chat.adapter]
+            self._judge()
+        self._chats_changed(now)
+
+    def _judge(self) -> None:
+        """The cap budgets for the tightest targets of the chats about (each adapter's ratio
+        least over them), and after the last one leaves for theirs still: the bulk hold is for
+        chats like them."""
+        if not self._chats_on:
+            return
+        costs = [self._estimates.adapter_cost(adapter) for adapter in self._chats_on]
+        step = min(cost.step for cost in costs)
+        ttft = min(cost.ttft for cost in costs)
+        self._bulk_cap.judge_for(AdapterCost(step, ttft) if len(costs) > 1 else costs[0])
+
+    def _chats_changed(self, now: float) -> None:
         chats = self.chats()
         self._estimates.chats_changed(chats, now)
         if chats:
@@ -192,7 +222,7 @@ class BulkAllowance:
         return min(1.0, turnover_steps / (TURNOVER_PACE * max(1, self.allowed(now))))
 
     def _pace(self, now: float) -> None:
-        step = self._estimates.steps.at(self._seats.sequences + 1)
+        step = self._estimates.step_s(self._seats.sequences + 1)
         headroom = self._bulk_cap.prefill_headroom(step, chats_about=self._chats_about(now))
         self._pacer.update(now, headroom, step, self._controller.pace)
 
@@ -234,7 +264,7 @@ class BulkAllowance:
             )
         if ticket.traffic_class is INTERACTIVE:
             if entry.others_at_dispatch <= NEARLY_IDLE_OTHERS:
-                estimates.observe_engine_ttft(now - entry.dispatched_at)
+                estimates.observe_engine_ttft(now - entry.dispatched_at, ticket.adapter)
             if self._controller.enabled:
                 self._controller.first_token(late=self._late_behind_bulk(entry, now))
 

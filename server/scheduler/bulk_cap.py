@@ -13,7 +13,12 @@ least one), so it is never starved. `PrefillPacer` bounds the bulk prefill one s
 
 The targets themselves are relative to the engine when nearly idle: the step time over one
 sequence and the time to first token of a request that found the engine (nearly) empty, both
-measured at start-up and refined online. A setting in milliseconds overrides either.
+measured at start-up and refined online. A chat on a LoRA adapter is judged by its adapter's
+own (the base model's times its `AdapterCost`, calibrated at start-up or when it is loaded): a
+step that runs an adapter costs more than the base model's, and a chat on one could never
+get the base model's gaps. The cap budgets for the tightest targets of the chats about
+(`judge_for`), and keeps them after the last one leaves. A setting in milliseconds overrides
+either target, for every chat alike.
 
 All of that is the model's prediction. The bulk controller (`controller.py`) corrects it by
 what chats measured: the step budgets here (the gap target's, the TTFT headroom's, and the
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 from server.core.config import SloConfig
 from server.scheduler.controller import BulkController
-from server.scheduler.estimates import RateEstimates
+from server.scheduler.estimates import BASE_COST, AdapterCost, RateEstimates
 from server.scheduler.slo import SloTargets
 
 # The prompt of a typical chat, to guess the idle time to first token before one is observed.
@@ -71,6 +76,7 @@ class BulkCap:
         self._controller = controller
         self._limit = limit  # bulk's share of the sequence budget
         self._min_share = min_share
+        self._judged = BASE_COST  # the cost of the chats the cap budgets for (`judge_for`)
         self._levels_of: tuple[object, ...] = ()  # the estimates `_levels_now` derives from
         self._levels_now: _Levels | None = None
 
@@ -83,6 +89,8 @@ class BulkCap:
             estimates.idle_ttft_s,
             estimates.prefill_tokens_per_s,
             self._controller.scale,
+            self._judged,
+            estimates.step_cost,
         )
         levels = self._levels_now
         if levels is None or key != self._levels_of:
@@ -90,21 +98,33 @@ class BulkCap:
             self._levels_of = key
         return levels
 
-    def _derive(self) -> _Levels:
+    def _targets(self, cost: AdapterCost) -> tuple[SloTargets, float]:
+        """The class's targets for chats on an adapter of `cost`, and their idle time to first
+        token (guessed until one is observed)."""
         config, estimates = self._config, self._estimates
         steps = estimates.steps
-        idle_ttft = estimates.idle_ttft_s
+        idle_ttft = estimates.idle_ttft_on(cost)
         if idle_ttft is None:  # not observed yet: guessed
-            idle_ttft = steps.at(1.0) + TYPICAL_CHAT_PROMPT_TOKENS / estimates.prefill_tokens_per_s
+            prefill_s = TYPICAL_CHAT_PROMPT_TOKENS / estimates.prefill_tokens_per_s
+            idle_ttft = cost.ttft * (steps.at(1.0) + prefill_s)
         itl = config.itl_s
         if itl is None:
-            itl = config.itl_factor * steps.at(1.0)
+            itl = config.itl_factor * cost.step * steps.at(1.0)
         ttft = config.ttft_s
         if ttft is None:
             ttft = config.ttft_factor * idle_ttft
+        return SloTargets(ttft_s=ttft, itl_s=itl), idle_ttft
+
+    def _derive(self) -> _Levels:
+        config, steps = self._config, self._estimates.steps
+        targets, idle_ttft = self._targets(self._judged)
+        itl, ttft = targets.itl_s, targets.ttft_s
         scale = self._controller.scale
         ttft_headroom = scale * (ttft - idle_ttft)
-        within_itl = steps.within(scale * AIM * itl)
+        # The step model is the base model's; the steps budgeted for run the adapters running
+        # now, and the chats' own, whichever cost the most.
+        cost = max(self._estimates.step_cost, self._judged.step)
+        within_itl = steps.within(scale * AIM * itl / cost)
         knee_at = steps.knee(config.knee_share)
         knee = self._limit if knee_at is None else self._clamp(knee_at)
         if not config.cap_bulk:
@@ -112,13 +132,13 @@ class BulkCap:
         elif config.bulk_cap_sequences is not None:
             idle = self._clamp(config.bulk_cap_sequences)
         else:
-            idle = max(1, min(knee, self._clamp(steps.within(ttft_headroom))))
+            idle = max(1, min(knee, self._clamp(steps.within(ttft_headroom / cost))))
         floor = 0
         if self._min_share > 0:
-            unscaled = within_itl if scale == 1.0 else steps.within(AIM * itl)
+            unscaled = within_itl if scale == 1.0 else steps.within(AIM * itl / cost)
             floor = max(1, math.floor(self._min_share * self._clamp(unscaled)))
         return _Levels(
-            SloTargets(ttft_s=ttft, itl_s=itl),
+            targets,
             idle_ttft,
             ttft_headroom,
             within_itl,
@@ -127,16 +147,26 @@ class BulkCap:
             floor,
         )
 
-    def targets(self) -> SloTargets:
-        return self._levels().targets
+    def judge_for(self, cost: AdapterCost) -> None:
+        """Budget for chats on an adapter of `cost` (the base model's: `BASE_COST`): the
+        tightest targets of the chats about, as `BulkAllowance` follows them."""
+        self._judged = cost
+
+    def targets(self, adapter: str | None = None) -> SloTargets:
+        """The class's targets for chats on `adapter` (None: the base model)."""
+        cost = self._estimates.adapter_cost(adapter)
+        if cost == self._judged:
+            return self._levels().targets
+        return self._targets(cost)[0]
 
     def step_limit(self) -> float:
-        """The step time above which bulk beyond the cap is stopped at once: the gap target,
-        as the controller corrects the model's view of it."""
+        """The step time above which bulk beyond the cap is stopped at once: the gap target
+        budgeted for, as the controller corrects the model's view of it."""
         return self._controller.scale * self._levels().targets.itl_s
 
     def idle_ttft(self) -> float:
-        """Time to first token on a nearly idle engine, as observed (or guessed until then)."""
+        """Time to first token on a nearly idle engine, as observed (or guessed until then),
+        of the chats the cap budgets for."""
         return self._levels().idle_ttft
 
     def knee(self) -> int:

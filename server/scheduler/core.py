@@ -108,7 +108,7 @@ class SchedulerCore:
         if ticket.traffic_class is INTERACTIVE:
             self.estimates.observe_lead_in(now - ticket.arrival)
             self.estimates.chat_arrived(now)
-            self.bulk.chats_changed(now)
+            self.bulk.chat_came(ticket, now)
         return decision
 
     def predicted_wait(self, ticket: Ticket, now: float, *, fair: bool = True) -> float:
@@ -155,7 +155,7 @@ class SchedulerCore:
     def _start(self, ticket: Ticket, now: float) -> Ticket:
         expected_output = self.queues.start(ticket)
         self.seats.take(ticket, now, expected_output)
-        self.estimates.running_changed(self.seats.sequences, now)
+        self.estimates.running_changed(self.seats.sequences, now, self.slots.running())
         self.estimates.prefill_dispatched(self.bulk.prefill_s(ticket))
         return ticket
 
@@ -252,15 +252,15 @@ class SchedulerCore:
 
     def _leave_running(self, entry: Running, now: float) -> None:
         self.seats.leave(entry)
-        self.estimates.running_changed(self.seats.sequences, now)
+        self.estimates.running_changed(self.seats.sequences, now, self.slots.running())
         if entry.ticket.traffic_class is INTERACTIVE:
-            self.bulk.chats_changed(now)
+            self.bulk.chat_went(entry.ticket, now)
 
     def _left_queue(self, ticket: Ticket, now: float) -> None:
         """`ticket` left its queue without starting: cancelled, or expired."""
         self.quotas.ended(ticket)
         if ticket.traffic_class is INTERACTIVE:
-            self.bulk.chats_changed(now)
+            self.bulk.chat_went(ticket, now)
 
     # --- state, for metrics and tests ----------------------------------------------------
     def stage(self, request_id: str) -> Stage | None:

@@ -8,15 +8,21 @@ on them.
 Decode speed depends on how many sequences run together: each engine step produces one token for
 every running sequence, and a step over 200 sequences takes longer than a step over 20. So the
 decode estimate is a step time per concurrency level (`StepTimes`), measured over windows of
-engine time from the tokens the shells report as they stream. A per-request rate measured at
-request end arrived too late: under a sudden surge the scheduler kept admitting at the rate it
-had seen at low load, and a third of what it admitted then missed its deadline.
+engine time from the tokens the shells report as they stream. It is the base model's: a step
+that runs a LoRA adapter's sequences costs more (its `AdapterCost`, the most of those running),
+so a window over them is taken at that cost less, and a prediction for the sequences running
+now (`step_s`) at that cost more. The start-up calibration times the base model's steps at each
+concurrency and each adapter's idle step alone; a flood on adapters teaches the same curve.
+A per-request rate measured at request end arrived too late: under a sudden surge the
+scheduler kept admitting at the rate it had seen at low load, and a third of what it admitted
+then missed its deadline.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from server.core.config import EstimateConfig
@@ -47,6 +53,22 @@ PREFILL_SAMPLE_MIN_TOKENS = 256
 # A chat dispatched with at most this many other sequences running saw a nearly idle engine: its
 # time to first token is the idle reference the interactive SLO is relative to.
 NEARLY_IDLE_OTHERS = 1
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterCost:
+    """What a LoRA adapter costs on an idle engine against the base model: its step and its
+    engine's time to first token, each as a ratio to the base model's (1: no more).
+
+    Ratios, not seconds: measured beside the base model's runs in the same probe
+    (`calibration.py`), a host's drift over the probe cancels out of them, and the base
+    model's idle step and first token, refined online, carry every adapter's with them."""
+
+    step: float = 1.0
+    ttft: float = 1.0
+
+
+BASE_COST = AdapterCost()  # the base model's, and an adapter's not calibrated yet
 
 
 def concurrency_bin(concurrency: float) -> int:
@@ -174,6 +196,7 @@ class _Window:
     sequence_s: float = 0.0
     tokens: int = 0
     prefill_s: float = 0.0
+    step_cost: float = 1.0  # the most its steps cost for the LoRA adapters that ran in them
 
     def concurrency(self) -> float:
         return self.sequence_s / self.busy_s if self.busy_s > 0 else 0.0
@@ -201,7 +224,12 @@ class RateEstimates:
         # calibration's probe, would hold a chat to what no chat gets, even on an idle server.
         self.engine_ttft_s: float | None = None
         self._lead_in_s: float | None = None
+        # Each calibrated LoRA adapter's cost against the base model (`AdapterCost`).
+        self.adapters: dict[str, AdapterCost] = {}
         self._running = 0
+        # What a step over the running sequences costs against the base model's: the most
+        # of their LoRA adapters' (`AdapterCost.step`).
+        self.step_cost = 1.0
         self._changed_at: float | None = None
         self._window = _Window()
         self._prefill_pending_s = 0.0  # dispatched, not yet run
@@ -219,10 +247,12 @@ class RateEstimates:
         return new if old is None else old + self._weight * (new - old)
 
     # --- observations --------------------------------------------------------------------
-    def running_changed(self, running: int, now: float) -> None:
-        """The number of running sequences is `running` from `now` on."""
+    def running_changed(self, running: int, now: float, adapters: Iterable[str] = ()) -> None:
+        """The number of running sequences is `running` from `now` on, on these LoRA
+        `adapters` (a step that runs any of them costs the most of theirs)."""
         self._advance(now)
         self._running = running
+        self.step_cost = max((self.adapter_cost(a).step for a in adapters), default=1.0)
         level = self._window.concurrency()
         jumped = not level / WINDOW_JUMP <= running <= level * WINDOW_JUMP
         if level and jumped and abs(running - level) > WINDOW_JUMP_MIN:
@@ -233,6 +263,8 @@ class RateEstimates:
             # each would never close: the estimate there would stay whatever it last was (a
             # stall of a shared host, say), and the bulk cap with it.
             self._window = _Window()
+        window = self._window
+        window.step_cost = max(window.step_cost, self.step_cost)
 
     def tokens_generated(self, tokens: int, now: float) -> None:
         """The engine produced `tokens` output tokens (across sequences) by `now`."""
@@ -249,9 +281,9 @@ class RateEstimates:
             # The window closes before the time moves on, so it holds whole engine steps.
             # Sequence-seconds per token is the step time; busy time gives the concurrency.
             step = window.decode_step_s()
-            if step is not None:
-                self.steps.observe(window.concurrency(), step)
-            window = self._window = _Window()
+            if step is not None:  # (the base model's: its adapters' cost less)
+                self.steps.observe(window.concurrency(), step / window.step_cost)
+            window = self._window = _Window(step_cost=self.step_cost)
         self._advance(now)
         window.tokens += tokens
 
@@ -302,20 +334,32 @@ class RateEstimates:
         step it joined, and the one it waited for, are most of the time."""
         if prompt_tokens < PREFILL_SAMPLE_MIN_TOKENS:
             return
-        prefill_s = seconds - self.steps.at(others + 1)
+        prefill_s = seconds - self.step_s(others + 1)
         if prefill_s > 0:
             rate = prompt_tokens / prefill_s
             self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, rate)
 
+    def adapter_cost(self, adapter: str | None) -> AdapterCost:
+        """What `adapter` costs against the base model (None: the base model itself)."""
+        return BASE_COST if adapter is None else self.adapters.get(adapter, BASE_COST)
+
     @property
     def idle_ttft_s(self) -> float | None:
         """A chat's time to first token on an idle server (None: the engine's not known yet)."""
+        return self.idle_ttft_on(BASE_COST)
+
+    def idle_ttft_on(self, cost: AdapterCost) -> float | None:
+        """The same for a chat on an adapter of `cost`: the engine's part is its own."""
         if self.engine_ttft_s is None:
             return None
-        return (self._lead_in_s or 0.0) + self.engine_ttft_s
+        return (self._lead_in_s or 0.0) + cost.ttft * self.engine_ttft_s
 
-    def observe_engine_ttft(self, ttft_s: float) -> None:
-        """Dispatch to first token on a nearly idle engine."""
+    def observe_engine_ttft(self, ttft_s: float, adapter: str | None = None) -> None:
+        """Dispatch to first token on a nearly idle engine, of a request on `adapter`: taken
+        as the base model's (its adapter's ratio out), so that chats on any adapter refine
+        one estimate, which every adapter's is a ratio of."""
+        if adapter is not None:
+            ttft_s /= self.adapter_cost(adapter).ttft
         self.engine_ttft_s = self._blend(self.engine_ttft_s, ttft_s)
 
     def observe_lead_in(self, seconds: float) -> None:
@@ -333,6 +377,10 @@ class RateEstimates:
             self.output_fraction = self._blend(self.output_fraction, fraction)
 
     # --- predictions ---------------------------------------------------------------------
+    def step_s(self, concurrency: float) -> float:
+        """Seconds of a step over `concurrency` sequences, on the adapters running now."""
+        return self.step_cost * self.steps.at(concurrency)
+
     def expected_output_tokens(self, ticket: Ticket) -> float:
         """What `ticket` will likely generate, all its choices together: a share of max_tokens,
         or, when the client set none, the typical length of such answers (not the whole
@@ -343,13 +391,13 @@ class RateEstimates:
 
     def decode_tokens_per_s(self, concurrency: float) -> float:
         """Tokens per second of one sequence among `concurrency` running together."""
-        return 1.0 / self.steps.at(concurrency)
+        return 1.0 / self.step_s(concurrency)
 
     def service_seconds(self, ticket: Ticket, concurrency: float) -> float:
         """Expected time from dispatch to the last token of `ticket`, running among
         `concurrency` sequences (its choices run side by side)."""
         expected_output = self.expected_output_tokens(ticket) / ticket.n
         expected_output = expected_output if expected_output > 1.0 else 1.0
-        return ticket.prompt_tokens / self.prefill_tokens_per_s + expected_output * self.steps.at(
+        return ticket.prompt_tokens / self.prefill_tokens_per_s + expected_output * self.step_s(
             concurrency
         )

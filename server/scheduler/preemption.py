@@ -112,7 +112,7 @@ class Preemption:
         controller = self._controller
         if controller.median > FAR_OVER:
             return self._stopping(PreemptCause.CHATS_FAR_OVER, self._victims()[:excess])
-        step = self._estimates.steps.at(seats.sequences - seats.preempting)
+        step = self._estimates.step_s(seats.sequences - seats.preempting)
         limit = self._bulk_cap.step_limit()
         if controller.enabled:
             limit *= FAR_OVER

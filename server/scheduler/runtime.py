@@ -8,6 +8,7 @@ future, failing it with DeadlineExceeded) and calls the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -19,7 +20,7 @@ from server.core.errors import DeadlineExceeded, EngineUnavailable
 from server.observability.metrics import ClassGauges, Metrics
 from server.scheduler.attainment import SloWatch
 from server.scheduler.budgets import BudgetLimits
-from server.scheduler.calibration import Calibration, calibrate
+from server.scheduler.calibration import Calibration, calibrate, calibrate_adapter
 from server.scheduler.core import Rejected, SchedulerCore
 from server.scheduler.refusals import refusal_error
 from server.scheduler.types import Admission, PreemptCause, Ticket, TrafficClass
@@ -230,6 +231,9 @@ class SchedulerRuntime:
         self._timer = WakeupTimer(self._dispatch)
         self._stopping = False
         self.calibration: Calibration | None = None
+        # The adapters loaded at runtime being timed (`adapter_loaded`), until each is.
+        self.adapter_calibrations: set[asyncio.Task[None]] = set()
+        self._calibration_lock = asyncio.Lock()  # one adapter's runs at a time
 
     @property
     def core(self) -> SchedulerCore:
@@ -254,10 +258,29 @@ class SchedulerRuntime:
         """Refuse queued requests; running streams end with their engine requests."""
         self._stopping = True
         self._timer.cancel()
+        for task in list(self.adapter_calibrations):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         for future in self._waiters.values():
             if not future.done():
                 future.set_exception(EngineUnavailable("the server is shutting down"))
         self._waiters.clear()
+
+    def adapter_loaded(self, name: str) -> None:
+        """The LoRA adapter `name` was loaded at runtime: its targets are exported, and with
+        calibration on it is timed against the base model in the background (its chats keep
+        the base model's targets until then)."""
+        self._export_targets(self.core, name)
+        if not self.config.estimates.calibrate or self._stopping:
+            return
+        task = asyncio.create_task(self._calibrate_adapter(name), name=f"calibrate-{name}")
+        self.adapter_calibrations.add(task)
+        task.add_done_callback(self.adapter_calibrations.discard)
+
+    async def _calibrate_adapter(self, name: str) -> None:
+        async with self._calibration_lock:
+            await calibrate_adapter(self.engine, self.core.estimates, name, clock=self.clock)
 
     def slo(self, ticket: Ticket) -> SloWatch | None:
         core = self.core
@@ -367,17 +390,12 @@ class SchedulerRuntime:
                 partial(_in_use, core, name)
             )
         metrics, model = self.metrics, self.model_name
-        targets = metrics.slo_target
-        targets.labels(model, "interactive", "ttft").set_function(
-            lambda: core.bulk_cap.targets().ttft_s
-        )
-        targets.labels(model, "interactive", "itl").set_function(
-            lambda: core.bulk_cap.targets().itl_s
-        )
+        for adapter in (None, *self.engine.model.adapters):
+            self._export_targets(core, adapter)
         bulk = self.config.slo.bulk
         for name, value in (("ttft", bulk.ttft_s), ("itl", bulk.itl_s)):
             if value is not None:
-                targets.labels(model, "bulk", name).set(value)
+                metrics.slo_target.labels(model, "bulk", name).set(value)
         self._bulk_cap.set_function(lambda: core.bulk_allowed(clock()))
         self._knee.set_function(core.bulk_cap.knee)
         metrics.chat_gap_share.labels(model).set_function(
@@ -393,6 +411,15 @@ class SchedulerRuntime:
             metrics.bulk_preemptions.set_function(
                 (model, cause), partial(core.preempted_for.__getitem__, cause)
             )
+
+    def _export_targets(self, core: SchedulerCore, adapter: str | None) -> None:
+        """The interactive targets of chats on `adapter` (None: the base model), under its
+        model label, read at each scrape."""
+        targets = self.metrics.slo_target
+        model = self.model_name if adapter is None else adapter
+        read = partial(core.bulk_cap.targets, adapter)
+        targets.labels(model, "interactive", "ttft").set_function(lambda: read().ttft_s)
+        targets.labels(model, "interactive", "itl").set_function(lambda: read().itl_s)
 
 
 def _now(

@@ -1,9 +1,10 @@
 """The latency targets a ticket is judged by: its tenant's own, over its class's.
 
 Interactive targets are the bulk cap's (`bulk_cap.py`: stated in milliseconds, or derived from
-the engine when nearly idle), so they move as the estimates do; a tenant's own replace them
-one by one. Bulk has targets only where the configuration states them (none: never steered
-for, and the simulator and the metrics judge it by completion alone).
+the engine when nearly idle, a chat on a LoRA adapter's from its adapter's own idle step and
+first token), so they move as the estimates do; a tenant's own replace them one by one. Bulk
+has targets only where the configuration states them (none: never steered for, and the
+simulator and the metrics judge it by completion alone).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Targets:
         """The targets `ticket` is judged by now (None: a class without targets)."""
         if ticket.traffic_class is BULK:
             return self._bulk
-        targets = self._bulk_cap.targets()
+        targets = self._bulk_cap.targets(ticket.adapter)
         tenant = self._tenants.get(ticket.tenant)
         own = None if tenant is None else tenant.slo
         if own is None:

@@ -183,3 +183,8 @@ class Dispatcher(Protocol):
         """Requests admitted and waiting in its queues, not dispatched yet (a preempted one
         waiting to resume too)."""
         ...
+
+    def adapter_loaded(self, name: str) -> None:
+        """The engine serves the LoRA adapter `name` from now on, loaded at runtime (the
+        continuous scheduler times it, to judge its chats by it)."""
+        ...

@@ -109,7 +109,10 @@ _Sent = tuple[BulkStreams, int, int]  # streams, stream, number in that stream
 
 class ContinuousSimulation:
     """Every request's timeline is kept in `timelines` unless `keep_timelines` is False (a
-    million requests); the summary's figures are tallied as each request ends either way."""
+    million requests); the summary's figures are tallied as each request ends either way.
+    `adapters`: the LoRA adapters the engine serves from the start, which the calibration
+    times as the server's does (it serves any other too, whose chats keep the base model's
+    targets)."""
 
     def __init__(
         self,
@@ -118,6 +121,7 @@ class ContinuousSimulation:
         *,
         host: HostConfig | None = None,
         keep_timelines: bool = True,
+        adapters: Sequence[str] = (),
     ) -> None:
         self.config = config
         self.loop = EventLoop()
@@ -130,7 +134,9 @@ class ContinuousSimulation:
         if config.estimates.calibrate:
             seed(
                 self.core.estimates,
-                probe_timing_model(sim, max_sequences=self.core.ledger.limits.sequences),
+                probe_timing_model(
+                    sim, max_sequences=self.core.ledger.limits.sequences, adapters=adapters
+                ),
             )
         self.timelines: dict[str, Timeline] = {}
         self.tally = Tally()  # of the requests that ended

@@ -4,8 +4,11 @@ engine shows, as the server's does from its real engine."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine_adapters.sim_model import SimConfig, SimTimingModel
 from server.scheduler.calibration import (
+    ADAPTER_RUNS,
     SOLO_RUNS,
     Probe,
     StreamTiming,
@@ -17,14 +20,22 @@ from server.scheduler.calibration import (
 PROMPT_TOKENS = 14  # what the server's calibration prompt tokenizes to
 
 
-def probe_timing_model(sim: SimConfig, *, max_sequences: int, tokens: int = 16) -> Probe:
+def probe_timing_model(
+    sim: SimConfig, *, max_sequences: int, tokens: int = 16, adapters: Sequence[str] = ()
+) -> Probe:
+    """The probe's timings on `sim`, with runs alone on each of `adapters` (each already in
+    a slot, as a served adapter is in the server's engine)."""
     prompt = [7] * PROMPT_TOKENS
 
-    def run(n: int, prompt_ids: list[int]) -> list[StreamTiming]:
+    def run(n: int, prompt_ids: list[int], adapter: str | None = None) -> list[StreamTiming]:
         model = SimTimingModel(sim, report_tokens=False)
+        if adapter is not None:  # loaded into its slot first
+            model.add("load", prompt_ids, 1, ignore_eos=True, adapter=adapter)
+            while model.has_work:
+                model.step()
         deltas: dict[str, list[tuple[float, int]]] = {f"p{i}": [] for i in range(n)}
         for request_id in deltas:
-            model.add(request_id, prompt_ids, tokens, ignore_eos=True)
+            model.add(request_id, prompt_ids, tokens, ignore_eos=True, adapter=adapter)
         now = 0.0
         while model.has_work:
             result = model.step()
@@ -39,4 +50,5 @@ def probe_timing_model(sim: SimConfig, *, max_sequences: int, tokens: int = 16) 
     }
     long_ids = long_prompt(prompt, sim.max_model_len)
     long_result = None if long_ids is None else (len(long_ids), run(1, long_ids)[0][0])
-    return Probe(solo, together, len(prompt), long_result)
+    on_adapters = {name: run(1, prompt, name) * ADAPTER_RUNS for name in adapters}
+    return Probe(solo, together, len(prompt), long_result, on_adapters)

@@ -37,9 +37,18 @@ SYNC_S = 1.0
 
 
 class RuntimeAdapters:
-    def __init__(self, engine: EngineClient, state: RedisState | None = None) -> None:
+    """`loaded` is told the name of each adapter this replica's engine loads (an admin's, or
+    another replica's): the scheduler times it (`Dispatcher.adapter_loaded`)."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        state: RedisState | None = None,
+        loaded: Callable[[str], None] | None = None,
+    ) -> None:
         self._engine = engine
         self._state = state
+        self._loaded = loaded
         self._ours: set[str] = set()  # loaded at runtime here: what an unload elsewhere ends
         self._failed: set[tuple[str, str]] = set()  # could not be loaded here: not tried again
         self._lock = asyncio.Lock()  # one load, unload or sync at a time
@@ -64,6 +73,7 @@ class RuntimeAdapters:
         replica."""
         async with self._lock:
             await self._engine.load_adapter(name, path)
+            self._told(name)
             if await self._shared(lambda client: client.hset(ADAPTERS_KEY, name, path)):
                 self._ours.add(name)  # (else this replica's alone: no sync unloads it)
 
@@ -124,4 +134,9 @@ class RuntimeAdapters:
                     logger.info("LoRA adapter %r not loaded yet: %s", name, exc)
                     continue
                 self._ours.add(name)
+                self._told(name)
                 logger.info("LoRA adapter %r loaded from %s, as on another replica", name, path)
+
+    def _told(self, name: str) -> None:
+        if self._loaded is not None:
+            self._loaded(name)

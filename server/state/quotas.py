@@ -234,6 +234,9 @@ class SharedQuotaDispatcher:
     def queued(self) -> int:
         return self.inner.queued()
 
+    def adapter_loaded(self, name: str) -> None:
+        self.inner.adapter_loaded(name)
+
     def generation(self, ticket: Ticket, request: GenerationRequest) -> Admission[Any]:
         admission = self.inner.generation(ticket, request)
         hold: Hold | None = None

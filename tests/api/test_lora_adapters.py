@@ -33,6 +33,12 @@ def test_models_lists_each_adapter_with_its_base(
     assert (cards[0]["parent"], cards[0]["root"]) == (None, str(demo_model_dir))
     for card in cards[1:]:
         assert (card["parent"], card["root"]) == (BASE, str(demo_adapters[card["id"]]))
+    # Each adapter's chats have targets of their own, exported under its name: its own idle
+    # step's multiple where the engine was calibrated; here (uncalibrated) the base model's.
+    base_itl = lora_server.metric("sluice_slo_target_seconds", model=BASE, target="itl")
+    for name in ADAPTERS:
+        itl = lora_server.metric("sluice_slo_target_seconds", model=name, target="itl")
+        assert itl == base_itl > 0
 
 
 def test_base_and_adapters_streamed_together_each_give_their_text_alone(

@@ -214,6 +214,23 @@ def test_loading_an_adapter_into_a_slot_costs_its_step_the_load_time() -> None:
     assert first_step(model, "a3", "a").adapters_loaded == 1
 
 
+def test_a_step_that_runs_an_adapter_costs_the_lora_step_factor_more() -> None:
+    # Every step that runs any adapter's sequence, a base model's beside it or not, costs
+    # twice (a step's LoRA products run for the whole batch); the load is its own cost.
+    model = SimTimingModel(dataclasses.replace(EXACT, max_loras=2, lora_step_factor=2.0))
+    model.add("base", PROMPT, max_tokens=3)
+    base = [r.duration_s for r in run_to_completion(model)]
+    model.add("base-again", PROMPT, max_tokens=3)
+    model.add("on-a", PROMPT, max_tokens=2, adapter="a")
+    mixed = [r.duration_s for r in run_to_completion(model)]
+    # Alone: 1 ms + 8 prompt tokens, then 1.1 ms a decode step. Beside the adapter's: its
+    # prompt too, then two decode tokens, then (the adapter's sequence ended) one, at base cost.
+    assert base == pytest.approx([1.08e-3, 1.1e-3, 1.1e-3])
+    assert mixed == pytest.approx([2 * 1.16e-3, 2 * 1.2e-3, 1.1e-3])
+    with pytest.raises(ValueError, match="lora_step_factor"):
+        SimConfig(lora_step_factor=0.5)
+
+
 def test_an_adapter_draws_its_own_tokens_and_caches_its_own_blocks() -> None:
     model = SimTimingModel(SimConfig(block_size=4, max_loras=2))
 

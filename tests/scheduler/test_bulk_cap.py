@@ -11,6 +11,7 @@ import pytest
 
 from server.scheduler.attainment import MIN_GAPS
 from server.scheduler.core import SchedulerCore
+from server.scheduler.estimates import AdapterCost
 from server.scheduler.types import PreemptCause
 
 from .helpers import BULK, admit, config, core, ids, ticket
@@ -445,3 +446,49 @@ def test_a_request_is_named_once_when_both_causes_preempt_in_one_poll() -> None:
     admit(s, ticket("chat", at=1.0))
     victims = ids(s.poll(1.0).preempted)
     assert len(victims) == len(set(victims)) == 32 - s.bulk_allowed(1.0)
+
+
+def on_adapters(slo: dict[str, object] | None = None) -> SchedulerCore:
+    """The CPU engine with two adapter slots, serving an adapter "a" whose steps cost twice the
+    base model's (its first token 1.5x), and its bulk flooding on "a" too."""
+    s = core(
+        config(slo={"feedback": False, **(slo or {})}),
+        tokens=10**6,
+        kv_blocks=10**6,
+        sequences=100,
+        block_size=BLOCK,
+        adapter_slots=2,
+    )
+    for n, step_ms in CPU_STEPS_MS.items():
+        s.estimates.steps.observe(n, step_ms / 1000)
+    s.estimates.observe_engine_ttft(IDLE_TTFT_S)
+    s.estimates.adapters["a"] = AdapterCost(step=2.0, ttft=1.5)
+    for i in range(32):
+        admit(s, ticket(f"bulk{i}", traffic_class=BULK, max_tokens=500, adapter="a"))
+    s.poll(0.0)
+    return s
+
+
+def test_a_chat_on_an_adapter_is_judged_by_its_adapters_idle_step() -> None:
+    s = on_adapters()
+    chat = ticket("chat", at=1.0, adapter="a")
+    targets = s.targets_for(chat)
+    assert (targets.itl_s, targets.ttft_s) == (pytest.approx(0.012), pytest.approx(0.045))
+    base = s.targets_for(ticket("base chat", at=1.0))
+    assert (base.itl_s, base.ttft_s) == (pytest.approx(0.006), pytest.approx(0.030))
+    # Every step runs the adapter, at twice the base model's: its chat's 12 ms target allows
+    # what the base model's 6 ms allows on the base model's steps, 10 sequences, less the chat.
+    admit(s, chat)
+    s.poll(1.0)
+    assert s.bulk_allowed(1.0) == 9
+    # A chat on the base model beside it holds bulk to the steps its own 6 ms allows on the
+    # adapter's: 3.4 sequences (2.7 ms of the base model's), less the two chats.
+    admit(s, ticket("base chat", at=1.0))
+    s.poll(1.0)
+    assert s.bulk_allowed(1.0) == 1
+
+
+def test_a_target_in_milliseconds_holds_for_chats_on_an_adapter_too() -> None:
+    s = on_adapters({"interactive": {"itl_ms": 8, "ttft_ms": 100}})
+    targets = s.targets_for(ticket("chat", at=1.0, adapter="a"))
+    assert (targets.itl_s, targets.ttft_s) == (0.008, 0.1)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from server.core.config import parse_config
-from server.scheduler.estimates import RateEstimates, StepTimes
+from server.scheduler.estimates import AdapterCost, RateEstimates, StepTimes
 
 
 def test_the_prior_stands_until_anything_is_observed() -> None:
@@ -138,3 +138,24 @@ def test_an_engine_that_really_slows_down_is_learnt_within_a_few_windows(slower:
     for _ in range(14):  # 7 s of engine time
         steps.observe(32, slower * 0.0070)
     assert steps.at(32) == pytest.approx(slower * 0.0070, rel=0.1)
+
+
+def test_steps_over_an_adapters_sequences_teach_the_base_models_step_time() -> None:
+    # An adapter whose steps cost twice the base model's: 8 sequences on it for 2 s of 8 ms
+    # steps teach the base model's 4 ms, and its prediction for them is 8 ms again; once they
+    # have left, the base model's own.
+    estimates = RateEstimates(parse_config({}).estimates)
+    estimates.adapters["a"] = AdapterCost(step=2.0, ttft=1.5)
+    now = 0.0
+    estimates.running_changed(8, now, ["a"])
+    for _ in range(250):
+        now += 0.008
+        estimates.tokens_generated(8, now)
+    assert estimates.steps.at(8) == pytest.approx(0.004)
+    assert estimates.step_s(8) == pytest.approx(0.008)
+    estimates.running_changed(8, now, [])
+    assert estimates.step_s(8) == pytest.approx(0.004)
+    # A first token on it, on a nearly idle engine, is the base model's at its cost less.
+    estimates.observe_engine_ttft(0.015, "a")
+    assert estimates.engine_ttft_s == pytest.approx(0.010)
+    assert estimates.idle_ttft_on(estimates.adapter_cost("a")) == pytest.approx(0.015)

@@ -292,3 +292,40 @@ async def test_the_sequences_budget_is_the_engine_seats() -> None:
         assert gauge("sluice_budget_limit", {"budget": "sequences"}) == 12
     finally:
         await engine.stop()
+
+
+async def test_each_lora_adapter_is_calibrated_at_start_and_when_loaded() -> None:
+    # Steps that run an adapter cost twice the base model's: each adapter's chats are judged
+    # by twice the base model's gap target, exported under its own model label.
+    config = parse_config({"estimates": {"calibrate": True}})
+    sim = SimConfig(max_loras=2, lora_step_factor=2.0)
+    engine = SimEngine(sim, adapters={"early": "early"})
+    await engine.start()
+    metrics = Metrics()
+    runtime = SchedulerRuntime(
+        config, engine, "sim", metrics, clock=asyncio.get_running_loop().time
+    )
+    try:
+        await runtime.start()
+        estimates, cap = runtime.core.estimates, runtime.core.bulk_cap
+        early = estimates.adapter_cost("early")
+        assert (early.step, early.ttft) == (pytest.approx(2.0), pytest.approx(2.0))
+
+        def itl_target(model: str) -> float | None:
+            return metrics.registry.get_sample_value(
+                "sluice_slo_target_seconds",
+                {"model": model, "traffic_class": "interactive", "target": "itl"},
+            )
+
+        assert itl_target("early") == pytest.approx(2 * cap.targets(None).itl_s)
+        assert itl_target("sim") == pytest.approx(cap.targets(None).itl_s)
+        await engine.load_adapter("late", "late")
+        runtime.adapter_loaded("late")
+        assert itl_target("late") == pytest.approx(cap.targets(None).itl_s)  # not timed yet
+        await asyncio.gather(*runtime.adapter_calibrations)
+        late = estimates.adapter_cost("late")
+        assert (late.step, late.ttft) == (pytest.approx(2.0), pytest.approx(2.0))
+        assert itl_target("late") == pytest.approx(2 * cap.targets(None).itl_s)
+    finally:
+        await runtime.stop()
+        await engine.stop()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import InProcessSluice, RedisProcess, uncalibrated_config, wait_until
+from conftest import InProcessSluice, RedisProcess, metric_sum, uncalibrated_config, wait_until
 
 from server.state.adapters import SYNC_S
 
@@ -74,6 +74,10 @@ def test_an_adapter_loaded_on_one_replica_is_served_by_every_one(
     assert loaded.status_code == 200, loaded.text
     wait_until(lambda: "support" in served(b), 10 * SYNC_S, message=b.log())
     assert answers(b, "support") == 200
+    # Each replica's scheduler was told of it, and exports the targets its chats are judged by.
+    for server in (a, b):
+        scrape = httpx.get(server.url + "/metrics").text
+        assert metric_sum(scrape, "sluice_slo_target_seconds", model="support", target="itl") > 0
     later = replica(tmp_path, session_redis, "c")  # served from its start
     try:
         assert "support" in served(later)

@@ -81,6 +81,19 @@ async def replay(run: GenerationRun, builder: ResponseBuilder) -> AsyncIterator[
             yield made
 
 
+async def read_whole(run: GenerationRun, builder: ResponseBuilder) -> SluiceError | None:
+    """The run, to its end, into the response (which has not started); the error that ended
+    it, if one did."""
+    builder.start()
+    parsed = run.shape.new_parser is not None
+    error = None
+    async for _, event in run.events(0):
+        feed(builder, event, parsed)
+        if event.error is not None and not event.local:
+            error = event.error
+    return error
+
+
 @dataclass(slots=True)
 class Responses:
     """Every stored response, and how to make, find and cancel one. A running background

@@ -197,6 +197,8 @@ class ResponseStream:
         finally:
             if self.owner:  # (its end, if its client left before: nothing kept, nothing added)
                 await self.responses.ended(self.record)
+            elif self.keeper:
+                self.responses.unfollowed(self.record)
 
     async def _events(self) -> AsyncIterator[bytes]:
         stores = self.owner or self.keeper

@@ -52,6 +52,7 @@ from server.http.send_guard import SendGuard
 from server.http.services import Services
 from server.observability.metrics import Metrics
 from server.observability.tracing import Tracing
+from server.responses_api.batch_lines import ResponseLines
 from server.responses_api.service import Responses
 from server.responses_api.store import SqliteResponses
 from server.scheduler.types import Dispatcher, TrafficClass
@@ -197,6 +198,12 @@ def build_app(
     conversations = Conversations(
         stores.conversations, config.conversations.max_item_bytes, config.state.lease_s
     )
+    responses = Responses(
+        generations,
+        local_responses if shared is None else shared.responses,
+        None if shared is None else local_responses,
+        conversations,
+    )
     parts = Parts(
         adapters=adapters,
         batches=None
@@ -209,15 +216,11 @@ def build_app(
                 metrics,
                 lease_s=config.state.lease_s,
                 owner=None if shared is None else shared.replica,
+                endpoints={"/v1/responses": ResponseLines(responses)},
             ),
             options.max_file_bytes,
         ),
-        responses=Responses(
-            generations,
-            local_responses if shared is None else shared.responses,
-            None if shared is None else local_responses,
-            conversations,
-        ),
+        responses=responses,
         conversations=conversations,
         metrics=options.metrics_port is None,
     )

@@ -17,7 +17,8 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from server.batch_api.runner import KINDS, BatchRunner
+from server.batch_api.lines import LineEndpoint
+from server.batch_api.runner import BatchRunner
 from server.batch_api.store import Batch, BatchStore, Line, read_all
 from server.batch_api.wire import CreateBatch
 from server.core.errors import InvalidRequest, PayloadTooLarge, ResourceNotFound, SluiceError
@@ -25,7 +26,6 @@ from server.core.ids import new_id
 from server.http.edge import context_of, trace_parent_from
 from server.http.replies import JSONResponse, read_json
 from server.http.services import Services
-from server.openai_wire.requests import parse_request
 from server.openai_wire.wire import validated
 
 WINDOWS = {"24h": 24 * 3600}
@@ -130,7 +130,7 @@ async def create_batch(services: Services, api: BatchServices, request: Request)
     if trace is not None:
         batch.traceparent, batch.tracestate = trace.traceparent, trace.tracestate
     models = services.planner.models(services.planner.tenant_of(context_of(request)))
-    lines, errors = _lines(content, endpoint, models)
+    lines, errors = _lines(content, endpoint, _endpoint(runner, endpoint), models)
     batch.request_counts["total"] = len(lines)
     if errors or not lines:
         batch.status = "failed"
@@ -156,15 +156,22 @@ async def create_batch(services: Services, api: BatchServices, request: Request)
     return JSONResponse(batch.to_api())
 
 
+def _endpoint(runner: BatchRunner, endpoint: str) -> LineEndpoint:
+    runs = runner.endpoints.get(endpoint)
+    if runs is None:
+        raise InvalidRequest(f"this server runs no batch of {endpoint}", param="endpoint")
+    return runs
+
+
 def _lines(
-    content: bytes, endpoint: str, models: list[str]
+    content: bytes, endpoint: str, runs: LineEndpoint, models: list[str]
 ) -> tuple[list[Line], list[dict[str, Any]]]:
-    """The input file's requests, and an error per line that is not one (`models`: those the
-    tenant may name; a line that names none gets the tenant's default when it runs)."""
+    """The input file's requests, and an error per line that is not one (`runs`: what runs
+    the lines of `endpoint`, which checks each body; `models`: those the tenant may name; a
+    line that names none gets the tenant's default when it runs)."""
     lines: list[Line] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
-    kind = KINDS[endpoint]
     for number, raw in enumerate(content.decode("utf-8", "replace").splitlines(), start=1):
         if not raw.strip():
             continue
@@ -196,8 +203,7 @@ def _lines(
             error("model_not_found", f"'body.model' must be a served model: {served}", "body.model")
         else:
             try:
-                if parse_request(body, kind).stream:
-                    raise InvalidRequest("a batch request cannot stream", param="stream")
+                runs.check(body)
             except SluiceError as refused:
                 error(
                     "invalid_request",

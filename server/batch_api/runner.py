@@ -11,6 +11,11 @@ each batch is run by the one that claims it (`BatchStore.claim`). Every third of
 runner renews its claims, reads what changed elsewhere (a cancel), and claims each active batch
 that nobody holds: one just made elsewhere, or one whose runner died and whose lease has passed,
 which goes on where its store left it. A runner that stops lets its batches go at once.
+
+Lines on one conversation (`/v1/responses` lines naming it) run one after another, in the
+file's order (`Turns`), so that each sees the ones before it; one whose conversation another
+response holds (`conversation_locked`) is refused for now, and its conversation's lines wait
+`retry_seconds` while the batch's others go on.
 """
 
 from __future__ import annotations
@@ -22,28 +27,23 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from server.batch_api.lines import LineEndpoint, Turns, generation_lines
 from server.batch_api.store import STATUSES, Batch, BatchStore, Line
-from server.core.errors import (
-    GenerationCancelled,
-    SluiceError,
-)
+from server.core.errors import ConversationLocked, GenerationCancelled, SluiceError, transient
 from server.core.ids import new_id
 from server.generations.planner import RequestContext
-from server.generations.reading import reader
-from server.generations.run import GenerationRun, Kind
+from server.generations.run import GenerationRun
 from server.generations.service import Generations
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent
-from server.openai_wire.requests import parse_request
 from server.scheduler.types import TrafficClass
 
 logger = logging.getLogger("sluice.batches")
 
-KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 EXPIRED = {
     "code": "batch_expired",
     "message": "This request could not be executed before the completion window expired.",
@@ -71,14 +71,21 @@ def line_result(
 @dataclass(frozen=True, slots=True)
 class Retry:
     """A line refused for now: offered again after `after_s` (the refusal's Retry-After), or
-    after the runner's own `retry_seconds` when the refusal named none."""
+    after the runner's own `retry_seconds` when the refusal named none. `held`: its
+    conversation was held by another response, and only the lines on it wait."""
 
     after_s: float | None
+    held: bool = False
+
+    @staticmethod
+    def of(error: SluiceError) -> Retry:
+        return Retry(error.retry_after, isinstance(error, ConversationLocked))
 
 
 class BatchRunner:
     """See the module's docstring. `owner`: this runner's name in the store's claims (a
-    replica's id; a fresh one by default)."""
+    replica's id; a fresh one by default). `endpoints`: what runs the lines of each endpoint
+    a batch may name beside chat and completions' (the Responses API's)."""
 
     def __init__(
         self,
@@ -90,8 +97,10 @@ class BatchRunner:
         window: int = 64,
         retry_seconds: float = 0.5,
         clock: Callable[[], float] = time.time,
+        endpoints: Mapping[str, LineEndpoint] | None = None,
     ) -> None:
         self.generations = generations
+        self.endpoints = {**generation_lines(generations), **(endpoints or {})}
         self.store = store
         self.metrics = metrics
         self.lease_s = lease_s
@@ -190,10 +199,13 @@ class BatchRunner:
         """Run the claimed batch's lines until none is pending, or it is cancelled or past its
         window; then finalize it."""
         batch_id, expires_at = claimed.id, claimed.expires_at
-        running: dict[asyncio.Task[str | Retry], int] = {}  # each line's task, and its index
+        endpoint = self.endpoints[claimed.endpoint]
+        # Each line's task, and its index and key.
+        running: dict[asyncio.Task[str | Retry], tuple[int, str | None]] = {}
         runs: dict[int, GenerationRun] = {}
+        turns = Turns()
         wake = self._wake[batch_id]
-        retry_at = 0.0  # after a refusal, no line is offered before this
+        retry_at = 0.0  # after a refusal for capacity, no line is offered before this
         try:
             while True:
                 now = self.clock()
@@ -209,27 +221,42 @@ class BatchRunner:
                             )
                         )
                 elif now >= retry_at and len(running) < self.window:
-                    for line in await self.store.pending(
-                        batch_id, self.window - len(running), skip=running.values()
-                    ):
-                        running[asyncio.ensure_future(self._line(claimed, line, runs))] = line.index
+                    # A window's lines looked at: those behind a running line of their key
+                    # are passed over for the ones after them.
+                    pending = await self.store.pending(
+                        batch_id, self.window, skip=[index for index, _ in running.values()]
+                    )
+                    keyed = [(line, endpoint.key(line.body)) for line in pending]
+                    for line, key in turns.startable(keyed, now, self.window - len(running)):
+                        turns.started(key)
+                        task = asyncio.ensure_future(self._line(claimed, endpoint, line, runs))
+                        running[task] = (line.index, key)
                 if not running and (stopping or not await self.store.pending(batch_id, 1)):
                     break
-                until = retry_at if now < retry_at else expires_at
+                held_until = turns.next_time(now)
+                until = min(
+                    retry_at if now < retry_at else expires_at,
+                    expires_at if held_until is None else held_until,
+                    expires_at,
+                )
                 waker = asyncio.ensure_future(wake.wait())
                 done, _ = await asyncio.wait(
                     {*running, waker},
                     return_when=asyncio.FIRST_COMPLETED,
-                    timeout=max(0.0, min(until, expires_at) - now),
+                    timeout=max(0.0, until - now),
                 )
                 waker.cancel()
                 wake.clear()
-                for task in done - {waker}:
-                    del running[task]  # type: ignore[arg-type]
+                for task in [task for task in running if task in done]:
+                    _, key = running.pop(task)
                     result = task.result()
                     if isinstance(result, Retry):  # the refusal's Retry-After, if it gave one
                         after = self.retry_seconds if result.after_s is None else result.after_s
+                        if result.held and key is not None:  # its conversation's lines wait
+                            turns.ended(key, self.clock() + after)
+                            continue
                         retry_at = max(retry_at, self.clock() + after)
+                    turns.ended(key)
             await self._finalize(claimed)
         except Exception:  # the store failed: let the batch go, for this or another to claim
             logger.exception("batch %s: stopped; it is claimed again at a next beat", batch_id)
@@ -241,12 +268,13 @@ class BatchRunner:
             for task in running:
                 task.cancel()
 
-    async def _line(self, batch: Batch, line: Line, runs: dict[int, GenerationRun]) -> str | Retry:
+    async def _line(
+        self, batch: Batch, endpoint: LineEndpoint, line: Line, runs: dict[int, GenerationRun]
+    ) -> str | Retry:
         """Run one line; write its result. `Retry` if it was refused for now."""
-        kind = KINDS[batch.endpoint]
         timeline = self.generations.timeline(
             f"{batch.id}-{line.index}",
-            "chat" if kind == "chat" else "completions",
+            endpoint.api,
             TraceParent.of(batch.traceparent, batch.tracestate),
         )
         try:
@@ -255,31 +283,28 @@ class BatchRunner:
                 tenant=self.generations.planner.tenants.tenant(batch.tenant),
                 timeout_s=max(1.0, batch.expires_at - self.clock()),
             )
-            run, _ = await self.generations.generate(
-                parse_request(line.body, kind), line.body, timeline, context, None, stream=False
-            )
+            started = await endpoint.start(line.body, timeline, context)
         except SluiceError as error:
             timeline.fail(error)
-            if error.retryable:
-                return Retry(error.retry_after)
+            if transient(type(error)):
+                self.metrics.batch_line_retries.labels(error.code).inc()
+                return Retry.of(error)
             await self._write(batch, line, "failed", error.status, error.to_body())
             return "failed"
-        runs[line.index] = run
+        run = runs[line.index] = started.run
         try:
-            async with reader(run, "ended"):
-                last = run.log[-1]
+            outcome = await started.outcome()
         finally:
             runs.pop(line.index, None)
-        if last.kind is Kind.WHOLE:
-            await self._write(batch, line, "done", 200, last.body)
+        if not isinstance(outcome, SluiceError):
+            await self._write(batch, line, "done", 200, outcome)
             return "done"
-        failure = last.error
-        assert failure is not None
-        if failure.retryable and not run.dispatched:
-            return Retry(failure.retry_after)
-        if isinstance(failure, GenerationCancelled):
+        if transient(type(outcome)) and not run.dispatched:
+            self.metrics.batch_line_retries.labels(outcome.code).inc()
+            return Retry.of(outcome)
+        if isinstance(outcome, GenerationCancelled):
             return "cancelled"  # stays pending: cancelled or expired with the batch
-        await self._write(batch, line, "failed", failure.status, failure.to_body())
+        await self._write(batch, line, "failed", outcome.status, outcome.to_body())
         return "failed"
 
     async def _write(

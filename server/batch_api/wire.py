@@ -8,7 +8,7 @@ from pydantic import Field
 
 from server.openai_wire.wire import WireModel
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 class CreateBatch(WireModel):

@@ -207,6 +207,13 @@ class Conversations:
         )
         await self.store.finish(turn.hold, added)
 
+    def adopt(self, turn: Turn) -> Turn:
+        """Renew the hold of a turn another replica began, from now: this one may end its
+        response (it follows the response, and continues it if that replica stops). Renewed
+        only while still its holder's: one let go, or lapsed, stays so."""
+        self.held[turn.hold.holder] = turn
+        return turn
+
     def forget(self, turn: Turn) -> None:
         """Stop renewing the turn's hold (another replica ends its response)."""
         self.held.pop(turn.hold.holder, None)

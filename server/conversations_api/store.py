@@ -115,7 +115,9 @@ class ConversationStore(Protocol):
 
     async def finish(self, hold: Hold, items: Sequence[StoredItem]) -> None:
         """A response's `items` after the others, whatever the bounds, and the conversation let
-        go if `hold` still holds it; nothing if it was deleted meanwhile."""
+        go if `hold` still holds it; nothing if it was deleted meanwhile. Once: items already
+        there (the first one's id) are not added again, as when the replica that ran a response
+        and another that followed it both end it."""
 
     async def renew(self, holds: Sequence[Hold], lease_s: float) -> None:
         """Each hold still its holder's, renewed for `lease_s`."""
@@ -355,6 +357,16 @@ def _append(
     )
 
 
+def _has(db: sqlite3.Connection, tenant: str, conversation_id: str, item_id: str) -> bool:
+    return (
+        db.execute(
+            "SELECT 1 FROM items WHERE tenant = ? AND conversation = ? AND id = ?",
+            (tenant, conversation_id, item_id),
+        ).fetchone()
+        is not None
+    )
+
+
 def _finish(db: sqlite3.Connection, hold: Hold, items: Sequence[StoredItem]) -> None:
     tenant, conversation_id = hold.tenant, hold.conversation_id
     found = db.execute(
@@ -363,7 +375,8 @@ def _finish(db: sqlite3.Connection, hold: Hold, items: Sequence[StoredItem]) -> 
     ).fetchone()
     if found is None:
         return  # deleted meanwhile: its items with it
-    _append(db, tenant, conversation_id, int(found[0]), items)
+    if not items or not _has(db, tenant, conversation_id, items[0].id):
+        _append(db, tenant, conversation_id, int(found[0]), items)
     db.execute(
         "UPDATE conversations SET holder = NULL, until = 0 "
         "WHERE tenant = ? AND id = ? AND holder = ?",

@@ -247,6 +247,19 @@ REJECTION_CODES: tuple[str, ...] = tuple(
 )
 
 
+def transient(cls: type[SluiceError]) -> bool:
+    """Whether a refusal passes by itself, so that a batch line waits it out and is offered
+    again: a retryable one, or a conversation another response holds (OpenAI's 400, which
+    says to retry in a few seconds)."""
+    return cls.retryable or issubclass(cls, ConversationLocked)
+
+
+# The codes of those refusals: the `code` label of sluice_batch_line_retries_total.
+TRANSIENT_CODES: tuple[str, ...] = tuple(
+    code for (_, code), cls in ERRORS.items() if transient(cls)
+)
+
+
 def outcome_of(status: int) -> Outcome:
     """How a request answered with `status` ended, when all Sluice knows is the status: the
     outcome its error classes share ("completed" below 400)."""

@@ -16,7 +16,7 @@ from functools import partial
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine_adapters.protocol import EngineClient
-from server.core.errors import OUTCOMES, REJECTION_CODES
+from server.core.errors import OUTCOMES, REJECTION_CODES, TRANSIENT_CODES
 from server.observability.counters import CounterReadAtScrape
 from server.observability.histograms import BatchedChild, BatchedHistogram, BatchedPair
 from server.observability.vllm_series import VllmSeries
@@ -168,6 +168,12 @@ class Metrics:
             "sluice_batch_lines",
             "Batch lines that ended: completed, failed (an error response) or expired.",
             ["outcome"],
+        )
+        self.batch_line_retries = counter(
+            "sluice_batch_line_retries",
+            "Batch lines refused for now and offered again later, by the refusal's code: a "
+            "capacity or quota refusal, or their conversation held by another response.",
+            ["code"],
         )
         self.requests = counter(
             "sluice_requests", "Requests that ended, by outcome.", [*_BY_CLASS, "outcome"]
@@ -421,6 +427,8 @@ class Metrics:
                 self.ignored_fields.labels(api, field)
         for outcome in BATCH_LINE_OUTCOMES:
             self.batch_lines.labels(outcome)
+        for code in TRANSIENT_CODES:
+            self.batch_line_retries.labels(code)
         for method in HTTP_METHODS:
             for status in UNMATCHED_STATUSES:
                 self.unmatched_requests.labels(method, status)

@@ -21,7 +21,7 @@ from server.http.replies import JSONResponse, error_response, read_json
 from server.http.services import Services
 from server.openai_wire.requests import parse_request
 from server.openai_wire.wire import validated
-from server.responses_api.service import Responses, feed, replay
+from server.responses_api.service import Responses, read_whole, replay
 from server.responses_api.store import KeptResponse, ResponseRecord
 from server.responses_api.wire import CreateResponse, ResponseBuilder, ResponseEvent, sse
 
@@ -150,14 +150,7 @@ class WholeResponse:
         await JSONResponse(record.builder.snapshot(), headers=headers)(scope, receive, send)
 
     async def _read(self, run: GenerationRun) -> None:
-        """The run, to its end, into the response (and the error that ended it, if one did)."""
-        builder = self.record.builder
-        builder.start()
-        parsed = run.shape.new_parser is not None
-        async for _, event in run.events(0):
-            feed(builder, event, parsed)
-            if event.error is not None and not event.local:
-                self.error = event.error
+        self.error = await read_whole(run, self.record.builder)
 
 
 class ResponseStream:
@@ -204,6 +197,8 @@ class ResponseStream:
         finally:
             if self.owner:  # (its end, if its client left before: nothing kept, nothing added)
                 await self.responses.ended(self.record)
+            elif self.keeper:
+                self.responses.unfollowed(self.record)
 
     async def _events(self) -> AsyncIterator[bytes]:
         stores = self.owner or self.keeper

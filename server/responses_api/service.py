@@ -81,6 +81,19 @@ async def replay(run: GenerationRun, builder: ResponseBuilder) -> AsyncIterator[
             yield made
 
 
+async def read_whole(run: GenerationRun, builder: ResponseBuilder) -> SluiceError | None:
+    """The run, to its end, into the response (which has not started); the error that ended
+    it, if one did."""
+    builder.start()
+    parsed = run.shape.new_parser is not None
+    error = None
+    async for _, event in run.events(0):
+        feed(builder, event, parsed)
+        if event.error is not None and not event.local:
+            error = event.error
+    return error
+
+
 @dataclass(slots=True)
 class Responses:
     """Every stored response, and how to make, find and cancel one. A running background
@@ -319,8 +332,15 @@ class Responses:
             )
         builder = ResponseBuilder.resumed(kept.response)
         record = ResponseRecord(self.tenant(context), builder, kept.conversation, run, True)
-        record.turn = None if kept.turn is None else Turn.read(kept.turn)
+        if kept.turn is not None:  # (its hold renewed here too: this replica may end it)
+            record.turn = self._conversations().adopt(Turn.read(kept.turn))
         return record
+
+    def unfollowed(self, record: ResponseRecord) -> None:
+        """A followed response's reader left before its end: its hold is no longer renewed
+        here (the replica that runs it renews it; if none does, it lapses)."""
+        if record.turn is not None and not record.settled.is_set():
+            self._conversations().forget(record.turn)
 
     async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:
         """Cancel a background response; the response object once it has ended."""

@@ -223,12 +223,16 @@ class ResponsesSession(WebSocketSession):
         *,
         keeper: bool = False,
     ) -> None:
-        if before is not None:
-            await asyncio.wait({before})
-        # (followed from another replica: its builder is the one made for it, from its start)
-        builder = record.builder if keeper else record.builder.fresh()
-        async with reader(run, None):
-            await self._send_events(record, run, builder, after, lane, keeper=keeper)
+        try:
+            if before is not None:
+                await asyncio.wait({before})
+            # (followed from another replica: its builder is the one made for it, from its start)
+            builder = record.builder if keeper else record.builder.fresh()
+            async with reader(run, None):
+                await self._send_events(record, run, builder, after, lane, keeper=keeper)
+        finally:
+            if keeper:
+                self.responses.unfollowed(record)
 
     async def _send_stored(
         self,

@@ -60,9 +60,9 @@ return 1
 """
 
 # KEYS: conversation, order, items, counts, hold. ARGV: "add" (a client's, refused while held
-# or past the bound) or "finish" (a response's: the hold let go if still its holder's), the
-# holder, the bound on items, then each item's id and JSON. -> 1; 0: no conversation; -1: held;
-# -2: the bound passed.
+# or past the bound) or "finish" (a response's, once: not again if its first item is there;
+# the hold let go if still its holder's), the holder, the bound on items, then each item's id
+# and JSON. -> 1; 0: no conversation; -1: held; -2: the bound passed.
 APPEND = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local n = (#ARGV - 3) / 2
@@ -71,6 +71,8 @@ if ARGV[1] == 'add' then
   if tonumber(redis.call('HGET', KEYS[4], 'items') or '0') + n > tonumber(ARGV[3]) then
     return -2
   end
+elseif n > 0 and redis.call('HEXISTS', KEYS[3], ARGV[4]) == 1 then
+  n = 0
 end
 local seq = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')
 for i = 1, n do

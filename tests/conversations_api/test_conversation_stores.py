@@ -187,6 +187,27 @@ async def test_a_hold_keeps_others_out_until_its_end(stores: Stores) -> None:
     assert await store.lock(Hold(owner, conversation_id, "holder-3"), stores.lease_s, 1)
 
 
+async def test_a_response_ended_by_two_replicas_adds_its_items_once(stores: Stores) -> None:
+    """The replica that ran a background response and one that followed it both end it (the
+    same turn, its items with the same ids): the second adds nothing, and the tenant's count
+    of items stays true."""
+    store, other = stores.first, stores.second
+    owner = tenant()
+    conversation_id = await made(store, owner, "a")
+    hold = Hold(owner, conversation_id, "holder-1")
+    assert await store.lock(hold, stores.lease_s * 20, 2) is not None
+    turn = items("q", "r")
+    await store.finish(hold, turn)
+    await other.finish(hold, turn)
+    assert (await page(other, owner, conversation_id, after=None, limit=9, descending=False))[
+        0
+    ] == ["a", "q", "r"]
+    # 3 of the tenant's 8 items held: 5 more fit, a sixth does not.
+    assert await other.add(owner, conversation_id, items(*"bcdef"))
+    with pytest.raises(StorageLimitExceeded):
+        await store.add(owner, conversation_id, items("g"))
+
+
 async def test_a_hold_lapses_unless_renewed(stores: Stores) -> None:
     store, other = stores.first, stores.second
     owner = tenant()

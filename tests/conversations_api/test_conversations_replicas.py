@@ -1,16 +1,21 @@
 """Conversations shared by replicas through a real `redis-server` (`--state-url`): two real
 Sluice servers (sim engine, in this process) on the session's Redis, called with the official
 `openai` SDK: a conversation made on one is read, continued and held on the other, and is none
-of another tenant's there."""
+of another tenant's there; a background response on a conversation, followed on the other
+replica and handed over to it when its own stops, holds the conversation there past its
+lease and adds its items once, at its end."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import InProcessSluice, RedisProcess, uncalibrated_config
-from test_conversations_api import KEYS, client_of, held, listed, refusal, texts
+from conftest import InProcessSluice, RedisProcess, SluiceProcess, uncalibrated_config, wait_until
+from test_conversations_api import DEADLINE_S, KEYS, client_of, held, listed, refusal, texts
 
 if TYPE_CHECKING:
     import openai
@@ -18,28 +23,30 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("conversations")]
 
 
+ENV = {"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())}
+
+
+def replica_args(root: Path, redis: RedisProcess, config: str = "") -> list[str]:
+    """A replica's arguments: the sim engine at ~10 ms a step, on `redis`."""
+    return [
+        "--engine",
+        "sim",
+        "--sim-step-base-ms",
+        "10",
+        "--config",
+        str(uncalibrated_config(root, config)),
+        "--state-url",
+        redis.url,
+    ]
+
+
 @pytest.fixture(scope="module")
 def replicas(
     session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[InProcessSluice]]:
     root = tmp_path_factory.mktemp("conversation-replicas")
-    servers = [
-        InProcessSluice(
-            [
-                "--engine",
-                "sim",
-                "--sim-step-base-ms",
-                "10",
-                "--config",
-                str(uncalibrated_config(root)),
-                "--state-url",
-                session_redis.url,
-            ],
-            root / f"{name}.log",
-            env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
-        )
-        for name in ("a", "b")
-    ]
+    args = replica_args(root, session_redis)
+    servers = [InProcessSluice(args, root / f"{name}.log", env=ENV) for name in ("a", "b")]
     try:
         for server in servers:
             server.wait_ready(60)
@@ -87,3 +94,60 @@ def test_a_conversation_made_on_one_replica_is_continued_on_the_other(
     refusal(lambda: stranger.conversations.items.list(made.id), openai.NotFoundError)
     assert b.conversations.delete(made.id).deleted
     refusal(lambda: a.conversations.retrieve(made.id), openai.NotFoundError)
+
+
+def test_a_background_response_handed_over_at_shutdown_ends_on_the_other_replica(
+    session_redis: RedisProcess, tmp_path: Path
+) -> None:
+    """Replica a (a process of its own, stopped as by Ctrl-C) runs a background response on a
+    conversation; b follows its stream. a stops (no drain: its generations handed over at
+    once), b continues the generation, renews the conversation's hold (a's lapses a lease after
+    a let go of it), and at the end adds the response's items, once."""
+    lease_s = 1.0
+    args = replica_args(tmp_path, session_redis, f"state: {{lease_seconds: {lease_s}}}\n")
+    a = SluiceProcess([*args, "--drain-seconds", "0"], tmp_path / "a.log", env=ENV)
+    b = InProcessSluice(args, tmp_path / "b.log", env=ENV)
+    try:
+        a.wait_ready(60)
+        b.wait_ready(60)
+        on_a, on_b = client_of(a), client_of(b)
+        made = on_a.conversations.create(items=[{"role": "user", "content": "before"}])
+        story = on_a.responses.create(
+            model="sim", input="a long story", conversation=made.id, background=True,
+            max_output_tokens=1200,
+        )  # fmt: skip
+        events: list[Any] = []
+
+        def follow() -> None:
+            with on_b.responses.retrieve(story.id, stream=True) as stream:
+                events.extend(stream)
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        wait_until(
+            lambda: sum(e.type == "response.output_text.delta" for e in events) >= 5,
+            DEADLINE_S,
+            message="b to stream the response a runs",
+        )
+        assert a.stop() == 0
+        stopped = time.monotonic()
+        # Held all along, past a's last renewal by more than a lease: b renews it.
+        while time.monotonic() - stopped < 2.5 * lease_s:
+            assert held(on_b, made.id)
+            time.sleep(0.1)
+        assert reader.is_alive(), "the response ended too soon to show the hold renewed"
+        reader.join(DEADLINE_S)
+        assert not reader.is_alive()
+        final = events[-1]
+        assert final.type == "response.incomplete"
+        assert final.response.usage is not None and final.response.usage.output_tokens == 1200
+        assert not held(on_b, made.id)
+        assert texts(listed(on_b, made.id)) == [
+            ("user", "before"),
+            ("user", "a long story"),
+            ("assistant", final.response.output_text),
+        ]
+        assert on_b.responses.retrieve(story.id).status == "incomplete"
+    finally:
+        for server in (a, b):
+            server.stop()

@@ -159,6 +159,39 @@ def test_a_batch_runs_through_the_router(
     assert sorted(json.loads(line)["custom_id"] for line in output) == ["req-0", "req-1", "req-2"]
 
 
+def test_a_conversation_is_made_and_continued_through_the_router(
+    router: RouterProcess, replicas: list[SluiceProcess]
+) -> None:
+    """Two turns on one conversation, each sent to the router (which may place them on either
+    replica): the second sees the first's items, which either replica reads from Redis."""
+    openai = client(router)
+    made = openai.conversations.create(metadata={"topic": "fleet"})
+    turns = []
+    for question in ("first question", "second question"):
+        turns.append(
+            openai.responses.create(
+                model=MODEL, input=question, conversation=made.id, max_output_tokens=6
+            )
+        )
+    first, second = (turn.usage for turn in turns)
+    assert first is not None and second is not None
+    assert second.input_tokens > first.input_tokens + first.output_tokens  # it saw the first
+    # (The router drops a GET's query: the items come in the default order, newest first.)
+    listed = openai.conversations.items.list(made.id).data
+    assert [
+        (item.role, "".join(part.text for part in item.content))  # type: ignore[union-attr]
+        for item in reversed(listed)
+    ] == [
+        ("user", "first question"),
+        ("assistant", turns[0].output_text),
+        ("user", "second question"),
+        ("assistant", turns[1].output_text),
+    ]
+    for replica in replicas:
+        direct = httpx.get(f"{replica.url}/v1/conversations/{made.id}", timeout=10)
+        assert direct.status_code == 200 and direct.json()["metadata"] == {"topic": "fleet"}
+
+
 def test_a_keyed_stream_resumes_through_the_router(router: RouterProcess) -> None:
     body = {
         "model": MODEL,

@@ -1,4 +1,7 @@
-"""The chat page at / in a real headless Chromium: tokens stream in, Stop aborts the engine request.
+"""The chat page at / in a real headless Chromium: tokens stream in, Stop aborts the engine request
+(and the stopped turn is not added to its conversation); conversations are made, continued,
+listed again after a reload (their ids in the browser's localStorage, their titles and items
+read from the Conversations API), renamed and deleted.
 
 Chromium is the Debian package, driven by Playwright for Python (which never downloads a
 browser here: it is given /usr/bin/chromium). The sim engine is slowed to ~25 tokens/s so the
@@ -12,7 +15,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from conftest import InProcessSluice, uncalibrated_config
 
@@ -77,6 +82,7 @@ def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
     sync_playwright = _sync_playwright()
     server = slow_sluice
     aborts_before = server.metric("sluice_engine_aborts_total")
+    conversation = None
 
     with sync_playwright() as playwright:  # type: ignore[operator]
         browser = playwright.chromium.launch(
@@ -124,6 +130,10 @@ def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
             assert page.text_content("#status") == "stopped"
             stopped_length = len(page.text_content(".msg.assistant") or "")
             assert stopped_length > first_length
+            # The turn was made on a conversation (made for it), and a stopped turn is not
+            # added to it: the page shows it as dropped.
+            assert page.locator(".msg.dropped").count() == 2
+            conversation = page.get_attribute("#conversation-list li.current", "data-id")
         finally:
             browser.close()
 
@@ -137,6 +147,126 @@ def test_tokens_stream_into_the_page_and_stop_aborts_the_engine_request(
         what="sluice_engine_unfinished_requests to return to 0 and an engine abort",
     )
     assert server.metric("sluice_cancellations_total", stage="running") >= 1
+    assert conversation is not None and items(server, conversation) == []
+
+
+def items(server: InProcessSluice, conversation: str) -> list[tuple[str, str]]:
+    """(role, text) of the conversation's message items, oldest first, from the API."""
+    url = f"{server.url}/v1/conversations/{conversation}/items?order=asc&limit=100"
+    answer = httpx.get(url, timeout=10)
+    answer.raise_for_status()
+    return [
+        (item["role"], "".join(part["text"] for part in item["content"]))
+        for item in answer.json()["data"]
+        if item["type"] == "message"
+    ]
+
+
+def shown(page: Any) -> list[tuple[str, str]]:
+    """(role, text) of the messages the page shows."""
+    return [
+        (role, text)
+        for role, text in page.evaluate(
+            "[...document.querySelectorAll('.msg')].map((m) => [m.classList[1], m.textContent])"
+        )
+    ]
+
+
+def titles(page: Any) -> list[str]:
+    return page.eval_on_selector_all(
+        "#conversation-list .title", "(ts) => ts.map((t) => t.textContent)"
+    )
+
+
+def send(page: Any, text: str) -> None:
+    """A turn sent from the page, once it has ended."""
+    count = page.locator(".msg").count()
+    page.fill("#prompt", text)
+    page.click("#send")
+    page.wait_for_function(
+        f"document.querySelectorAll('.msg').length === {count + 2} "
+        "&& document.body.dataset.state === 'idle'"
+    )
+    assert (page.text_content("#status") or "").startswith("done"), page.text_content("#status")
+
+
+def load(page: Any, url: str) -> None:
+    page.goto(url)
+    page.wait_for_function(
+        "document.querySelector('#model').options.length > 0 "
+        "&& document.body.dataset.conversations === 'loaded'"
+    )
+
+
+def test_conversations_are_made_continued_listed_again_renamed_and_deleted(tmp_path: Path) -> None:
+    chromium = require_tool("chromium")
+    sync_playwright = _sync_playwright()
+    with (
+        run_sluice(tmp_path, "--served-model-name", "sluice-demo") as server,
+        sync_playwright() as playwright,
+    ):  # type: ignore[operator]
+        browser = playwright.chromium.launch(
+            executable_path=chromium, headless=True, args=CHROMIUM_FLAGS
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 640})
+            page.set_default_timeout(PAGE_TIMEOUT_MS)
+            load(page, f"{server.url}/")
+            assert titles(page) == [] and shown(page) == []
+            page.fill("#max-tokens", "6")
+
+            # The first turn makes a conversation, titled by it; the second continues it.
+            send(page, "first question")
+            send(page, "second question")
+            [first] = page.eval_on_selector_all(
+                "#conversation-list li", "(li) => li.map((l) => l.dataset.id)"
+            )
+            assert titles(page) == ["first question"]
+            turns = shown(page)
+            assert [role for role, _ in turns] == ["user", "assistant", "user", "assistant"]
+            assert turns[0][1] == "first question" and turns[2][1] == "second question"
+            assert items(server, first) == turns
+
+            # Reloaded: the conversation is listed again and opened, its items read back.
+            load(page, f"{server.url}/")
+            assert titles(page) == ["first question"] and shown(page) == turns
+            assert page.get_attribute("#conversation-list li.current", "data-id") == first
+
+            # Renamed: its metadata's title.
+            page.click("#conversation-list li .rename")
+            page.fill("#conversation-list li input", "Boats")
+            page.press("#conversation-list li input", "Enter")
+            page.wait_for_function(
+                "document.querySelector('#conversation-list .title')?.textContent === 'Boats'"
+            )
+            answer = httpx.get(f"{server.url}/v1/conversations/{first}", timeout=10).json()
+            assert answer["metadata"] == {"title": "Boats"}
+
+            # A new one, listed first; the first opened again from the list.
+            page.click("#new-conversation")
+            assert shown(page) == []
+            send(page, "other topic")
+            assert titles(page) == ["other topic", "Boats"]
+            page.click("#conversation-list li:nth-child(2) .title")
+            page.wait_for_function("document.querySelectorAll('.msg').length === 4")
+            assert shown(page) == turns
+
+            # Deleted (once confirmed): gone from the page, the API and the saved ids.
+            page.once("dialog", lambda dialog: dialog.accept())
+            page.click("#conversation-list li:nth-child(2) .delete")
+            page.wait_for_function(
+                "document.querySelectorAll('#conversation-list li').length === 1"
+            )
+            assert titles(page) == ["other topic"] and shown(page) == []
+            assert (
+                httpx.get(f"{server.url}/v1/conversations/{first}", timeout=10).status_code == 404
+            )
+            load(page, f"{server.url}/")
+            assert titles(page) == ["other topic"]
+            saved = page.evaluate("Object.values(localStorage)")
+            assert len(saved) == 1 and first not in saved[0]
+        finally:
+            browser.close()
 
 
 def test_chromium_authenticates_the_websocket_with_the_bearer_subprotocol(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """OpenAI's Responses API on the real vLLM engine, with the official `openai` SDK: a response
 whole and streamed, a background response retrieved and its stream resumed after a sequence
-number, a background response cancelled (its engine request aborted), and function tools
-(named and required) and `text.format` JSON schemas enforced by the engine.
+number, a background response cancelled (its engine request aborted), function tools
+(named and required) and `text.format` JSON schemas enforced by the engine, and a
+conversation whose second turn finds its first turn's prompt in the engine's prefix cache.
 
 The demo model's greedy text never ends by itself (`engine_adapters.demo_model`), so a greedy
 response runs to its `max_output_tokens` and the same input gives the same text, whole or
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     import openai
 
 MODEL = "sluice-demo"
+BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached
 DEADLINE_S = 60.0
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0}
 WEATHER = {
@@ -192,3 +195,31 @@ def test_a_json_schema_text_format_is_kept(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(response.output_text), WEATHER)
     assert response.text is not None and response.text.format is not None
     assert response.text.format.type == "json_schema"
+
+
+def test_a_conversations_second_turn_finds_its_first_turns_prompt_cached(
+    client: openai.OpenAI,
+) -> None:
+    """The second turn's prompt begins with the first's (the conversation's items render as
+    the same messages), so the tenant's cached blocks of it are found again."""
+    tag = uuid.uuid4().hex[:8]  # a prompt no earlier test sent: nothing of it cached before
+    made = client.conversations.create()
+    first = client.responses.create(
+        **GREEDY,
+        input=" ".join(f"w{tag}x{i}" for i in range(120)),
+        conversation=made.id,
+        max_output_tokens=8,
+    )
+    assert first.usage is not None and first.usage.input_tokens >= 2 * BLOCK
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    second = client.responses.create(
+        **GREEDY, input="and then?", conversation=made.id, max_output_tokens=8
+    )
+    assert second.usage is not None
+    # It saw the first turn: its input and output are in its prompt.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert BLOCK * (first.usage.input_tokens // BLOCK) <= cached <= second.usage.input_tokens
+    items = client.conversations.items.list(made.id, order="asc")
+    roles = [getattr(item, "role", None) for item in items]
+    assert roles == ["user", "assistant", "user", "assistant"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import websockets
-from conftest import SluiceProcess
+from conftest import VLLM_ENV, SluiceProcess
 
 MODEL = "sluice-demo"
 BULK_TOKENS = 1000
@@ -50,7 +50,7 @@ def preempting_server(
             str(where / "sluice.yaml"),
         ],
         where / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        env=VLLM_ENV,
     )
     try:
         server.wait_ready()

@@ -68,6 +68,33 @@ def parse_engine_args(pairs: Sequence[str]) -> dict[str, Any]:
     return parsed
 
 
+def check_adapter(name: str, path: str, lora_config: Any) -> None:
+    """What vLLM's worker checks of a LoRA adapter before loading it, with vLLM's own pieces:
+    where it is (a local path, or a Hugging Face id it downloads), then its PEFT configuration
+    (`adapter_config.json`) against the engine's LoRA configuration. AdapterNotFound where
+    there is none, AdapterLoadFailed with vLLM's reason where vLLM would refuse it."""
+    from vllm.exceptions import LoRAAdapterNotFoundError
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import get_adapter_absolute_path
+
+    try:
+        # (The position limit only scales a long-context adapter as it loads: none here.)
+        adapter = PEFTHelper.from_local_dir(get_adapter_absolute_path(path), None)
+    except FileNotFoundError:
+        raise AdapterNotFound(
+            str(LoRAAdapterNotFoundError(name, path)), param="lora_path"
+        ) from None
+    try:
+        adapter.validate_legal(lora_config)
+    except ValueError as exc:
+        raise AdapterLoadFailed(f"vLLM refuses the adapter '{name}' at '{path}': {exc}") from None
+
+
+def adapter_refused(name: str, path: str, exc: Exception) -> EngineError:
+    """A start's adapter that vLLM does not load: the start stops, saying which and why."""
+    return EngineError(f"LoRA adapter {name!r} at {path!r}: {exc}")
+
+
 def to_sampling_params(options: SamplingOptions) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -189,6 +216,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.envs import enable_envs_cache
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from engine_adapters.vllm_stats import engine_stats_logger
@@ -201,7 +229,15 @@ class VLLMEngine:
             disable_log_stats=True,
             **self._engine_args,
         )
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[engine_stats_logger(self._stats)])
+        # As `AsyncLLM.from_engine_args` makes it, with the start's adapters checked in between.
+        engine_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        self._check_adapters(engine_config.lora_config)
+        self._llm = AsyncLLM.from_vllm_config(
+            engine_config,
+            usage_context=UsageContext.ENGINE_CONTEXT,
+            stat_loggers=[engine_stats_logger(self._stats)],
+            disable_log_stats=True,
+        )
         # Those stats read an environment variable of vLLM's for each output token (most of
         # what they cost): cached from now on, as vLLM's engine core caches them in its own
         # processes once they have started. Nothing here sets vLLM's variables later.
@@ -230,6 +266,17 @@ class VLLMEngine:
         await self._warm_up()
         logger.info("vLLM engine up: %s", self._info)
 
+    def _check_adapters(self, lora_config: Any) -> None:
+        """Each adapter of the start checked as vLLM's worker checks one before it loads it,
+        before the engine's processes start: a missing adapter, or one vLLM would refuse (a
+        rank above `max_lora_rank`, DoRA, a bias), stops the start in seconds, not once the
+        engine is up (half a minute and more of CPU)."""
+        for name, path in self._adapters.items():
+            try:
+                check_adapter(name, path, lora_config)
+            except Exception as exc:
+                raise adapter_refused(name, path, exc) from exc
+
     async def _load_adapters(self) -> None:
         """Each adapter loaded now, as vLLM's server loads its `--lora-modules`: a bad one
         stops the start with vLLM's reason, not a user's first request."""
@@ -238,7 +285,7 @@ class VLLMEngine:
                 await self._make_room()
                 await self._add_lora(name, path)
             except Exception as exc:
-                raise EngineError(f"LoRA adapter {name!r} at {path!r}: {exc}") from exc
+                raise adapter_refused(name, path, exc) from exc
 
     async def _add_lora(self, name: str, path: str) -> None:
         """Into vLLM (there must be room): AdapterNotFound where vLLM finds none at `path`,

@@ -22,7 +22,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Self
 
@@ -97,6 +98,7 @@ SHARED_ENGINES = {
     "spare_replica": "vllm_server",
     "lora_server": "lora_server",
     "keyed_vllm_server": "keyed_vllm_server",
+    "two_seat_server": "two_seat_server",
 }
 
 
@@ -161,12 +163,55 @@ def reserved_port() -> int:
         return int(address[1])
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that ends one of the session's servers (`ends_shared_server`: it kills the
+    server's process or its engine) runs after the tests that use it alive, whichever file
+    comes first: it goes last (pytest-xdist keeps a group's tests together, in this order)."""
+    items.sort(key=lambda item: item.get_closest_marker("ends_shared_server") is not None)
+
+
+# How many of the collected tests use each of the session's servers, left to run here, and
+# what stops each server that has started.
+USES_LEFT = pytest.StashKey[Counter[str]]()
+STOPS = pytest.StashKey[dict[str, Callable[[], object]]]()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Freeze what collection imported (the server, uvicorn, the test modules: the test
-    process's start-up), as `sluice serve` does its own once started: full collections
-    during the tests then walk only what the tests made."""
+    """Count the uses of the session's servers (`stop_after_last_use`), then freeze what
+    collection imported (the server, uvicorn, the test modules: the test process's
+    start-up), as `sluice serve` does its own once started: full collections during the tests
+    then walk only what the tests made."""
+    session.stash[USES_LEFT] = Counter(
+        name
+        for item in session.items
+        for name in SHARED_ENGINES
+        if name in getattr(item, "fixturenames", ())
+    )
+    session.stash[STOPS] = {}
     gc.collect()
     gc.freeze()
+
+
+def stop_after_last_use(request: pytest.FixtureRequest, stop: Callable[[], object]) -> None:
+    """`stop` the session's server that `request`'s fixture made once the last test that uses
+    it is done here, not at the session's end: an idle engine still costs a few percent of a
+    core, for the minutes the other tests run. The tests that use one run in one xdist worker
+    (its group), which collects every test, so the count of them here is the count of its
+    users."""
+    request.session.stash[STOPS][request.fixturename] = stop
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        uses, stops = item.session.stash[USES_LEFT], item.session.stash[STOPS]
+        for name in SHARED_ENGINES:
+            if name in getattr(item, "fixturenames", ()):
+                uses[name] -= 1
+                if uses[name] <= 0 and name in stops:
+                    stops.pop(name)()
 
 
 def uncalibrated_config(directory: Path, more: str = "") -> Path:
@@ -657,11 +702,30 @@ def vllm_args(demo_model_dir: Path) -> list[str]:
     ]
 
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# The test servers' engines run vLLM's worker in the engine core's process
+# (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: vLLM's layout for one worker, as on one GPU), not in a
+# third process, which vLLM on CPU starts only to set OpenMP's environment before torch loads
+# there; and on one OpenMP thread (`OMP_NUM_THREADS`), as vLLM sets that worker on 2 cores.
+# Sluice sees the same engine core. Measured on the 2-core EPYC (2026-12-07), against the
+# default: a start 35 s of CPU, now 25 s (one import of torch and vLLM fewer); an idle engine
+# 0.75 s of CPU in 10 s, now 0.2 s (the core no longer polls the worker's queue); 1,280 greedy
+# tokens 4.9-5.4 s of CPU, now 2.4-3.5 s. The terminal test keeps the product's processes.
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
+}
 # A vLLM server whose tests do not depend on the engine's measured speed starts without the
 # probe (4 s on an idle host, 7-9 s beside other work): the scheduler starts from its priors
 # and learns online. The session's server keeps it, as `sluice serve` runs.
 UNCALIBRATED_VLLM_ENV = {**VLLM_ENV, "SLUICE_ESTIMATES__CALIBRATE": "false"}
+# The model run as it is, not compiled (`enforce_eager`), for a server whose tests generate a
+# few hundred tokens: vLLM compiles it at every start here (its compile cache fails to load:
+# "'function' object has no attribute 'finalize_loading'"), 8 s of a start's CPU, and a
+# compiled step saves ~1 ms of CPU a token after (2026-12-07, 1,280 tokens: 2.4-3.5 s of CPU
+# compiled, 4.1 s not). The session's and the two-seat servers, thousands of tokens each,
+# compile.
+EAGER = ["--engine-arg", "enforce_eager=true"]
 
 
 def kv_events_args() -> tuple[list[str], str]:
@@ -675,7 +739,10 @@ def kv_events_args() -> tuple[list[str], str]:
 
 @pytest.fixture(scope="session")
 def vllm_server(
-    demo_model_dir: Path, session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    demo_model_dir: Path,
+    session_redis: RedisProcess,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[SluiceProcess]:
     """Sluice on vLLM with the demo model, its resumable generations shared in Redis, its
     engine publishing vLLM's KV events (`kv_events`: where, for a router's kv_aware policy)."""
@@ -688,64 +755,117 @@ def vllm_server(
     server.kv_events = kv_events
     try:
         server.wait_ready()
+        stop_after_last_use(request, server.stop)
         yield server
     finally:
         server.stop()
 
 
-class SpareReplica:
-    """A second vLLM replica beside the session's server, on its Redis, publishing KV events,
-    its claims lapsing 2 s after its last renewal: the fleet tests' second replica
-    (tests/fleet/test_router_vllm.py), then the replica the takeover test kills
-    (tests/generations/test_takeover_vllm.py), so one engine start serves both. Collected in
-    that order, in the session server's xdist group; in another order, a replica is started
-    again for whoever asks after it was taken."""
+class SharedServer:
+    """One of the session's servers, started on its first use: `get` for the tests that use it
+    alive, `take` for the test that ends it (kills its process or its engine, and stops it),
+    after which a `get` starts another. The test that takes it is marked `ends_shared_server`,
+    so that it runs after the others (`pytest_collection_modifyitems`)."""
 
-    def __init__(self, demo_model_dir: Path, redis: RedisProcess, root: Path) -> None:
-        self.demo_model_dir, self.redis, self.root = demo_model_dir, redis, root
-        self.replica: SluiceProcess | None = None
+    def __init__(self, start: Callable[[int], SluiceProcess]) -> None:
+        self._start = start  # the server of start number N, not yet ready
+        self.server: SluiceProcess | None = None
         self.started = 0
 
     def get(self) -> SluiceProcess:
-        """The running replica, started if there is none (or it exited: a failed test's)."""
-        if self.replica is not None and self.replica.proc.poll() is not None:
-            self.replica.stop()
-            self.replica = None
-        if self.replica is None:
-            config = self.root / "spare.yaml"
-            config.write_text("state: {lease_seconds: 2}\n")  # a killed one's stream moves on soon
-            kv_args, kv_events = kv_events_args()
-            args = [*vllm_args(self.demo_model_dir), "--config", str(config)]
-            replica = SluiceProcess(
-                [*args, "--state-url", self.redis.url, *kv_args],
-                self.root / f"replica-{self.started}.log",
-                env=UNCALIBRATED_VLLM_ENV,
-            )
-            replica.kv_events = kv_events
+        """The running server, started if there is none (or it exited: a failed test's)."""
+        if self.server is not None and self.server.proc.poll() is not None:
+            self.server.stop()
+            self.server = None
+        if self.server is None:
+            server = self._start(self.started)
             self.started += 1
-            self.replica = replica.__enter__()  # ready (stopped if it never gets there)
-        return self.replica
+            self.server = server.__enter__()  # ready (stopped if it never gets there)
+        return self.server
 
     def take(self) -> SluiceProcess:
-        """The running replica, for a test that kills it (and stops it): the next `get` starts
-        another."""
-        replica, self.replica = self.get(), None
-        return replica
+        """The running server, for a test that ends it: the next `get` starts another."""
+        server, self.server = self.get(), None
+        return server
 
     def close(self) -> None:
-        if self.replica is not None:
-            self.replica.stop()
+        if self.server is not None:
+            self.server.stop()
 
 
 @pytest.fixture(scope="session")
 def spare_replica(
-    demo_model_dir: Path, session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SpareReplica]:
-    spare = SpareReplica(demo_model_dir, session_redis, tmp_path_factory.mktemp("spare"))
+    request: pytest.FixtureRequest,
+    demo_model_dir: Path,
+    session_redis: RedisProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[SharedServer]:
+    """A second vLLM replica beside the session's server, on its Redis, publishing KV events,
+    its claims lapsing 2 s after its last renewal: the fleet tests' second replica
+    (tests/fleet/test_router_vllm.py), then the replica the takeover test kills
+    (tests/generations/test_takeover_vllm.py), so one engine start serves both."""
+    root = tmp_path_factory.mktemp("spare")
+    config = root / "spare.yaml"
+    config.write_text("state: {lease_seconds: 2}\n")  # a killed one's stream moves on soon
+
+    def start(number: int) -> SluiceProcess:
+        kv_args, kv_events = kv_events_args()
+        args = [*vllm_args(demo_model_dir), *EAGER, "--config", str(config)]
+        replica = SluiceProcess(
+            [*args, "--state-url", session_redis.url, *kv_args],
+            root / f"replica-{number}.log",
+            env=UNCALIBRATED_VLLM_ENV,
+        )
+        replica.kv_events = kv_events
+        return replica
+
+    spare = SharedServer(start)
+    stop_after_last_use(request, spare.close)
     try:
         yield spare
     finally:
         spare.close()
+
+
+# The two-seat server's budgets: room for two sequences and no interactive reserve, and no bulk
+# cap, so that both bulk requests run at once whatever the start-up calibration measured (with
+# the cap, one CI run on a loaded machine saw the first end before the chat was even sent, as
+# when the cap, its knee, admits one bulk sequence and the second waits for the first).
+TWO_SEATS = """
+budgets:
+  max_running_seqs: 2
+  interactive_reserve_share: 0.0
+  bulk_min_share: 0.0
+  preempt_bulk_after_ms: 100
+slo:
+  cap_bulk: false
+"""
+
+
+@pytest.fixture(scope="session")
+def two_seat_server(
+    request: pytest.FixtureRequest, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedServer]:
+    """vLLM with room for two sequences and no interactive reserve (`TWO_SEATS`), so that two
+    bulk streams fill it and a chat can only start by preempting one of them
+    (tests/api/test_preemption.py); then the server whose engine the engine-death test kills
+    (tests/api/test_engine_death.py: it exits 8 s after its engine died). One engine start
+    serves both."""
+    root = tmp_path_factory.mktemp("two-seats")
+    config = root / "sluice.yaml"
+    config.write_text(TWO_SEATS)
+    args = [
+        "--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
+        "--config", str(config), "--engine-death-exit-seconds", "8",
+    ]  # fmt: skip
+    server = SharedServer(
+        lambda number: SluiceProcess(args, root / f"server-{number}.log", env=VLLM_ENV)
+    )
+    stop_after_last_use(request, server.close)
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 LORA_ADAPTERS = ("tenant-a", "tenant-b")  # the lora server's adapters: demo variants 1 and 2
@@ -766,18 +886,22 @@ def demo_adapters(
 
 @pytest.fixture(scope="session")
 def lora_server(
-    demo_model_dir: Path, demo_adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    demo_model_dir: Path,
+    demo_adapters: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[SluiceProcess]:
     """Sluice on vLLM with the demo model and two demo adapters (`LORA_ADAPTERS`), in float32:
     an engine of its own, so that the session's server runs without LoRA."""
     modules = [f"{name}={path}" for name, path in demo_adapters.items()]
     args = [
         "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
-        "--lora-modules", *modules, "--engine-arg", "dtype=float32",
+        "--lora-modules", *modules, "--engine-arg", "dtype=float32", *EAGER,
     ]  # fmt: skip
     with SluiceProcess(
         args, tmp_path_factory.mktemp("lora") / "server.log", env=UNCALIBRATED_VLLM_ENV
     ) as server:
+        stop_after_last_use(request, server.stop)
         yield server
 
 
@@ -803,7 +927,7 @@ def tenant_key(tenant: str) -> str:
 
 @pytest.fixture(scope="session")
 def keyed_vllm_server(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SluiceProcess]:
     """Sluice on vLLM with the demo model, closed to all but `KEYED_TENANTS`, adapters loaded
     at runtime (`--enable-lora`, two held by the engine), in float32 as the LoRA server."""
@@ -813,9 +937,10 @@ def keyed_vllm_server(
     args = [
         "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
         "--config", str(config),
-        "--enable-lora", "--max-cpu-loras", "2", "--engine-arg", "dtype=float32",
+        "--enable-lora", "--max-cpu-loras", "2", "--engine-arg", "dtype=float32", *EAGER,
     ]  # fmt: skip
     with SluiceProcess(args, root / "server.log", env=UNCALIBRATED_VLLM_ENV) as server:
+        stop_after_last_use(request, server.stop)
         yield server
 
 

@@ -6,23 +6,20 @@ from __future__ import annotations
 import json
 import signal
 import threading
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import psutil
 import pytest
-from conftest import UNCALIBRATED_VLLM_ENV, SluiceProcess, wait_until
+from conftest import SharedServer, SluiceProcess, wait_until
 
 
 @pytest.fixture
-def doomed_server(demo_model_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
-    server = SluiceProcess(
-        ["--model", str(demo_model_dir), "--engine-death-exit-seconds", "8"],
-        tmp_path / "server.log",
-        env=UNCALIBRATED_VLLM_ENV,
-    )
+def doomed_server(two_seat_server: SharedServer) -> Iterator[SluiceProcess]:
+    """The session's two-seat server, once the preemption test is done with it: it exits 8 s
+    after its engine's death (`--engine-death-exit-seconds`)."""
+    server = two_seat_server.take()
     try:
-        server.wait_ready()
         yield server
     finally:
         server.stop()
@@ -35,6 +32,7 @@ def _engine_core(server: SluiceProcess) -> psutil.Process:
     raise AssertionError("no EngineCore process under the server")
 
 
+@pytest.mark.ends_shared_server
 def test_engine_death_is_visible_and_fatal(doomed_server: SluiceProcess) -> None:
     events: list[str] = []
     first_token = threading.Event()

@@ -1,62 +1,26 @@
 """Preemption on the real engine: a chat stops a bulk request, whose stream carries on unbroken.
 
-A server of its own (vLLM on CPU, demo model) with room for two sequences and no interactive
-reserve, so two bulk streams fill it and a chat can only start by preempting one of them.
+The session's two-seat server (vLLM on CPU, demo model, `two_seat_server`): room for two
+sequences and no interactive reserve, so two bulk streams fill it and a chat can only start by
+preempting one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import websockets
-from conftest import SluiceProcess
+from conftest import SharedServer, SluiceProcess
 
-MODEL = "sluice-demo"
 BULK_TOKENS = 1000
-# No bulk cap, so both bulk requests run at once whatever the start-up calibration measured:
-# with the cap, one CI run on a loaded machine saw b1 end before the chat was even sent, as
-# when the cap (its knee) admits one bulk sequence and b2 waits for b1.
-CONFIG = """
-budgets:
-  max_running_seqs: 2
-  interactive_reserve_share: 0.0
-  bulk_min_share: 0.0
-  preempt_bulk_after_ms: 100
-slo:
-  cap_bulk: false
-"""
 
 
 @pytest.fixture(scope="module")
-def preempting_server(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SluiceProcess]:
-    where = tmp_path_factory.mktemp("preempt")
-    (where / "sluice.yaml").write_text(CONFIG)
-    server = SluiceProcess(
-        [
-            "--engine",
-            "vllm",
-            "--model",
-            str(demo_model_dir),
-            "--served-model-name",
-            MODEL,
-            "--config",
-            str(where / "sluice.yaml"),
-        ],
-        where / "server.log",
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+def preempting_server(two_seat_server: SharedServer) -> SluiceProcess:
+    return two_seat_server.get()
 
 
 async def generate_all(

@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 from conftest import (
+    EAGER,
     READY_TIMEOUT_S,
     UNCALIBRATED_VLLM_ENV,
     reserved_port,
@@ -27,6 +28,9 @@ from conftest import (
 
 pytestmark = pytest.mark.system
 TOKENS = 400
+# The processes `sluice serve` runs on CPU (a worker beside the engine core: the test servers
+# run it inside): Ctrl-C must reach them all.
+PRODUCT_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def _take_the_terminal() -> None:
@@ -44,7 +48,7 @@ def test_ctrl_c_in_a_terminal_drains_the_running_stream_and_exits_0(
     port = reserved_port()
     url = f"http://127.0.0.1:{port}"
     master, terminal = os.openpty()
-    args = [*vllm_args(demo_model_dir), "--port", str(port), "--data-dir", str(tmp_path)]
+    args = [*vllm_args(demo_model_dir), *EAGER, "--port", str(port), "--data-dir", str(tmp_path)]
     env = {key: value for key, value in os.environ.items() if key != "SLUICE_SUPERVISED"}
     with open(tmp_path / "server.log", "wb") as log:
         process = subprocess.Popen(
@@ -52,7 +56,7 @@ def test_ctrl_c_in_a_terminal_drains_the_running_stream_and_exits_0(
             stdin=terminal,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**env, **UNCALIBRATED_VLLM_ENV},
+            env={**env, **UNCALIBRATED_VLLM_ENV, **PRODUCT_PROCESSES},
             start_new_session=True,
             preexec_fn=_take_the_terminal,
         )

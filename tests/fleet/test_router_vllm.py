@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from conftest import RouterProcess, SluiceProcess, SpareReplica, parse_sse, wait_until
+from conftest import RouterProcess, SharedServer, SluiceProcess, parse_sse, wait_until
 
 # `anthropic` and `openai` (~1.3 s and ~0.5 s to import) where they are called: every pytest-xdist
 # worker collects this module, and `make test-quick` runs none of it.
@@ -32,7 +32,7 @@ SYSTEM = " ".join(f"rule {i}: answer plainly and briefly." for i in range(60))
 
 
 @pytest.fixture(scope="module")
-def second_replica(spare_replica: SpareReplica) -> SluiceProcess:
+def second_replica(spare_replica: SharedServer) -> SluiceProcess:
     """Another replica beside the session's vLLM server, on its Redis."""
     return spare_replica.get()
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import orjson
 import pytest
-from conftest import SluiceProcess, SpareReplica, parse_sse
+from conftest import SharedServer, SluiceProcess, parse_sse
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.ends_shared_server]
 
 MAX_TOKENS = 200
 BODY = {
@@ -33,7 +33,7 @@ def _text(events: list[tuple[int | None, str]]) -> str:
 
 
 def test_a_killed_replicas_greedy_generation_continues_unchanged(
-    vllm_server: SluiceProcess, spare_replica: SpareReplica
+    vllm_server: SluiceProcess, spare_replica: SharedServer
 ) -> None:
     # The session's spare replica (its claims lapse 2 s after its last renewal), which the fleet
     # tests used before: this test kills it.

@@ -615,5 +615,5 @@ def test_every_error_has_an_anthropic_type_and_capacity_keeps_retry_after() -> N
 
 
 def test_the_routes_are_in_the_openapi_document(keyed: InProcessSluice) -> None:
-    paths = httpx.get(keyed.url + "/openapi.json").json()["paths"]
+    paths = httpx.get(keyed.url + "/openapi.json", timeout=60).json()["paths"]
     assert "/v1/messages" in paths and "/v1/messages/count_tokens" in paths

@@ -258,8 +258,13 @@ class ServiceProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            # A server on a socket bound before it starts (`--fd`) has its connections queued
+            # until it serves: one request waits for its answer, which comes as soon as the
+            # server takes it (or a reset, when it exits). A 2 s timeout left each try queued
+            # unanswered, and saw a ready server up to 2 s late.
+            wait = httpx.Timeout(2.0, read=max(0.1, min(10.0, deadline - time.monotonic())))
             try:
-                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=wait).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

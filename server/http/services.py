@@ -4,7 +4,7 @@ API's), and nothing is fetched from `app.state`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import HTTPConnection
 
@@ -14,7 +14,7 @@ from server.generations.planner import Planner
 from server.generations.service import Generations
 from server.generations.timeline import RequestTimeline
 from server.http.edge import Edge, request_id_from, trace_parent_from
-from server.http.ignored import note_ignored
+from server.http.ignored import IgnoredFields
 from server.observability.access_log import Api
 from server.observability.metrics import Metrics
 from server.observability.tracing import TraceParent
@@ -32,18 +32,22 @@ class Services:
     started: int  # when the app was built (the models list's `created`)
     ready: bool = False  # the engine and the scheduler are up, and the engine is healthy
     served: frozenset[str] = frozenset()  # the parts of the API the app serves (`Parts`)
+    ignored: IgnoredFields = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ignored = IgnoredFields(self.metrics)
 
     @property
     def served_model(self) -> str:
         return self.planner.served_model
 
     def note_ignored(self, api: str, endpoint: str, body: WireModel | ParsedRequest) -> None:
-        """Count, and log once a process, the fields `body` (validated) ignores."""
+        """Count, and log once an app, the fields `body` (validated) ignores."""
         if isinstance(body, ParsedRequest):
             fields, declared = body.ignored, REQUEST_MODELS[body.kind].model_fields
         else:
             fields, declared = ignored_fields(body), type(body).model_fields
-        note_ignored(self.metrics, api, endpoint, fields, declared)
+        self.ignored.note(api, endpoint, fields, declared)
 
     def timeline(self, request_id: str, api: Api, trace: TraceParent | None) -> RequestTimeline:
         """A request's stopwatch, from now, recording into the app's metrics (and its span,

@@ -883,14 +883,19 @@ LORA_ADAPTERS = ("tenant-a", "tenant-b")  # the lora server's adapters: demo var
 
 
 @pytest.fixture(scope="session")
-def demo_adapters(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
+def demo_adapters(demo_model_dir: Path) -> dict[str, Path]:
+    """The demo adapters, built once into the cache beside the demo model, as `sluice serve
+    --demo-lora` builds its own (`demo-lora`, variant 1): built for each session in each worker
+    whose servers serve them, they took ~4 s of CPU a worker (torch and transformers)."""
     from engine_adapters.demo_model import build_demo_adapter
 
-    root = tmp_path_factory.mktemp("adapters")
+    cache = demo_model_dir.parent
     return {
-        name: build_demo_adapter(root / name, demo_model_dir, variant=number)
+        name: build_demo_adapter(
+            cache / ("demo-lora" if number == 1 else f"demo-lora-{number}"),
+            demo_model_dir,
+            variant=number,
+        )
         for number, name in enumerate(LORA_ADAPTERS, start=1)
     }
 

@@ -730,12 +730,12 @@ VLLM_ENV = {
 # probe (4 s on an idle host, 7-9 s beside other work): the scheduler starts from its priors
 # and learns online. The session's server keeps it, as `sluice serve` runs.
 UNCALIBRATED_VLLM_ENV = {**VLLM_ENV, "SLUICE_ESTIMATES__CALIBRATE": "false"}
-# The model run as it is, not compiled (`enforce_eager`), for a server whose tests generate a
-# few hundred tokens: vLLM compiles it at every start here (its compile cache fails to load:
-# "'function' object has no attribute 'finalize_loading'"), 8 s of a start's CPU, and a
-# compiled step saves ~1 ms of CPU a token after (2026-12-07, 1,280 tokens: 2.4-3.5 s of CPU
-# compiled, 4.1 s not). The session's and the two-seat servers, thousands of tokens each,
-# compile.
+# The model run as it is, not compiled (`enforce_eager`): vLLM compiles it at every start here
+# (its compile cache fails to load: "'function' object has no attribute 'finalize_loading'"),
+# 8 s of a start's CPU, and a compiled step saves ~1 ms of CPU a token after (2026-12-07, 1,280
+# tokens: 2.4-3.5 s of CPU compiled, 4.1 s not). The two-seat server's two tests, 4,000 tokens,
+# took 30.4 s of CPU compiled and 25.7 s not; the session's server's ~3,500 tokens cost its 66
+# tests 63 s either way, and it compiles, as `sluice serve` does.
 EAGER = ["--engine-arg", "enforce_eager=true"]
 
 
@@ -867,7 +867,7 @@ def two_seat_server(
     config.write_text(TWO_SEATS)
     args = [
         "--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
-        "--config", str(config), "--engine-death-exit-seconds", "8",
+        "--config", str(config), "--engine-death-exit-seconds", "8", *EAGER,
     ]  # fmt: skip
     server = SharedServer(
         lambda number: SluiceProcess(args, root / f"server-{number}.log", env=VLLM_ENV)

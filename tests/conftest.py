@@ -214,6 +214,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
                     stops.pop(name)()
 
 
+# The sim engine as fast as it runs (steps of ~0.05 ms where its default model takes ~2 ms), for
+# a server whose tests read whole answers and never catch a stream mid-way: they wait for no
+# steps, and its tokens cost the same CPU.
+FAST_SIM = ["--sim-step-base-ms", "0.05", "--sim-decode-ms-per-token", "0.001"]
+
+
 def uncalibrated_config(directory: Path, more: str = "") -> Path:
     """A configuration file (`more` is further YAML) for a server started without its engine
     calibration (`estimates.calibrate: false`): the probe costs ~4 s at the sim's default
@@ -724,12 +730,12 @@ VLLM_ENV = {
 # probe (4 s on an idle host, 7-9 s beside other work): the scheduler starts from its priors
 # and learns online. The session's server keeps it, as `sluice serve` runs.
 UNCALIBRATED_VLLM_ENV = {**VLLM_ENV, "SLUICE_ESTIMATES__CALIBRATE": "false"}
-# The model run as it is, not compiled (`enforce_eager`), for a server whose tests generate a
-# few hundred tokens: vLLM compiles it at every start here (its compile cache fails to load:
-# "'function' object has no attribute 'finalize_loading'"), 8 s of a start's CPU, and a
-# compiled step saves ~1 ms of CPU a token after (2026-12-07, 1,280 tokens: 2.4-3.5 s of CPU
-# compiled, 4.1 s not). The session's and the two-seat servers, thousands of tokens each,
-# compile.
+# The model run as it is, not compiled (`enforce_eager`): vLLM compiles it at every start here
+# (its compile cache fails to load: "'function' object has no attribute 'finalize_loading'"),
+# 8 s of a start's CPU, and a compiled step saves ~1 ms of CPU a token after (2026-12-07, 1,280
+# tokens: 2.4-3.5 s of CPU compiled, 4.1 s not). The two-seat server's two tests, 4,000 tokens,
+# took 30.4 s of CPU compiled and 25.7 s not; the session's server's ~3,500 tokens cost its 66
+# tests 63 s either way, and it compiles, as `sluice serve` does.
 EAGER = ["--engine-arg", "enforce_eager=true"]
 
 
@@ -861,7 +867,7 @@ def two_seat_server(
     config.write_text(TWO_SEATS)
     args = [
         "--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
-        "--config", str(config), "--engine-death-exit-seconds", "8",
+        "--config", str(config), "--engine-death-exit-seconds", "8", *EAGER,
     ]  # fmt: skip
     server = SharedServer(
         lambda number: SluiceProcess(args, root / f"server-{number}.log", env=VLLM_ENV)
@@ -877,14 +883,19 @@ LORA_ADAPTERS = ("tenant-a", "tenant-b")  # the lora server's adapters: demo var
 
 
 @pytest.fixture(scope="session")
-def demo_adapters(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
+def demo_adapters(demo_model_dir: Path) -> dict[str, Path]:
+    """The demo adapters, built once into the cache beside the demo model, as `sluice serve
+    --demo-lora` builds its own (`demo-lora`, variant 1): built for each session in each worker
+    whose servers serve them, they took ~4 s of CPU a worker (torch and transformers)."""
     from engine_adapters.demo_model import build_demo_adapter
 
-    root = tmp_path_factory.mktemp("adapters")
+    cache = demo_model_dir.parent
     return {
-        name: build_demo_adapter(root / name, demo_model_dir, variant=number)
+        name: build_demo_adapter(
+            cache / ("demo-lora" if number == 1 else f"demo-lora-{number}"),
+            demo_model_dir,
+            variant=number,
+        )
         for number, name in enumerate(LORA_ADAPTERS, start=1)
     }
 

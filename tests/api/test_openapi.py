@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from conftest import InProcessSluice, uncalibrated_config
+from conftest import FAST_SIM, InProcessSluice, uncalibrated_config
 
 from server.openai_wire.requests import REQUEST_MODELS
 
@@ -36,10 +36,7 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSl
             "sim",
             "--config",
             str(uncalibrated_config(root)),
-            "--sim-step-base-ms",
-            "0.05",
-            "--sim-decode-ms-per-token",
-            "0.001",
+            *FAST_SIM,
             "--sim-max-model-len",
             "512",
         ],

@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import InProcessSluice, loopback_listener, uncalibrated_config, wait_until
+from conftest import FAST_SIM, InProcessSluice, loopback_listener, uncalibrated_config, wait_until
 
 pytestmark = pytest.mark.service
 
@@ -32,10 +32,7 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
             "0.2",
             "--sim-max-model-len",
             "65536",
-            "--sim-step-base-ms",
-            "0.05",
-            "--sim-decode-ms-per-token",
-            "0.001",
+            *FAST_SIM,
         ],
         tmp_path / "server.log",
         listener=listener,

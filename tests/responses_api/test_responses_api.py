@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import InProcessSluice, uncalibrated_config, wait_until
+from conftest import FAST_SIM, InProcessSluice, uncalibrated_config, wait_until
 
 from server.generations.log import Event, Kind
 from server.generations.ports import ResponseStore, StoredResponse
@@ -37,9 +37,9 @@ DEADLINE_S = 30.0
 
 
 def serve(root: Path, *more: str, paced: bool = True) -> Iterator[InProcessSluice]:
-    """A sim server, `paced` at 10 ms a step (for tests that catch a stream mid-way), else at the
-    sim's own speed."""
-    pace = ["--sim-step-base-ms", "10"] if paced else []
+    """A sim server, `paced` at 10 ms a step (for tests that catch a stream mid-way), else as
+    fast as the sim runs (`FAST_SIM`)."""
+    pace = ["--sim-step-base-ms", "10"] if paced else FAST_SIM
     process = InProcessSluice(
         [
             "--engine",
@@ -71,7 +71,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice
 @pytest.fixture(scope="module")
 def stopping_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     """Its model stops by itself (a chance of 1 in 20 each token): answers complete. Unpaced:
-    its tests read whole answers (the sampling test 800 tokens, 8 s at 10 ms a step)."""
+    its tests read whole answers (the sampling test 800 tokens, 8 s at 10 ms a step, 1.5 s at
+    the sim model's default speed)."""
     yield from serve(
         tmp_path_factory.mktemp("stopping"), "--sim-eos-probability", "0.05", paced=False
     )

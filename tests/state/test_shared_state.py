@@ -394,7 +394,10 @@ def test_a_websocket_generation_resumes_on_the_other_replica(
 
     head, tail = asyncio.run(read())
     seqs = [message["seq"] for message in head + tail]
-    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    # Each message is numbered by the last event it carries: pieces a busy reader found
+    # waiting together go as one message (coalesced), so numbers rise but may skip. The
+    # token count below says none was lost or repeated across the two replicas.
+    assert seqs == sorted(set(seqs)), seqs
     assert tail[-1]["type"] == "final", tail[-1]
     assert tail[-1]["usage"]["completion_tokens"] == max_tokens
     assert sum(m["tokens"] for m in head + tail if m["type"] == "delta") == max_tokens

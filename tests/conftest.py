@@ -37,20 +37,24 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def share_httpx_default_ssl_context() -> None:
-    """One SSL context for every httpx client the tests make.
+def share_httpx_default_ssl_context(package: str) -> None:
+    """One SSL context for every client of `package` (httpx, or httpx2: the openai and
+    anthropic SDKs' fork of it) the tests make.
 
     httpx builds a new default context, loading certifi's CA bundle (~20-30 ms), for every
-    client it makes, and so for every `httpx.get(...)`: hundreds of times a run, each request
-    plain HTTP to loopback, where no context is used. Here the default one (`verify=True`, no
-    client certificate) is built once and shared, as `verify=<context>` shares one among
-    clients; any other arguments still get a context of their own. Where httpx has no
-    `create_ssl_context` to share (another version), nothing changes."""
+    client it makes, and so for every `httpx.get(...)` and every SDK client: hundreds of times
+    a run, each request plain HTTP to loopback, where no context is used. Here the default one
+    (`verify=True`, no client certificate) is built once and shared, as `verify=<context>`
+    shares one among clients; any other arguments still get a context of their own. Where the
+    package has no `create_ssl_context` to share (another version), nothing changes."""
     import functools
+    import importlib
 
-    from httpx import _config
-    from httpx._transports import default
-
+    try:
+        _config = importlib.import_module(f"{package}._config")
+        default = importlib.import_module(f"{package}._transports.default")
+    except ImportError:
+        return
     create = getattr(_config, "create_ssl_context", None)
     if create is None or getattr(default, "create_ssl_context", None) is not create:
         return
@@ -64,7 +68,8 @@ def share_httpx_default_ssl_context() -> None:
     default.create_ssl_context = create_ssl_context
 
 
-share_httpx_default_ssl_context()
+for _package in ("httpx", "httpx2"):
+    share_httpx_default_ssl_context(_package)
 READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "240"))
 STOP_TIMEOUT_S = 30.0
 

@@ -89,7 +89,6 @@ VLLM_OUTPUT_FLAGS = [
 # `pytest -m "not vllm"` runs the pure and sim tests alone.
 VLLM_FIXTURES = {
     "vllm_server",
-    "lora_server",
     "keyed_vllm_server",
     "demo_model_dir",
     "demo_adapters",
@@ -101,7 +100,6 @@ VLLM_FIXTURES = {
 SHARED_ENGINES = {
     "vllm_server": "vllm_server",
     "spare_replica": "vllm_server",
-    "lora_server": "lora_server",
     "keyed_vllm_server": "keyed_vllm_server",
     "two_seat_server": "two_seat_server",
 }
@@ -884,7 +882,7 @@ def two_seat_server(
         server.close()
 
 
-LORA_ADAPTERS = ("tenant-a", "tenant-b")  # the lora server's adapters: demo variants 1 and 2
+LORA_ADAPTERS = ("tenant-a", "tenant-b")  # the keyed server's adapters at start: demo variants 1, 2
 
 
 @pytest.fixture(scope="session")
@@ -905,32 +903,14 @@ def demo_adapters(demo_model_dir: Path) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="session")
-def lora_server(
-    request: pytest.FixtureRequest,
-    demo_model_dir: Path,
-    demo_adapters: dict[str, Path],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[SluiceProcess]:
-    """Sluice on vLLM with the demo model and two demo adapters (`LORA_ADAPTERS`), in float32:
-    an engine of its own, so that the session's server runs without LoRA."""
-    modules = [f"{name}={path}" for name, path in demo_adapters.items()]
-    args = [
-        "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
-        "--lora-modules", *modules, "--engine-arg", "dtype=float32", *EAGER,
-    ]  # fmt: skip
-    with SluiceProcess(
-        args, tmp_path_factory.mktemp("lora") / "server.log", env=UNCALIBRATED_VLLM_ENV
-    ) as server:
-        stop_after_last_use(request, server.stop)
-        yield server
-
-
-# The keyed vLLM server's tenants, each with one key: the runtime LoRA tests' (an admin, a user,
-# and one limited to an adapter loaded later) and the prefix-cache tests' (two with caches of
-# their own, two sharing theirs). One engine serves both modules (tests/api/test_lora_runtime.py,
-# tests/tenancy/test_prefix_cache_vllm.py); neither's tenants see the other's.
+# The keyed vLLM server's tenants, each with one key: the LoRA tests' (tests/api/
+# test_lora_adapters.py and the batch's LoRA lines), the runtime LoRA tests' (an admin, a user,
+# and one limited to an adapter loaded later: tests/api/test_lora_runtime.py) and the
+# prefix-cache tests' (two with caches of their own, two sharing theirs: tests/tenancy/
+# test_prefix_cache_vllm.py). One engine serves all four modules: no module's tenants see
+# another's, and what a test loads at runtime it unloads.
 KEYED_TENANTS: dict[str, dict[str, Any]] = {
+    "lora": {"api_keys": ["sk-lora"]},
     "ops": {"api_keys": ["sk-ops"], "admin": True},
     "user": {"api_keys": ["sk-user"]},
     "limited": {"api_keys": ["sk-limited"], "models": ["narrow"]},
@@ -948,17 +928,25 @@ def tenant_key(tenant: str) -> str:
 
 @pytest.fixture(scope="session")
 def keyed_vllm_server(
-    request: pytest.FixtureRequest, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    demo_model_dir: Path,
+    demo_adapters: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[SluiceProcess]:
-    """Sluice on vLLM with the demo model, closed to all but `KEYED_TENANTS`, adapters loaded
-    at runtime (`--enable-lora`, two held by the engine), in float32 as the LoRA server."""
+    """Sluice on vLLM with the demo model, closed to all but `KEYED_TENANTS`, in float32 (vLLM
+    0.32's CPU LoRA), serving the two demo adapters from the start (`LORA_ADAPTERS`) and those
+    an admin loads at runtime. The engine holds two at once, and runs both in one step
+    (`--max-cpu-loras 2`): one more in use makes the least recently used one leave it, to
+    come back when a request names it. An engine of its own, so that the session's server runs
+    without LoRA."""
     root = tmp_path_factory.mktemp("keyed")
     config = root / "sluice.json"
     config.write_text(json.dumps({"tenants": KEYED_TENANTS}))  # (YAML reads JSON)
+    modules = [f"{name}={path}" for name, path in demo_adapters.items()]
     args = [
         "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
-        "--config", str(config),
-        "--enable-lora", "--max-cpu-loras", "2", "--engine-arg", "dtype=float32", *EAGER,
+        "--config", str(config), "--lora-modules", *modules,
+        "--max-cpu-loras", "2", "--engine-arg", "dtype=float32", *EAGER,
     ]  # fmt: skip
     with SluiceProcess(args, root / "server.log", env=UNCALIBRATED_VLLM_ENV) as server:
         stop_after_last_use(request, server.stop)

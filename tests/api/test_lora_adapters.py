@@ -1,5 +1,6 @@
 """LoRA adapters served as models on the real vLLM engine: the base model and two demo adapters
-(`--lora-modules`), each selected by a request's `model`.
+(`--lora-modules`), each selected by a request's `model`. The keyed server's (tests/conftest.py),
+as its tenant `lora`, which may use every model it serves.
 
 Greedy text is compared within the run, never against text written here: each demo adapter
 gives every token one likeliest successor of its own, as decisive as the base model's, so its
@@ -16,37 +17,45 @@ from typing import Any
 import httpx
 import pytest
 from conftest import LORA_ADAPTERS as ADAPTERS
-from conftest import VLLM_ENV, SluiceProcess
+from conftest import VLLM_ENV, SluiceProcess, tenant_key
 
 from engine_adapters.demo_model import GREEDY_MARGIN
 
 BASE = "sluice-demo"
 ASK: dict[str, Any] = {"max_tokens": 48, "temperature": 0, "extra_body": {"ignore_eos": True}}
 MESSAGES: list[Any] = [{"role": "user", "content": "Tell me about schedulers."}]
+KEY = tenant_key("lora")
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture
+def server(keyed_vllm_server: SluiceProcess) -> SluiceProcess:
+    return keyed_vllm_server
 
 
 def test_models_lists_each_adapter_with_its_base(
-    lora_server: SluiceProcess, demo_adapters: dict[str, Path], demo_model_dir: Path
+    server: SluiceProcess, demo_adapters: dict[str, Path], demo_model_dir: Path
 ) -> None:
-    cards = httpx.get(lora_server.url + "/v1/models").json()["data"]
+    # Those of the start alone: the runtime LoRA tests on this server unload what they load.
+    cards = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"]
     assert [card["id"] for card in cards] == [BASE, *ADAPTERS]
     assert (cards[0]["parent"], cards[0]["root"]) == (None, str(demo_model_dir))
     for card in cards[1:]:
         assert (card["parent"], card["root"]) == (BASE, str(demo_adapters[card["id"]]))
     # Each adapter's chats have targets of their own, exported under its name: its own idle
     # step's multiple where the engine was calibrated; here (uncalibrated) the base model's.
-    base_itl = lora_server.metric("sluice_slo_target_seconds", model=BASE, target="itl")
+    base_itl = server.metric("sluice_slo_target_seconds", model=BASE, target="itl")
     for name in ADAPTERS:
-        itl = lora_server.metric("sluice_slo_target_seconds", model=name, target="itl")
+        itl = server.metric("sluice_slo_target_seconds", model=name, target="itl")
         assert itl == base_itl > 0
 
 
 def test_base_and_adapters_streamed_together_each_give_their_text_alone(
-    lora_server: SluiceProcess,
+    server: SluiceProcess,
 ) -> None:
     import openai  # here, not at the top: every pytest-xdist worker collects this module
 
-    client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     alone = {}
     for model in (BASE, *ADAPTERS):
         reply = client.chat.completions.create(model=model, messages=MESSAGES, **ASK)
@@ -55,9 +64,7 @@ def test_base_and_adapters_streamed_together_each_give_their_text_alone(
     assert len(set(alone.values())) == 3  # each model its own text
 
     async def together() -> dict[str, str]:
-        aclient = openai.AsyncOpenAI(
-            base_url=lora_server.url + "/v1", api_key="unused", max_retries=0
-        )
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
         async def stream(model: str) -> str:
             chunks = await aclient.chat.completions.create(
@@ -83,10 +90,10 @@ def test_base_and_adapters_streamed_together_each_give_their_text_alone(
     assert asyncio.run(together()) == alone
 
 
-def test_completions_select_the_adapter_too(lora_server: SluiceProcess) -> None:
+def test_completions_select_the_adapter_too(server: SluiceProcess) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     texts = {
         model: client.completions.create(model=model, prompt="The queue", **ASK).choices[0].text
         for model in (BASE, ADAPTERS[0])
@@ -104,9 +111,9 @@ def test_completions_select_the_adapter_too(lora_server: SluiceProcess) -> None:
     ],
 )
 def test_an_unknown_model_is_a_404_naming_the_served_ones(
-    lora_server: SluiceProcess, path: str, body: dict[str, Any]
+    server: SluiceProcess, path: str, body: dict[str, Any]
 ) -> None:
-    reply = httpx.post(lora_server.url + path, json={"model": "tenant-c", **body})
+    reply = httpx.post(server.url + path, json={"model": "tenant-c", **body}, headers=AUTH)
     assert reply.status_code == 404, reply.text
     message = reply.text
     assert "model_not_found" in message or "not_found_error" in message
@@ -129,22 +136,25 @@ def test_an_adapter_that_does_not_load_stops_the_start_saying_why(
         server.stop()
 
 
-def test_every_api_selects_the_adapter(lora_server: SluiceProcess) -> None:
+def test_every_api_selects_the_adapter(server: SluiceProcess) -> None:
     """Chat, Responses and Messages render the same prompt from the same message: with the
     adapter named, each gives the adapter's text, and names the adapter as its model."""
-    url, model = lora_server.url, ADAPTERS[1]
+    url, model = server.url, ADAPTERS[1]
     text = "Tell me about schedulers."
     chat = httpx.post(
         url + "/v1/chat/completions",
         json={"model": model, "messages": MESSAGES, "max_tokens": 16, "temperature": 0},
+        headers=AUTH,
     ).json()
     responses = httpx.post(
         url + "/v1/responses",
         json={"model": model, "input": text, "max_output_tokens": 16, "temperature": 0},
+        headers=AUTH,
     ).json()
     messages = httpx.post(
         url + "/v1/messages",
         json={"model": model, "messages": MESSAGES, "max_tokens": 16, "temperature": 0},
+        headers=AUTH,
     ).json()
     expected = chat["choices"][0]["message"]["content"]
     assert chat["model"] == responses["model"] == messages["model"] == model
@@ -160,7 +170,7 @@ def _over_the_websocket(url: str, model: str, messages: list[Any]) -> str:
     from websockets.sync.client import connect
 
     request = {"model": model, "messages": messages, "max_tokens": 16, "temperature": 0}
-    with connect(url.replace("http", "ws", 1) + "/v1/ws") as ws:
+    with connect(url.replace("http", "ws", 1) + "/v1/ws", additional_headers=AUTH) as ws:
         ws.send(json.dumps({"type": "generate", "id": "g", "request": request}))
         pieces = []
         while (message := json.loads(ws.recv(timeout=60)))["type"] == "delta":
@@ -170,12 +180,12 @@ def _over_the_websocket(url: str, model: str, messages: list[Any]) -> str:
 
 
 @pytest.mark.parametrize("model", ADAPTERS)
-def test_each_adapter_leads_by_the_margin(lora_server: SluiceProcess, model: str) -> None:
+def test_each_adapter_leads_by_the_margin(server: SluiceProcess, model: str) -> None:
     """The demo adapters are as decisive as the demo model: greedy text never turns on a
     near-tie (the demo model's own check: tests/engine_adapters/test_demo_model.py)."""
     import openai
 
-    client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     reply = client.chat.completions.create(
         model=model, messages=MESSAGES, logprobs=True, top_logprobs=2, **ASK
     )

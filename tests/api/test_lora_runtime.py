@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import SluiceProcess, tenant_key
+from conftest import LORA_ADAPTERS, SluiceProcess, tenant_key
 
 # The keyed server's tenants (tests/conftest.py): an admin, a user, and one limited to `narrow`,
 # an adapter loaded later.
@@ -19,8 +20,12 @@ BASE = "sluice-demo"
 
 
 @pytest.fixture
-def server(keyed_vllm_server: SluiceProcess) -> SluiceProcess:
-    return keyed_vllm_server
+def server(keyed_vllm_server: SluiceProcess) -> Iterator[SluiceProcess]:
+    yield keyed_vllm_server
+    # What a test loaded and left loaded (a failed one's) goes: the server's other tests
+    # (tests/api/test_lora_adapters.py) list its models, the base and the adapters of its start.
+    for name in set(served(keyed_vllm_server)) - {BASE, *LORA_ADAPTERS}:
+        unload(keyed_vllm_server, name)
 
 
 def post(
@@ -135,9 +140,10 @@ def test_what_cannot_be_loaded_or_unloaded_says_why(
 def test_more_adapters_than_the_engine_holds_are_served_least_recently_used_first(
     server: SluiceProcess, demo_adapters: dict[str, Path]
 ) -> None:
-    """--max-cpu-loras 2 (vLLM's meaning): the engine holds two; a third loaded makes the least
-    recently used one leave it, and a request for that one brings it back, answering as
-    before (greedy, each adapter's own text)."""
+    """--max-cpu-loras 2 (vLLM's meaning): the engine holds two of the adapters served (the
+    two of the server's start count too); a third loaded makes the least recently used one
+    leave it, and a request for that one brings it back, answering as before (greedy, each
+    adapter's own text)."""
     names = ("first", "second", "third")
     paths = [demo_adapters[t] for t in ("tenant-a", "tenant-b", "tenant-a")]
     texts = {}

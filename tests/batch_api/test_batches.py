@@ -27,6 +27,7 @@ from conftest import (
     InProcessSluice,
     RedisProcess,
     SluiceProcess,
+    tenant_key,
     uncalibrated_config,
     wait_until,
 )
@@ -60,10 +61,10 @@ def chat_lines(count: int, max_tokens: int = 8, model: str = "sim") -> list[dict
     ]
 
 
-def client_for(server: InProcessSluice | SluiceProcess) -> openai.OpenAI:
+def client_for(server: InProcessSluice | SluiceProcess, key: str = "unused") -> openai.OpenAI:
     import openai
 
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
 def start_batch(client: openai.OpenAI, lines: list[dict]) -> str:
@@ -495,10 +496,11 @@ def test_a_batch_on_the_real_engine(vllm_server: SluiceProcess) -> None:
 
 
 @pytest.mark.vllm
-def test_a_batch_names_adapters_line_by_line(lora_server: SluiceProcess) -> None:
+def test_a_batch_names_adapters_line_by_line(keyed_vllm_server: SluiceProcess) -> None:
     """Lines for the base model and for each adapter in one batch: each answered by the model
-    its line named (an unknown one refuses the file, naming the served models)."""
-    client = client_for(lora_server)
+    its line named (an unknown one refuses the file, naming the served models). The keyed
+    server's (tests/conftest.py), as its tenant `lora`."""
+    client = client_for(keyed_vllm_server, tenant_key("lora"))
     models = ["sluice-demo", *LORA_ADAPTERS]
     lines = [
         {**line, "body": {**line["body"], "model": models[i % 3], "temperature": 0}}

@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeVar
 
@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from server.api.serving import Serving
+    from server.state.backend import RedisState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,6 +86,20 @@ VLLM_OUTPUT_FLAGS = [
     "--engine-arg",
     'structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": true}',
 ]
+
+
+# The tool and structured-output tests' question and schema (on vLLM: its constrained output
+# fills the schema, whatever the demo model's random weights would say).
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "sunny": {"type": "boolean"},
+    },
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
 
 
 # Fixtures that start the real vLLM engine: a test that uses one is marked `vllm`, so that
@@ -657,6 +672,37 @@ class RedisProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@contextlib.asynccontextmanager
+async def redis_replicas(
+    redis: RedisProcess, lease_seconds: float, count: int = 2
+) -> AsyncIterator[list[RedisState]]:
+    """The shared state of `count` replicas on `redis` (`RedisState`s, leases of
+    `lease_seconds`), started, and stopped on leaving: a store's handles as replicas hold them."""
+    from server.core.config import StateConfig
+    from server.observability.metrics import Metrics
+    from server.state.backend import RedisState
+
+    config = StateConfig(url=redis.url, lease_seconds=lease_seconds)
+    states = [RedisState(config, Metrics()) for _ in range(count)]
+    try:
+        for state in states:
+            await state.start()
+        yield states
+    finally:
+        for state in states:
+            await state.stop()
+
+
+class Clock:
+    """A clock a test moves by hand (`now`, in seconds), for the parts that take one."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 # The bodies vLLM's router (vllm-router 0.1.17) sends on: it re-serialises a client's chat and

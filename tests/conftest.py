@@ -593,6 +593,14 @@ def wait_until(condition, timeout: float, interval: float = 0.05, message: str =
         time.sleep(interval)
 
 
+def wait_at_zero(
+    server: InProcessSluice | SluiceProcess, *gauges: str, timeout: float, message: str = ""
+) -> None:
+    """Poll until each of the server's `gauges` reads 0, in order (what a test's requests held
+    is let go: nothing running, queued, budgeted, left in the engine)."""
+    wait_until(lambda: all(server.metric(gauge) == 0 for gauge in gauges), timeout, message=message)
+
+
 def require_tool(name: str) -> str:
     """The path of executable `name` (a tool scripts/install-test-deps.sh installs); skip the
     test without it, fail under CI."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import InProcessSluice, parse_sse, sim_sluice, wait_until
+from conftest import InProcessSluice, parse_sse, sim_sluice, wait_at_zero, wait_until
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 ACME = {"Authorization": "Bearer sk-acme"}
@@ -335,21 +335,9 @@ async def test_generate_then_cancel_races_end_each_generation_once(
     await race_generates_and_cancels(
         server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme", max_tokens=6
     )
-    wait_until(
-        lambda: (
-            server.metric("sluice_running_requests") == 0
-            and server.metric("sluice_queue_depth") == 0
-        ),
-        10,
-    )
+    wait_at_zero(server, "sluice_running_requests", "sluice_queue_depth", timeout=10)
 
 
 def test_nothing_is_left_once_readers_are_gone(server: InProcessSluice) -> None:
-    wait_until(
-        lambda: (
-            server.metric("sluice_running_requests") == 0
-            and server.metric("sluice_engine_unfinished_requests") == 0
-        ),
-        10,
-    )
+    wait_at_zero(server, "sluice_running_requests", "sluice_engine_unfinished_requests", timeout=10)
     assert server.metric("sluice_budget_in_use") == 0

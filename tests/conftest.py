@@ -23,9 +23,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Self
+from typing import TYPE_CHECKING, Any, NoReturn, Self, TypeVar
 
 import httpx
 import pytest
@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from server.api.serving import Serving
+    from server.state.backend import RedisState
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,6 +72,8 @@ def share_httpx_default_ssl_context(package: str) -> None:
 for _package in ("httpx", "httpx2"):
     share_httpx_default_ssl_context(_package)
 READY_TIMEOUT_S = float(os.environ.get("SLUICE_TEST_READY_TIMEOUT", "240"))
+# An in-process server (the sim engine, most often) is ready in ~0.1 s: this bounds a failure.
+IN_PROCESS_READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 
 
@@ -83,6 +86,20 @@ VLLM_OUTPUT_FLAGS = [
     "--engine-arg",
     'structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": true}',
 ]
+
+
+# The tool and structured-output tests' question and schema (on vLLM: its constrained output
+# fills the schema, whatever the demo model's random weights would say).
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "sunny": {"type": "boolean"},
+    },
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
 
 
 # Fixtures that start the real vLLM engine: a test that uses one is marked `vllm`, so that
@@ -223,12 +240,12 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 FAST_SIM = ["--sim-step-base-ms", "0.05", "--sim-decode-ms-per-token", "0.001"]
 
 
-def uncalibrated_config(directory: Path, more: str = "") -> Path:
+def uncalibrated_config(directory: Path, more: str = "", name: str = "sluice.yaml") -> Path:
     """A configuration file (`more` is further YAML) for a server started without its engine
     calibration (`estimates.calibrate: false`): the probe costs ~4 s at the sim's default
     speed and seconds at 20-40 ms a step, and the scheduler starts from its priors and learns
     online. For tests whose subject does not depend on the engine's measured speed."""
-    config = directory / "sluice.yaml"
+    config = directory / name
     config.write_text("estimates: {calibrate: false}\n" + more)
     return config
 
@@ -248,7 +265,46 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     )
 
 
-class ServiceProcess:
+class Served:
+    """A server that starts as it is made, as a context manager: ready on entering (stopped if
+    it never gets there), stopped on leaving. Subclasses wait for it (`wait_ready`, its default
+    timeout theirs) and stop it (`stop`)."""
+
+    def wait_ready(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> object:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+ServedT = TypeVar("ServedT", bound=Served)
+
+
+@contextlib.contextmanager
+def all_ready(servers: list[ServedT]) -> Iterator[list[ServedT]]:
+    """`servers`, started together (each as it was made), ready together and stopped together,
+    whichever of them failed to start."""
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+class ServiceProcess(Served):
     """A server in a subprocess of its own process group (stopped as a whole), its output in
     `log_path`: ready once GET `ready_path` answers 200, stopped by `stop_signal` (then SIGKILL
     after `stop_timeout`). Subclasses start `proc` and set `url`."""
@@ -282,18 +338,6 @@ class ServiceProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
-
-    def __enter__(self) -> Self:
-        """Ready (stopped if it never gets there); stopped on leaving."""
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -365,7 +409,7 @@ class SluiceProcess(ServiceProcess):
         return metric_sum(httpx.get(self.url + "/metrics", timeout=5).text, name, **labels)
 
 
-class InProcessSluice:
+class InProcessSluice(Served):
     """`sluice serve` in a thread of this process, where the process is not what a test is
     about: the same arguments, parser and assembly as the command (`server.api.serving`), uvicorn
     on a loopback socket bound before it starts (`listener`, else one of `loopback_listener()`:
@@ -450,7 +494,7 @@ class InProcessSluice:
         metrics_sockets = None if self._metrics_socket is None else [self._metrics_socket]
         return await serving.run([self._socket], metrics_sockets)
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+    def wait_ready(self, timeout: float = IN_PROCESS_READY_TIMEOUT_S) -> None:
         if not self._ready.wait(timeout):
             raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
         if not self._thread.is_alive() or self._failure is not None:
@@ -493,6 +537,37 @@ class InProcessSluice:
         return self.returncode
 
 
+def api_keys_env(keys: dict[str, str]) -> dict[str, str]:
+    """The environment that gives a server these API keys (`{key: tenant}`): SLUICE_API_KEYS,
+    `key:tenant,...`."""
+    return {"SLUICE_API_KEYS": ",".join(f"{key}:{tenant}" for key, tenant in keys.items())}
+
+
+def sim_sluice(
+    root: Path,
+    *args: str,
+    config: str = "",
+    keys: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+    log: str = "server.log",
+    listener: socket.socket | None = None,
+    metrics_port: bool = False,
+) -> InProcessSluice:
+    """The tests' usual server: the sim engine in this process, uncalibrated
+    (`uncalibrated_config`, `config` its further YAML, in a file named after its `log`), with
+    `args` (more flags), the API keys `keys` ({key: tenant}) and `env`, logging to `root / log`.
+    Started, not yet ready: `with sim_sluice(...) as server:` waits for it, and stops it."""
+    config_file = uncalibrated_config(root, config, name=f"{Path(log).stem}.yaml")
+    environ = {**(env or {}), **(api_keys_env(keys) if keys else {})}
+    return InProcessSluice(
+        ["--engine", "sim", "--config", str(config_file), *args],
+        root / log,
+        env=environ,
+        listener=listener,
+        metrics_port=metrics_port,
+    )
+
+
 def parse_sse(lines: list[str]) -> list[tuple[int | None, str]]:
     """(id, data) per event of an SSE stream (id None: the event has none)."""
     events, event_id = [], None
@@ -514,6 +589,14 @@ def wait_until(condition, timeout: float, interval: float = 0.05, message: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met in {timeout}s: {message}")
         time.sleep(interval)
+
+
+def wait_at_zero(
+    server: InProcessSluice | SluiceProcess, *gauges: str, timeout: float, message: str = ""
+) -> None:
+    """Poll until each of the server's `gauges` reads 0, in order (what a test's requests held
+    is let go: nothing running, queued, budgeted, left in the engine)."""
+    wait_until(lambda: all(server.metric(gauge) == 0 for gauge in gauges), timeout, message=message)
 
 
 def require_tool(name: str) -> str:
@@ -597,6 +680,37 @@ class RedisProcess:
         self.close()
 
 
+@contextlib.asynccontextmanager
+async def redis_replicas(
+    redis: RedisProcess, lease_seconds: float, count: int = 2
+) -> AsyncIterator[list[RedisState]]:
+    """The shared state of `count` replicas on `redis` (`RedisState`s, leases of
+    `lease_seconds`), started, and stopped on leaving: a store's handles as replicas hold them."""
+    from server.core.config import StateConfig
+    from server.observability.metrics import Metrics
+    from server.state.backend import RedisState
+
+    config = StateConfig(url=redis.url, lease_seconds=lease_seconds)
+    states = [RedisState(config, Metrics()) for _ in range(count)]
+    try:
+        for state in states:
+            await state.start()
+        yield states
+    finally:
+        for state in states:
+            await state.stop()
+
+
+class Clock:
+    """A clock a test moves by hand (`now`, in seconds), for the parts that take one."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 # The bodies vLLM's router (vllm-router 0.1.17) sends on: it re-serialises a client's chat and
 # completion with SGLang's defaults (a client's `max_tokens: 5` and one user message here).
 ROUTER_CHAT = {
@@ -631,24 +745,15 @@ def sim_fleet(
 ) -> Iterator[tuple[RouterProcess, list[InProcessSluice]]]:
     """Sim replicas in this process on one real Redis (uncalibrated, with `more_config`'s
     YAML: tenants, say), and vLLM's router (cache_aware) in front of them."""
-    config = uncalibrated_config(root, more_config)
     with RedisProcess(root) as redis:
-        servers = [
-            InProcessSluice(
-                ["--engine", "sim", "--config", str(config), "--state-url", redis.url],
-                root / f"replica-{i}.log",
-            )
+        started = [
+            sim_sluice(root, "--state-url", redis.url, config=more_config, log=f"replica-{i}.log")
             for i in range(replicas)
         ]
-        try:
-            for server in servers:
-                server.wait_ready(60)
+        with all_ready(started) as servers:
             workers = [server.url for server in servers]
             with RouterProcess(workers, root / "router.log") as router:
                 yield router, servers
-        finally:
-            for server in servers:
-                server.stop()
 
 
 class AccessLines(logging.Handler):
@@ -957,14 +1062,8 @@ def keyed_vllm_server(
 def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     """The sim engine's server for validation and routes (uncalibrated: what its tests check
     does not depend on the engine's measured speed)."""
-    root = tmp_path_factory.mktemp("sim")
-    config = uncalibrated_config(root)
-    server = InProcessSluice(["--engine", "sim", "--config", str(config)], root / "server.log")
-    try:
-        server.wait_ready(60)
+    with sim_sluice(tmp_path_factory.mktemp("sim")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 class RouterProcess(ServiceProcess):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import httpx
 import orjson
 import pytest
-from conftest import InProcessSluice, parse_sse, wait_until
+from conftest import InProcessSluice, parse_sse, sim_sluice, wait_until
 
 from server.anthropic.messages import parse_count_tokens, parse_messages
 from server.anthropic.replies import ERROR_TYPES, MessageStream, error_type, message_reply
@@ -56,16 +56,9 @@ def _model(url: str) -> str:
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     """The sim engine with one tenant's key; its access log at info, in its log file."""
     root = tmp_path_factory.mktemp("anthropic")
-    config = root / "sluice.yaml"
-    config.write_text(f"tenants:\n  acme: {{api_keys: [{KEY}]}}\nestimates: {{calibrate: false}}\n")
-    server = InProcessSluice(
-        ["--engine", "sim", "--config", str(config), "--log-level", "info"], root / "server.log"
-    )
-    try:
-        server.wait_ready(60)
+    tenant = f"tenants:\n  acme: {{api_keys: [{KEY}]}}\n"
+    with sim_sluice(root, "--log-level", "info", config=tenant) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import jsonschema
 import pytest
-from conftest import SluiceProcess
+from conftest import WEATHER, WEATHER_ASK, SluiceProcess
 
 # `anthropic` (~2 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -18,16 +18,6 @@ if TYPE_CHECKING:
     import anthropic
 
 MODEL = "sluice-demo"
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "sunny": {"type": "boolean"},
-    },
-    "required": ["city", "sunny"],
-    "additionalProperties": False,
-}
 TOOL = {"name": "get_weather", "description": "Weather now", "input_schema": WEATHER}
 NAMED = {"type": "tool", "name": "get_weather"}
 
@@ -51,7 +41,7 @@ def client(vllm_server: SluiceProcess) -> anthropic.Anthropic:
 
 def test_a_named_tool_is_a_tool_use_block_whole_and_streamed(client: anthropic.Anthropic) -> None:
     # (greedy: this SDK has no `temperature` argument, the body still takes it)
-    ask = {"model": MODEL, "max_tokens": 64, "messages": ASK, "tools": [TOOL]}
+    ask = {"model": MODEL, "max_tokens": 64, "messages": WEATHER_ASK, "tools": [TOOL]}
     greedy = {"temperature": 0}
     whole = client.messages.create(**ask, tool_choice=NAMED, extra_body=greedy)
     assert whole.stop_reason == "tool_use"
@@ -69,7 +59,7 @@ def test_a_named_tool_is_a_tool_use_block_whole_and_streamed(client: anthropic.A
 
     # The call and its result, sent back as blocks, go through the model's chat template.
     conversation = [
-        *ASK,
+        *WEATHER_ASK,
         {"role": "assistant", "content": [call.model_dump(exclude_none=True)]},
         {
             "role": "user",
@@ -90,7 +80,7 @@ def test_an_output_format_makes_the_text_a_document_of_its_schema(
     answer = client.messages.create(
         model=MODEL,
         max_tokens=64,
-        messages=ASK,
+        messages=WEATHER_ASK,
         output_config=config,  # type: ignore[arg-type]
         extra_body={"temperature": 0},
     )

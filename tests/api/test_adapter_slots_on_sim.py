@@ -17,38 +17,20 @@ from typing import Any
 import httpx
 import pytest
 import websockets
-from conftest import InProcessSluice, uncalibrated_config
+from conftest import InProcessSluice, sim_sluice
 
 BULK_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    root = tmp_path_factory.mktemp("adapter-slots")
-    config = uncalibrated_config(root, "budgets: {bulk_min_share: 0.0}\n")
-    process = InProcessSluice(
-        [
-            "--engine",
-            "sim",
-            "--sim-step-base-ms",
-            "10",
-            "--sim-lora-load-ms",
-            "5",
-            "--lora-modules",
-            "bulk-a=adapters/a",
-            "chat-b=adapters/b",
-            "--max-loras",
-            "1",
-            "--config",
-            str(config),
-        ],
-        root / "server.log",
-    )
-    try:
-        process.wait_ready(60)
-        yield process
-    finally:
-        process.stop()
+    with sim_sluice(
+        tmp_path_factory.mktemp("adapter-slots"),
+        "--sim-step-base-ms", "10", "--sim-lora-load-ms", "5",
+        "--lora-modules", "bulk-a=adapters/a", "chat-b=adapters/b", "--max-loras", "1",
+        config="budgets: {bulk_min_share: 0.0}\n",
+    ) as server:  # fmt: skip
+        yield server
 
 
 def request(model: str, max_tokens: int) -> dict[str, Any]:

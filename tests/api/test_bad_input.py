@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 import websockets
-from conftest import InProcessSluice, wait_until
+from conftest import InProcessSluice, wait_at_zero
 
 from server.openai_wire.requests import parse_request
 
@@ -418,12 +418,11 @@ def test_a_batch_whose_client_leaves_is_cancelled(sim_server: InProcessSluice) -
     }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(sim_server.url + "/v1/chat/completions/batch", json=body, timeout=0.3)
-    wait_until(
-        lambda: (
-            sim_server.metric("sluice_engine_unfinished_requests") == 0
-            and sim_server.metric("sluice_budget_in_use") == 0
-        ),
-        10,
+    wait_at_zero(
+        sim_server,
+        "sluice_engine_unfinished_requests",
+        "sluice_budget_in_use",
+        timeout=10,
         message="the batch's generations were not cancelled",
     )
 
@@ -510,12 +509,11 @@ def test_several_prompts_one_choice_each_in_order(sim_server: InProcessSluice) -
         json={"prompt": [[5] * 3, [5] * 100_000], "max_tokens": 3, "stream": True},
     )
     assert _assert_error(too_long, 400, "context_length_exceeded")["param"] == "prompt"
-    wait_until(
-        lambda: (
-            sim_server.metric("sluice_budget_in_use") == 0
-            and sim_server.metric("sluice_engine_unfinished_requests") == 0
-        ),
-        5,
+    wait_at_zero(
+        sim_server,
+        "sluice_budget_in_use",
+        "sluice_engine_unfinished_requests",
+        timeout=5,
         message="the first part, admitted, is cancelled with the refusal",
     )
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from conftest import FAST_SIM, InProcessSluice, uncalibrated_config
+from conftest import FAST_SIM, InProcessSluice, sim_sluice
 
 from server.openai_wire.requests import REQUEST_MODELS
 
@@ -29,24 +29,10 @@ def sim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSl
     well-formed chat that sets no `max_tokens` runs to the context's end, which at the
     defaults (2,048 tokens, ~2 ms a step) took seconds an example; the fuzzing is about what
     the inputs are, not how long the answers run (uncalibrated, likewise)."""
-    root = tmp_path_factory.mktemp("openapi")
-    server = InProcessSluice(
-        [
-            "--engine",
-            "sim",
-            "--config",
-            str(uncalibrated_config(root)),
-            *FAST_SIM,
-            "--sim-max-model-len",
-            "512",
-        ],
-        root / "server.log",
-    )
-    try:
-        server.wait_ready(60)
+    with sim_sluice(
+        tmp_path_factory.mktemp("openapi"), *FAST_SIM, "--sim-max-model-len", "512"
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

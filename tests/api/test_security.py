@@ -19,7 +19,14 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import ROOT, InProcessSluice, SluiceProcess, loopback_listener, uncalibrated_config
+from conftest import (
+    ROOT,
+    InProcessSluice,
+    SluiceProcess,
+    loopback_listener,
+    sim_sluice,
+    uncalibrated_config,
+)
 
 from engine_adapters.sim import SimEngine
 from server.api.app import build_app
@@ -38,13 +45,12 @@ ENV = {"SLUICE_API_KEYS": f"{GLOBEX_KEY}:globex"}
 def tenants_args(root: Path) -> list[str]:
     """The sim engine, acme's key in the configuration and hashed's as a digest (globex's is
     in `ENV`)."""
-    config = root / "sluice.yaml"
-    config.write_text(
+    # No start-up calibration (~4 s): nothing here depends on the engine's measured speed.
+    config = uncalibrated_config(
+        root,
         "tenants:\n"
         f"  acme: {{api_keys: [{ACME_KEY}]}}\n"
-        f"  hashed: {{api_key_sha256: [{key_digest(DIGEST_KEY)}]}}\n"
-        # No start-up calibration (~4 s): nothing here depends on the engine's measured speed.
-        "estimates: {calibrate: false}\n"
+        f"  hashed: {{api_key_sha256: [{key_digest(DIGEST_KEY)}]}}\n",
     )
     return ["--engine", "sim", "--config", str(config), "--log-level", "info"]
 
@@ -52,24 +58,16 @@ def tenants_args(root: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     root = tmp_path_factory.mktemp("security")
-    server = InProcessSluice(tenants_args(root), root / "server.log", ENV, metrics_port=True)
-    try:
-        server.wait_ready(60)
+    with InProcessSluice(tenants_args(root), root / "server.log", ENV, metrics_port=True) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
 def process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SluiceProcess]:
     """The same server as `sluice serve` runs it: its logging is the process's."""
     root = tmp_path_factory.mktemp("security-process")
-    process = SluiceProcess(tenants_args(root), root / "server.log", ENV)
-    try:
-        process.wait_ready(60)
+    with SluiceProcess(tenants_args(root), root / "server.log", ENV) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -297,14 +295,7 @@ async def _resume_as(url: str, key: str, public_id: str, expected: str) -> None:
 
 def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
     # A server of its own (the address it throttles is every test's).
-    config = uncalibrated_config(tmp_path)
-    process = InProcessSluice(
-        ["--engine", "sim", "--config", str(config)],
-        tmp_path / "server.log",
-        env={"SLUICE_API_KEYS": f"{ACME_KEY}:acme"},
-    )
-    try:
-        process.wait_ready(60)
+    with sim_sluice(tmp_path, keys={ACME_KEY: "acme"}) as process:
         statuses = [
             httpx.get(process.url + "/v1/models", headers=bearer(f"sk-guess-{i}")).status_code
             for i in range(12)
@@ -314,8 +305,6 @@ def test_failed_attempts_from_one_address_are_throttled(tmp_path: Path) -> None:
         throttled = httpx.get(process.url + "/v1/models", headers=bearer(ACME_KEY))
         assert throttled.status_code == 429 and int(throttled.headers["retry-after"]) >= 1
         assert throttled.json()["error"]["code"] == "too_many_failed_attempts"
-    finally:
-        process.stop()
 
 
 @pytest.mark.system  # `sluice serve` run: its exit status is the subject

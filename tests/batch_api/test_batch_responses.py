@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import InProcessSluice, uncalibrated_config, wait_until
+from conftest import InProcessSluice, sim_sluice, wait_until
 
 if TYPE_CHECKING:
     import openai
@@ -25,16 +25,10 @@ DEADLINE_S = 60.0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    root = tmp_path_factory.mktemp("batch-responses")
-    process = InProcessSluice(
-        ["--engine", "sim", "--sim-step-base-ms", "10", "--config", str(uncalibrated_config(root))],
-        root / "server.log",
-    )
-    try:
-        process.wait_ready(60)
-        yield process
-    finally:
-        process.stop()
+    with sim_sluice(
+        tmp_path_factory.mktemp("batch-responses"), "--sim-step-base-ms", "10"
+    ) as server:
+        yield server
 
 
 @pytest.fixture

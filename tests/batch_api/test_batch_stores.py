@@ -15,13 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import RedisProcess
+from conftest import Clock, RedisProcess, redis_replicas
 
 from server.batch_api.sqlite_store import SqliteBatchStore
 from server.batch_api.store import PAGE_LINES, Batch, BatchStore, Line, read_all
-from server.core.config import StateConfig
-from server.observability.metrics import Metrics
-from server.state.backend import RedisState
 from server.state.batches import RedisBatchStore
 
 REDIS_LEASE_S = 0.5  # Redis's clock: real time passes for a lease to lapse
@@ -36,14 +33,6 @@ class Stores:
     second: BatchStore
     lease_s: float
     lapse: Callable[[], Awaitable[None]]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -69,23 +58,12 @@ async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
         await second.close()
         return
     redis: RedisProcess = request.getfixturevalue("stores_redis")
-    replicas = [
-        RedisState(StateConfig(url=redis.url, lease_seconds=REDIS_LEASE_S), Metrics())
-        for _ in range(2)
-    ]
-    for state in replicas:
-        await state.start()
 
     async def wait() -> None:
         await asyncio.sleep(REDIS_LEASE_S * 1.5)  # Redis expires the claim by its own clock
 
-    try:
-        yield Stores(
-            RedisBatchStore(replicas[0]), RedisBatchStore(replicas[1]), REDIS_LEASE_S, wait
-        )
-    finally:
-        for state in replicas:
-            await state.stop()
+    async with redis_replicas(redis, REDIS_LEASE_S) as (one, two):
+        yield Stores(RedisBatchStore(one), RedisBatchStore(two), REDIS_LEASE_S, wait)
 
 
 def a_batch(tenant: str | None = None, lines: int = 3) -> tuple[Batch, list[Line]]:

@@ -27,6 +27,7 @@ from conftest import (
     InProcessSluice,
     RedisProcess,
     SluiceProcess,
+    all_ready,
     tenant_key,
     uncalibrated_config,
     wait_until,
@@ -100,15 +101,11 @@ def output_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    process = InProcessSluice(
-        ["--engine", "sim", "--max-file-bytes", "200000"],
-        tmp_path_factory.mktemp("batches") / "server.log",
-    )
-    try:
-        process.wait_ready(60)
-        yield process
-    finally:
-        process.stop()
+    root = tmp_path_factory.mktemp("batches")
+    with InProcessSluice(
+        ["--engine", "sim", "--max-file-bytes", "200000"], root / "server.log"
+    ) as server:
+        yield server
 
 
 def test_a_batch_runs_to_completion_and_its_output_downloads(server: InProcessSluice) -> None:
@@ -230,24 +227,16 @@ def slow_server(tmp_path: Path) -> Iterator[tuple[InProcessSluice, list[str]]]:
     """A slow server in this process, and its arguments to start it again on the same data
     directory."""
     args = slow_args(tmp_path)
-    server = InProcessSluice(args, tmp_path / "server-0.log")
-    try:
-        server.wait_ready(60)
+    with InProcessSluice(args, tmp_path / "server-0.log") as server:
         yield server, args
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def slow_process(tmp_path: Path) -> Iterator[tuple[SluiceProcess, list[str]]]:
     """A slow server in a process of its own (to be killed), and its arguments."""
     args = slow_args(tmp_path)
-    process = SluiceProcess(args, tmp_path / "server-0.log")
-    try:
-        process.wait_ready(60)
+    with SluiceProcess(args, tmp_path / "server-0.log") as process:
         yield process, args
-    finally:
-        process.stop()
 
 
 def test_cancel_stops_the_batch_and_keeps_what_is_done(slow_server) -> None:  # type: ignore[no-untyped-def]
@@ -274,9 +263,7 @@ def test_sigkill_mid_batch_then_restart_loses_and_repeats_no_line(  # type: igno
     wait_until(lambda: client.batches.retrieve(batch_id).request_counts.completed >= 20, 60)
     os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(timeout=10)
-    again = SluiceProcess(args, tmp_path / "server-1.log")
-    try:
-        again.wait_ready(60)
+    with SluiceProcess(args, tmp_path / "server-1.log") as again:
         restarted = client_for(again)
         batch = wait_for(restarted, batch_id, {"completed"})
         lines = output_of(restarted, batch.output_file_id)
@@ -285,8 +272,6 @@ def test_sigkill_mid_batch_then_restart_loses_and_repeats_no_line(  # type: igno
         assert batch.request_counts.completed == 150
         # Killed mid-batch: the restarted server ran lines of its own.
         assert again.metric("sluice_batch_lines_total", outcome="completed") > 0
-    finally:
-        again.stop()
 
 
 def test_a_batch_past_its_window_expires_with_what_is_done(
@@ -305,9 +290,7 @@ def test_a_batch_past_its_window_expires_with_what_is_done(
         )
         body["expires_at"] = int(time.time()) - 1
         db.execute("UPDATE batches SET body = ? WHERE id = ?", (json.dumps(body), batch_id))
-    again = InProcessSluice(args, tmp_path / "server-1.log")
-    try:
-        again.wait_ready(60)
+    with InProcessSluice(args, tmp_path / "server-1.log") as again:
         restarted = client_for(again)
         batch = wait_for(restarted, batch_id, {"expired"}, 30)
         done = batch.request_counts.completed
@@ -315,8 +298,6 @@ def test_a_batch_past_its_window_expires_with_what_is_done(
         assert done >= 5 and len(expired) == 150 - done == batch.request_counts.failed
         assert {line["error"]["code"] for line in expired} == {"batch_expired"}
         assert len(output_of(restarted, batch.output_file_id)) == done
-    finally:
-        again.stop()
 
 
 @pytest.fixture
@@ -324,19 +305,14 @@ def two_servers(tmp_path: Path) -> Iterator[list[SluiceProcess]]:
     """Two `sluice serve` processes on one host, as an operator would start them: the same
     arguments but for the port, on the default data directory (`$XDG_DATA_HOME/sluice`)."""
     env = {"XDG_DATA_HOME": str(tmp_path / "xdg")}
-    servers = [
+    started = [
         SluiceProcess(
             slow_engine(tmp_path), tmp_path / f"server-{i}.log", env, default_data_dir=True
         )
         for i in range(2)
     ]
-    try:
-        for server in servers:
-            server.wait_ready(60)
+    with all_ready(started) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def test_two_servers_on_one_data_directory_serve_the_same_batches(

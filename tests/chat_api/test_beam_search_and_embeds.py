@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from conftest import InProcessSluice, SluiceProcess, wait_until
+from conftest import InProcessSluice, SluiceProcess, wait_at_zero
 
 # `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -110,12 +110,11 @@ def test_beam_search_as_vllms_server(client: openai.OpenAI, vllm_server: SluiceP
             extra_body={"use_beam_search": True},
         )
     assert _error(raised)["param"] == "use_beam_search"
-    wait_until(
-        lambda: (
-            vllm_server.metric("sluice_budget_in_use") == 0
-            and vllm_server.metric("sluice_engine_unfinished_requests") == 0
-        ),
-        10,
+    wait_at_zero(
+        vllm_server,
+        "sluice_budget_in_use",
+        "sluice_engine_unfinished_requests",
+        timeout=10,
         message="every beam's engine request ended",
     )
 
@@ -137,12 +136,11 @@ def test_a_client_leaving_ends_the_beam_search(vllm_server: SluiceProcess) -> No
         for line in response.iter_lines():
             if '"role":"assistant"' in line:
                 break  # dispatched: leaving closes the connection mid-search
-    wait_until(
-        lambda: (
-            vllm_server.metric("sluice_engine_unfinished_requests") == 0
-            and vllm_server.metric("sluice_running_requests") == 0
-        ),
-        10,
+    wait_at_zero(
+        vllm_server,
+        "sluice_engine_unfinished_requests",
+        "sluice_running_requests",
+        timeout=10,
         message="the search's engine requests aborted",
     )
     assert (

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from conftest import InProcessSluice, uncalibrated_config
+from conftest import InProcessSluice, sim_sluice
 
 # `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -30,17 +30,8 @@ MODEL = "sim"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    root = tmp_path_factory.mktemp("cached_tokens")
-    process = InProcessSluice(
-        ["--engine", "sim", "--config", str(uncalibrated_config(root))],
-        root / "server.log",
-        env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
-    )
-    try:
-        process.wait_ready(60)
-        yield process
-    finally:
-        process.stop()
+    with sim_sluice(tmp_path_factory.mktemp("cached_tokens"), keys=KEYS) as server:
+        yield server
 
 
 def client_of(server: InProcessSluice, key: str = "sk-alpha") -> openai.OpenAI:

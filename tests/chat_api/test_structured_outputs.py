@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jsonschema
 import pytest
 import websockets
-from conftest import SluiceProcess
+from conftest import WEATHER, WEATHER_ASK, SluiceProcess
 
 # `openai` (~0.5 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -24,16 +24,6 @@ if TYPE_CHECKING:
     import openai
 
 MODEL = "sluice-demo"
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "sunny": {"type": "boolean"},
-    },
-    "required": ["city", "sunny"],
-    "additionalProperties": False,
-}
 TOOL = {
     "type": "function",
     "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
@@ -71,7 +61,12 @@ def streamed_calls(chunks: list[Any]) -> tuple[list[dict[str, str]], str | None]
 
 def test_a_named_tool_call_matches_the_tool_schema(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[TOOL], tool_choice=NAMED, max_tokens=64, temperature=0
+        model=MODEL,
+        messages=WEATHER_ASK,
+        tools=[TOOL],
+        tool_choice=NAMED,
+        max_tokens=64,
+        temperature=0,
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "stop"  # OpenAI's for a named function
@@ -84,7 +79,7 @@ def test_a_named_tool_call_matches_the_tool_schema(client: openai.OpenAI) -> Non
     chunks = list(
         client.chat.completions.create(
             model=MODEL,
-            messages=ASK,
+            messages=WEATHER_ASK,
             tools=[TOOL],
             tool_choice=NAMED,
             max_tokens=64,
@@ -102,7 +97,7 @@ def test_a_named_tool_call_matches_the_tool_schema(client: openai.OpenAI) -> Non
 def test_required_tool_choice_calls_a_tool(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL,
-        messages=ASK,
+        messages=WEATHER_ASK,
         tools=[TOOL],
         tool_choice="required",
         parallel_tool_calls=False,
@@ -119,7 +114,7 @@ def test_required_tool_choice_calls_a_tool(client: openai.OpenAI) -> None:
 def test_auto_tool_choice_reads_calls_with_the_configured_parser(client: openai.OpenAI) -> None:
     body = {
         "model": MODEL,
-        "messages": ASK,
+        "messages": WEATHER_ASK,
         "tools": [TOOL],
         "max_tokens": 64,
         "temperature": 0,
@@ -142,7 +137,7 @@ def test_auto_tool_choice_reads_calls_with_the_configured_parser(client: openai.
 def test_auto_without_a_call_is_plain_content(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL,
-        messages=ASK,
+        messages=WEATHER_ASK,
         tools=[TOOL],
         max_tokens=8,
         temperature=0,
@@ -160,7 +155,7 @@ def test_json_schema_response_format_gives_valid_json(client: openai.OpenAI) -> 
     }
     reply = client.chat.completions.create(
         model=MODEL,
-        messages=ASK,
+        messages=WEATHER_ASK,
         response_format=response_format,
         max_tokens=64,
         temperature=0.8,
@@ -171,7 +166,7 @@ def test_json_schema_response_format_gives_valid_json(client: openai.OpenAI) -> 
     chunks = list(
         client.chat.completions.create(
             model=MODEL,
-            messages=ASK,
+            messages=WEATHER_ASK,
             response_format=response_format,
             max_tokens=64,
             temperature=0.8,
@@ -186,7 +181,7 @@ def test_json_schema_response_format_gives_valid_json(client: openai.OpenAI) -> 
 def test_vllm_structured_outputs_on_both_endpoints(client: openai.OpenAI) -> None:
     choice = client.chat.completions.create(
         model=MODEL,
-        messages=ASK,
+        messages=WEATHER_ASK,
         max_tokens=8,
         extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}},
     )
@@ -237,7 +232,9 @@ def test_bad_constraints_are_400s_before_anything_is_queued(
     import openai
 
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=fields)
+        client.chat.completions.create(
+            model=MODEL, messages=WEATHER_ASK, max_tokens=4, extra_body=fields
+        )
     error = refused.value.body
     assert isinstance(error, dict) and error["code"] == "invalid_request", error
     assert error["param"] == param, error
@@ -247,7 +244,7 @@ def test_bad_constraints_are_400s_before_anything_is_queued(
 async def test_tool_call_deltas_over_the_websocket(vllm_server: SluiceProcess) -> None:
     ws_url = vllm_server.url.replace("http://", "ws://") + "/v1/ws"
     request = {
-        "messages": ASK,
+        "messages": WEATHER_ASK,
         "tools": [TOOL],
         "tool_choice": NAMED,
         "max_tokens": 64,

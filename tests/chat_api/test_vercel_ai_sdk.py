@@ -22,7 +22,7 @@ from conftest import (
     SluiceProcess,
     missing,
     require_tool,
-    uncalibrated_config,
+    sim_sluice,
 )
 
 # Node runs the client: a process of its own, as Chromium is for the chat page's test.
@@ -104,22 +104,8 @@ def test_generate_text_and_stream_text_on_vllm(vllm_server: SluiceProcess) -> No
 def stopping_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     """The sim engine, its model stopping by itself (a chance of 1 in 20 each token)."""
     root = tmp_path_factory.mktemp("vercel-sim")
-    server = InProcessSluice(
-        [
-            "--engine",
-            "sim",
-            "--sim-eos-probability",
-            "0.05",
-            "--config",
-            str(uncalibrated_config(root)),
-        ],
-        root / "server.log",
-    )
-    try:
-        server.wait_ready(60)
+    with sim_sluice(root, "--sim-eos-probability", "0.05") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_generate_text_and_stream_text_on_sim(stopping_sim: InProcessSluice) -> None:

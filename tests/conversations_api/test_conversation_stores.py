@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from conftest import RedisProcess
+from conftest import Clock, RedisProcess, redis_replicas
 
 from server.conversations_api.store import (
     ConversationRow,
@@ -27,10 +27,7 @@ from server.conversations_api.store import (
     SqliteConversations,
     StoredItem,
 )
-from server.core.config import StateConfig
 from server.core.errors import ConversationLocked, ResourceNotFound, StorageLimitExceeded
-from server.observability.metrics import Metrics
-from server.state.backend import RedisState
 from server.state.conversations import RedisConversations
 
 LIMITS = Limits(max_conversations=3, max_items=8)
@@ -49,14 +46,6 @@ class Stores:
     advance: Callable[[], Awaitable[None]]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.system)])
 async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
     if request.param == "sqlite":
@@ -72,22 +61,13 @@ async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
         await second.close()
         return
     redis: RedisProcess = request.getfixturevalue("session_redis")
-    replicas = [
-        RedisState(StateConfig(url=redis.url, lease_seconds=REDIS_LEASE_S), Metrics())
-        for _ in range(2)
-    ]
-    for state in replicas:
-        await state.start()
 
     async def wait() -> None:
         await asyncio.sleep(REDIS_LEASE_S * 0.6)  # Redis expires a hold by its own clock
 
-    try:
-        first, second = (RedisConversations(state, LIMITS) for state in replicas)
+    async with redis_replicas(redis, REDIS_LEASE_S) as (one, two):
+        first, second = RedisConversations(one, LIMITS), RedisConversations(two, LIMITS)
         yield Stores(first, second, REDIS_LEASE_S, wait)
-    finally:
-        for state in replicas:
-            await state.stop()
 
 
 def tenant() -> str:

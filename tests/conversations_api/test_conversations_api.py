@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from conftest import AccessLines, InProcessSluice, uncalibrated_config, wait_until
+from conftest import AccessLines, InProcessSluice, sim_sluice, wait_until
 
 if TYPE_CHECKING:
     import openai
@@ -27,36 +27,23 @@ KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 DEADLINE_S = 30.0
 
 
-def serve(root: Path, config: str = "") -> Iterator[InProcessSluice]:
-    process = InProcessSluice(
-        [
-            "--engine",
-            "sim",
-            "--sim-step-base-ms",
-            "10",
-            "--config",
-            str(uncalibrated_config(root, config)),
-        ],
-        root / "server.log",
-        env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
-    )
-    try:
-        process.wait_ready(60)
-        yield process
-    finally:
-        process.stop()
+def serve(root: Path, *more: str, config: str = "", log: str = "server.log") -> InProcessSluice:
+    """A sim server with `KEYS`, at ~10 ms a step."""
+    return sim_sluice(root, "--sim-step-base-ms", "10", *more, config=config, keys=KEYS, log=log)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    yield from serve(tmp_path_factory.mktemp("conversations"))
+    with serve(tmp_path_factory.mktemp("conversations")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     """Bounds small enough to reach: 2 conversations, 6 items, 400 bytes an item."""
     bounds = "conversations: {max_conversations: 2, max_items: 6, max_item_bytes: 400}\n"
-    yield from serve(tmp_path_factory.mktemp("bounded"), bounds)
+    with serve(tmp_path_factory.mktemp("bounded"), config=bounds) as server:
+        yield server
 
 
 def client_of(server: InProcessSluice, key: str = "sk-acme") -> openai.OpenAI:
@@ -519,32 +506,17 @@ def test_conversations_outlive_a_restart(tmp_path: Path) -> None:
     """Under --data-dir (SQLite), two lifetimes of a server: the second finds the first's
     conversation, its items and its metadata, and continues it."""
     data = ["--data-dir", str(tmp_path / "data")]
-
-    def lifetime() -> InProcessSluice:
-        server = InProcessSluice(
-            ["--engine", "sim", "--config", str(uncalibrated_config(tmp_path)), *data],
-            tmp_path / "server.log",
-        )
-        server.wait_ready(60)
-        return server
-
-    first = lifetime()
-    try:
+    with sim_sluice(tmp_path, *data) as first:
         client = client_of(first)
         made = client.conversations.create(metadata={"a": "b"})
         client.responses.create(model="sim", input="hi", conversation=made.id, max_output_tokens=3)
         before = listed(client, made.id)
-    finally:
-        first.stop()
-    second = lifetime()
-    try:
+    with sim_sluice(tmp_path, *data) as second:
         client = client_of(second)
         assert client.conversations.retrieve(made.id).metadata == {"a": "b"}
         assert listed(client, made.id) == before and len(before) == 2
         client.responses.create(model="sim", input="on", conversation=made.id, max_output_tokens=3)
         assert listed(client, made.id)[:2] == before and len(listed(client, made.id)) == 4
-    finally:
-        second.stop()
 
 
 TERMINAL = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}

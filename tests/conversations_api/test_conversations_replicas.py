@@ -14,8 +14,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import InProcessSluice, RedisProcess, SluiceProcess, uncalibrated_config, wait_until
-from test_conversations_api import DEADLINE_S, KEYS, client_of, held, listed, refusal, texts
+from conftest import (
+    InProcessSluice,
+    RedisProcess,
+    SluiceProcess,
+    all_ready,
+    api_keys_env,
+    uncalibrated_config,
+    wait_until,
+)
+from test_conversations_api import DEADLINE_S, KEYS, client_of, held, listed, refusal, serve, texts
 
 if TYPE_CHECKING:
     import openai
@@ -23,7 +31,7 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.system, pytest.mark.xdist_group("conversations")]
 
 
-ENV = {"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())}
+ENV = api_keys_env(KEYS)
 
 
 def replica_args(root: Path, redis: RedisProcess, config: str = "") -> list[str]:
@@ -45,15 +53,9 @@ def replicas(
     session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[InProcessSluice]]:
     root = tmp_path_factory.mktemp("conversation-replicas")
-    args = replica_args(root, session_redis)
-    servers = [InProcessSluice(args, root / f"{name}.log", env=ENV) for name in ("a", "b")]
-    try:
-        for server in servers:
-            server.wait_ready(60)
+    started = [serve(root, "--state-url", session_redis.url, log=f"{name}.log") for name in "ab"]
+    with all_ready(started) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def test_a_conversation_made_on_one_replica_is_continued_on_the_other(

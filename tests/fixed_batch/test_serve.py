@@ -12,26 +12,10 @@ from conftest import InProcessSluice  # tests/conftest.py, the shared server fix
 
 @pytest.fixture(scope="module")
 def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    server = InProcessSluice(
-        [
-            "--engine",
-            "sim-batch",
-            "--workers",
-            "2",
-            "--batch-ms",
-            "20",
-            "--max-batch",
-            "4",
-            "--max-delay-ms",
-            "5",
-        ],
-        Path(tmp_path_factory.mktemp("sim-batch")) / "server.log",
-    )
-    try:
-        server.wait_ready(60)
+    args = ["--workers", "2", "--batch-ms", "20", "--max-batch", "4", "--max-delay-ms", "5"]
+    log = Path(tmp_path_factory.mktemp("sim-batch")) / "server.log"
+    with InProcessSluice(["--engine", "sim-batch", *args], log) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def complete(server: InProcessSluice, prompt: str) -> httpx.Response:

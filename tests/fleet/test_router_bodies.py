@@ -10,22 +10,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import InProcessSluice, RouterProcess, uncalibrated_config
+from conftest import InProcessSluice, RouterProcess, sim_sluice
 
 pytestmark = pytest.mark.system  # a real router process
 
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    root = tmp_path_factory.mktemp("router-worker")
-    server = InProcessSluice(
-        ["--engine", "sim", "--config", str(uncalibrated_config(root))], root / "server.log"
-    )
-    try:
-        server.wait_ready(60)
+    with sim_sluice(tmp_path_factory.mktemp("router-worker")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

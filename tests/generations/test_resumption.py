@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from conftest import InProcessSluice, parse_sse, uncalibrated_config, wait_until
+from conftest import InProcessSluice, parse_sse, sim_sluice, wait_at_zero, wait_until
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 ACME = {"Authorization": "Bearer sk-acme"}
@@ -28,30 +28,23 @@ GRACE_SECONDS = 1
 SHORT_GRACE_SECONDS = 0.2
 
 
-def serve(root: Path, grace_seconds: float) -> Iterator[InProcessSluice]:
+def serve(root: Path, grace_seconds: float) -> InProcessSluice:
     # Steps of 10 ms: a 40-token answer streams for ~0.4 s, long enough for a client to leave
     # mid-stream and for a retry to attach while it runs.
-    config = uncalibrated_config(root, f"resume: {{grace_seconds: {grace_seconds}}}\n")
-    process = InProcessSluice(
-        ["--engine", "sim", "--sim-step-base-ms", "10", "--config", str(config)],
-        root / "server.log",
-        env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
-    )
-    try:
-        process.wait_ready(60)
-        yield process
-    finally:
-        process.stop()
+    config = f"resume: {{grace_seconds: {grace_seconds}}}\n"
+    return sim_sluice(root, "--sim-step-base-ms", "10", config=config, keys=KEYS)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    yield from serve(tmp_path_factory.mktemp("resumption"), GRACE_SECONDS)
+    with serve(tmp_path_factory.mktemp("resumption"), GRACE_SECONDS) as server:
+        yield server
 
 
 @pytest.fixture
 def short_grace_server(tmp_path: Path) -> Iterator[InProcessSluice]:
-    yield from serve(tmp_path, SHORT_GRACE_SECONDS)
+    with serve(tmp_path, SHORT_GRACE_SECONDS) as server:
+        yield server
 
 
 def chat(max_tokens: int = 40, seed: int = 7, **extra: object) -> dict:
@@ -342,21 +335,9 @@ async def test_generate_then_cancel_races_end_each_generation_once(
     await race_generates_and_cancels(
         server.url.replace("http://", "ws://") + "/v1/ws?api_key=sk-acme", max_tokens=6
     )
-    wait_until(
-        lambda: (
-            server.metric("sluice_running_requests") == 0
-            and server.metric("sluice_queue_depth") == 0
-        ),
-        10,
-    )
+    wait_at_zero(server, "sluice_running_requests", "sluice_queue_depth", timeout=10)
 
 
 def test_nothing_is_left_once_readers_are_gone(server: InProcessSluice) -> None:
-    wait_until(
-        lambda: (
-            server.metric("sluice_running_requests") == 0
-            and server.metric("sluice_engine_unfinished_requests") == 0
-        ),
-        10,
-    )
+    wait_at_zero(server, "sluice_running_requests", "sluice_engine_unfinished_requests", timeout=10)
     assert server.metric("sluice_budget_in_use") == 0

@@ -9,7 +9,7 @@ import asyncio
 import json
 
 import httpx
-from conftest import SluiceProcess, wait_until
+from conftest import SluiceProcess, wait_at_zero, wait_until
 from test_resumption import (
     generation_id,
     race_generates_and_cancels,
@@ -73,11 +73,10 @@ async def test_generate_then_cancel_races_end_each_generation_once(
     await race_generates_and_cancels(
         vllm_server.url.replace("http://", "ws://") + "/v1/ws", max_tokens=8
     )
-    wait_until(
-        lambda: (
-            vllm_server.metric("sluice_engine_unfinished_requests") == 0
-            and vllm_server.metric("sluice_running_requests") == 0
-        ),
-        60,
+    wait_at_zero(
+        vllm_server,
+        "sluice_engine_unfinished_requests",
+        "sluice_running_requests",
+        timeout=60,
         message="every engine request ended",
     )

@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import FAST_SIM, InProcessSluice, loopback_listener, uncalibrated_config, wait_until
+from conftest import FAST_SIM, InProcessSluice, loopback_listener, sim_sluice, wait_until
 
 pytestmark = pytest.mark.service
 
@@ -20,28 +20,14 @@ def impatient_server(tmp_path: Path):  # type: ignore[no-untyped-def]
     # server's sends block after kilobytes rather than after megabytes of generated text.
     listener = loopback_listener()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
-    server = InProcessSluice(
-        # A fast engine and a long answer: the socket buffers must fill before a send blocks.
-        # Uncalibrated: a stalled reader is dropped whatever the engine's measured speed.
-        [
-            "--engine",
-            "sim",
-            "--config",
-            str(uncalibrated_config(tmp_path)),
-            "--send-timeout-seconds",
-            "0.2",
-            "--sim-max-model-len",
-            "65536",
-            *FAST_SIM,
-        ],
-        tmp_path / "server.log",
+    # A fast engine and a long answer: the socket buffers must fill before a send blocks.
+    # Uncalibrated: a stalled reader is dropped whatever the engine's measured speed.
+    with sim_sluice(
+        tmp_path,
+        "--send-timeout-seconds", "0.2", "--sim-max-model-len", "65536", *FAST_SIM,
         listener=listener,
-    )
-    try:
-        server.wait_ready(60)
+    ) as server:  # fmt: skip
         yield server
-    finally:
-        server.stop()
 
 
 def test_a_client_that_stops_reading_is_dropped(impatient_server: InProcessSluice) -> None:

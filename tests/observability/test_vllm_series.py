@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import InProcessSluice, uncalibrated_config, wait_until
+from conftest import InProcessSluice, sim_sluice, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.service
@@ -59,43 +59,26 @@ def families(server: InProcessSluice) -> dict[str, Any]:
     return {f.name: f for f in text_string_to_metric_families(server.metrics_text())}
 
 
-def sim_args(root: Path, *more: str) -> list[str]:
+def one_seat_sim(root: Path) -> InProcessSluice:
     # One seat: a second request waits in Sluice's queue while a first runs. An adapter with a
     # slot: vLLM's LoRA series.
-    config = uncalibrated_config(root, "budgets: {max_running_seqs: 1}\n")
-    return [
-        "--engine",
-        "sim",
-        "--sim-step-base-ms",
-        "10",
-        "--lora-modules",
-        f"{ADAPTER}=adapters/{ADAPTER}",
-        "--max-loras",
-        "1",
-        "--config",
-        str(config),
-        *more,
-    ]
+    return sim_sluice(
+        root,
+        "--sim-step-base-ms", "10",
+        "--lora-modules", f"{ADAPTER}=adapters/{ADAPTER}", "--max-loras", "1",
+        config="budgets: {max_running_seqs: 1}\n",
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    root = tmp_path_factory.mktemp("vllm-series")
-    process = InProcessSluice(sim_args(root), root / "server.log")
-    try:
-        process.wait_ready(60)
-        yield process
-    finally:
-        process.stop()
+    with one_seat_sim(tmp_path_factory.mktemp("vllm-series")) as server:
+        yield server
 
 
 def test_every_series_is_there_from_the_start_at_zero(tmp_path: Path) -> None:
-    server = InProcessSluice(sim_args(tmp_path), tmp_path / "server.log")
-    try:
-        server.wait_ready(60)
+    with one_seat_sim(tmp_path) as server:
         found = families(server)
-    finally:
-        server.stop()
     for name, kind in SERIES.items():
         assert name in found, f"no {name}"
         assert found[name].type == kind, (name, found[name].type)
@@ -296,9 +279,7 @@ def test_waiting_counts_requests_in_sluices_queue(server: InProcessSluice) -> No
 
 
 def test_the_sim_batch_engine_exports_them_too(tmp_path: Path) -> None:
-    server = InProcessSluice(["--engine", "sim-batch"], tmp_path / "server.log")
-    try:
-        server.wait_ready(60)
+    with InProcessSluice(["--engine", "sim-batch"], tmp_path / "server.log") as server:
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         body = {"model": model, "prompt": "sluice gates", "max_tokens": 5}
         reply = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
@@ -312,5 +293,3 @@ def test_the_sim_batch_engine_exports_them_too(tmp_path: Path) -> None:
         found = families(server)
         assert found.keys() >= SERIES.keys() - {"vllm:lora_requests_info"}
         assert "vllm:lora_requests_info" not in found  # (it serves no adapters)
-    finally:
-        server.stop()

@@ -9,7 +9,6 @@ a background response runs long enough to be cancelled or left mid-stream)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import FAST_SIM, InProcessSluice, uncalibrated_config, wait_until
+from conftest import FAST_SIM, InProcessSluice, sim_sluice, wait_until
 
 from server.generations.log import Event, Kind
 from server.generations.ports import ResponseStore, StoredResponse
@@ -36,36 +35,18 @@ KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 DEADLINE_S = 30.0
 
 
-def serve(root: Path, *more: str, paced: bool = True) -> Iterator[InProcessSluice]:
-    """A sim server, `paced` at 10 ms a step (for tests that catch a stream mid-way), else as
-    fast as the sim runs (`FAST_SIM`)."""
+def serve(root: Path, *more: str, paced: bool = True, log: str = "server.log") -> InProcessSluice:
+    """A sim server with `KEYS`, `paced` at 10 ms a step (for tests that catch a stream
+    mid-way), else as fast as the sim runs (`FAST_SIM`)."""
     pace = ["--sim-step-base-ms", "10"] if paced else FAST_SIM
-    process = InProcessSluice(
-        [
-            "--engine",
-            "sim",
-            *pace,
-            "--config",
-            str(uncalibrated_config(root)),
-            *more,
-        ],
-        root / "server.log",
-        env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
-    )
-    try:
-        process.wait_ready(60)
-        yield process
-    finally:
-        process.stop()
-
-
-served = contextlib.contextmanager(serve)
+    return sim_sluice(root, *pace, *more, keys=KEYS, log=log)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     """Its answers run to their max_output_tokens (the sim's model never stops by itself)."""
-    yield from serve(tmp_path_factory.mktemp("responses"))
+    with serve(tmp_path_factory.mktemp("responses")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +54,9 @@ def stopping_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProc
     """Its model stops by itself (a chance of 1 in 20 each token): answers complete. Unpaced:
     its tests read whole answers (the sampling test 800 tokens, 8 s at 10 ms a step, 1.5 s at
     the sim model's default speed)."""
-    yield from serve(
-        tmp_path_factory.mktemp("stopping"), "--sim-eos-probability", "0.05", paced=False
-    )
+    root = tmp_path_factory.mktemp("stopping")
+    with serve(root, "--sim-eos-probability", "0.05", paced=False) as server:
+        yield server
 
 
 def client_of(server: InProcessSluice, key: str = "sk-acme") -> openai.OpenAI:
@@ -455,7 +436,7 @@ def test_a_stored_response_outlives_its_server(tmp_path: Path) -> None:
     # Unpaced: the test reads whole answers and stored events, never a stream caught mid-way.
     for lifetime in ("first", "second"):
         (tmp_path / lifetime).mkdir()
-    with served(tmp_path / "first", *data, paced=False) as first:
+    with serve(tmp_path / "first", *data, paced=False) as first:
         client = client_of(first)
         made = client.responses.create(model="sim", input="tell me a story", max_output_tokens=16)
         background = client.responses.create(
@@ -465,7 +446,7 @@ def test_a_stored_response_outlives_its_server(tmp_path: Path) -> None:
             events = list(stream)
         assert events[-1].type in ("response.completed", "response.incomplete")
         assert client.responses.retrieve(background.id).status == events[-1].response.status
-    with served(tmp_path / "second", *data, paced=False) as second:
+    with serve(tmp_path / "second", *data, paced=False) as second:
         client = client_of(second)
         assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
         after = client.responses.create(

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import InProcessSluice, RedisProcess, uncalibrated_config, wait_until
-from test_responses_api import DEADLINE_S, KEYS, check_bounds
+from conftest import InProcessSluice, RedisProcess, all_ready, wait_until
+from test_responses_api import DEADLINE_S, check_bounds, serve
 from test_responses_ws import TERMINAL
 
 from server.core.config import StateConfig
@@ -27,20 +27,7 @@ pytestmark = [pytest.mark.system, pytest.mark.xdist_group("responses")]
 
 
 def replica(root: Path, redis: RedisProcess, name: str) -> InProcessSluice:
-    return InProcessSluice(
-        [
-            "--engine",
-            "sim",
-            "--sim-step-base-ms",
-            "10",
-            "--config",
-            str(uncalibrated_config(root)),
-            "--state-url",
-            redis.url,
-        ],
-        root / f"{name}.log",
-        env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
-    )
+    return serve(root, "--state-url", redis.url, log=f"{name}.log")
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +35,8 @@ def replicas(
     session_redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[InProcessSluice]]:
     root = tmp_path_factory.mktemp("response-replicas")
-    servers = [replica(root, session_redis, name) for name in ("a", "b")]
-    try:
-        for server in servers:
-            server.wait_ready(60)
+    with all_ready([replica(root, session_redis, name) for name in ("a", "b")]) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def client_of(server: InProcessSluice, key: str = "sk-acme") -> openai.OpenAI:
@@ -155,9 +136,7 @@ async def test_the_redis_store_keeps_responses_for_their_retention_within_each_t
 
 def test_a_response_is_kept_on_its_replica_while_redis_is_down(tmp_path: Path) -> None:
     with RedisProcess(tmp_path) as redis:
-        server = replica(tmp_path, redis, "alone")
-        try:
-            server.wait_ready(60)
+        with replica(tmp_path, redis, "alone") as server:
             client = client_of(server)
             redis.stop()
             made = client.responses.create(model="sim", input="hello", max_output_tokens=8)
@@ -170,8 +149,6 @@ def test_a_response_is_kept_on_its_replica_while_redis_is_down(tmp_path: Path) -
                 message="Redis answers again",
             )
             assert client.responses.retrieve(made.id).output_text == made.output_text
-        finally:
-            server.stop()
 
 
 def test_the_websocket_streams_responses_another_replica_made(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import pytest
-from conftest import SluiceProcess, wait_until
+from conftest import WEATHER, SluiceProcess, wait_until
 
 # `openai` (~1 s to import) in the tests that call it: every pytest-xdist worker collects
 # this module, and most never run them.
@@ -28,15 +28,6 @@ MODEL = "sluice-demo"
 BLOCK = 128  # vLLM's KV block on CPU: only whole blocks are cached
 DEADLINE_S = 60.0
 GREEDY: dict[str, Any] = {"model": MODEL, "temperature": 0}
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "sunny": {"type": "boolean"},
-    },
-    "required": ["city", "sunny"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture

@@ -12,12 +12,11 @@ import asyncio
 import json
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import websockets
-from conftest import InProcessSluice, uncalibrated_config, wait_until
+from conftest import InProcessSluice, sim_sluice, wait_until
 
 pytestmark = pytest.mark.xdist_group("responses_ws")
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
@@ -29,24 +28,9 @@ Event = dict[str, Any]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     """Its answers run to their max_output_tokens (the sim's model never stops by itself)."""
-    root: Path = tmp_path_factory.mktemp("responses_ws")
-    process = InProcessSluice(
-        [
-            "--engine",
-            "sim",
-            "--sim-step-base-ms",
-            "10",
-            "--config",
-            str(uncalibrated_config(root)),
-        ],
-        root / "server.log",
-        env={"SLUICE_API_KEYS": ",".join(f"{k}:{t}" for k, t in KEYS.items())},
-    )
-    try:
-        process.wait_ready(60)
-        yield process
-    finally:
-        process.stop()
+    root = tmp_path_factory.mktemp("responses_ws")
+    with sim_sluice(root, "--sim-step-base-ms", "10", keys=KEYS) as server:
+        yield server
 
 
 def ws_url(server: InProcessSluice) -> str:

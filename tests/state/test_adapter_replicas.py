@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import InProcessSluice, RedisProcess, metric_sum, uncalibrated_config, wait_until
+from conftest import InProcessSluice, RedisProcess, all_ready, metric_sum, sim_sluice, wait_until
 
 from server.state.adapters import SYNC_S
 
@@ -22,30 +22,23 @@ TENANTS = "tenants: {ops: {api_keys: [sk-ops], admin: true}, user: {api_keys: [s
 
 
 def replica(root: Path, redis: RedisProcess, name: str, *own: str) -> InProcessSluice:
-    server = InProcessSluice(
-        [
-            "--engine", "sim", "--enable-lora", "--max-loras", "4",
-            *(["--lora-modules", *own] if own else []),
-            "--config", str(uncalibrated_config(root, TENANTS)),
-            "--state-url", redis.url,
-        ],
-        root / f"{name}.log",
+    return sim_sluice(
+        root,
+        "--enable-lora", "--max-loras", "4", *(["--lora-modules", *own] if own else []),
+        "--state-url", redis.url,
+        config=TENANTS,
+        log=f"{name}.log",
     )  # fmt: skip
-    server.wait_ready(60)
-    return server
 
 
 @pytest.fixture
 def replicas(session_redis: RedisProcess, tmp_path: Path) -> Iterator[list[InProcessSluice]]:
-    servers = [
+    started = [
         replica(tmp_path, session_redis, "a", "own-a=adapters/own-a"),
         replica(tmp_path, session_redis, "b"),
     ]
-    try:
+    with all_ready(started) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def post(server: InProcessSluice, path: str, body: dict[str, str]) -> httpx.Response:
@@ -78,8 +71,7 @@ def test_an_adapter_loaded_on_one_replica_is_served_by_every_one(
     for server in (a, b):
         scrape = httpx.get(server.url + "/metrics").text
         assert metric_sum(scrape, "sluice_slo_target_seconds", model="support", target="itl") > 0
-    later = replica(tmp_path, session_redis, "c")  # served from its start
-    try:
+    with replica(tmp_path, session_redis, "c") as later:  # served from its start
         assert "support" in served(later)
         # Unloaded on another replica than the one it was loaded on: it leaves every one.
         assert post(b, "/v1/unload_lora_adapter", {"lora_name": "support"}).status_code == 200
@@ -91,5 +83,3 @@ def test_an_adapter_loaded_on_one_replica_is_served_by_every_one(
         assert "own-a" not in served(b)
         assert post(b, "/v1/unload_lora_adapter", {"lora_name": "own-a"}).status_code == 404
         assert "own-a" in served(a)
-    finally:
-        later.stop()

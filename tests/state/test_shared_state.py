@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 import websockets
-from conftest import InProcessSluice, RedisProcess, SluiceProcess, parse_sse, wait_until
+from conftest import InProcessSluice, RedisProcess, SluiceProcess, all_ready, parse_sse, wait_until
 
 pytestmark = pytest.mark.system
 
@@ -54,15 +54,9 @@ estimates: {{calibrate: false, decode_tokens_per_s: 400}}
 
 @pytest.fixture(scope="module")
 def replicas(redis: RedisProcess, config: Path) -> Iterator[list[InProcessSluice]]:
-    servers = [_replica_here(config, redis) for _ in range(2)]
-    try:
-        for server in servers:
-            server.wait_ready(60)
+    with all_ready([_replica_here(config, redis) for _ in range(2)]) as servers:
         _count_two(servers)
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def _replica(config: Path, redis: RedisProcess) -> SluiceProcess:
@@ -410,8 +404,6 @@ def test_a_reader_on_another_replica_keeps_a_generation_alive(
     period, unless a replica following it has one."""
     brief = config.with_name("brief-grace.yaml")
     brief.write_text(config.read_text() + "resume: {grace_seconds: 1}\n")
-    owner = _replica_here(brief, redis)
-    owner.wait_ready(60)
     max_tokens = 1500  # some seconds of the sim engine: well past the grace period
     body = {
         "messages": [{"role": "user", "content": "hi"}],
@@ -419,7 +411,7 @@ def test_a_reader_on_another_replica_keeps_a_generation_alive(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    try:
+    with _replica_here(brief, redis) as owner:
         lines: list[str] = []
         with httpx.stream(
             "POST",
@@ -436,8 +428,6 @@ def test_a_reader_on_another_replica_keeps_a_generation_alive(
         elsewhere = httpx.get(
             f"{replicas[0].url}/v1/chat/completions/{generation}/stream", headers=KEY, timeout=60
         )
-    finally:
-        owner.stop()
     events = parse_sse(elsewhere.text.splitlines())
     assert not [data for _, data in events if '"error"' in data]
     assert orjson.loads(events[-2][1])["usage"]["completion_tokens"] == max_tokens

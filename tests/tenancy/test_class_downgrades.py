@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-from conftest import InProcessSluice, uncalibrated_config
+from conftest import sim_sluice
 from prometheus_client.parser import text_string_to_metric_families
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -20,10 +20,7 @@ tenants:
 def test_a_downgraded_request_is_served_and_counted_by_tenant_and_asked_class(
     tmp_path: Path,
 ) -> None:
-    config = uncalibrated_config(tmp_path, TENANTS)
-    server = InProcessSluice(["--engine", "sim", "--config", str(config)], tmp_path / "s.log")
-    try:
-        server.wait_ready(60)
+    with sim_sluice(tmp_path, config=TENANTS, log="s.log") as server:
 
         def chat(key: str, traffic_class: str) -> None:
             headers = {"authorization": f"Bearer {key}", "x-traffic-class": traffic_class}
@@ -52,5 +49,3 @@ def test_a_downgraded_request_is_served_and_counted_by_tenant_and_asked_class(
         assert downgrades("batchco", "bulk") == 0
         assert downgrades("acme", "interactive") == 0
         assert server.metric("sluice_requests_total", traffic_class="bulk") == 3
-    finally:
-        server.stop()

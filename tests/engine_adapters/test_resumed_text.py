@@ -9,6 +9,10 @@ import pytest
 
 from engine_adapters.vllm_adapter import ResumedText
 
+# transformers (torch with it) imported in this process: with the other tests that import
+# vLLM's library (tests/engine_adapters/test_vllm_stats.py), in one worker.
+pytestmark = pytest.mark.xdist_group("vllm_library")
+
 
 @pytest.fixture(scope="module")
 def tokenizer(demo_model_dir: Path):  # type: ignore[no-untyped-def]

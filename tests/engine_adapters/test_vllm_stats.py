@@ -10,7 +10,9 @@ import pytest
 from engine_adapters.protocol import STEP_TOKEN_BOUNDS, EngineStats
 
 # vLLM's library, imported in this process (in the test: not where the quick tiers collect).
-pytestmark = pytest.mark.vllm
+# The tests that import vLLM's library (torch and transformers with it: ~10 s of CPU) or
+# transformers share one worker.
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_library")]
 
 
 def test_vllm_makes_sluice_s_logger_alone_and_it_keeps_each_step() -> None:

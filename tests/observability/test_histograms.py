@@ -90,6 +90,7 @@ def test_an_engine_s_step_counts_are_read_at_scrape() -> None:
 
 
 @pytest.mark.vllm  # (vLLM's library, imported in this process: out of the quick tiers)
+@pytest.mark.xdist_group("vllm_library")  # (the tests that import it share one worker)
 def test_the_bounds_are_vllm_s_own() -> None:
     from vllm.v1.metrics import buckets as vllm
 

@@ -146,8 +146,7 @@ class SchedulerCore:
                 started.append(self._start(head, now))
                 continue
             bulk_head = slots.bulk_head(bulk, head, now)
-            if bulk_head is not None and allowance.may_start(bulk_head, head, now):
-                allowance.starting(bulk_head, now)
+            if bulk_head is not None and allowance.start(bulk_head, head, now):
                 started.append(self._start(bulk_head, now))
                 continue
             return started

@@ -131,8 +131,12 @@ class SchedulerCore:
         for ticket in expired:
             self._left_queue(ticket, now)
         started = self._dispatch(now)
-        preempted = self.preemption.choose(now)
-        return Step(started, expired, preempted, self._wake_at(now))
+        # What bulk may run now, which preemption and the next wakeup read and neither changes
+        # (read only where bulk runs or waits: else neither reads it).
+        bulk = self.seats.per_class[BULK] or len(self.queues.bulk)
+        allowed = self.bulk.allowed(now) if bulk else 0
+        preempted = self.preemption.choose(now, allowed)
+        return Step(started, expired, preempted, self._wake_at(now, allowed))
 
     def _dispatch(self, now: float) -> list[Ticket]:
         """Interactive's head while it fits; else bulk's, as the slots and the bulk allowance
@@ -158,15 +162,15 @@ class SchedulerCore:
         self.estimates.prefill_dispatched(self.bulk.prefill_s(ticket))
         return ticket
 
-    def _wake_at(self, now: float) -> float | None:
+    def _wake_at(self, now: float, bulk_allowed: int) -> float | None:
         """The earliest of: a queued ticket's deadline, the moment the interactive head may
-        preempt bulk, and when what bulk may do changes by itself."""
+        preempt bulk, and when what bulk may do changes by itself (`bulk_allowed` now)."""
         deadline = self.queues.next_deadline()
         times = [] if deadline is None else [deadline]
         preempt_at = self.preemption.at()
         if preempt_at is not None:
             times.append(preempt_at)
-        times += self.bulk.wake_times(now)
+        times += self.bulk.wake_times(now, bulk_allowed)
         return times[0] if len(times) == 1 else min(times, default=None)  # (most: one deadline)
 
     def requeue(self, request_id: str, now: float) -> Ticket | None:

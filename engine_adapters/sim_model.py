@@ -397,6 +397,22 @@ def _sample(rng: _random.Random, span: int, bits: int) -> tuple[int, float]:
     return draw, rng.random()
 
 
+def _draw_tokens(rng: _random.Random, count: int, first: int, span: int) -> list[int]:
+    """`count` tokens, each `first` + a word drawn as `_sample` draws it (its end-of-sequence
+    draw drawn and dropped), without a call per token: a sequence whose tokens are drawn only
+    when read draws them here, a block at a time."""
+    getrandbits, end_draw = rng.getrandbits, rng.random
+    bits = span.bit_length()
+    tokens = []
+    for _ in range(count):
+        draw = getrandbits(bits)
+        while draw >= span:
+            draw = getrandbits(bits)
+        end_draw()
+        tokens.append(first + draw)
+    return tokens
+
+
 class SimTimingModel:
     """Continuous batching with chunked prefill and a finite KV pool; see the module docstring."""
 
@@ -535,12 +551,9 @@ class SimTimingModel:
         if len(tokens) < seq.length:
             if seq.rng is None:
                 seq.rng = _random.Random(seq.seed)
-            rng = seq.rng
             first = len(SPECIAL_TOKENS)
             span = self.config.vocab_size - first
-            bits = span.bit_length()
-            while len(tokens) < seq.length:
-                tokens.append(first + _sample(rng, span, bits)[0])
+            tokens += _draw_tokens(seq.rng, seq.length - len(tokens), first, span)
         return tokens
 
     def abort(self, request_id: str) -> bool:

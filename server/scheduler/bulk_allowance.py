@@ -176,15 +176,15 @@ class BulkAllowance:
         )
 
     # --- starts --------------------------------------------------------------------------
-    def start(self, ticket: Ticket, chat_head: Ticket | None, now: float) -> bool:
-        """Whether bulk's `ticket` may start now: below the cap, within the prefill the
-        step-time target leaves room for, and within bulk's budgets (its floor, while the chat
-        `chat_head` waits). If it may, it starts: its prefill takes its share of the pacer's
-        bucket. (One call, so that what chats and the cap are now is read once for both.)"""
-        chats_about = self._chats_about(now, self._hold_until())
-        allowed = self._allowed(chats_about)
+    def start(self, ticket: Ticket, chat_head: Ticket | None, now: float, allowed: int) -> bool:
+        """Whether bulk's `ticket` may start now: below the cap (`allowed`: `allowed(now)`,
+        which the poll has read), within the prefill the step-time target leaves room for, and
+        within bulk's budgets (its floor, while the chat `chat_head` waits). If it may, it
+        starts: its prefill takes its share of the pacer's bucket. (One call, so that whether
+        chats are about is read once for both.)"""
         if self._seats.bulk() >= allowed:
             return False
+        chats_about = self._chats_about(now, self._hold_until())
         share = self._start_share(ticket, chats_about, allowed)
         needs = self._pacing(ticket, now, chats_about, share)
         if needs is not None and not self._pacer.allows(*needs):

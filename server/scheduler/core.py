@@ -130,30 +130,33 @@ class SchedulerCore:
         expired = self.queues.expire(now)
         for ticket in expired:
             self._left_queue(ticket, now)
-        started = self._dispatch(now)
-        # What bulk may run now, which preemption and the next wakeup read and neither changes
-        # (read only where bulk runs or waits: else neither reads it).
-        bulk = self.seats.per_class[BULK] or len(self.queues.bulk)
-        allowed = self.bulk.allowed(now) if bulk else 0
+        # What bulk may run, read once for the dispatch, preemption and the next wakeup (and
+        # again after each start, which may change it; preemption changes nothing it reads),
+        # and only where bulk runs or waits: else nothing reads it.
+        bulk_about = bool(self.seats.per_class[BULK] or self.queues.bulk)
+        started, allowed = self._dispatch(now, bulk_about)
         preempted = self.preemption.choose(now, allowed)
         return Step(started, expired, preempted, self._wake_at(now, allowed))
 
-    def _dispatch(self, now: float) -> list[Ticket]:
+    def _dispatch(self, now: float, bulk_about: bool) -> tuple[list[Ticket], int]:
         """Interactive's head while it fits; else bulk's, as the slots and the bulk allowance
-        let it start; until neither starts."""
+        let it start; until neither starts. Returns what started, and the bulk allowed after
+        (0 unless `bulk_about`)."""
         interactive, bulk = self.queues.interactive, self.queues.bulk
         seats, slots, allowance = self.seats, self.slots, self.bulk
         started: list[Ticket] = []
+        allowed = allowance.allowed(now) if bulk_about else 0
         while True:
             head = interactive.peek()
             if head is not None and seats.fits(head, bulk_waiting=len(bulk) > 0):
                 started.append(self._start(head, now))
-                continue
-            bulk_head = slots.bulk_head(bulk, head, now)
-            if bulk_head is not None and allowance.start(bulk_head, head, now):
+            else:
+                bulk_head = slots.bulk_head(bulk, head, now)
+                if bulk_head is None or not allowance.start(bulk_head, head, now, allowed):
+                    return started, allowed
                 started.append(self._start(bulk_head, now))
-                continue
-            return started
+            if bulk_about:
+                allowed = allowance.allowed(now)
 
     def _start(self, ticket: Ticket, now: float) -> Ticket:
         expected_output = self.queues.start(ticket)

@@ -239,11 +239,11 @@ class BulkAllowance:
         """Engine seconds to prefill `ticket`."""
         return self._limits.prefill_tokens(ticket) / self._estimates.prefill_tokens_per_s
 
-    def wake_times(self, now: float, allowed: int) -> list[float]:
+    def wake_times(self, now: float, allowed: int | None) -> list[float]:
         """When what bulk may do changes by itself: the controller's next period (while bulk
         runs and chats' gaps are measured), and while bulk waits below what it may grow to,
-        the next paced start and the end of the bulk hold. `allowed`: `allowed(now)`, which
-        the poll has read."""
+        the next paced start and the end of the bulk hold. `allowed`: `allowed(now)`, if the
+        poll has read it."""
         times: list[float] = []
         controller = self._controller
         if controller.enabled and self._seats.per_class[BULK] and self._meter.has_gaps:
@@ -253,6 +253,8 @@ class BulkAllowance:
             running = self._seats.bulk()
             hold_until = self._hold_until()
             chats_about = self._chats_about(now, hold_until)
+            if allowed is None:
+                allowed = self._allowed(chats_about)
             if running < allowed:
                 share = self._start_share(bulk_head, chats_about, allowed)
                 needs = self._pacing(bulk_head, now, chats_about, share)

@@ -130,33 +130,34 @@ class SchedulerCore:
         expired = self.queues.expire(now)
         for ticket in expired:
             self._left_queue(ticket, now)
-        # What bulk may run, read once for the dispatch, preemption and the next wakeup (and
-        # again after each start, which may change it; preemption changes nothing it reads),
-        # and only where bulk runs or waits: else nothing reads it.
-        bulk_about = bool(self.seats.per_class[BULK] or self.queues.bulk)
-        started, allowed = self._dispatch(now, bulk_about)
+        started, allowed = self._dispatch(now)
         preempted = self.preemption.choose(now, allowed)
         return Step(started, expired, preempted, self._wake_at(now, allowed))
 
-    def _dispatch(self, now: float, bulk_about: bool) -> tuple[list[Ticket], int]:
+    def _dispatch(self, now: float) -> tuple[list[Ticket], int | None]:
         """Interactive's head while it fits; else bulk's, as the slots and the bulk allowance
-        let it start; until neither starts. Returns what started, and the bulk allowed after
-        (0 unless `bulk_about`)."""
+        let it start; until neither starts. Returns what started, and the bulk allowed after,
+        if a bulk head read it: preemption and the next wakeup read it too, and neither
+        changes it (read again after a start, which may; and not at all with no bulk head)."""
         interactive, bulk = self.queues.interactive, self.queues.bulk
         seats, slots, allowance = self.seats, self.slots, self.bulk
         started: list[Ticket] = []
-        allowed = allowance.allowed(now) if bulk_about else 0
+        allowed: int | None = None
         while True:
             head = interactive.peek()
             if head is not None and seats.fits(head, bulk_waiting=len(bulk) > 0):
                 started.append(self._start(head, now))
-            else:
-                bulk_head = slots.bulk_head(bulk, head, now)
-                if bulk_head is None or not allowance.start(bulk_head, head, now, allowed):
-                    return started, allowed
-                started.append(self._start(bulk_head, now))
-            if bulk_about:
+                allowed = None
+                continue
+            bulk_head = slots.bulk_head(bulk, head, now)
+            if bulk_head is None:
+                return started, allowed
+            if allowed is None:
                 allowed = allowance.allowed(now)
+            if not allowance.start(bulk_head, head, now, allowed):
+                return started, allowed
+            started.append(self._start(bulk_head, now))
+            allowed = None
 
     def _start(self, ticket: Ticket, now: float) -> Ticket:
         expected_output = self.queues.start(ticket)
@@ -165,9 +166,10 @@ class SchedulerCore:
         self.estimates.prefill_dispatched(self.bulk.prefill_s(ticket))
         return ticket
 
-    def _wake_at(self, now: float, bulk_allowed: int) -> float | None:
+    def _wake_at(self, now: float, bulk_allowed: int | None) -> float | None:
         """The earliest of: a queued ticket's deadline, the moment the interactive head may
-        preempt bulk, and when what bulk may do changes by itself (`bulk_allowed` now)."""
+        preempt bulk, and when what bulk may do changes by itself (`bulk_allowed` now, if
+        read)."""
         deadline = self.queues.next_deadline()
         times = [] if deadline is None else [deadline]
         preempt_at = self.preemption.at()

@@ -51,17 +51,17 @@ class Preemption:
         self._considered: str | None = None  # head already judged past its threshold
         self.preempted_for = dict.fromkeys(PreemptCause, 0)  # named to stop, by cause
 
-    def choose(self, now: float, allowed: int) -> list[Ticket]:
+    def choose(self, now: float, allowed: int | None) -> list[Ticket]:
         """Running bulk to stop now: what exceeds the cap (`allowed`: the bulk sequences that
-        may run now, `BulkAllowance.allowed`) while chats run, what a chat that waited its
-        threshold without room needs, and what holds the adapter slot a chat waits for. Each
-        ticket is named once; it keeps its budgets until the shell calls `requeue` (or
-        `release`, if it ended meanwhile)."""
+        may run now, `BulkAllowance.allowed`, if the poll has read it) while chats run, what a
+        chat that waited its threshold without room needs, and what holds the adapter slot a
+        chat waits for. Each ticket is named once; it keeps its budgets until the shell calls
+        `requeue` (or `release`, if it ended meanwhile)."""
         chosen: list[Ticket] = []
         if self._seats.per_class[BULK] == 0:
             return chosen  # no bulk runs: no pick has anything to name
         # Each pick's are named before the next pick looks, so each is named once.
-        self._name(self._over_cap(allowed), chosen)
+        self._name(self._over_cap(now, allowed), chosen)
         self._name(self._for_waiting_chat(now), chosen)
         self._name(self._for_adapter_slot(), chosen)
         return chosen
@@ -99,12 +99,12 @@ class Preemption:
             key=lambda e: (e.resume_cost(block), -e.dispatched_at),
         )
 
-    def _over_cap(self, allowed: int) -> list[Running]:
+    def _over_cap(self, now: float, allowed: int | None) -> list[Running]:
         seats = self._seats
         running = seats.bulk()
         if running <= 0:
             return []  # nothing over any cap (what bulk is allowed is never below 0)
-        excess = running - allowed
+        excess = running - (self._bulk.allowed(now) if allowed is None else allowed)
         if excess <= 0 or not self._bulk.chats():
             return []
         # The cap aims under the target; between the two, bulk ends by itself sooner than a

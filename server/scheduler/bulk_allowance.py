@@ -119,9 +119,9 @@ class BulkAllowance:
         hold = self._hold_s
         return max(quiet + hold, self._estimates.chats_rarer_than(hold))
 
-    def _chats_about(self, now: float) -> bool:
-        """Chats run or wait, or the bulk hold after the last one has not ended."""
-        hold_until = self._hold_until()
+    def _chats_about(self, now: float, hold_until: float | None) -> bool:
+        """Chats run or wait, or the bulk hold after the last one (`_hold_until`) has not
+        ended."""
         return hold_until is None or now < hold_until
 
     # --- the cap -------------------------------------------------------------------------
@@ -134,7 +134,11 @@ class BulkAllowance:
         they came and went, and a bulk request outlives many chats, so a cap that followed
         each would only ratchet up to its highest (bulk fills the cap at once, and leaves it
         only as it ends)."""
-        if self._chats_about(now):
+        return self._allowed(self._chats_about(now, self._hold_until()))
+
+    def _allowed(self, chats_about: bool) -> int:
+        """`allowed`, with whether chats are about already read (a decision reads it once)."""
+        if chats_about:
             expected = round(self._estimates.chats_together)
             if self._controller.enabled:
                 return self._bulk_cap.with_chats(max(1, expected) + self.burst())
@@ -172,41 +176,46 @@ class BulkAllowance:
         )
 
     # --- starts --------------------------------------------------------------------------
-    def may_start(self, ticket: Ticket, chat_head: Ticket | None, now: float) -> bool:
-        """Below the cap, within the prefill the step-time target leaves room for, and within
-        bulk's budgets (its floor, while the chat `chat_head` waits)."""
-        if self._seats.bulk() >= self.allowed(now):
+    def start(self, ticket: Ticket, chat_head: Ticket | None, now: float, allowed: int) -> bool:
+        """Whether bulk's `ticket` may start now: below the cap (`allowed`: `allowed(now)`,
+        which the poll has read), within the prefill the step-time target leaves room for, and
+        within bulk's budgets (its floor, while the chat `chat_head` waits). If it may, it
+        starts: its prefill takes its share of the pacer's bucket. (One call, so that whether
+        chats are about is read once for both.)"""
+        if self._seats.bulk() >= allowed:
             return False
-        needs = self._pacing(ticket, now)
+        chats_about = self._chats_about(now, self._hold_until())
+        share = self._start_share(ticket, chats_about, allowed)
+        needs = self._pacing(ticket, now, chats_about, share)
         if needs is not None and not self._pacer.allows(*needs):
             return False
         ledger = self._seats.ledger
         if chat_head is None:
-            return ledger.fits(ticket, bulk_waiting=True)
-        return ledger.fits_bulk_floor(ticket)
-
-    def starting(self, ticket: Ticket, now: float) -> None:
-        """Bulk's `ticket` starts now: its prefill takes its share of the pacer's bucket."""
+            if not ledger.fits(ticket, bulk_waiting=True):
+                return False
+        elif not ledger.fits_bulk_floor(ticket):
+            return False
         prefill_s = self.prefill_s(ticket)
-        self._pacer.spend(
-            prefill_s, self._start_share(ticket, now), self._limits.prefill_steps(ticket)
-        )
+        self._pacer.spend(prefill_s, share, self._limits.prefill_steps(ticket))
         self._prefill_until = max(self._prefill_until, now + prefill_s)
+        return True
 
-    def _pacing(self, ticket: Ticket, now: float) -> tuple[float, float] | None:
+    def _pacing(
+        self, ticket: Ticket, now: float, chats_about: bool, share: float
+    ) -> tuple[float, float] | None:
         """What the pacer must hold for `ticket` to start: (prefill seconds, least share of
-        the bucket); None: it starts at once. Below bulk's floor a start is not paced, unless
-        the controller has slowed the pace (first tokens late behind bulk's prefills): then it
-        waits for the bucket to refill what the last start took, and no more."""
+        the bucket: `share`); None: it starts at once. Below bulk's floor a start is not paced,
+        unless the controller has slowed the pace (first tokens late behind bulk's prefills):
+        then it waits for the bucket to refill what the last start took, and no more."""
         below_floor = self._seats.bulk() < self._bulk_cap.floor()
         if below_floor and self._controller.pace >= 1.0:
             return None
-        self._pace(now)
+        self._pace(now, chats_about)
         if below_floor:
             return 0.0, 0.0
-        return self.prefill_s(ticket), self._start_share(ticket, now)
+        return self.prefill_s(ticket), share
 
-    def _start_share(self, ticket: Ticket, now: float) -> float:
+    def _start_share(self, ticket: Ticket, chats_about: bool, allowed: int) -> float:
         """The least share of a step's prefill headroom one bulk start takes while chats are
         about, whatever its prefill: one start per engine step, or more where the bulk allowed
         turns over faster (`TURNOVER_PACE` times the rate that replaces it, with each request's
@@ -216,24 +225,25 @@ class BulkAllowance:
         steps, where a chat arriving waits behind them. Spread once, the starts stay spread:
         each follows the end of the one it replaces. Within bulk's guaranteed minimum share
         a start takes none."""
-        if not self._chats_about(now) or self._seats.ledger.fits_bulk_floor(ticket):
+        if not chats_about or self._seats.ledger.fits_bulk_floor(ticket):
             return 0.0
         turnover_steps = max(1.0, self._estimates.expected_output_tokens(ticket))
-        return min(1.0, turnover_steps / (TURNOVER_PACE * max(1, self.allowed(now))))
+        return min(1.0, turnover_steps / (TURNOVER_PACE * max(1, allowed)))
 
-    def _pace(self, now: float) -> None:
+    def _pace(self, now: float, chats_about: bool) -> None:
         step = self._estimates.step_s(self._seats.sequences + 1)
-        headroom = self._bulk_cap.prefill_headroom(step, chats_about=self._chats_about(now))
+        headroom = self._bulk_cap.prefill_headroom(step, chats_about=chats_about)
         self._pacer.update(now, headroom, step, self._controller.pace)
 
     def prefill_s(self, ticket: Ticket) -> float:
         """Engine seconds to prefill `ticket`."""
         return self._limits.prefill_tokens(ticket) / self._estimates.prefill_tokens_per_s
 
-    def wake_times(self, now: float) -> list[float]:
+    def wake_times(self, now: float, allowed: int | None) -> list[float]:
         """When what bulk may do changes by itself: the controller's next period (while bulk
         runs and chats' gaps are measured), and while bulk waits below what it may grow to,
-        the next paced start and the end of the bulk hold."""
+        the next paced start and the end of the bulk hold. `allowed`: `allowed(now)`, if the
+        poll has read it."""
         times: list[float] = []
         controller = self._controller
         if controller.enabled and self._seats.per_class[BULK] and self._meter.has_gaps:
@@ -241,12 +251,16 @@ class BulkAllowance:
         bulk_head = self._queues.bulk.peek()
         if bulk_head is not None:
             running = self._seats.bulk()
-            if running < self.allowed(now):
-                needs = self._pacing(bulk_head, now)
+            hold_until = self._hold_until()
+            chats_about = self._chats_about(now, hold_until)
+            if allowed is None:
+                allowed = self._allowed(chats_about)
+            if running < allowed:
+                share = self._start_share(bulk_head, chats_about, allowed)
+                needs = self._pacing(bulk_head, now, chats_about, share)
                 ready = now if needs is None else self._pacer.ready_at(*needs)
                 if ready > now:  # else the budgets hold it, and a release will poll
                     times.append(ready)
-            hold_until = self._hold_until()
             if hold_until is not None and now < hold_until and running < self._bulk_cap.idle():
                 times.append(hold_until)
         return times

@@ -130,27 +130,34 @@ class SchedulerCore:
         expired = self.queues.expire(now)
         for ticket in expired:
             self._left_queue(ticket, now)
-        started = self._dispatch(now)
-        preempted = self.preemption.choose(now)
-        return Step(started, expired, preempted, self._wake_at(now))
+        started, allowed = self._dispatch(now)
+        preempted = self.preemption.choose(now, allowed)
+        return Step(started, expired, preempted, self._wake_at(now, allowed))
 
-    def _dispatch(self, now: float) -> list[Ticket]:
+    def _dispatch(self, now: float) -> tuple[list[Ticket], int | None]:
         """Interactive's head while it fits; else bulk's, as the slots and the bulk allowance
-        let it start; until neither starts."""
+        let it start; until neither starts. Returns what started, and the bulk allowed after,
+        if a bulk head read it: preemption and the next wakeup read it too, and neither
+        changes it (read again after a start, which may; and not at all with no bulk head)."""
         interactive, bulk = self.queues.interactive, self.queues.bulk
         seats, slots, allowance = self.seats, self.slots, self.bulk
         started: list[Ticket] = []
+        allowed: int | None = None
         while True:
             head = interactive.peek()
             if head is not None and seats.fits(head, bulk_waiting=len(bulk) > 0):
                 started.append(self._start(head, now))
+                allowed = None
                 continue
             bulk_head = slots.bulk_head(bulk, head, now)
-            if bulk_head is not None and allowance.may_start(bulk_head, head, now):
-                allowance.starting(bulk_head, now)
-                started.append(self._start(bulk_head, now))
-                continue
-            return started
+            if bulk_head is None:
+                return started, allowed
+            if allowed is None:
+                allowed = allowance.allowed(now)
+            if not allowance.start(bulk_head, head, now, allowed):
+                return started, allowed
+            started.append(self._start(bulk_head, now))
+            allowed = None
 
     def _start(self, ticket: Ticket, now: float) -> Ticket:
         expected_output = self.queues.start(ticket)
@@ -159,15 +166,16 @@ class SchedulerCore:
         self.estimates.prefill_dispatched(self.bulk.prefill_s(ticket))
         return ticket
 
-    def _wake_at(self, now: float) -> float | None:
+    def _wake_at(self, now: float, bulk_allowed: int | None) -> float | None:
         """The earliest of: a queued ticket's deadline, the moment the interactive head may
-        preempt bulk, and when what bulk may do changes by itself."""
+        preempt bulk, and when what bulk may do changes by itself (`bulk_allowed` now, if
+        read)."""
         deadline = self.queues.next_deadline()
         times = [] if deadline is None else [deadline]
         preempt_at = self.preemption.at()
         if preempt_at is not None:
             times.append(preempt_at)
-        times += self.bulk.wake_times(now)
+        times += self.bulk.wake_times(now, bulk_allowed)
         return times[0] if len(times) == 1 else min(times, default=None)  # (most: one deadline)
 
     def requeue(self, request_id: str, now: float) -> Ticket | None:

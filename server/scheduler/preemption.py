@@ -51,19 +51,25 @@ class Preemption:
         self._considered: str | None = None  # head already judged past its threshold
         self.preempted_for = dict.fromkeys(PreemptCause, 0)  # named to stop, by cause
 
-    def choose(self, now: float) -> list[Ticket]:
-        """Running bulk to stop now: what exceeds the cap while chats run, what a chat that
-        waited its threshold without room needs, and what holds the adapter slot a chat waits
-        for. Each ticket is named once; it keeps its budgets until the shell calls `requeue`
-        (or `release`, if it ended meanwhile)."""
+    def choose(self, now: float, allowed: int | None) -> list[Ticket]:
+        """Running bulk to stop now: what exceeds the cap (`allowed`: the bulk sequences that
+        may run now, `BulkAllowance.allowed`, if the poll has read it) while chats run, what a
+        chat that waited its threshold without room needs, and what holds the adapter slot a
+        chat waits for. Each ticket is named once; it keeps its budgets until the shell calls
+        `requeue` (or `release`, if it ended meanwhile)."""
         chosen: list[Ticket] = []
         if self._seats.per_class[BULK] == 0:
             return chosen  # no bulk runs: no pick has anything to name
-        for pick in (self._over_cap, self._for_waiting_chat, self._for_adapter_slot):
-            for entry in pick(now):  # named before the next pick, so named once
-                self._seats.stop(entry)
-                chosen.append(entry.ticket)
+        # Each pick's are named before the next pick looks, so each is named once.
+        self._name(self._over_cap(now, allowed), chosen)
+        self._name(self._for_waiting_chat(now), chosen)
+        self._name(self._for_adapter_slot(), chosen)
         return chosen
+
+    def _name(self, entries: list[Running], chosen: list[Ticket]) -> None:
+        for entry in entries:
+            self._seats.stop(entry)
+            chosen.append(entry.ticket)
 
     def at(self) -> float | None:
         """When the interactive head, if it still waits, may stop bulk to make room."""
@@ -93,12 +99,12 @@ class Preemption:
             key=lambda e: (e.resume_cost(block), -e.dispatched_at),
         )
 
-    def _over_cap(self, now: float) -> list[Running]:
+    def _over_cap(self, now: float, allowed: int | None) -> list[Running]:
         seats = self._seats
         running = seats.bulk()
         if running <= 0:
             return []  # nothing over any cap (what bulk is allowed is never below 0)
-        excess = running - self._bulk.allowed(now)
+        excess = running - (self._bulk.allowed(now) if allowed is None else allowed)
         if excess <= 0 or not self._bulk.chats():
             return []
         # The cap aims under the target; between the two, bulk ends by itself sooner than a
@@ -143,7 +149,7 @@ class Preemption:
                 return self._stopping(PreemptCause.WAITING_CHAT, chosen)
         return []  # even stopping every bulk request would not make room
 
-    def _for_adapter_slot(self, now: float) -> list[Running]:
+    def _for_adapter_slot(self) -> list[Running]:
         """Returns [] unless the interactive head waits for an adapter slot that bulk alone
         holds: then all the bulk on one such adapter (the fewest sequences) stops, at once (a
         slot frees only when the last request on it ends, which a flood may never let happen).

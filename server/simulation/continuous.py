@@ -295,7 +295,11 @@ class ContinuousSimulation:
         start = request_hash % span
         if start + length <= span:  # no wrap: a run of consecutive ids
             return range(first + start, first + start + length)
-        return [first + (start + i) % span for i in range(length)]
+        # Wrapped: the ids from `start` round the span, as many times as it takes (a long
+        # prompt on a small vocabulary), repeated and cut as lists are, not id by id.
+        ids = range(first, first + span)
+        turn = [*ids[start:], *ids[:start]]
+        return (turn * -(-length // span))[:length]
 
     def _stop_engine_request(self, live: _Live) -> None:
         assert live.engine_id is not None

@@ -5,6 +5,7 @@ engine shows, as the server's does from its real engine."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from engine_adapters.sim_model import SimConfig, SimTimingModel
 from server.scheduler.calibration import (
@@ -24,7 +25,15 @@ def probe_timing_model(
     sim: SimConfig, *, max_sequences: int, tokens: int = 16, adapters: Sequence[str] = ()
 ) -> Probe:
     """The probe's timings on `sim`, with runs alone on each of `adapters` (each already in
-    a slot, as a served adapter is in the server's engine)."""
+    a slot, as a served adapter is in the server's engine). The timing model is deterministic,
+    so a probe is run once per engine and kept: a sweep runs many simulations of one engine
+    (the frontier's ladder: 16), each of which would otherwise calibrate anew. The `Probe` is
+    shared: it is read (`calibration.seed`), never changed."""
+    return _probe(sim, max_sequences, tokens, tuple(adapters))
+
+
+@lru_cache(maxsize=32)
+def _probe(sim: SimConfig, max_sequences: int, tokens: int, adapters: tuple[str, ...]) -> Probe:
     prompt = [7] * PROMPT_TOKENS
 
     def run(n: int, prompt_ids: list[int], adapter: str | None = None) -> list[StreamTiming]:

@@ -28,6 +28,7 @@ from conftest import (
     RedisProcess,
     SluiceProcess,
     all_ready,
+    sim_sluice,
     tenant_key,
     uncalibrated_config,
     wait_until,
@@ -102,9 +103,7 @@ def output_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     root = tmp_path_factory.mktemp("batches")
-    with InProcessSluice(
-        ["--engine", "sim", "--max-file-bytes", "200000"], root / "server.log"
-    ) as server:
+    with sim_sluice(root, "--max-file-bytes", "200000") as server:
         yield server
 
 

@@ -495,6 +495,20 @@ ROWS: tuple[Row, ...] = (
                 ),
                 unit="reqps",
             ),
+            Panel(
+                "Batch lines offered again/s",
+                "Batch lines refused for now and offered again later, per second, by the "
+                "refusal's code: the server at capacity, a tenant's quota, or the line's "
+                "conversation held by another response (conversation_locked). Steady retries "
+                "of one code say what holds the batches back.",
+                (
+                    Target(
+                        "sum by (code) (rate(sluice_batch_line_retries_total[$__rate_interval]))",
+                        "{{code}}",
+                    ),
+                ),
+                unit="reqps",
+            ),
         ),
     ),
     Row(

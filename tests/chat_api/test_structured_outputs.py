@@ -60,14 +60,15 @@ def streamed_calls(chunks: list[Any]) -> tuple[list[dict[str, str]], str | None]
 
 
 def test_a_named_tool_call_matches_the_tool_schema(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=WEATHER_ASK,
-        tools=[TOOL],
-        tool_choice=NAMED,
-        max_tokens=64,
-        temperature=0,
-    )
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "messages": WEATHER_ASK,
+        "tools": [TOOL],
+        "tool_choice": NAMED,
+        "max_tokens": 64,
+        "temperature": 0,
+    }
+    reply = client.chat.completions.create(**ask)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop"  # OpenAI's for a named function
     assert choice.message.content is None
@@ -76,17 +77,7 @@ def test_a_named_tool_call_matches_the_tool_schema(client: openai.OpenAI) -> Non
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=WEATHER_ASK,
-            tools=[TOOL],
-            tool_choice=NAMED,
-            max_tokens=64,
-            temperature=0,
-            stream=True,
-        )
-    )
+    chunks = list(client.chat.completions.create(**ask, stream=True))
     (streamed,), finish = streamed_calls(chunks)
     assert finish == "stop"
     assert streamed["name"] == "get_weather" and streamed["id"]

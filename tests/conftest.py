@@ -118,8 +118,12 @@ SHARED_ENGINES = {
     "vllm_server": "vllm_server",
     "spare_replica": "vllm_server",
     "keyed_vllm_server": "keyed_vllm_server",
-    "two_seat_server": "two_seat_server",
 }
+# The session's servers that a test ends (`ends_shared_server(<fixture>)`: it kills the server's
+# process or its engine), in the order they end: the takeover test kills the spare replica and
+# continues its generation on the session's server, whose engine the engine-death test then
+# kills.
+ENDED_IN_ORDER = ("spare_replica", "vllm_server")
 
 
 # The tiers (docs/testing.md): `unit` runs no server; `service` serves an app in this process on
@@ -184,10 +188,15 @@ def reserved_port() -> int:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that ends one of the session's servers (`ends_shared_server`: it kills the
-    server's process or its engine) runs after the tests that use it alive, whichever file
-    comes first: it goes last (pytest-xdist keeps a group's tests together, in this order)."""
-    items.sort(key=lambda item: item.get_closest_marker("ends_shared_server") is not None)
+    """A test that ends one of the session's servers (`ends_shared_server(<fixture>)`) runs
+    after the tests that use it alive, whichever file comes first: the tests that end one go
+    last, in `ENDED_IN_ORDER` (pytest-xdist keeps a group's tests together, in this order)."""
+
+    def order(item: pytest.Item) -> int:
+        ends = item.get_closest_marker("ends_shared_server")
+        return 0 if ends is None else 1 + ENDED_IN_ORDER.index(ends.args[0])
+
+    items.sort(key=order)
 
 
 # How many of the collected tests use each of the session's servers, left to run here, and
@@ -841,9 +850,10 @@ UNCALIBRATED_VLLM_ENV = {**VLLM_ENV, "SLUICE_ESTIMATES__CALIBRATE": "false"}
 # The model run as it is, not compiled (`enforce_eager`): vLLM compiles it at every start here
 # (its compile cache fails to load: "'function' object has no attribute 'finalize_loading'"),
 # 8 s of a start's CPU, and a compiled step saves ~1 ms of CPU a token after (2026-12-07, 1,280
-# tokens: 2.4-3.5 s of CPU compiled, 4.1 s not). The two-seat server's two tests, 4,000 tokens,
-# took 30.4 s of CPU compiled and 25.7 s not; the session's server's ~3,500 tokens cost its 66
-# tests 63 s either way, and it compiles, as `sluice serve` does.
+# tokens: 2.4-3.5 s of CPU compiled, 4.1 s not). The preemption and engine-death tests' 4,000
+# tokens, on a server of their own then, took 30.4 s of CPU compiled and 25.7 s not; the
+# session's server's ~3,500 tokens cost its 66 tests 63 s either way, and it compiles, as
+# `sluice serve` does.
 EAGER = ["--engine-arg", "enforce_eager=true"]
 
 
@@ -864,10 +874,13 @@ def vllm_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[SluiceProcess]:
     """Sluice on vLLM with the demo model, its resumable generations shared in Redis, its
-    engine publishing vLLM's KV events (`kv_events`: where, for a router's kv_aware policy)."""
+    engine publishing vLLM's KV events (`kv_events`: where, for a router's kv_aware policy).
+    Its last test kills its engine (tests/api/test_engine_death.py): it exits 8 s after
+    (`--engine-death-exit-seconds`, which changes nothing while the engine lives)."""
     kv_args, kv_events = kv_events_args()
+    death = ["--engine-death-exit-seconds", "8"]
     server = SluiceProcess(
-        [*vllm_args(demo_model_dir), "--state-url", session_redis.url, *kv_args],
+        [*vllm_args(demo_model_dir), "--state-url", session_redis.url, *kv_args, *death],
         tmp_path_factory.mktemp("vllm") / "server.log",
         env=VLLM_ENV,
     )
@@ -883,8 +896,9 @@ def vllm_server(
 class SharedServer:
     """One of the session's servers, started on its first use: `get` for the tests that use it
     alive, `take` for the test that ends it (kills its process or its engine, and stops it),
-    after which a `get` starts another. The test that takes it is marked `ends_shared_server`,
-    so that it runs after the others (`pytest_collection_modifyitems`)."""
+    after which a `get` starts another. The test that takes it is marked
+    `ends_shared_server(<fixture>)`, so that it runs after the others
+    (`pytest_collection_modifyitems`)."""
 
     def __init__(self, start: Callable[[int], SluiceProcess]) -> None:
         self._start = start  # the server of start number N, not yet ready
@@ -912,6 +926,22 @@ class SharedServer:
             self.server.stop()
 
 
+# The spare replica's budgets, for the preemption test: room for two sequences and no
+# interactive reserve, and no bulk cap, so that both bulk requests run at once whatever the
+# engine's measured speed (with the cap, one CI run on a loaded machine saw the first end before
+# the chat was even sent, as when the cap, its knee, admits one bulk sequence and the second
+# waits for the first).
+TWO_SEATS = """
+budgets:
+  max_running_seqs: 2
+  interactive_reserve_share: 0.0
+  bulk_min_share: 0.0
+  preempt_bulk_after_ms: 100
+slo:
+  cap_bulk: false
+"""
+
+
 @pytest.fixture(scope="session")
 def spare_replica(
     request: pytest.FixtureRequest,
@@ -920,12 +950,15 @@ def spare_replica(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[SharedServer]:
     """A second vLLM replica beside the session's server, on its Redis, publishing KV events,
-    its claims lapsing 2 s after its last renewal: the fleet tests' second replica
-    (tests/fleet/test_router_vllm.py), then the replica the takeover test kills
-    (tests/generations/test_takeover_vllm.py), so one engine start serves both."""
+    its claims lapsing 2 s after its last renewal, with room for two sequences (`TWO_SEATS`):
+    the preemption test's server (tests/api/test_preemption.py), the fleet tests' second
+    replica (tests/fleet/test_router_vllm.py: one request at a time, and a batch whose three
+    lines take turns for the two seats), then the replica the takeover test kills
+    (tests/generations/test_takeover_vllm.py), so one engine start serves all three."""
     root = tmp_path_factory.mktemp("spare")
     config = root / "spare.yaml"
-    config.write_text("state: {lease_seconds: 2}\n")  # a killed one's stream moves on soon
+    # (a killed one's stream moves on soon)
+    config.write_text(TWO_SEATS + "state: {lease_seconds: 2}\n")
 
     def start(number: int) -> SluiceProcess:
         kv_args, kv_events = kv_events_args()
@@ -944,47 +977,6 @@ def spare_replica(
         yield spare
     finally:
         spare.close()
-
-
-# The two-seat server's budgets: room for two sequences and no interactive reserve, and no bulk
-# cap, so that both bulk requests run at once whatever the start-up calibration measured (with
-# the cap, one CI run on a loaded machine saw the first end before the chat was even sent, as
-# when the cap, its knee, admits one bulk sequence and the second waits for the first).
-TWO_SEATS = """
-budgets:
-  max_running_seqs: 2
-  interactive_reserve_share: 0.0
-  bulk_min_share: 0.0
-  preempt_bulk_after_ms: 100
-slo:
-  cap_bulk: false
-"""
-
-
-@pytest.fixture(scope="session")
-def two_seat_server(
-    request: pytest.FixtureRequest, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SharedServer]:
-    """vLLM with room for two sequences and no interactive reserve (`TWO_SEATS`), so that two
-    bulk streams fill it and a chat can only start by preempting one of them
-    (tests/api/test_preemption.py); then the server whose engine the engine-death test kills
-    (tests/api/test_engine_death.py: it exits 8 s after its engine died). One engine start
-    serves both."""
-    root = tmp_path_factory.mktemp("two-seats")
-    config = root / "sluice.yaml"
-    config.write_text(TWO_SEATS)
-    args = [
-        "--engine", "vllm", "--model", str(demo_model_dir), "--served-model-name", "sluice-demo",
-        "--config", str(config), "--engine-death-exit-seconds", "8", *EAGER,
-    ]  # fmt: skip
-    server = SharedServer(
-        lambda number: SluiceProcess(args, root / f"server-{number}.log", env=VLLM_ENV)
-    )
-    stop_after_last_use(request, server.close)
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 LORA_ADAPTERS = ("tenant-a", "tenant-b")  # the keyed server's adapters at start: demo variants 1, 2

@@ -1,5 +1,9 @@
 """When the vLLM engine dies: /ready fails, in-flight streams end with an error event and
-[DONE], new requests get 503, and the process exits non-zero for its orchestrator."""
+[DONE], new requests get 503, and the process exits non-zero for its orchestrator.
+
+The engine killed is the session's server's (`vllm_server`), after every other test of its
+xdist group, the takeover test's use of it included (`ends_shared_server`, `ENDED_IN_ORDER`
+in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +15,17 @@ from collections.abc import Iterator
 import httpx
 import psutil
 import pytest
-from conftest import SharedServer, SluiceProcess, wait_until
+from conftest import SluiceProcess, wait_until
 
 
 @pytest.fixture
-def doomed_server(two_seat_server: SharedServer) -> Iterator[SluiceProcess]:
-    """The session's two-seat server, once the preemption test is done with it: it exits 8 s
-    after its engine's death (`--engine-death-exit-seconds`)."""
-    server = two_seat_server.take()
+def doomed_server(vllm_server: SluiceProcess) -> Iterator[SluiceProcess]:
+    """The session's server, once its other tests are done with it: it exits 8 s after its
+    engine's death (`--engine-death-exit-seconds`)."""
     try:
-        yield server
+        yield vllm_server
     finally:
-        server.stop()
+        vllm_server.stop()
 
 
 def _engine_core(server: SluiceProcess) -> psutil.Process:
@@ -32,7 +35,7 @@ def _engine_core(server: SluiceProcess) -> psutil.Process:
     raise AssertionError("no EngineCore process under the server")
 
 
-@pytest.mark.ends_shared_server
+@pytest.mark.ends_shared_server("vllm_server")
 def test_engine_death_is_visible_and_fatal(doomed_server: SluiceProcess) -> None:
     events: list[str] = []
     first_token = threading.Event()

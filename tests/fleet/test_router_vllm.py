@@ -3,11 +3,11 @@ vLLM engine, sharing one Redis: every API through it, a stored response and a ba
 either replica, a keyed stream resumed through it, and routing by prefix (`cache_aware` from
 Sluice's render endpoint, `kv_aware` from the engines' own KV events).
 
-The session's vLLM server is one replica; the second is the session's spare replica (which the
-takeover test kills afterwards, tests/conftest.py). Both publish vLLM's KV events (their
-`--kv-events-config`). Assertions on text hold
-on any CPU: the demo model's greedy text is decisive (docs/testing.md), and a resumed stream is
-compared with the same generation's replay, not with a second generation.
+The session's vLLM server is one replica; the second is the session's spare replica (two seats:
+the preemption test's server too; the takeover test kills it afterwards, tests/conftest.py).
+Both publish vLLM's KV events (their `--kv-events-config`). Assertions on text hold on any CPU:
+the demo model's greedy text is decisive (docs/testing.md), and a resumed stream is compared
+with the same generation's replay, not with a second generation.
 """
 
 from __future__ import annotations

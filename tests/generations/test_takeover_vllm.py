@@ -9,7 +9,7 @@ import orjson
 import pytest
 from conftest import SharedServer, SluiceProcess, parse_sse
 
-pytestmark = [pytest.mark.system, pytest.mark.ends_shared_server]
+pytestmark = [pytest.mark.system, pytest.mark.ends_shared_server("spare_replica")]
 
 MAX_TOKENS = 200
 BODY = {
@@ -35,8 +35,9 @@ def _text(events: list[tuple[int | None, str]]) -> str:
 def test_a_killed_replicas_greedy_generation_continues_unchanged(
     vllm_server: SluiceProcess, spare_replica: SharedServer
 ) -> None:
-    # The session's spare replica (its claims lapse 2 s after its last renewal), which the fleet
-    # tests used before: this test kills it.
+    # The session's spare replica (its claims lapse 2 s after its last renewal), which the
+    # preemption and fleet tests used before: this test kills it. The session's server lives on
+    # (the engine-death test ends it after this one).
     doomed = spare_replica.take()
     try:
         reference = httpx.post(vllm_server.url + "/v1/chat/completions", json=BODY, timeout=120)

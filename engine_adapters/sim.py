@@ -28,6 +28,7 @@ from engine_adapters.protocol import (
     plain_text_only,
     token_id_name,
 )
+from engine_adapters.sim_gate import StepGate
 from engine_adapters.sim_model import (
     BOS_ID,
     EOS_ID,
@@ -44,7 +45,7 @@ from engine_adapters.sim_model import (
     token_text,
 )
 
-__all__ = ["SimConfig", "SimEngine", "SimTimingModel", "add_sim_arguments"]
+__all__ = ["SimConfig", "SimEngine", "SimTimingModel", "StepGate", "add_sim_arguments"]
 
 _log = logging.getLogger(__name__)
 MAX_LAG_S = 0.05  # lateness behind the engine's clock kept, at most
@@ -76,6 +77,9 @@ class SimEngine:
     catching up without end would starve it). With the loop on time, nothing changes: one step
     a wake. Without (0), every step waits for the loop.
 
+    `gate` (a `StepGate`) says when a step may begin: open at the model's pace by default; a
+    test holds it to keep a request running while others arrive, and lets steps through.
+
     Of `SamplingOptions` only max_tokens, min_tokens, ignore_eos and seed change the output.
     Chat template: `<|bos|>`, then per message `<|role|>` (system/user/assistant; other roles as
     the words `role :`), the content, `<|eos|>`; then `<|assistant|>` (the generation prompt;
@@ -104,6 +108,7 @@ class SimEngine:
         self._task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
         self._stats = EngineStats()  # its counts; the rest is read from the model (`stats`)
+        self.gate = StepGate()
 
     @property
     def model(self) -> ModelInfo:
@@ -362,14 +367,20 @@ class SimEngine:
             catch_up = self.config.catch_up_steps
             due = loop.time()  # when the engine's next step begins, on its own clock
             in_a_row = 0  # steps run since this task last let the loop run others
+            gate = self.gate
             while True:
                 if not self._model.has_work:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     due = loop.time()
                     continue
+                if gate.held:
+                    await gate.opened()
+                    due = loop.time()
+                    continue  # (its requests may have been aborted meanwhile)
                 now = loop.time()
                 due = max(due, now - MAX_LAG_S) if catch_up else now
+                paced = gate.begin()
                 result = self._model.step()
                 self._counted(result)
                 self._finishing.update(
@@ -377,7 +388,8 @@ class SimEngine:
                     for rid, reason in zip(result.request_ids, result.finish_reasons, strict=True)
                     if reason is not None
                 )
-                due += result.duration_s
+                if paced:
+                    due += result.duration_s
                 wait = due - loop.time()
                 if wait > 0 or in_a_row >= catch_up or result.duration_s <= 0:
                     await asyncio.sleep(max(0.0, wait))

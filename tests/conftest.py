@@ -9,6 +9,7 @@ server starts once per test session (engine start-up takes ~30 s on CPU).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import json
@@ -32,6 +33,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
+    from engine_adapters.protocol import EngineClient
+    from engine_adapters.sim_gate import StepGate
     from server.api.serving import Serving
     from server.state.backend import RedisState
 
@@ -298,6 +301,7 @@ class Served:
 
 
 ServedT = TypeVar("ServedT", bound=Served)
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -426,6 +430,7 @@ class InProcessSluice(Served):
     (the tests' sync clients would block one shared with the server) and a metrics registry
     of its own. Ready once its lifespan's start-up is done; the records its thread logs go to
     `log_path`. `metrics_port`: /metrics on a second socket (`--metrics-port`), not the API's.
+    With `--engine sim`, `held_steps()` puts its engine's steps in the test's hand.
     """
 
     def __init__(
@@ -463,6 +468,7 @@ class InProcessSluice(Served):
         self._failure: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._serving: Serving | None = None
+        self._engine: EngineClient | None = None  # the assembled app's, once built
         self._thread = threading.Thread(target=self._run, name=f"sluice-{self.port}", daemon=True)
         self._log_handler = self._capture_log()
         self._thread.start()
@@ -496,10 +502,10 @@ class InProcessSluice(Served):
     async def _serve(self) -> int:
         from server.api.serving import Serving, assemble
 
-        serving = Serving(
-            assemble(self.command, self._environ), log_config=None, on_started=self._ready.set
-        )
+        assembled = assemble(self.command, self._environ)
+        serving = Serving(assembled, log_config=None, on_started=self._ready.set)
         self._loop, self._serving = asyncio.get_running_loop(), serving
+        self._engine = assembled.app.services.engine
         metrics_sockets = None if self._metrics_socket is None else [self._metrics_socket]
         return await serving.run([self._socket], metrics_sockets)
 
@@ -527,6 +533,29 @@ class InProcessSluice(Served):
         """Sum of the samples of `name` whose labels include `labels`."""
         return metric_sum(self.metrics_text(), name, **labels)
 
+    def on_loop(self, call: Callable[[], T]) -> T:
+        """`call()` run on the server's event loop (from any other thread), its result once
+        it has run."""
+        loop = self._loop
+        assert loop is not None, "the server is not started"
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(call())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        loop.call_soon_threadsafe(run)
+        return done.result(STOP_TIMEOUT_S)
+
+    def held_steps(self) -> HeldSteps:
+        """Its sim engine's steps in the test's hand, from `with` on (`HeldSteps`)."""
+        from engine_adapters.sim import SimEngine
+
+        assert isinstance(self._engine, SimEngine), "held steps need --engine sim"
+        return HeldSteps(self, self._engine.gate)
+
     def stop(self) -> int | None:
         """Stop as SIGINT stops the process (graceful, bounded); the exit status `serve` would
         have returned."""
@@ -544,6 +573,35 @@ class InProcessSluice(Served):
         if self._thread.is_alive():
             raise RuntimeError(f"in-process server did not stop in {STOP_TIMEOUT_S}s")
         return self.returncode
+
+
+class HeldSteps:
+    """An in-process server's sim engine held (its `StepGate`), for a test that needs "B
+    happens while A still runs" to hold by an order, not by the time a long answer takes:
+    `with server.held_steps() as steps:` holds it (no step begins; requests still arrive and
+    are aborted); `steps.step(n)` lets n more begin, at once; `steps.run()` lets them all run
+    back to back; the `with`'s end gives the engine back its pace. Each call has run on the
+    server's loop when it returns.
+
+    A test that reads a stream lets one step through for each event it reads (each step a
+    token, each token an event): however busy the host, the generation is no further on than
+    the test has read, and never stalls, since each event read lets the next token come."""
+
+    def __init__(self, server: InProcessSluice, gate: StepGate) -> None:
+        self._server, self._gate = server, gate
+
+    def __enter__(self) -> Self:
+        self._server.on_loop(self._gate.hold)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._server.on_loop(self._gate.open)
+
+    def step(self, count: int = 1) -> None:
+        self._server.on_loop(lambda: self._gate.step(count))
+
+    def run(self) -> None:
+        self._server.on_loop(lambda: self._gate.open(paced=False))
 
 
 def api_keys_env(keys: dict[str, str]) -> dict[str, str]:

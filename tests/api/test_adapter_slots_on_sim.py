@@ -2,8 +2,9 @@
 on one LoRA adapter stops the bulk that holds the engine's only slot, and the bulk stream
 carries on unbroken once the chat has ended.
 
-A server in this process, the sim engine at 10 ms a step, serving two adapters with one slot
-(`--max-loras 1`); the same policy under load, in virtual time, is in
+A server in this process, the sim engine as fast as it runs (the test holds its steps while
+the chat arrives), serving two adapters with one slot (`--max-loras 1`); the same policy under
+load, in virtual time, is in
 `tests/simulation/test_adapter_slot_flood.py`.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import websockets
-from conftest import InProcessSluice, sim_sluice
+from conftest import FAST_SIM, InProcessSluice, sim_sluice, wait_until
 
 BULK_TOKENS = 300
 
@@ -26,7 +27,7 @@ BULK_TOKENS = 300
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
     with sim_sluice(
         tmp_path_factory.mktemp("adapter-slots"),
-        "--sim-step-base-ms", "10", "--sim-lora-load-ms", "5",
+        *FAST_SIM, "--sim-lora-load-ms", "5",
         "--lora-modules", "bulk-a=adapters/a", "chat-b=adapters/b", "--max-loras", "1",
         config="budgets: {bulk_min_share: 0.0}\n",
     ) as server:  # fmt: skip
@@ -72,35 +73,50 @@ def test_the_adapters_are_models_of_the_sim_engine(server: InProcessSluice) -> N
 async def test_a_chat_takes_the_only_slot_from_bulk_and_the_bulk_stream_carries_on(
     server: InProcessSluice,
 ) -> None:
-    before = server.metric("sluice_bulk_preemptions_total", cause="adapter_slot")
+    def preempted() -> float:
+        return server.metric("sluice_bulk_preemptions_total", cause="adapter_slot")
+
+    before = preempted()
     finals: dict[str, dict[str, Any]] = {}
     tokens = {"bulk": 0, "chat": 0}
-    async with websockets.connect(server.url.replace("http", "ws", 1) + "/v1/ws") as ws:
-        await ws.send(
-            json.dumps(
-                {
-                    "type": "generate",
-                    "id": "bulk",
-                    "request": request("bulk-a", BULK_TOKENS),
-                    "traffic_class": "bulk",
-                    "timeout_ms": 600_000,
-                }
-            )
-        )
-        while len(finals) < 2:
-            message = json.loads(await asyncio.wait_for(ws.recv(), 60))
-            assert message["type"] in ("delta", "final"), message
-            if message["type"] == "final":
-                finals[message["id"]] = message
-                continue
-            tokens[message["id"]] += len(message.get("token_ids") or ()) or 1
-            if message["id"] == "bulk" and tokens["bulk"] == 5:  # it runs: now the chat
-                await ws.send(
-                    json.dumps({"type": "generate", "id": "chat", "request": request("chat-b", 8)})
+    # The engine held, a step for each bulk delta read: the bulk is 295 tokens short of its
+    # end when the chat arrives, and the engine runs on once the chat has stopped it.
+    with server.held_steps() as steps:
+        async with websockets.connect(server.url.replace("http", "ws", 1) + "/v1/ws") as ws:
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "generate",
+                        "id": "bulk",
+                        "request": request("bulk-a", BULK_TOKENS),
+                        "traffic_class": "bulk",
+                        "timeout_ms": 600_000,
+                    }
                 )
+            )
+            steps.step()
+            while len(finals) < 2:
+                message = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                assert message["type"] in ("delta", "final"), message
+                if message["type"] == "final":
+                    finals[message["id"]] = message
+                    continue
+                tokens[message["id"]] += len(message.get("token_ids") or ()) or 1
+                if message["id"] == "bulk" and tokens["bulk"] < 5:
+                    steps.step()
+                elif message["id"] == "bulk" and tokens["bulk"] == 5:  # it runs: now the chat
+                    await ws.send(
+                        json.dumps(
+                            {"type": "generate", "id": "chat", "request": request("chat-b", 8)}
+                        )
+                    )
+                    await asyncio.to_thread(
+                        wait_until, lambda: preempted() == before + 1, 60, message="no preemption"
+                    )
+                    steps.run()
     assert list(finals) == ["chat", "bulk"]  # the chat did not wait for the bulk to end
     assert finals["chat"]["usage"]["completion_tokens"] == 8
     assert finals["bulk"]["finish_reason"] == "length"
     assert finals["bulk"]["usage"]["completion_tokens"] == BULK_TOKENS
-    assert server.metric("sluice_bulk_preemptions_total", cause="adapter_slot") == before + 1
+    assert preempted() == before + 1
     assert server.metric("sluice_budget_in_use", budget="sequences") == 0

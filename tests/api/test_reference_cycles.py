@@ -38,6 +38,7 @@ from server.scheduler.types import TrafficClass
 PER_REQUEST_TYPES = {"RequestTimeline", "Ticket", "GenerationRun", "RunResponse"}
 # An optimistic prior: long answers are admitted (and then run past short deadlines).
 FAST_PRIOR = EstimateConfig(decode_tokens_per_s=100_000.0, calibrate=False)
+Server = tuple[int, SchedulerRuntime, SimEngine]  # its port, its scheduler, its engine
 
 
 async def until(condition: Callable[[], bool], failure: str) -> None:
@@ -50,7 +51,7 @@ async def until(condition: Callable[[], bool], failure: str) -> None:
 
 
 @asynccontextmanager
-async def sim_server(config: SluiceConfig) -> AsyncIterator[tuple[int, SchedulerRuntime]]:
+async def sim_server(config: SluiceConfig) -> AsyncIterator[Server]:
     engine = SimEngine()
     metrics = Metrics()
     runtime = SchedulerRuntime(config, engine, "sim", metrics)
@@ -64,7 +65,7 @@ async def sim_server(config: SluiceConfig) -> AsyncIterator[tuple[int, Scheduler
     serving = asyncio.create_task(server.serve(sockets=[listener]))
     try:
         await until(lambda: server.started, "the server did not start")
-        yield port, runtime
+        yield port, runtime, engine
         # Every request has ended: no connection open, nothing queued or running.
         await until(
             lambda: not server.server_state.connections and runtime.core.is_idle(),
@@ -152,9 +153,6 @@ async def ws_generate(port: int, count: int, max_tokens: int, timeout_ms: int) -
         return outcomes
 
 
-Server = tuple[int, SchedulerRuntime]
-
-
 async def completed(server: Server) -> Sequence[object]:
     return [await post(server[0], chat(8)) for _ in range(5)]
 
@@ -164,21 +162,29 @@ async def refused(server: Server) -> Sequence[object]:
 
 
 async def hog_the_only_seat(server: Server) -> asyncio.Task[int]:
-    port, runtime = server
+    """A request on the only seat, the engine's steps held: it runs until `let_the_hog_end`,
+    however long the others wait."""
+    port, runtime, engine = server
+    engine.gate.hold()
     hog = asyncio.create_task(post(port, chat(300), timeout_ms=10_000))
     await until(lambda: runtime.core.running_count() == 1, "the hog did not start")
     return hog
 
 
+async def let_the_hog_end(server: Server, hog: asyncio.Task[int]) -> None:
+    server[2].gate.open(paced=False)
+    await hog
+
+
 async def expired_queued(server: Server) -> Sequence[object]:
     hog = await hog_the_only_seat(server)
     statuses = await asyncio.gather(*(post(server[0], chat(8), timeout_ms=200) for _ in range(5)))
-    await hog
+    await let_the_hog_end(server, hog)
     return statuses
 
 
 async def left_queued(server: Server) -> Sequence[object]:
-    port, runtime = server
+    port, runtime, _ = server
     hog = await hog_the_only_seat(server)
     leave = asyncio.Event()
     waiting = [asyncio.create_task(post(port, chat(8), leave=leave)) for _ in range(5)]
@@ -188,7 +194,7 @@ async def left_queued(server: Server) -> Sequence[object]:
     )
     leave.set()
     statuses = await asyncio.gather(*waiting)
-    await hog
+    await let_the_hog_end(server, hog)
     return statuses
 
 

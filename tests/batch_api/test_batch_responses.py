@@ -3,8 +3,9 @@ send them: each line a `POST /v1/responses` body, its output line's body the res
 lines on one conversation run one after another in the file's order, each seeing the ones
 before it; a line on a conversation another response holds waits for it; a line on a
 conversation that does not exist is a 404 in the error file; `stream` and `background` fail the
-batch at once. A real Sluice server on loopback, in this process, on the sim engine (steps of
-~10 ms, so that a background response holds its conversation while the batch runs)."""
+batch at once. A real Sluice server on loopback, in this process, on the sim engine as fast as
+it runs (a background response holds its conversation while the batch runs because the test
+holds the engine's steps)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import InProcessSluice, sim_sluice, wait_until
+from conftest import FAST_SIM, InProcessSluice, sim_sluice, wait_until
 
 if TYPE_CHECKING:
     import openai
@@ -25,9 +26,7 @@ DEADLINE_S = 60.0
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessSluice]:
-    with sim_sluice(
-        tmp_path_factory.mktemp("batch-responses"), "--sim-step-base-ms", "10"
-    ) as server:
+    with sim_sluice(tmp_path_factory.mktemp("batch-responses"), *FAST_SIM) as server:
         yield server
 
 
@@ -153,24 +152,33 @@ def test_a_line_waits_while_another_response_holds_its_conversation(
     made = client.conversations.create()
     locked = "sluice_batch_line_retries_total"
     refusals = server.metric(locked, code="conversation_locked")
-    holding = client.responses.create(
-        model="sim", input="a long story", conversation=made.id, background=True,
-        max_output_tokens=400,
-    )  # fmt: skip
-    batch = run_batch(
-        client,
-        [line("waits", input="and then?", conversation=made.id), line("free", input="hi")],
-    )
-    # Refused for now while the background response runs; the batch's other line goes on.
-    wait_until(
-        lambda: (
-            server.metric(locked, code="conversation_locked") > refusals
-            and client.batches.retrieve(batch.id).request_counts.completed == 1
-        ),
-        DEADLINE_S,
-        message="the line on the held conversation to be refused for now",
-    )
-    assert client.responses.retrieve(holding.id).status in ("queued", "in_progress")
+    with server.held_steps() as steps:
+        holding = client.responses.create(
+            model="sim", input="a long story", conversation=made.id, background=True,
+            max_output_tokens=400,
+        )  # fmt: skip
+        batch = run_batch(
+            client,
+            [line("waits", input="and then?", conversation=made.id), line("free", input="hi")],
+        )
+        # The free line's 4 tokens (`line`'s max_output_tokens), one a step once it is in the
+        # engine beside the held response: the response is 396 tokens short of its end.
+        wait_until(
+            lambda: server.metric("sluice_engine_unfinished_requests") == 2,
+            DEADLINE_S,
+            message="the free line to reach the engine",
+        )
+        steps.step(4)
+        # Refused for now while the background response runs; the batch's other line goes on.
+        wait_until(
+            lambda: (
+                server.metric(locked, code="conversation_locked") > refusals
+                and client.batches.retrieve(batch.id).request_counts.completed == 1
+            ),
+            DEADLINE_S,
+            message="the line on the held conversation to be refused for now",
+        )
+        assert client.responses.retrieve(holding.id).status in ("queued", "in_progress")
     batch = ended(client, batch.id)
     assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 0)
     story = client.responses.retrieve(holding.id)

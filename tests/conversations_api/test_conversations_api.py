@@ -277,18 +277,23 @@ def test_a_cancelled_or_failed_response_adds_nothing_and_lets_go(
 
 
 def test_a_second_response_while_one_runs_is_refused_and_nothing_interleaves(
-    client: openai.OpenAI,
+    server: InProcessSluice, client: openai.OpenAI
 ) -> None:
     import openai
 
     made = client.conversations.create(items=[{"role": "user", "content": "start"}])
-    with client.responses.create(
-        model="sim", input="first", conversation=made.id, max_output_tokens=300, stream=True
-    ) as stream:
+    # The engine held: a step for each event read, the first response runs until the end.
+    with (
+        server.held_steps() as steps,
+        client.responses.create(
+            model="sim", input="first", conversation=made.id, max_output_tokens=300, stream=True
+        ) as stream,
+    ):
         events = iter(stream)
         for event in events:
             if event.type == "response.output_text.delta":
                 break
+            steps.step()
         for call in (
             lambda: client.responses.create(model="sim", input="second", conversation=made.id),
             lambda: client.conversations.items.create(
@@ -304,6 +309,7 @@ def test_a_second_response_while_one_runs_is_refused_and_nothing_interleaves(
             )
         # Reading and the metadata are not held.
         assert client.conversations.update(made.id, metadata={"k": "v"}).metadata == {"k": "v"}
+        steps.run()
         final = [event for event in events][-1].response
     items = listed(client, made.id)
     assert texts(items) == [("user", "start"), ("user", "first"), ("assistant", final.output_text)]
@@ -572,16 +578,21 @@ async def test_responses_on_a_conversation_over_the_websocket(
         assert (
             second["response"]["usage"]["input_tokens"] > first["response"]["usage"]["input_tokens"]
         )
-        await ws.send(create("x", 300, stream_id="x"))
-        await ws.send(create("y", 300, stream_id="y"))
-        ended = await ends(ws, 2)
+        # The engine held, neither can end before the other is answered.
+        with server.held_steps() as steps:
+            await ws.send(create("x", 300, stream_id="x"))
+            await ws.send(create("y", 300, stream_id="y"))
+            ended = await ends(ws, 1)
+            steps.run()
+            ended += await ends(ws, 1)
         refused = [event for event in ended if event["type"] == "error"]
         assert len(refused) == 1 and refused[0]["error"]["code"] == "conversation_locked"
         assert refused[0]["status"] == 400
     assert len(listed(client, made.id)) == 6
-    async with websockets.connect(url, additional_headers=headers) as ws:
-        await ws.send(create("dropped", 600))
-        while json.loads(await ws.recv())["type"] != "response.output_text.delta":
-            pass
-    wait_until(lambda: not held(client, made.id), DEADLINE_S, message="still held")
+    with server.held_steps() as steps:  # a step for each event read: it runs when dropped
+        async with websockets.connect(url, additional_headers=headers) as ws:
+            await ws.send(create("dropped", 600))
+            while json.loads(await ws.recv())["type"] != "response.output_text.delta":
+                steps.step()
+        wait_until(lambda: not held(client, made.id), DEADLINE_S, message="still held")
     assert len(listed(client, made.id)) == 6

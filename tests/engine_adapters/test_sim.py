@@ -483,6 +483,54 @@ async def test_step_durations_pass_on_the_loop_clock() -> None:
         await sim.stop()
 
 
+async def test_a_held_gate_lets_only_the_steps_it_is_given_begin_each_at_once() -> None:
+    sim = SimEngine(SimConfig(step_base_ms=10.0, decode_ms_per_token=0.0))
+    await sim.start()
+    try:
+        loop = asyncio.get_running_loop()
+        sim.gate.hold()
+        stream = sim.generate(request("a", max_tokens=50))
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(1.0)  # (virtual time: a hundred steps' time, and none began)
+        assert not first.done() and sim.timing_model.num_waiting == 1
+        started = loop.time()
+        sim.gate.step(2)
+        deltas = [await first, await anext(stream)]
+        assert [len(d.token_ids) for d in deltas] == [1, 1]
+        assert loop.time() == started  # a step let through is not waited for
+        third = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(1.0)
+        assert not third.done() and sim.gate.held  # held again after the two
+        await sim.abort("a")  # a held request is still aborted at once
+        assert (await third).finish_reason == "abort"
+        assert sim.num_unfinished_requests() == 0
+        with pytest.raises(ValueError):
+            sim.gate.step(0)
+    finally:
+        await sim.stop()
+
+
+async def test_an_unpaced_gate_runs_steps_back_to_back_and_open_brings_back_the_pace() -> None:
+    config = SimConfig(step_base_ms=10.0, decode_ms_per_token=0.0)
+    model = SimTimingModel(config)
+    model.add("b", PROMPT, 5)
+    paced_s = sum(step.duration_s for step in run_to_completion(model))
+    sim = SimEngine(config)
+    await sim.start()
+    try:
+        loop = asyncio.get_running_loop()
+        sim.gate.open(paced=False)
+        started = loop.time()
+        deltas = await asyncio.wait_for(collect(sim, request("a", max_tokens=5)), 5)
+        assert sum(len(d.token_ids) for d in deltas) == 5 and loop.time() == started
+        sim.gate.open()
+        started = loop.time()
+        await asyncio.wait_for(collect(sim, request("b", max_tokens=5)), 5)
+        assert loop.time() - started == pytest.approx(paced_s)
+    finally:
+        await sim.stop()
+
+
 @pytest.mark.looptime(False)  # a loop that falls behind: on the wall clock
 @pytest.mark.parametrize("catch_up", [0, 8])
 async def test_with_catch_up_a_busy_loop_gets_the_steps_it_missed_as_one_delta(

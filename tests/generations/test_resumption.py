@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -70,9 +70,16 @@ def text_of(events: list[tuple[int, str]]) -> str:
 
 
 def stream(
-    server: InProcessSluice, body: dict, headers: dict, *, leave_after: int | None = None
+    server: InProcessSluice,
+    body: dict,
+    headers: dict,
+    *,
+    leave_after: int | None = None,
+    each_event: Callable[[], None] | None = None,
 ) -> tuple[httpx.Headers, list[tuple[int, str]]]:
-    """POST a streamed request; read it all, or leave after `leave_after` events."""
+    """POST a streamed request; read it all, or leave after `leave_after` events; `each_event`
+    is called after each event read, but the one it leaves after (`HeldSteps.step`: a step a
+    read event)."""
     lines: list[str] = []
     with httpx.stream(
         "POST", server.url + "/v1/chat/completions", json=body, headers=headers, timeout=30
@@ -82,6 +89,8 @@ def stream(
             lines.append(line)
             if leave_after is not None and len(parse_sse(lines)) >= leave_after:
                 break
+            if each_event is not None and line.startswith("data: "):
+                each_event()
         return response.headers, parse_sse(lines)
 
 
@@ -155,8 +164,10 @@ def test_an_idempotent_retry_attaches_while_running_and_replays_after_the_end(
 ) -> None:
     requests_before = server.metric("sluice_requests_total")
     headers = {**ACME, "Idempotency-Key": "retry-streamed"}
-    _, first = stream(server, chat(), headers, leave_after=3)
-    replayed_headers, attached = stream(server, chat(), headers)  # still running: attaches
+    # The engine held, a step for each event read: it runs when the retry attaches.
+    with server.held_steps() as steps:
+        _, first = stream(server, chat(), headers, leave_after=3, each_event=steps.step)
+        replayed_headers, attached = stream(server, chat(), headers, each_event=steps.step)
     assert replayed_headers["idempotent-replayed"] == "true"
     # (what waited for the reader may come merged, under the number of its last event)
     assert text_of(attached).startswith(text_of(first)) and attached[-1][1] == "[DONE]"

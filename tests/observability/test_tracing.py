@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 import websockets
-from conftest import AccessLines, InProcessSluice, uncalibrated_config, wait_until
+from conftest import AccessLines, HeldSteps, InProcessSluice, uncalibrated_config, wait_until
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -239,8 +239,9 @@ def test_a_preempted_request_s_span_says_when_it_stopped_and_resumed(
     """One seat, no reserve: a chat sent while bulk runs stops the bulk at once; the bulk
     waits, resumes after the chat, and its span shows both, and its wait in the scheduler."""
     bulk_parent, chat_parent = Parent(), Parent()
+    preempted = traced.metric("sluice_bulk_preemptions_total")
 
-    async def run() -> dict[str, dict[str, Any]]:
+    async def run(steps: HeldSteps) -> dict[str, dict[str, Any]]:
         finals: dict[str, dict[str, Any]] = {}
         url = traced.url.replace("http", "ws", 1) + "/v1/ws"
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -258,6 +259,7 @@ def test_a_preempted_request_s_span_says_when_it_stopped_and_resumed(
                     }
                 )
             )
+            steps.step()  # its first token: the bulk streams
             chat_sent = False
             while len(finals) < 2:
                 message = json.loads(await asyncio.wait_for(ws.recv(), 60))
@@ -278,9 +280,18 @@ def test_a_preempted_request_s_span_says_when_it_stopped_and_resumed(
                             }
                         )
                     )
+                    await asyncio.to_thread(
+                        wait_until,
+                        lambda: traced.metric("sluice_bulk_preemptions_total") == preempted + 1,
+                        60,
+                        message="the chat did not stop the bulk",
+                    )
+                    steps.run()
         return finals
 
-    finals = asyncio.run(run())
+    # The engine held: the bulk is 199 tokens short of its end when the chat stops it.
+    with traced.held_steps() as steps:
+        finals = asyncio.run(run(steps))
     assert list(finals) == ["chat", "bulk"]
     [span] = receiver.wait_for(bulk_parent.trace_id)
     assert_child_of(span, bulk_parent)

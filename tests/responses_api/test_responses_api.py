@@ -406,19 +406,25 @@ def test_a_background_response_is_cancelled(client: openai.OpenAI) -> None:
     assert client.responses.retrieve(made.id).status == "cancelled"
 
 
-def test_a_background_stream_resumes_after_a_sequence_number(client: openai.OpenAI) -> None:
-    made = client.responses.create(
-        model="sim", input="tell me a story", max_output_tokens=120, background=True
-    )  # (1.2 s at 10 ms a step: it runs on well after the client leaves at its 8th event)
-    seen = []
-    with client.responses.retrieve(made.id, stream=True) as first:
-        for event in first:
-            seen.append(event)
-            if event.type == "response.output_text.delta" and len(seen) >= 8:
-                break  # the client leaves mid-generation
-    assert client.responses.retrieve(made.id).status == "in_progress"  # it runs on
-    after = seen[-1].sequence_number
-    rest = list(client.responses.retrieve(made.id, stream=True, starting_after=after))
+def test_a_background_stream_resumes_after_a_sequence_number(
+    server: InProcessSluice, client: openai.OpenAI
+) -> None:
+    # The engine held, a step for each event read: it runs on after the client leaves.
+    with server.held_steps() as steps:
+        made = client.responses.create(
+            model="sim", input="tell me a story", max_output_tokens=120, background=True
+        )
+        seen = []
+        with client.responses.retrieve(made.id, stream=True) as first:
+            for event in first:
+                seen.append(event)
+                if event.type == "response.output_text.delta" and len(seen) >= 8:
+                    break  # the client leaves mid-generation
+                steps.step()
+        assert client.responses.retrieve(made.id).status == "in_progress"  # it runs on
+        steps.run()
+        after = seen[-1].sequence_number
+        rest = list(client.responses.retrieve(made.id, stream=True, starting_after=after))
     numbers = [e.sequence_number for e in seen + rest]
     assert numbers == list(range(len(numbers)))  # every event once, in order
     final = rest[-1]

@@ -206,20 +206,23 @@ async def send_and_read(ws: Any, message: str) -> list[Event]:
 async def test_a_background_response_resumes_on_a_new_connection(server: InProcessSluice) -> None:
     """A background response read on one connection, the connection dropped mid-stream, read
     on from the last sequence number seen on another: every event once, in order, the same as
-    a full replay."""
-    async with connect(server) as ws:
-        await ws.send(create(max_output_tokens=120, background=True, stream_id="bg"))
-        seen: list[Event] = []
-        while sum(e["type"] == "response.output_text.delta" for e in seen) < 8:
-            seen.append(await receive(ws))
-        ws.transport.abort()  # dropped, not closed
-    response_id = seen[0]["response_id"]
-    assert seen[0]["response"]["background"] is True
-    async with connect(server) as ws:
-        retrieve = {"type": "response.retrieve", "response_id": response_id}
-        after = seen[-1]["sequence_number"]
-        rest = await send_and_read(ws, json.dumps({**retrieve, "starting_after": after}))
-        replayed = await send_and_read(ws, json.dumps(retrieve))
+    a full replay. The engine held, a step for each event read: it runs when dropped."""
+    with server.held_steps() as steps:
+        async with connect(server) as ws:
+            await ws.send(create(max_output_tokens=120, background=True, stream_id="bg"))
+            seen: list[Event] = []
+            while sum(e["type"] == "response.output_text.delta" for e in seen) < 8:
+                seen.append(await receive(ws))
+                steps.step()
+            ws.transport.abort()  # dropped, not closed
+        response_id = seen[0]["response_id"]
+        assert seen[0]["response"]["background"] is True
+        steps.run()
+        async with connect(server) as ws:
+            retrieve = {"type": "response.retrieve", "response_id": response_id}
+            after = seen[-1]["sequence_number"]
+            rest = await send_and_read(ws, json.dumps({**retrieve, "starting_after": after}))
+            replayed = await send_and_read(ws, json.dumps(retrieve))
     assert rest[-1]["type"] in ("response.completed", "response.incomplete")
     assert [e["sequence_number"] for e in seen + rest] == list(range(len(seen) + len(rest)))
     assert [{k: v for k, v in e.items() if k != "stream_id"} for e in seen] + rest == replayed

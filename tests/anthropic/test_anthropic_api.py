@@ -336,8 +336,14 @@ def test_nothing_leaks_after_bad_input_or_a_client_that_leaves(
     ):
         response = httpx.post(keyed.url + "/v1/messages", json=body, headers={"x-api-key": KEY})
         assert response.status_code == 400 and response.json()["type"] == "error"
+    # A deadline of its own: on a busy host, 3,000 tokens were once predicted past the default
+    # 30 s and refused (503), where this test is about a client that leaves.
     with client.messages.stream(
-        model=model, max_tokens=3000, messages=HELLO, extra_body={"ignore_eos": True}
+        model=model,
+        max_tokens=3000,
+        messages=HELLO,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Timeout-Ms": "600000"},
     ) as stream:
         next(iter(stream.text_stream))  # the first piece, then the client leaves
 

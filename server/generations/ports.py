@@ -48,8 +48,9 @@ class LogMirror(Protocol):
         generation over)."""
         ...
 
-    async def read_elsewhere(self) -> bool:
-        """Whether a replica following the run has a reader (False when none can tell)."""
+    async def read_elsewhere(self) -> bool | None:
+        """Whether a replica following the run has a reader; None when the shared state
+        cannot tell (it did not answer in time)."""
         ...
 
 

@@ -347,7 +347,9 @@ class GenerationRun:
             self._checking = asyncio.get_running_loop().create_task(self._read_elsewhere())
 
     async def _read_elsewhere(self) -> None:
-        """Cancel the run unless a replica following it has a reader."""
+        """Cancel the run unless a replica following it has a reader. A question the shared
+        state did not answer ends nothing: it is asked again after another grace period (a
+        busy host's slow round trip once cancelled a generation read on another replica)."""
         assert self._mirror is not None
         try:
             read = await self._mirror.read_elsewhere()
@@ -355,7 +357,7 @@ class GenerationRun:
             self._checking = None
         if self._readers or self.ended:
             return
-        if read:
+        if read is not False:
             self._grace = asyncio.get_running_loop().call_later(self.grace_seconds, self._unread)
         else:
             self.cancel(self._abandoned())

@@ -440,12 +440,12 @@ class RedisMirror:
             except TimeoutError:
                 self._task.cancel()
 
-    async def read_elsewhere(self) -> bool:
-        """Whether a replica following the run has a reader."""
+    async def read_elsewhere(self) -> bool | None:
+        """Whether a replica following the run has a reader (None: no answer in time)."""
         try:
             return await self.shared.being_read(self.record)
         except StateUnavailable:
-            return False
+            return None
 
     async def _mirror(self, log: EventLog, cancel: Callable[[SluiceError], None]) -> None:
         while True:

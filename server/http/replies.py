@@ -15,7 +15,9 @@ class JSONResponse(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
+        # Keys that are not strings as JSON has them, as Python's json does: a render's
+        # sampling echoes `logit_bias`, whose token ids pydantic made ints.
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
 
 
 def error_response(

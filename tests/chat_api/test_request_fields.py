@@ -51,6 +51,27 @@ def test_the_routers_bodies_are_answered(sim_server: InProcessSluice) -> None:
 
 
 @pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions/render", CHAT),
+        ("/v1/completions/render", COMPLETION),
+        ("/v1/responses/render", RESPONSE),
+    ],
+)
+def test_a_render_echoes_logit_bias_keyed_by_token_id_strings(
+    sim_server: InProcessSluice, path: str, body: dict[str, Any]
+) -> None:
+    """Found by the fuzzing (a busy run, 2026-12-07): pydantic makes `logit_bias`'s token ids
+    ints, and the render's sampling echoed them as keys JSON cannot have (a 500). vLLM's
+    server writes them as strings, as JSON has them."""
+    reply = _post(sim_server, path, {**body, "logit_bias": {"5": 1.5}})
+    assert reply.status_code == 200, reply.text
+    rendered = reply.json()
+    one = rendered[0] if isinstance(rendered, list) else rendered
+    assert one["sampling_params"]["logit_bias"] == {"5": 1.5}
+
+
+@pytest.mark.parametrize(
     ("path", "body", "api"),
     [
         ("/v1/chat/completions", CHAT, "chat"),

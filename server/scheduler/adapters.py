@@ -75,23 +75,34 @@ class AdapterSlots:
         return self._sequences.keys()
 
     def bulk_head(
-        self, bulk: TenantFairQueue, chat_head: Ticket | None, now: float
+        self,
+        bulk: TenantFairQueue,
+        chat_head: Ticket | None,
+        now: float,
+        kept: Collection[str] = (),
     ) -> Ticket | None:
         """The bulk ticket to start next, if bulk's other limits allow, while `chat_head` (if
         any) waits: bulk's head, unless it needs a slot. A free slot is a chat's first: while a
         chat waits for one, bulk starts on the base model only (bulk started on an adapter now
         would only be stopped for the chat), and bulk takes a free slot only while no chat
-        waits. A head that needs a slot it cannot have waits (`_bulk_instead`)."""
+        waits, and only one that leaves a slot for each adapter of `kept` that does not run
+        (those of the chats about, `BulkAllowance.slots_kept`). A head that needs a slot it
+        cannot have waits (`_bulk_instead`)."""
         head = bulk.peek()
         if head is None or head.adapter is None:
             self._bulk_waits_since = None  # it waits for no slot
             return head
         if chat_head is not None and not self.fits(chat_head):
             return bulk.first(on_base_model)
-        if self.resident(head) or (chat_head is None and self.fits(head)):
+        if self.resident(head) or (chat_head is None and self._free_for_bulk(head, kept)):
             self._bulk_waits_since = None  # it waits for no slot
             return head
         return self._bulk_instead(bulk, now)
+
+    def _free_for_bulk(self, head: Ticket, kept: Collection[str]) -> bool:
+        running = self._sequences
+        wanted = sum(1 for a in kept if a not in running and a != head.adapter)
+        return len(running) + wanted < self.slots
 
     def _bulk_instead(self, bulk: TenantFairQueue, now: float) -> Ticket | None:
         """What bulk starts while its head waits for an adapter slot: for `ADAPTER_TURN_S`,

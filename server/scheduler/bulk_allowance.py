@@ -61,6 +61,7 @@ class BulkAllowance:
         self._targets = targets
         self._chats_quiet_since: float | None = -math.inf  # None while chats run or wait
         self._chats_on: dict[str | None, int] = {}  # chats about, by adapter (None: the base)
+        self._chat_adapters: frozenset[str] = frozenset()  # what `_judge` last budgeted for
         self._pacer = PrefillPacer()  # bulk prefill per engine step
         self._prefill_until = -math.inf  # when the last bulk prefill started should end
 
@@ -89,10 +90,11 @@ class BulkAllowance:
 
     def _judge(self) -> None:
         """The cap budgets for the tightest targets of the chats about (each adapter's ratio
-        least over them), and after the last one leaves for theirs still: the bulk hold is for
-        chats like them."""
+        least over them), and the slots keep room for their adapters (`slots_kept`); after
+        the last one leaves, for theirs still: the bulk hold is for chats like them."""
         if not self._chats_on:
             return
+        self._chat_adapters = frozenset(a for a in self._chats_on if a is not None)
         costs = [self._estimates.adapter_cost(adapter) for adapter in self._chats_on]
         step = min(cost.step for cost in costs)
         ttft = min(cost.ttft for cost in costs)
@@ -123,6 +125,16 @@ class BulkAllowance:
         """Chats run or wait, or the bulk hold after the last one (`_hold_until`) has not
         ended."""
         return hold_until is None or now < hold_until
+
+    def slots_kept(self, now: float) -> frozenset[str]:
+        """The LoRA adapters whose slots bulk leaves free while chats are about (`_judge`'s):
+        a chat that finds its adapter's slot taken waits for the bulk on it to be stopped,
+        and the bulk stopped loses what it had generated since its last full KV block. Under
+        a steady stream of chats on an adapter, its slot empties between two of them often;
+        bulk that took it would be stopped for the next."""
+        if not self._chat_adapters or not self._chats_about(now, self._hold_until()):
+            return frozenset()
+        return self._chat_adapters
 
     # --- the cap -------------------------------------------------------------------------
     def allowed(self, now: float) -> int:

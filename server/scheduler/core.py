@@ -149,7 +149,7 @@ class SchedulerCore:
                 started.append(self._start(head, now))
                 allowed = None
                 continue
-            bulk_head = slots.bulk_head(bulk, head, now)
+            bulk_head = slots.bulk_head(bulk, head, now, allowance.slots_kept(now))
             if bulk_head is None:
                 return started, allowed
             if allowed is None:

@@ -144,3 +144,34 @@ def test_while_a_chat_waits_for_a_slot_bulk_starts_on_the_base_model_only() -> N
     assert ids(s.poll(1.0).started) == ["base"]
     s.release("bulk-a", 2.0, completed=True)
     assert ids(s.poll(2.0).started) == ["chat-b"]
+
+
+def test_bulk_leaves_the_last_chats_slot_free_until_the_bulk_hold_ends() -> None:
+    s = slotted(2)
+    admit(s, ticket("chat-a", adapter="a"))
+    admit(s, ticket("bulk-b", traffic_class=BULK, adapter="b", preemptible=False))
+    assert ids(s.poll(0.0).started) == ["chat-a", "bulk-b"]
+    admit(s, ticket("bulk-c", at=0.5, traffic_class=BULK, adapter="c", max_tokens=100))
+    s.release("chat-a", 1.0, completed=True)
+    # a's slot is free, but chats on `a` are still about: bulk on `c` would be stopped for
+    # the next one.
+    assert s.poll(1.0).started == []
+    admit(s, ticket("chat-a2", at=1.5, adapter="a"))
+    step = s.poll(1.5)
+    assert ids(step.started) == ["chat-a2"]
+    assert step.preempted == []
+    s.release("chat-a2", 2.0, completed=True)
+    s.poll(2.0)
+    # After the hold, bulk takes the slot.
+    assert ids(s.poll(100.0).started) == ["bulk-c"]
+
+
+def test_bulk_on_the_chats_adapter_takes_its_slot_with_them() -> None:
+    s = slotted(2)
+    admit(s, ticket("chat-a", adapter="a"))
+    admit(s, ticket("bulk-b", traffic_class=BULK, adapter="b", preemptible=False))
+    s.poll(0.0)
+    s.release("chat-a", 1.0, completed=True)
+    admit(s, ticket("bulk-a", at=1.0, traffic_class=BULK, adapter="a"))
+    # It shares the slot the chats' next one would take: nothing to stop for it.
+    assert ids(s.poll(1.0).started) == ["bulk-a"]

@@ -5,7 +5,8 @@ The load is the flood benchmark's shape (closed-loop bulk streams, chats Poisson
 CPU line of `test_frontier.py`, and the SLO is its own: 3x the TTFT p99 and the median gap of
 the chats alone. The scheduler must keep the chats within it, never dispatch more distinct
 adapters than the engine has slots (the engine never passes a request over for want of one),
-and share the bulk between its two adapters.
+leave the chats' slot to them while they come (bulk that took it between two chats would be
+stopped for the next), and share the bulk between its two adapters.
 """
 
 from __future__ import annotations
@@ -77,8 +78,17 @@ def test_chats_on_another_adapter_keep_their_slo(
     flooded: ContinuousSimulation, slo: tuple[float, float]
 ) -> None:
     assert within_slo(flooded, slo) >= 0.95
-    # Their slot was taken from bulk (the flood holds both whenever no chat runs).
-    assert flooded.core.preempted_for[PreemptCause.ADAPTER_SLOT] > 0
+
+
+def test_bulk_leaves_the_chats_slot_to_them_while_they_come(
+    flooded: ContinuousSimulation,
+) -> None:
+    # Chats at 4/s leave their adapter's slot empty between two of them often, but the bulk
+    # hold keeps it: a chat has it taken from bulk only after a quiet spell longer than the
+    # hold (none of these 239; 2-3 with seeds 2 and 3; 32-34 when bulk took every slot that
+    # emptied).
+    chats = [t for t in flooded.timelines.values() if not t.id.startswith(BULK_ADAPTERS)]
+    assert flooded.core.preempted_for[PreemptCause.ADAPTER_SLOT] <= 0.02 * len(chats)
 
 
 def test_the_engine_never_waits_for_a_slot(flooded: ContinuousSimulation) -> None:

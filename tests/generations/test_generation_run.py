@@ -442,3 +442,46 @@ async def test_the_send_guard_cancels_a_send_stuck_past_its_timeout() -> None:
     assert guard.check(loop.time() + 6.0) == 1
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+class _SharedState:
+    """Shared runs whose 'does a replica following this run have a reader?' gets `answers` in
+    turn (None: the state did not answer in time), and that records when it was asked."""
+
+    up = True
+
+    def __init__(self, answers: list[bool | None]) -> None:
+        self.answers = answers
+        self.asked: list[float] = []
+
+    async def open(self, record: object, key: str, fingerprint: str) -> None:
+        return None  # made here
+
+    async def forget(self, record: object) -> None:
+        raise AssertionError("nothing here is refused")
+
+    def mirror(self, record: object) -> _SharedState:
+        return self
+
+    def start(self, log: object, cancel: object) -> None:
+        pass  # (its log needs no writing: its readers see all of it)
+
+    async def read_elsewhere(self) -> bool | None:
+        self.asked.append(asyncio.get_running_loop().time())
+        return self.answers.pop(0)
+
+
+async def test_an_unanswered_question_of_readers_elsewhere_cancels_nothing(
+    sluice: Generations,
+) -> None:
+    shared = _SharedState([None, None, False])
+    sluice.shared = shared
+    run, _ = await open_run(sluice, {**BODY, "max_tokens": 500}, key="k")
+    grace = run.grace_seconds = 0.1  # (500 tokens take a second of the sim engine)
+    with run.reading():
+        await run.started()
+    left = asyncio.get_running_loop().time()
+    await run.until_ended()
+    # Twice unanswered, the question is asked again a grace period later; "no" cancels.
+    assert shared.asked == pytest.approx([left + grace, left + 2 * grace, left + 3 * grace])
+    assert isinstance(run.log[-2].error, GenerationCancelled)

@@ -128,7 +128,7 @@ class StepTimes:
                 s += self._weight * (same_rate_s - s)
                 # Within a hair of the same rate is the same rate (see `knee`).
                 self._bins[higher] = (c, same_rate_s if s <= same_rate_s * _SAME_RATE else s)
-        self._points = _never_slower_below(sorted(self._bins.values()))
+        self._points = sorted(self._bins.values())
         self._last_at = (math.nan, 0.0)
         self.revision += 1
 
@@ -185,22 +185,6 @@ class StepTimes:
         if rates[-1] * _SAME_RATE >= best:
             return 2.0 * points[-1][0]
         return next(c for (c, _), rate in zip(points, rates, strict=True) if rate >= share * best)
-
-
-def _never_slower_below(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The points (concurrency, step seconds), each read no slower than any at a higher
-    concurrency: a step over fewer sequences does less work, never more. A bin the host's
-    noise slowed (a probe at start-up, in a second a neighbour took the core) would otherwise
-    set the idle step, and every target derived from it, that much higher; the bins
-    themselves keep what they saw."""
-    fastest = math.inf
-    for i in range(len(points) - 1, -1, -1):
-        concurrency, step_s = points[i]
-        if step_s > fastest:
-            points[i] = (concurrency, fastest)
-        else:
-            fastest = step_s
-    return points
 
 
 @dataclass(slots=True)

@@ -33,19 +33,6 @@ def test_extrapolation_never_assumes_the_engine_gets_faster() -> None:
     assert steps.at(64) == pytest.approx(0.044)
 
 
-def test_a_step_over_fewer_sequences_is_never_read_slower_than_one_over_more() -> None:
-    # A start-up probe that a noisy second slowed at one sequence (seen: 5.5 ms, where two
-    # took 4.3 ms and every other start-up measured 2.4-3.8 ms).
-    steps = StepTimes(prior_step_s=0.01, weight=0.5)
-    for concurrency, step_s in [(1, 0.0055), (2, 0.0043), (4, 0.0049), (8, 0.0063)]:
-        steps.observe(concurrency, step_s)
-    assert steps.at(1) == pytest.approx(0.0043)
-    assert steps.at(4) == pytest.approx(0.0049)
-    # The bin keeps what it saw: the next observation there blends with 5.5 ms, not 4.3.
-    steps.observe(1, 0.0025)
-    assert steps.at(1) == pytest.approx(0.0040)
-
-
 def test_each_concurrency_bin_is_a_moving_average() -> None:
     steps = StepTimes(prior_step_s=0.01, weight=0.5)
     steps.observe(16, 0.020)

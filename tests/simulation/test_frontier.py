@@ -207,10 +207,10 @@ def stated(slo: tuple[float, float]) -> dict[str, Any]:
 # the best fixed cap over seeds 1-4 (the real flood on such a host: 0.96-1.16x told the SLO, which
 # is what the start was set by). With a noisy neighbour, seed 1's slow second 15 s in meets bulk
 # grown in the calm before it (0.89x). Strict: a controller that meets them turns this into a
-# failure to remove. (The flat curve with this machine's noise was short too, 0.85x, until the
-# step curve was read never slower at fewer sequences: 0.94x.)
+# failure to remove.
 SHORT = {
     "a flat curve": "a fresh server's aim starts below what this curve keeps",
+    "a flat curve, this machine's noise": "a slow second's chats hold the aim down",
     "this host's curve, a noisy neighbour": "a slow second meets bulk grown in the calm",
 }
 

@@ -79,7 +79,7 @@ class AdapterSlots:
         bulk: TenantFairQueue,
         chat_head: Ticket | None,
         now: float,
-        kept: Collection[str] = (),
+        kept: Collection[str],
     ) -> Ticket | None:
         """The bulk ticket to start next, if bulk's other limits allow, while `chat_head` (if
         any) waits: bulk's head, unless it needs a slot. A free slot is a chat's first: while a

@@ -143,13 +143,14 @@ class SchedulerCore:
         seats, slots, allowance = self.seats, self.slots, self.bulk
         started: list[Ticket] = []
         allowed: int | None = None
+        kept = allowance.slots_kept(now)  # (no start changes whether chats are about)
         while True:
             head = interactive.peek()
             if head is not None and seats.fits(head, bulk_waiting=len(bulk) > 0):
                 started.append(self._start(head, now))
                 allowed = None
                 continue
-            bulk_head = slots.bulk_head(bulk, head, now, allowance.slots_kept(now))
+            bulk_head = slots.bulk_head(bulk, head, now, kept)
             if bulk_head is None:
                 return started, allowed
             if allowed is None:

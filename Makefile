@@ -28,8 +28,14 @@ FLEET_ARGS ?=
 fleet: setup
 	$(BIN)/sluice fleet --host $(HOST) --port $(PORT) $(FLEET_ARGS)
 
-# pytest-xdist: one worker per core; the tests of the session's vLLM server share one worker.
-PARALLEL ?= -n auto --dist loadgroup
+# pytest-xdist, two workers more than cores: the service and system tests spend much of their
+# time waiting on the wall clock and on other processes (generations paced by an engine, servers
+# starting and stopping, deadlines, grace periods), and a core whose worker waits would
+# otherwise sit idle. The tests of each session server on the real engine share one worker
+# (`--dist loadgroup`). (2 cores: the quick tier idle, 2026-12-07: 3 workers 28.1-28.2 s, 4
+# workers 24.5-25.0 s, 5 workers 25.4 s, 6 workers 31.2 s; the whole suite with both cores busy,
+# 2026-12-08: 2 workers 6:17, 4 workers 4:46 and 5:02.)
+PARALLEL ?= -n $$(( $$(nproc) + 2 )) --dist loadgroup
 # The tests cache compiled bytecode (in the git-ignored __pycache__ folders) even where the
 # environment says not to write it: each worker compiles and assertion-rewrites every test
 # module and the server it imports, ~1.7 s a worker on 2 cores when nothing is cached.
@@ -39,14 +45,8 @@ test: setup
 	scripts/install-test-deps.sh
 	$(TEST_ENV) $(BIN)/pytest $(PARALLEL) $(PYTEST_ARGS)
 
-# The quick tiers: two workers more than cores. Their service tests spend most of their time
-# waiting on the wall clock (generations paced by the sim engine, deadlines, grace periods,
-# servers stopping), and a core whose worker waits would otherwise sit idle. (2 cores, idle,
-# 2026-12-07: 3 workers 28.1-28.2 s, 4 workers 24.5-25.0 s, 5 workers 25.4 s, 6 workers 31.2 s.)
-QUICK_PARALLEL ?= -n $$(( $$(nproc) + 2 )) --dist loadgroup
-
 test-quick: setup  # the unit and service tiers (no vLLM, processes, browser, Prometheus), unfuzzed
-	$(TEST_ENV) $(BIN)/pytest $(QUICK_PARALLEL) -m "not system and not slow" $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/pytest $(PARALLEL) -m "not system and not slow" $(PYTEST_ARGS)
 
 lint: setup  # what CI runs before the tests: lint, format, types, import rules
 	$(BIN)/ruff check $(LINTED)

@@ -943,6 +943,9 @@ def vllm_server(
         env=VLLM_ENV,
     )
     server.kv_events = kv_events
+    if request.session.stash[USES_LEFT]["spare_replica"] > 0:
+        # (its tests run here, in this group: its engine starts beside this one's, not after)
+        request.getfixturevalue("spare_replica").launch()
     try:
         server.wait_ready()
         stop_after_last_use(request, server.stop)
@@ -960,8 +963,15 @@ class SharedServer:
 
     def __init__(self, start: Callable[[int], SluiceProcess]) -> None:
         self._start = start  # the server of start number N, not yet ready
+        self._launched: SluiceProcess | None = None  # started, not yet waited for
         self.server: SluiceProcess | None = None
         self.started = 0
+
+    def launch(self) -> None:
+        """Start the server now, without waiting for it: the first `get` waits."""
+        if self._launched is None and self.server is None:
+            self._launched = self._start(self.started)
+            self.started += 1
 
     def get(self) -> SluiceProcess:
         """The running server, started if there is none (or it exited: a failed test's)."""
@@ -969,9 +979,9 @@ class SharedServer:
             self.server.stop()
             self.server = None
         if self.server is None:
-            server = self._start(self.started)
-            self.started += 1
-            self.server = server.__enter__()  # ready (stopped if it never gets there)
+            self.launch()
+            launched, self._launched = self._launched, None
+            self.server = launched.__enter__()  # ready (stopped if it never gets there)
         return self.server
 
     def take(self) -> SluiceProcess:
@@ -980,8 +990,9 @@ class SharedServer:
         return server
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.stop()
+        for server in (self.server, self._launched):
+            if server is not None:
+                server.stop()
 
 
 # The spare replica's budgets, for the preemption test: room for two sequences and no

@@ -34,7 +34,8 @@ fleet: setup
 # otherwise sit idle. The tests of each session server on the real engine share one worker
 # (`--dist loadgroup`). (2 cores: the quick tier idle, 2026-12-07: 3 workers 28.1-28.2 s, 4
 # workers 24.5-25.0 s, 5 workers 25.4 s, 6 workers 31.2 s; the whole suite with both cores busy,
-# 2026-12-08: 2 workers 6:17, 4 workers 4:46 and 5:02.)
+# 2026-12-08: 2 workers 6:17, 4 workers 4:46 and 5:02, then 4:33 with the spare replica
+# starting beside the session's server.)
 PARALLEL ?= -n $$(( $$(nproc) + 2 )) --dist loadgroup
 # The tests cache compiled bytecode (in the git-ignored __pycache__ folders) even where the
 # environment says not to write it: each worker compiles and assertion-rewrites every test

@@ -94,9 +94,10 @@ async def _hold(
         "max_tokens": max_tokens,
         "stream": True,
     }
-    # A deadline of its own: with both cores busy and four workers beside it, the in-process
-    # sim engines' steps were once measured slow enough that one of these 200 tokens was
-    # refused as unmeetable in the default 30 s (503), where these tests are about limits.
+    # A deadline of its own: with both cores busy and four workers beside it, one of these was
+    # once refused with 503 (its body unrecorded): most likely 200 tokens predicted past the
+    # default 30 s from the starved in-process sim engines' steps, where these tests are about
+    # limits.
     headers = {**KEY, "X-Request-Timeout-Ms": "600000"}
     async with client.stream(
         "POST", server.url + "/v1/chat/completions", json=body, headers=headers

@@ -274,11 +274,14 @@ class RateEstimates:
             return
         if (
             window.busy_s >= STEP_WINDOW_S
-            and window.tokens > 0
+            and window.tokens >= window.concurrency()
             and self._changed_at is not None
             and now > self._changed_at
         ):
-            # The window closes before the time moves on, so it holds whole engine steps.
+            # The window closes before the time moves on, so it holds whole engine steps, and
+            # only once it holds one step's tokens at least: sequences that made fewer had not
+            # been decoding (a burst dispatched and cancelled before the engine ran them: 116
+            # sequences and 2 tokens in 0.6 s, read as a step of 35 s at every concurrency).
             # Sequence-seconds per token is the step time; busy time gives the concurrency.
             step = window.decode_step_s()
             if step is not None:  # (the base model's: its adapters' cost less)

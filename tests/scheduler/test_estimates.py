@@ -130,6 +130,26 @@ def test_one_window_of_a_host_freezing_the_server_moves_the_step_time_a_little()
     assert steps.within(0.0144) > 32  # the gap target's aim still fits every seat
 
 
+def test_sequences_cancelled_before_the_engine_ran_them_teach_no_step_time() -> None:
+    # Seen in a WebSocket race of 1,000 generate+cancel pairs on a starved host: 116 sequences
+    # dispatched and cancelled before the engine stepped them, 2 tokens in the window's 0.6 s.
+    # Read as a step, it was 35-63 s at 116 sequences, and (the curve's only point) at one
+    # sequence too: the next request's 6 tokens were refused as unmeetable (380 s).
+    estimates = RateEstimates(parse_config({}).estimates)
+    estimates.running_changed(116, 0.0)
+    for now in (0.3, 0.6, 0.65):
+        estimates.tokens_generated(1, now)
+    estimates.running_changed(0, 0.7)  # their aborts
+    assert estimates.steps.revision == 0
+    # Four sequences decoding in steps of 10 ms: their window is a step time.
+    now = 1.0
+    estimates.running_changed(4, now)
+    for _ in range(60):
+        now += 0.010
+        estimates.tokens_generated(4, now)
+    assert estimates.steps.at(1) == pytest.approx(0.010)
+
+
 @pytest.mark.parametrize("slower", [2.0, 5.0])
 def test_an_engine_that_really_slows_down_is_learnt_within_a_few_windows(slower: float) -> None:
     steps = StepTimes(prior_step_s=0.01, weight=0.2)
